@@ -1,0 +1,27 @@
+"""SepFormer: a causal LM with separate positional and semantic dimensions, as a Hugging Face Transformers plugin.
+
+Importing this package registers `SepFormerConfig`, `SepFormerModel`, `SepFormerForCausalLM` and
+`SepFormerTokenizer` with the Auto classes under `model_type = "sepformer"`.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from .configuration_sepformer import SepFormerConfig
+from .hub import prepare_for_hub
+from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
+from .tokenization_sepformer import SepFormerTokenizer
+
+AutoConfig.register(SepFormerConfig.model_type, SepFormerConfig, exist_ok=True)
+AutoModel.register(SepFormerConfig, SepFormerModel, exist_ok=True)
+AutoModelForCausalLM.register(SepFormerConfig, SepFormerForCausalLM, exist_ok=True)
+AutoTokenizer.register(SepFormerConfig, tokenizer_class=SepFormerTokenizer, exist_ok=True)
+
+__version__ = "0.1.0"
+__all__ = [
+    "SepFormerConfig",
+    "SepFormerForCausalLM",
+    "SepFormerModel",
+    "SepFormerPreTrainedModel",
+    "SepFormerTokenizer",
+    "prepare_for_hub",
+]
