@@ -152,6 +152,22 @@ class SepFormerAttention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
 
+def default_position_ids(
+    inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None
+) -> torch.LongTensor:
+    """Absolute positions of the new tokens, counted from each row's first real token.
+
+    With a 2D padding mask (covering past and new tokens) a left-padded row gets the same positions as the row alone;
+    padding slots get 0. Without one, positions continue from the cache.
+    """
+    seq_len = inputs_embeds.shape[1]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, past + seq)
+        return position_ids[:, -seq_len:]
+    past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+    return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
+
+
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SepFormerConfig, layer_idx: int):
         super().__init__()
@@ -258,9 +274,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
 
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
+            position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
 
         causal_mask = create_causal_mask(
             config=self.config,

@@ -1,0 +1,40 @@
+import os
+import tempfile
+
+# Before transformers is imported anywhere: no Hub on these machines, and a cache that belongs to the test run.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="sepformer-hf-home-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import sepformer  # noqa: E402,F401  (registers the Auto classes)
+from sepformer import SepFormerConfig, SepFormerForCausalLM  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one core per xdist worker
+
+
+def tiny_config(**overrides) -> SepFormerConfig:
+    """A model small enough for exact comparisons in milliseconds; `head_dim = d_pos = 8`."""
+    values = dict(
+        vocab_size=259,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+    )
+    values.update(overrides)
+    return SepFormerConfig(**values)
+
+
+def tiny_model(seed: int = 0, **overrides) -> SepFormerForCausalLM:
+    torch.manual_seed(seed)
+    return SepFormerForCausalLM(tiny_config(**overrides)).eval()
+
+
+@pytest.fixture
+def tmp_folder(tmp_path):
+    return str(tmp_path)

@@ -1,0 +1,92 @@
+"""Saving, loading, the Auto classes and Hub custom code."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer, prepare_for_hub
+
+IDS = torch.tensor([[5, 17, 200, 3, 99, 41, 7, 250]])
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_auto_classes_know_sepformer():
+    config = AutoConfig.for_model("sepformer", hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    assert isinstance(config, SepFormerConfig)
+    assert isinstance(AutoModel.from_config(config), SepFormerModel)
+    assert isinstance(AutoModelForCausalLM.from_config(config), SepFormerForCausalLM)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"positional_map": "sinusoidal"}, {"position_size": 0}, {"rotary_dim": 4}, {"tie_word_embeddings": True}],
+    ids=["learned", "sinusoidal", "nope", "rotary", "tied"],
+)
+def test_save_and_reload_gives_identical_logits(tmp_folder, overrides):
+    model = tiny_model(**overrides)
+    model.save_pretrained(tmp_folder)
+    assert os.path.exists(os.path.join(tmp_folder, "model.safetensors"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
+    assert type(reloaded) is SepFormerForCausalLM
+    assert torch.equal(logits(reloaded), logits(model))
+    for key, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+
+
+def test_tokenizer_saves_and_loads_through_auto_tokenizer(tmp_folder):
+    SepFormerTokenizer().save_pretrained(tmp_folder)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_folder)
+    assert isinstance(tokenizer, SepFormerTokenizer)
+    assert tokenizer("héllo").input_ids == list("héllo".encode())
+
+
+def test_custom_code_folder_loads_where_sepformer_cannot_be_imported(tmp_folder):
+    model = tiny_model(rotary_dim=4)
+    tokenizer = SepFormerTokenizer()
+    prepare_for_hub(model, tokenizer).save_pretrained(tmp_folder)
+    tokenizer.save_pretrained(tmp_folder)
+    config = json.load(open(os.path.join(tmp_folder, "config.json")))
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    for name in ("configuration_sepformer.py", "modeling_sepformer.py", "positional_maps.py", "tokenization_sepformer.py"):
+        assert os.path.exists(os.path.join(tmp_folder, name)), name
+    torch.save(logits(model), os.path.join(tmp_folder, "expected.pt"))
+
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["sepformer"] = None  # any import of the package now fails
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        folder = {tmp_folder!r}
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        assert "sepformer" not in type(model).__module__.split(".")[0], type(model).__module__
+        assert tokenizer.decode(tokenizer("ünïcode").input_ids) == "ünïcode"
+        with torch.no_grad():
+            got = model(torch.tensor({IDS.tolist()!r})).logits
+        assert torch.equal(got, torch.load(folder + "/expected.pt"))
+        print("REMOTE-OK", type(model).__module__)
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REMOTE-OK transformers_modules" in result.stdout
+
+
+def test_text_generation_pipeline():
+    model = tiny_model()
+    generator = pipeline("text-generation", model=model, tokenizer=SepFormerTokenizer(), device="cpu")
+    out = generator("def main():", max_new_tokens=5, do_sample=False)
+    assert out[0]["generated_text"].startswith("def main():")
