@@ -1,0 +1,142 @@
+"""The main job: train a small SepFormer on the Python standard library's own source, generate, share, reload.
+
+No downloads and no GPU: the text is the `.py` files found with `sysconfig`, split by file into train and validation.
+
+    python examples/demo.py                 # about 4 minutes on 2 CPU cores
+    python examples/demo.py --max-steps 20  # a smoke run
+"""
+
+import argparse
+import math
+import os
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
+
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub  # noqa: E402
+
+
+def stdlib_sources(max_bytes: int, validation_fraction: float) -> tuple[list[str], list[str]]:
+    """Standard-library `.py` files, assigned to train or validation by a hash of their path (stable across runs)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, validation, total = [], [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        bucket = zlib.crc32(str(path.relative_to(root)).encode()) % 1000
+        (validation if bucket < validation_fraction * 1000 else train).append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not train or not validation:
+        raise SystemExit(f"found too little Python source under {root} to make a train and a validation split")
+    return train, validation
+
+
+def byte_blocks(texts: list[str], tokenizer: SepFormerTokenizer, block_size: int) -> Dataset:
+    """Concatenate `<s> file </s>` sequences and cut them into blocks of `block_size` tokens."""
+
+    def tokenize(batch):
+        return {"input_ids": [[tokenizer.bos_token_id, *tokenizer.encode(t), tokenizer.eos_token_id] for t in batch["text"]]}
+
+    def group(batch):
+        stream = [token for ids in batch["input_ids"] for token in ids]
+        usable = len(stream) // block_size * block_size
+        blocks = [stream[i : i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    dataset = Dataset.from_dict({"text": texts}).map(tokenize, batched=True, remove_columns=["text"])
+    return dataset.map(group, batched=True, batch_size=len(dataset))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="outputs/demo")
+    parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=256, help="training length L (max_position_embeddings)")
+    parser.add_argument("--max-bytes", type=int, default=6_000_000, help="how much standard-library source to read")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    set_seed(args.seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    tokenizer = SepFormerTokenizer()
+    train_texts, validation_texts = stdlib_sources(args.max_bytes, validation_fraction=0.05)
+    train, validation = byte_blocks(train_texts, tokenizer, args.block_size), byte_blocks(
+        validation_texts, tokenizer, args.block_size
+    )
+    validation = validation.select(range(min(len(validation), 64)))
+    print(f"data: {len(train_texts)} train files -> {len(train)} blocks, "
+          f"{len(validation_texts)} validation files -> {len(validation)} blocks of {args.block_size} bytes")
+
+    config = SepFormerConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=4,
+        max_position_embeddings=args.block_size,
+    )
+    model = SepFormerForCausalLM(config)
+    print(f"model: {model.num_parameters() / 1e6:.2f}M parameters, d_model={config.hidden_size}, "
+          f"d_pos={config.position_size}, d_sem={config.semantic_size}, layers={config.num_hidden_layers}")
+
+    training_args = TrainingArguments(
+        output_dir=os.path.join(args.output_dir, "trainer"),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        learning_rate=2e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.max_steps // 20),
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        eval_strategy="steps",
+        eval_steps=max(1, args.max_steps // 4),
+        logging_steps=max(1, args.max_steps // 20),
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_drop_last=True,
+        seed=args.seed,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation)
+    started = time.time()
+    train_result = trainer.train()
+    minutes = (time.time() - started) / 60
+    validation_loss = trainer.evaluate()["eval_loss"]
+    print(f"\ntrained {args.max_steps} steps in {minutes:.1f} min")
+    print(f"train loss      {train_result.training_loss:.4f} (mean over the run)")
+    print(f"validation loss {validation_loss:.4f} ({validation_loss / math.log(2):.3f} bits per byte)")
+
+    model.eval()
+    prompt = "def "
+    inputs = tokenizer([tokenizer.bos_token + prompt], return_tensors="pt", split_special_tokens=False)
+    generated = model.generate(**inputs, max_new_tokens=200, do_sample=True, temperature=0.7, top_k=40)
+    print("\nsample:\n" + tokenizer.decode(generated[0], skip_special_tokens=True))
+
+    checkpoint = os.path.join(args.output_dir, "checkpoint")
+    prepare_for_hub(model, tokenizer).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    model_card = Path(__file__).resolve().parent.parent / "model_card.md"
+    if model_card.exists():  # the card that goes next to shared checkpoints
+        (Path(checkpoint) / "README.md").write_text(model_card.read_text())
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
+    with torch.no_grad():
+        same = torch.equal(reloaded(**inputs).logits, model(**inputs).logits)
+    if not same:
+        raise SystemExit(f"reloaded checkpoint {checkpoint} gives different logits")
+    print(f"\nsaved as Hub custom code to {checkpoint} ({type(reloaded).__module__}); reloaded logits identical")
+
+
+if __name__ == "__main__":
+    main()
