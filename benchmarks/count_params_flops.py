@@ -1,0 +1,58 @@
+"""Parameters and forward FLOPs per token: SepFormer against GPT-2 of the same width, depth, heads and vocabulary.
+
+FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` on one forward pass of `--seq-len` tokens (matmuls
+and attention; training is about 3x this), so both models are measured by the same counter.
+
+    python benchmarks/count_params_flops.py --hidden-size 128 --layers 4 --heads 4 --seq-len 256
+"""
+
+import argparse
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from sepformer import SepFormerConfig, SepFormerForCausalLM
+
+
+def forward_flops_per_token(model, seq_len: int) -> float:
+    ids = torch.randint(0, 256, (1, seq_len))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(ids)
+    return counter.get_total_flops() / seq_len
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=259)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+
+    sepformer = SepFormerForCausalLM(SepFormerConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, max_position_embeddings=args.seq_len)).eval()
+    gpt2 = GPT2LMHeadModel(GPT2Config(
+        vocab_size=args.vocab_size, n_embd=args.hidden_size, n_layer=args.layers, n_head=args.heads,
+        n_positions=args.seq_len, bos_token_id=257, eos_token_id=258)).eval()
+    rows = []
+    for name, model in (("SepFormer", sepformer), ("GPT-2", gpt2)):
+        total = model.num_parameters()
+        # token/position embeddings and the (untied) head: what scales with vocabulary and table length
+        embedding = sum(p.numel() for n, p in model.named_parameters()
+                        if "embed" in n or "lm_head" in n or n.startswith(("transformer.wte", "transformer.wpe")))
+        rows.append((name, total, total - embedding, forward_flops_per_token(model, args.seq_len)))
+    print(f"d_model={args.hidden_size} layers={args.layers} heads={args.heads} vocab={args.vocab_size} "
+          f"seq_len={args.seq_len} (SepFormer d_pos={sepformer.config.position_size})\n")
+    print("| model | parameters | non-embedding parameters | forward FLOPs / token |")
+    print("|---|---:|---:|---:|")
+    for name, total, body, flops in rows:
+        print(f"| {name} | {total:,} | {body:,} | {flops / 1e6:.2f} M |")
+    print(f"| ratio SepFormer / GPT-2 | {rows[0][1] / rows[1][1]:.3f} | {rows[0][2] / rows[1][2]:.3f} | "
+          f"{rows[0][3] / rows[1][3]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
