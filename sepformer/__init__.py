@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
+from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
 from .tokenization_sepformer import SepFormerTokenizer
 
@@ -18,6 +19,8 @@ AutoTokenizer.register(SepFormerConfig, tokenizer_class=SepFormerTokenizer, exis
 
 __version__ = "0.1.0"
 __all__ = [
+    "EXTRAPOLATION_METHODS",
+    "PositionExtrapolation",
     "SepFormerConfig",
     "SepFormerForCausalLM",
     "SepFormerModel",

@@ -4,6 +4,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from .positional_maps import PositionExtrapolation
+
 POSITIONAL_MAPS = ("learned", "sinusoidal")
 NORM_TYPES = ("rmsnorm", "layernorm")
 LM_HEAD_INPUTS = ("semantic", "all")
@@ -26,6 +28,14 @@ class SepFormerConfig(PreTrainedConfig):
         hidden_act: activation of both MLPs (any name of `transformers.activations.ACT2FN`).
         max_position_embeddings: `L`, the training length (rows of the learned positional table).
         positional_map: `"learned"` (a table of `L` rows) or `"sinusoidal"` (fixed, over `d_pos` dimensions).
+        position_extrapolation: how a learned table answers positions past its rows: `"none"` (an error),
+            `"clamp"`, `"sinusoidal"`, `"fourier"` or `"interpolate"` (SPEC §2). Overridable per call.
+        fourier_components: `K` of the `"fourier"` method.
+        interpolation_length: the length `"interpolate"` compresses positions for; `None` is the current length.
+        position_table_size: rows of the learned table; `None` means `max_position_embeddings`. A larger table with
+            `random_position_offsets` is trained past `L`.
+        random_position_offsets: in training, shift each sequence's positions by a random offset so that every row
+            of a `position_table_size > max_position_embeddings` table is trained.
         norm_type: `"rmsnorm"` or `"layernorm"`; each subspace is normalised on its own.
         norm_eps: epsilon of the norms.
         lm_head_input: which block the LM head reads, `"semantic"` or `"all"`.
@@ -50,6 +60,11 @@ class SepFormerConfig(PreTrainedConfig):
     hidden_act: str = "gelu_pytorch_tanh"
     max_position_embeddings: int = 512
     positional_map: str = "learned"
+    position_extrapolation: str = "none"
+    fourier_components: int = 16
+    interpolation_length: int | None = None
+    position_table_size: int | None = None
+    random_position_offsets: bool = False
     norm_type: str = "rmsnorm"
     norm_eps: float = 1e-6
     lm_head_input: str = "semantic"
@@ -72,6 +87,8 @@ class SepFormerConfig(PreTrainedConfig):
             _require_positive(name, getattr(self, name))
         if self.position_size is None and self.hidden_size % self.num_attention_heads == 0:
             self.position_size = self.head_dim
+        if self.position_table_size is None:
+            self.position_table_size = self.max_position_embeddings
         if self.position_intermediate_size is None and self.position_size is not None:
             self.position_intermediate_size = 4 * self.position_size
         if self.semantic_intermediate_size is None and self.position_size is not None:
@@ -116,6 +133,26 @@ class SepFormerConfig(PreTrainedConfig):
                 f"position_size={self.position_size} is odd, but positional_map='sinusoidal' needs an even "
                 "position_size (sine/cosine pairs)."
             )
+        self.default_extrapolation()  # raises on an unknown method or bad parameters
+        has_table = self.positional_map == "learned" and self.position_size > 0
+        if self.position_extrapolation != "none" and not has_table:
+            raise ValueError(
+                f"position_extrapolation={self.position_extrapolation!r} needs a learned positional table; this "
+                f"config has positional_map={self.positional_map!r}, position_size={self.position_size} "
+                "(a sinusoid is defined at every position, position_size=0 has none): use 'none'."
+            )
+        if self.position_table_size < self.max_position_embeddings:
+            raise ValueError(
+                f"position_table_size={self.position_table_size} must be >= max_position_embeddings="
+                f"{self.max_position_embeddings}."
+            )
+        if self.random_position_offsets and not (has_table and self.position_table_size > self.max_position_embeddings):
+            raise ValueError(
+                "random_position_offsets=True needs a learned table (positional_map='learned', position_size > 0) "
+                f"with position_table_size > max_position_embeddings={self.max_position_embeddings}; got "
+                f"positional_map={self.positional_map!r}, position_size={self.position_size}, "
+                f"position_table_size={self.position_table_size}."
+            )
         if self.rotary_dim < 0 or self.rotary_dim % 2 == 1 or self.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary_dim={self.rotary_dim} is not allowed: it must be 0 (off) or an even number <= "
@@ -136,6 +173,12 @@ class SepFormerConfig(PreTrainedConfig):
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
                 f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}."
             )
+
+
+    def default_extrapolation(self) -> PositionExtrapolation:
+        return PositionExtrapolation(
+            method=self.position_extrapolation, components=self.fourier_components, length=self.interpolation_length
+        )
 
 
 def _require_positive(name, value):

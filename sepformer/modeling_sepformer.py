@@ -5,6 +5,7 @@ keys read the whole (normalised) vector, so attention may route on position and 
 output projection, the MLPs and the norms are block-diagonal, so positional and semantic coordinates never mix.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -23,7 +24,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_sepformer import SepFormerConfig
-from .positional_maps import POSITIONAL_MAP_CLASSES
+from .positional_maps import POSITIONAL_MAP_CLASSES, PositionExtrapolation
 
 
 class BlockDiagonal(nn.Module):
@@ -253,12 +254,16 @@ class SepFormerModel(SepFormerPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        position_extrapolation: str | dict | PositionExtrapolation | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         r"""
         inputs_embeds (`torch.FloatTensor` of shape `(batch, seq, semantic_size)`, *optional*):
             The semantic block `s(token)` in place of `embed_tokens(input_ids)`; the positional block is always
             computed from `position_ids`.
+        position_extrapolation (`str`, `dict` or `PositionExtrapolation`, *optional*):
+            Overrides `config.position_extrapolation` for this call: how a learned table answers positions past
+            its rows (`"clamp"`, `"sinusoidal"`, `"fourier"`, `"interpolate"`, or `"none"` for an error).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -286,7 +291,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
 
         hidden_states = inputs_embeds  # (b, seq, d_sem)
         if self.embed_positions is not None:
-            positions = self.embed_positions(position_ids).to(inputs_embeds.dtype)  # (b or 1, seq, d_pos)
+            extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
+            table_positions = self.random_offset(position_ids, inputs_embeds.shape[0]) if self.training else position_ids
+            positions = self.embed_positions(table_positions, extrapolation).to(inputs_embeds.dtype)  # (b|1, seq, d_pos)
             positions = positions.expand(inputs_embeds.shape[0], -1, -1)
             hidden_states = torch.cat((positions, inputs_embeds), dim=-1)  # (b, seq, d_model) = [p(i) ‖ s(t)]
         hidden_states = self.embed_dropout(hidden_states)
@@ -302,6 +309,36 @@ class SepFormerModel(SepFormerPreTrainedModel):
             )
 
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def resolve_extrapolation(self, value, past_key_values: Cache | None) -> PositionExtrapolation:
+        if value is None:
+            extrapolation = self.config.default_extrapolation()
+        else:
+            extrapolation = PositionExtrapolation.parse(value)
+            if extrapolation.method != "none" and self.config.positional_map != "learned":
+                raise ValueError(
+                    f"position_extrapolation={extrapolation.method!r} applies to a learned positional table; this "
+                    f"model has positional_map={self.config.positional_map!r}, which is defined at every position."
+                )
+        continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
+        if extrapolation.method == "interpolate" and extrapolation.length is None and continuing:
+            # The cached keys were made with the scale of an earlier length: only positions inside the table, where
+            # the scale is 1, can continue them exactly.
+            extrapolation = dataclasses.replace(extrapolation, length=self.config.position_table_size)
+        return extrapolation
+
+    def random_offset(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
+        """Training with `random_position_offsets`: shift rows so that every row of the table gets trained.
+
+        Half the rows keep their positions: inference starts at 0, and with uniform offsets alone row 0 would be
+        trained by one sequence in `position_table_size - seq` only.
+        """
+        if not self.config.random_position_offsets:
+            return position_ids
+        room = self.config.position_table_size - int(position_ids.max())  # offsets in [0, room)
+        offsets = torch.randint(0, room, (batch, 1), device=position_ids.device)
+        keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
+        return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
 
 
 class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
@@ -325,8 +362,13 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        position_extrapolation: str | dict | PositionExtrapolation | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        r"""
+        position_extrapolation (`str`, `dict` or `PositionExtrapolation`, *optional*):
+            Overrides `config.position_extrapolation` for this call and, through `generate`, for every decoding step.
+        """
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -334,6 +376,7 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            position_extrapolation=position_extrapolation,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state

@@ -1,10 +1,71 @@
-"""Positional maps `p(i)`: the only part of a SepFormer that depends on position.
+"""Positional maps `p(i)`, the only part of a SepFormer that depends on position, and their extrapolation.
 
-Each map takes `position_ids` of shape (batch or 1, seq) and returns rows of shape (batch or 1, seq, d_pos).
+Each map takes `position_ids` of shape (batch or 1, seq), integer or fractional, and returns rows of shape
+(batch or 1, seq, d_pos). Past the `L` rows of a learned table, rows come from an extrapolation method (SPEC §2):
+
+| method        | `p(i)` for `i >= L`                                                                      |
+|---------------|------------------------------------------------------------------------------------------|
+| `none`        | a `ValueError` naming the position, `L` and the methods                                  |
+| `clamp`       | `p(L-1)`                                                                                 |
+| `sinusoidal`  | `σ · PE(i)`, `σ` the std of the table (discontinuous at `L`: a different map)            |
+| `fourier`     | the inverse DFT of the table's top-K coefficients per dimension, periodic with period L  |
+| `interpolate` | positions compressed into `[0, L-1]`: `i · (L-1)/(n-1)` for a sequence of `n > L` tokens  |
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
+
+
+@dataclass(frozen=True)
+class PositionExtrapolation:
+    """How a learned table answers positions past its last row.
+
+    Args:
+        method: one of `EXTRAPOLATION_METHODS`.
+        components: `K`, Fourier coefficients kept per dimension (`fourier`).
+        length: `interpolate` only: the sequence length the positions are compressed for. `None` compresses for the
+            length of the current call, which is what a full forward pass needs; cached decoding past `L` needs a
+            fixed `length` (the final length), or the cached keys would have been computed with another scale.
+    """
+
+    method: str = "none"
+    components: int = 16
+    length: int | None = None
+
+    def __post_init__(self):
+        if self.method not in EXTRAPOLATION_METHODS:
+            raise ValueError(
+                f"position_extrapolation method {self.method!r} is unknown: choose one of "
+                f"{', '.join(map(repr, EXTRAPOLATION_METHODS))}."
+            )
+        if not isinstance(self.components, int) or self.components < 1:
+            raise ValueError(f"fourier components={self.components!r} must be a positive integer.")
+        if self.length is not None and (not isinstance(self.length, int) or self.length < 1):
+            raise ValueError(f"interpolate length={self.length!r} must be None or a positive integer.")
+
+    @classmethod
+    def parse(cls, value) -> "PositionExtrapolation":
+        """A method name, a dict `{"method": ..., "components": ..., "length": ...}`, or an instance."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(method=value)
+        if isinstance(value, dict):
+            unknown = set(value) - {"method", "components", "length"}
+            if unknown:
+                raise ValueError(
+                    f"position_extrapolation got unknown keys {sorted(unknown)}: allowed are 'method', "
+                    "'components', 'length'."
+                )
+            return cls(**value)
+        raise ValueError(
+            f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
+        )
 
 
 def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -14,16 +75,104 @@ def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., dim), sin/cos interleaved
 
 
+def fourier_rows(table: torch.Tensor, positions: torch.Tensor, components: int) -> torch.Tensor:
+    """`p(i) = Σ_k w_k Re[p̂_k e^{2πjki/L}]` over each dimension's `components` largest coefficients.
+
+    `w_k = 2/L`, except `1/L` for the constant term and (even `L`) the Nyquist term, which have no conjugate twin:
+    with every coefficient kept, the rows at `0..L-1` are the table itself.
+    """
+    length = table.shape[0]
+    spectrum = torch.fft.rfft(table.float(), dim=0)  # (L // 2 + 1, d)
+    frequencies = spectrum.shape[0]
+    if components < frequencies:
+        keep = spectrum.abs().topk(components, dim=0).indices  # (K, d)
+        spectrum = torch.zeros_like(spectrum).scatter(0, keep, spectrum.gather(0, keep))
+    weights = torch.full((frequencies,), 2.0 / length, device=table.device)
+    weights[0] = 1.0 / length
+    if length % 2 == 0:
+        weights[-1] = 1.0 / length
+    k = torch.arange(frequencies, device=table.device, dtype=torch.float64)
+    phase = 2 * math.pi * positions.double()[:, None] * k / length  # (n, L // 2 + 1)
+    basis_real, basis_imag = phase.cos().float() * weights, phase.sin().float() * weights
+    return (basis_real @ spectrum.real - basis_imag @ spectrum.imag).to(table.dtype)  # (n, d)
+
+
+def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows at fractional `positions` in `[0, len(table) - 1]`, linear between neighbouring rows."""
+    low = positions.floor().long().clamp(0, table.shape[0] - 1)
+    high = (low + 1).clamp(max=table.shape[0] - 1)
+    weight = (positions - low).unsqueeze(-1).to(table.dtype)
+    return torch.lerp(table[low], table[high], weight)
+
+
 class LearnedPositions(nn.Embedding):
-    """A table of `max_position_embeddings` learned rows (the seed's choice)."""
+    """A table of learned rows (the seed's choice), extended past its end by a `PositionExtrapolation`."""
 
     def __init__(self, config):
-        super().__init__(config.max_position_embeddings, config.position_size)
+        super().__init__(config.position_table_size, config.position_size)
+        self._cache = None  # (key, extended table) of the last no-grad extension
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            _check_in_table(position_ids, self.num_embeddings)
-        return super().forward(position_ids)
+    def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        if position_ids.is_floating_point():
+            return self.fractional(position_ids, extrapolation)
+        if torch.compiler.is_compiling():  # data-dependent checks would break the graph: the table alone
+            return super().forward(position_ids)
+        if position_ids.numel() == 0:
+            return super().forward(position_ids)
+        if int(position_ids.min()) < 0:
+            raise ValueError(f"position {int(position_ids.min())} is negative: positions start at 0.")
+        length, needed = self.num_embeddings, int(position_ids.max()) + 1
+        if extrapolation.method == "interpolate":
+            target = extrapolation.length or needed
+            if needed > target:
+                raise ValueError(
+                    f"position {needed - 1} is past position_extrapolation 'interpolate' length={target}: cached "
+                    "decoding with 'interpolate' needs the final sequence length, e.g. "
+                    "position_extrapolation={'method': 'interpolate', 'length': N}."
+                )
+            if target > length:  # (b or 1, seq) fractional positions in [0, L - 1]
+                return interpolate_rows(self.weight, position_ids * ((length - 1) / (target - 1)))
+        if needed <= length:
+            return super().forward(position_ids)
+        return nn.functional.embedding(position_ids, self.extended_table(needed, extrapolation))
+
+    def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between table rows."""
+        needed = math.ceil(float(positions.max())) + 1
+        table = self.weight if needed <= self.num_embeddings else self.extended_table(needed, extrapolation)
+        return interpolate_rows(table, positions)
+
+    def extended_table(self, needed: int, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """The table followed by extrapolated rows, at least `needed` rows long.
+
+        Rows depend on the position only, so the extension is computed for a capacity rounded up to `L · 2^m` and
+        reused by every call and decoding step that fits, until the table's weights change (their version counter
+        moves with every in-place update: optimiser steps, loading). Under autograd it is rebuilt, once per call.
+        """
+        length, method = self.num_embeddings, extrapolation.method
+        if method in ("none", "interpolate"):
+            raise ValueError(
+                f"position {needed - 1} is past the learned positional table of L={length} rows and "
+                f"position_extrapolation={method!r}. Choose an extrapolation method: "
+                f"{', '.join(repr(m) for m in EXTRAPOLATION_METHODS[1:])}, in the config or per call "
+                "(`model(..., position_extrapolation='fourier')`)."
+            )
+        capacity = length * 2 ** math.ceil(math.log2(needed / length))
+        key = (extrapolation, capacity, self.weight._version, self.weight.data_ptr(), self.weight.dtype)
+        cacheable = not (torch.is_grad_enabled() and self.weight.requires_grad) and not torch.compiler.is_compiling()
+        if cacheable and self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        positions = torch.arange(length, capacity, device=self.weight.device)
+        if method == "clamp":
+            extra = self.weight[-1:].expand(capacity - length, -1)
+        elif method == "sinusoidal":
+            extra = self.weight.std() * sinusoid(positions, self.embedding_dim).to(self.weight.dtype)
+        else:
+            extra = fourier_rows(self.weight, positions, extrapolation.components)
+        table = torch.cat((self.weight, extra), 0)  # (capacity, d_pos)
+        if cacheable:
+            self._cache = (key, table)
+        return table
 
 
 class SinusoidalPositions(nn.Module):
@@ -33,7 +182,7 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.dim = config.position_size
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         return sinusoid(position_ids, self.dim)
 
     def extra_repr(self):
@@ -42,15 +191,3 @@ class SinusoidalPositions(nn.Module):
 
 POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 
-
-def _check_in_table(position_ids: torch.Tensor, length: int) -> None:
-    if position_ids.numel() == 0:
-        return
-    low, high = position_ids.min().item(), position_ids.max().item()
-    if low < 0 or high >= length:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"position {bad} is outside the learned positional table: positions must lie in [0, "
-            f"max_position_embeddings={length}). Shorten the input or use a model with a longer "
-            "max_position_embeddings."
-        )

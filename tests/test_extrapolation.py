@@ -1,0 +1,293 @@
+"""Positional maps past the training length (SPEC §2): each method against its formula, caching, decoding."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation
+from sepformer.positional_maps import fourier_rows, sinusoid
+
+L = 16
+METHODS = [m for m in EXTRAPOLATION_METHODS if m != "none"]
+
+
+def model_with_table(seed=0, **overrides):
+    """A tiny model with an `L = 16` table whose rows are smooth plus noise, like a trained table."""
+    model = tiny_model(seed=seed, max_position_embeddings=L, **overrides)
+    with torch.no_grad():
+        i = torch.arange(L, dtype=torch.float32)[:, None]
+        k = torch.arange(model.config.position_size, dtype=torch.float32)[None, :]
+        model.model.embed_positions.weight.copy_(torch.sin(0.3 * i * (k + 1) / 4) + 0.05 * torch.randn(L, k.shape[1]))
+    return model
+
+
+def rows(model, positions, method, **params):
+    table = model.model.embed_positions
+    with torch.no_grad():
+        return table(torch.tensor([positions]), PositionExtrapolation(method=method, **params))[0]
+
+
+def test_clamp_repeats_the_last_row():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    torch.testing.assert_close(rows(model, [15, 16, 40], "clamp"), weight[[15, 15, 15]])
+
+
+def test_sinusoidal_is_the_std_matched_sinusoid():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    got = rows(model, list(range(12, 40)), "sinusoidal")
+    torch.testing.assert_close(got[:4], weight[12:16])  # inside the table: the table
+    d = weight.shape[1]
+    expected = torch.zeros(24, d)
+    angle = torch.arange(16, 40, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    expected[:, 0::2], expected[:, 1::2] = angle.sin(), angle.cos()
+    torch.testing.assert_close(got[4:], weight.std() * expected)  # documented discontinuity at L
+
+
+def test_fourier_with_every_coefficient_reproduces_the_table_and_is_periodic():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    every = L // 2 + 1
+    torch.testing.assert_close(fourier_rows(weight, torch.arange(L), every), weight, rtol=1e-4, atol=1e-5)
+    # past L, the series continues with period L: p(L + i) = p(i) (the documented discontinuity at L-1 -> L)
+    torch.testing.assert_close(rows(model, list(range(L, 3 * L)), "fourier", components=every), weight.repeat(2, 1),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_fourier_top_k_equals_the_formula_with_the_largest_coefficients():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight.detach().double()
+    K, i = 3, torch.arange(L, 2 * L, dtype=torch.float64)
+    expected = torch.zeros(L, weight.shape[1], dtype=torch.float64)
+    for dim in range(weight.shape[1]):
+        spectrum = torch.fft.fft(weight[:, dim])  # full DFT: the conjugate twins carry the other half
+        half = spectrum[: L // 2 + 1]
+        for k in half.abs().topk(K).indices.tolist():
+            scale = 1 / L if k in (0, L // 2) else 2 / L
+            expected[:, dim] += scale * (half[k] * torch.exp(2j * math.pi * k * i / L)).real
+    torch.testing.assert_close(rows(model, list(range(L, 2 * L)), "fourier", components=K).double(), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_fourier_with_few_components_is_smoother_than_the_table():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    smooth = fourier_rows(weight, torch.arange(L), 2)
+    assert (smooth.diff(dim=0).abs().mean() < weight.diff(dim=0).abs().mean())
+
+
+def test_interpolate_is_the_identity_up_to_L_and_compresses_longer_sequences():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    torch.testing.assert_close(rows(model, list(range(L)), "interpolate"), weight)
+    n = 4 * L
+    got = rows(model, list(range(n)), "interpolate")
+    position = torch.arange(n) * (L - 1) / (n - 1)
+    low = position.floor().long()
+    high = (low + 1).clamp(max=L - 1)
+    expected = weight[low] + (position - low)[:, None] * (weight[high] - weight[low])
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got[[0, -1]], weight[[0, -1]])  # the ends map to the ends
+
+
+def test_none_names_the_position_L_and_the_methods():
+    model = model_with_table()
+    with pytest.raises(ValueError, match=r"position 20 is past .* L=16 .*'clamp', 'sinusoidal', 'fourier'"):
+        model(torch.zeros(1, 21, dtype=torch.long))
+
+
+def test_negative_positions_are_refused():
+    model = model_with_table()
+    with pytest.raises(ValueError, match="position -1 is negative"):
+        model(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[-1, 0, 1]]))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_continuity_at_L(method):
+    """Distance between rows L-1 and L, against the table's own typical step."""
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    step = weight.diff(dim=0).norm(dim=-1).mean()
+    if method == "interpolate":  # continuous by construction: check the compressed rows step no more than the table
+        compressed = rows(model, list(range(2 * L)), "interpolate")
+        assert compressed.diff(dim=0).norm(dim=-1).max() <= weight.diff(dim=0).norm(dim=-1).max() + 1e-6
+        return
+    jump = (rows(model, [L], method) - weight[L - 1]).norm()
+    if method == "clamp":
+        assert jump == 0
+    else:  # sinusoidal and fourier start a different curve at L (documented): only finite and of table scale
+        assert torch.isfinite(jump) and jump < 10 * weight.norm(dim=-1).max()
+    assert step > 0
+
+
+def test_fractional_positions_interpolate_inside_the_table():
+    model = model_with_table()
+    weight = model.model.embed_positions.weight
+    table = model.model.embed_positions
+    with torch.no_grad():
+        got = table(torch.tensor([[0.0, 2.5, 7.25, 15.0]]), PositionExtrapolation())[0]
+    expected = torch.stack([weight[0], (weight[2] + weight[3]) / 2, 0.75 * weight[7] + 0.25 * weight[8], weight[15]])
+    torch.testing.assert_close(got, expected)
+
+
+# ----------------------------------------------------------------------------------- through the model and the cache
+
+
+def decode_step_by_step(model, ids, prefill, **kwargs):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True, **kwargs).logits]
+        for t in range(prefill, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kwargs).logits)
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cached_decoding_past_L_equals_the_full_forward(method):
+    model = model_with_table()
+    ids = torch.randint(0, 256, (2, 3 * L), generator=torch.Generator().manual_seed(0))
+    extrapolation = {"method": method, "length": 3 * L} if method == "interpolate" else method
+    with torch.no_grad():
+        full = model(ids, position_extrapolation=extrapolation).logits
+    torch.testing.assert_close(decode_step_by_step(model, ids, 10, position_extrapolation=extrapolation), full,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_interpolate_without_a_length_refuses_cached_decoding_past_L():
+    model = model_with_table()
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with pytest.raises(ValueError, match=r"'interpolate' needs the final sequence length"):
+        decode_step_by_step(model, ids, 10, position_extrapolation="interpolate")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cached_generation_past_L_equals_uncached(method):
+    model = model_with_table()
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    extrapolation = {"method": method, "length": 6 + 2 * L} if method == "interpolate" else method
+    kwargs = dict(max_new_tokens=2 * L, do_sample=False, pad_token_id=256, position_extrapolation=extrapolation)
+    assert torch.equal(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_per_call_override_reaches_every_decoding_step(monkeypatch):
+    model = model_with_table()
+    table = model.model.embed_positions
+    seen = []
+    original = type(table).forward
+    monkeypatch.setattr(type(table), "forward", lambda self, ids, ext: seen.append(ext.method) or original(self, ids, ext))
+    model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2 * L, do_sample=False, pad_token_id=256,
+                   position_extrapolation="clamp")
+    assert seen == ["clamp"] * (2 * L)
+
+
+def test_config_default_and_per_call_override():
+    model = model_with_table(position_extrapolation="clamp")
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, model(ids, position_extrapolation="clamp").logits)
+        assert not torch.allclose(model(ids).logits, model(ids, position_extrapolation="sinusoidal").logits)
+
+
+def test_extended_table_is_cached_and_refreshed_when_the_weights_change():
+    model = model_with_table()
+    table = model.model.embed_positions
+    fourier = PositionExtrapolation(method="fourier", components=4)
+    with torch.no_grad():
+        first = table.extended_table(3 * L, fourier)
+        assert table.extended_table(2 * L + 5, fourier) is first  # same capacity, same state: reused
+        assert first.shape[0] == 4 * L  # capacity rounded up to L * 2^m
+    # an optimiser step changes the table in place: the extension must follow
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.train()
+    model(torch.randint(0, 256, (1, L)), labels=torch.randint(0, 256, (1, L))).loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after_step = table.extended_table(3 * L, fourier)
+        assert after_step is not first
+        torch.testing.assert_close(after_step[L:], fourier_rows(table.weight, torch.arange(L, 4 * L), 4))
+        table.weight.copy_(torch.randn_like(table.weight))  # as loading a checkpoint does
+        assert table.extended_table(3 * L, fourier) is not after_step
+
+
+def test_training_past_L_sends_gradients_to_the_table():
+    model = model_with_table(position_extrapolation="fourier")
+    model.train()
+    ids = torch.randint(0, 256, (1, 2 * L))
+    model(ids, labels=ids).loss.backward()
+    grad = model.model.embed_positions.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_survives_save_and_reload(tmp_folder, method):
+    model = model_with_table(position_extrapolation=method, interpolation_length=3 * L, fourier_components=5)
+    model.save_pretrained(tmp_folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
+    assert reloaded.config.position_extrapolation == method
+    ids = torch.randint(0, 256, (1, 3 * L))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_random_position_offsets_train_the_whole_table():
+    model = tiny_model(max_position_embeddings=L, position_table_size=4 * L, random_position_offsets=True)
+    model.train()
+    touched = torch.zeros(4 * L, dtype=torch.bool)
+    for _ in range(60):
+        model.zero_grad()
+        ids = torch.randint(0, 256, (8, L))
+        model(ids, labels=ids).loss.backward()
+        touched |= model.model.embed_positions.weight.grad.abs().sum(-1) > 0
+    # the last row is only ever a sequence's last position, whose output has no next token to predict
+    assert touched[:-1].all()
+    model.eval()  # at inference positions start at 0 and the table covers 4L without extrapolating
+    with torch.no_grad():
+        assert model(torch.randint(0, 256, (1, 4 * L))).logits.shape == (1, 4 * L, 259)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"position_extrapolation": "linear"}, "method 'linear' is unknown"),
+        ({"position_extrapolation": "fourier", "fourier_components": 0}, "components=0"),
+        ({"interpolation_length": -3}, "length=-3"),
+        ({"position_extrapolation": "clamp", "positional_map": "sinusoidal"}, "needs a learned positional table"),
+        ({"position_extrapolation": "clamp", "position_size": 0}, "needs a learned positional table"),
+        ({"position_table_size": 8}, "position_table_size=8 must be >= max_position_embeddings=16"),
+        ({"random_position_offsets": True}, "random_position_offsets=True needs"),
+    ],
+)
+def test_invalid_extrapolation_config(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model(max_position_embeddings=L, **overrides)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("linear", "method 'linear' is unknown"),
+        ({"method": "fourier", "k": 3}, r"unknown keys \['k'\]"),
+        ({"method": "fourier", "components": -1}, "components=-1"),
+        (3, "must be a method name, a dict or a PositionExtrapolation"),
+    ],
+)
+def test_invalid_per_call_extrapolation(value, message):
+    with pytest.raises(ValueError, match=message):
+        model_with_table()(torch.zeros(1, 4, dtype=torch.long), position_extrapolation=value)
+
+
+def test_per_call_method_on_a_sinusoidal_map_is_refused():
+    model = tiny_model(max_position_embeddings=L, positional_map="sinusoidal")
+    with pytest.raises(ValueError, match="applies to a learned positional table"):
+        model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation="fourier")
+
+
+def test_sinusoidal_map_runs_past_L_as_is():
+    model = tiny_model(max_position_embeddings=L, positional_map="sinusoidal")
+    with torch.no_grad():
+        out = model(torch.zeros(1, 3 * L, dtype=torch.long), output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[0][0, :, :8], sinusoid(torch.arange(3 * L), 8))
