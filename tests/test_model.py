@@ -312,3 +312,13 @@ def test_compiled_forward_matches_eager_mode():
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_attention_equals_sdpa_at_inference():
+    """torch implements flex attention's backward on accelerators only; on CPU it serves inference."""
+    model = tiny_model()
+    ids = random_ids(2, 16)
+    with torch.no_grad():
+        sdpa = model(ids).logits
+        model.set_attn_implementation("flex_attention")
+        torch.testing.assert_close(model(ids).logits, sdpa, rtol=1e-5, atol=1e-5)
