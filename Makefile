@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean extrapolation
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ install: $(BIN)/.installed
 
 demo: install
 	$(BIN)/python examples/demo.py
+
+extrapolation: install
+	$(BIN)/python examples/extrapolation.py
 
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests

@@ -46,7 +46,8 @@ def byte_blocks(texts: list[str], tokenizer: SepFormerTokenizer, block_size: int
     """Concatenate `<s> file </s>` sequences and cut them into blocks of `block_size` tokens."""
 
     def tokenize(batch):
-        return {"input_ids": [[tokenizer.bos_token_id, *tokenizer.encode(t), tokenizer.eos_token_id] for t in batch["text"]]}
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        return {"input_ids": [[bos, *tokenizer.encode(text), eos] for text in batch["text"]]}
 
     def group(batch):
         stream = [token for ids in batch["input_ids"] for token in ids]

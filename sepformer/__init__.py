@@ -8,8 +8,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
-from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
+from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .tokenization_sepformer import SepFormerTokenizer
 
 AutoConfig.register(SepFormerConfig.model_type, SepFormerConfig, exist_ok=True)

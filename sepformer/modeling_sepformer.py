@@ -292,8 +292,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
         hidden_states = inputs_embeds  # (b, seq, d_sem)
         if self.embed_positions is not None:
             extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
-            table_positions = self.random_offset(position_ids, inputs_embeds.shape[0]) if self.training else position_ids
-            positions = self.embed_positions(table_positions, extrapolation).to(inputs_embeds.dtype)  # (b|1, seq, d_pos)
+            batch = inputs_embeds.shape[0]
+            table_positions = self.random_offset(position_ids, batch) if self.training else position_ids
+            positions = self.embed_positions(table_positions, extrapolation).to(inputs_embeds.dtype)  # (b|1,seq,d_pos)
             positions = positions.expand(inputs_embeds.shape[0], -1, -1)
             hidden_states = torch.cat((positions, inputs_embeds), dim=-1)  # (b, seq, d_model) = [p(i) ‖ s(t)]
         hidden_states = self.embed_dropout(hidden_states)

@@ -69,7 +69,7 @@ class PositionExtrapolation:
 
 
 def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """`PE(i)_{2k} = sin(i / 10000^{2k/dim})`, `PE(i)_{2k+1} = cos(i / 10000^{2k/dim})`; `positions` may be fractional."""
+    """`PE(i)_{2k} = sin(i / 10000^{2k/dim})`, `PE(i)_{2k+1} = cos(i / 10000^{2k/dim})`; fractional `positions` too."""
     exponents = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
     angles = positions.float()[..., None] * 10000.0**-exponents  # (..., dim / 2)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., dim), sin/cos interleaved

@@ -178,7 +178,11 @@ def test_per_call_override_reaches_every_decoding_step(monkeypatch):
     table = model.model.embed_positions
     seen = []
     original = type(table).forward
-    monkeypatch.setattr(type(table), "forward", lambda self, ids, ext: seen.append(ext.method) or original(self, ids, ext))
+    def recording_forward(self, ids, extrapolation):
+        seen.append(extrapolation.method)
+        return original(self, ids, extrapolation)
+
+    monkeypatch.setattr(type(table), "forward", recording_forward)
     model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2 * L, do_sample=False, pad_token_id=256,
                    position_extrapolation="clamp")
     assert seen == ["clamp"] * (2 * L)

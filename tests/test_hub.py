@@ -58,7 +58,8 @@ def test_custom_code_folder_loads_where_sepformer_cannot_be_imported(tmp_folder)
     tokenizer.save_pretrained(tmp_folder)
     config = json.load(open(os.path.join(tmp_folder, "config.json")))
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
-    for name in ("configuration_sepformer.py", "modeling_sepformer.py", "positional_maps.py", "tokenization_sepformer.py"):
+    code_files = ["configuration_sepformer.py", "modeling_sepformer.py", "tokenization_sepformer.py"]
+    for name in [*code_files, "positional_maps.py"]:
         assert os.path.exists(os.path.join(tmp_folder, name)), name
     torch.save(logits(model), os.path.join(tmp_folder, "expected.pt"))
 

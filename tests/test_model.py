@@ -56,7 +56,8 @@ def dense_reference_logits(model: SepFormerForCausalLM, input_ids: torch.Tensor)
             if cfg.norm_type == "rmsnorm":
                 return part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * module.weight
             centred = part - part.mean(-1, keepdim=True)
-            return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * module.weight + module.bias
+            scale = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+            return centred / scale * module.weight + module.bias
 
         parts = [one(block.position, x[..., :d_pos])] if d_pos > 0 else []
         return torch.cat([*parts, one(block.semantic, x[..., d_pos:])], -1)
@@ -88,7 +89,7 @@ def dense_reference_logits(model: SepFormerForCausalLM, input_ids: torch.Tensor)
             angle = positions[:, None].float() * inv_freq  # (seq, rotary_dim / 2)
             cos, sin = angle.cos(), angle.sin()
 
-            def rotate(t):
+            def rotate(t, cos=cos, sin=sin):
                 half = cfg.rotary_dim // 2
                 a, b, rest = t[..., :half], t[..., half : cfg.rotary_dim], t[..., cfg.rotary_dim :]
                 return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], -1)
@@ -104,7 +105,9 @@ def dense_reference_logits(model: SepFormerForCausalLM, input_ids: torch.Tensor)
         if cfg.mlp_bias:
             up = up + torch.cat([*([mlp.position.up_proj.bias] if d_pos else []), mlp.semantic.up_proj.bias])
         act = F.gelu(up, approximate="tanh")
-        down = act @ torch.block_diag(*([mlp.position.down_proj.weight] if d_pos else []), mlp.semantic.down_proj.weight).T
+        position_down = [mlp.position.down_proj.weight] if d_pos else []
+        down_weight = torch.block_diag(*position_down, mlp.semantic.down_proj.weight)
+        down = act @ down_weight.T
         if cfg.mlp_bias:
             down = down + torch.cat([*([mlp.position.down_proj.bias] if d_pos else []), mlp.semantic.down_proj.bias])
         h = h + down
@@ -152,7 +155,7 @@ def test_zeroed_query_key_makes_positional_blocks_content_free():
         model, input_ids=random_ids(1, 16, 2)
     )
     assert len(first) == model.config.num_hidden_layers + 1
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a[..., :d_pos], b[..., :d_pos])
         assert not torch.allclose(a[..., d_pos:], b[..., d_pos:])
     # Attention no longer depends on content: uniform over the causal prefix.
@@ -190,7 +193,7 @@ def test_with_attention_held_fixed_positional_blocks_ignore_token_embeddings():
     original = all_hidden_states(model, inputs_embeds=embeds)
     replay.replaying = True
     perturbed = all_hidden_states(model, inputs_embeds=embeds + torch.randn_like(embeds))
-    for a, b in zip(original, perturbed):
+    for a, b in zip(original, perturbed, strict=True):
         assert torch.equal(a[..., :d_pos], b[..., :d_pos])
         assert not torch.allclose(a[..., d_pos:], b[..., d_pos:])
 

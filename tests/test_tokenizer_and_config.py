@@ -72,7 +72,7 @@ def test_padding_sides():
         ({"initializer_range": -1.0}, "initializer_range=-1.0"),
         ({"position_intermediate_size": 0}, "position_intermediate_size=0"),
         ({"semantic_intermediate_size": -2}, "semantic_intermediate_size=-2"),
-        ({"tie_word_embeddings": True, "lm_head_input": "all"}, "tie_word_embeddings=True needs lm_head_input='semantic'"),
+        ({"tie_word_embeddings": True, "lm_head_input": "all"}, "tie_word_embeddings=True needs lm_head_input='sem"),
     ],
 )
 def test_invalid_config_is_a_value_error_naming_field_value_and_what_is_allowed(overrides, message):

@@ -36,7 +36,9 @@ def gradients(model, **inputs) -> dict[str, torch.Tensor]:
 def assert_gradients_close(actual, expected, atol=1e-6):
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=atol, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def max_gradient_difference(actual, expected) -> float:

@@ -1,0 +1,435 @@
+"""Length extrapolation, one command: train every position scheme at length L, evaluate at L, 2L, 4L, 8L.
+
+Every model gets the same data, byte-level tokenizer, width, depth, heads, steps, batches, learning-rate schedule
+and seed:
+
+- SepFormer with a learned positional table, evaluated with every method of `sepformer.EXTRAPOLATION_METHODS`
+  (`none` cannot run past L: it is reported as such);
+- SepFormer with a sinusoidal positional map, and SepFormer with `d_pos = 0` (no positions at all);
+- Hugging Face's own `GPT2LMHeadModel` (learned additive positions: cannot run past `n_positions = L`),
+  `LlamaForCausalLM` (rotary) and `BloomForCausalLM` (ALiBi), built from configs.
+
+The score is bits per byte (the tokenizer is byte-level) on held-out text, cut into windows of n tokens for each
+evaluation length n: the same validation tokens at every length, every token after the first of each window scored.
+Prints a markdown table (mean ± std over seeds) and writes `results.csv`, `results.md` and `extrapolation.png`
+under `--output-dir`. No downloads: the default text is the Python standard library's own source, split by file
+into train and validation.
+
+    python examples/extrapolation.py                      # default preset, seeds 0 and 1 (about 17 min, 2 CPU cores)
+    python examples/extrapolation.py --quick              # one seed of smaller models (about 3 min)
+    python examples/extrapolation.py --tiny               # a smoke run in seconds (what the test runs)
+    python examples/extrapolation.py --quick --max-steps 3 --models sepformer llama --methods clamp fourier
+    python examples/extrapolation.py --train-file a.txt --validation-file b.txt --seeds 0 1 2
+    python examples/extrapolation.py --dataset-name Salesforce/wikitext --dataset-config wikitext-2-raw-v1  # Hub
+"""
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+import torch.nn.functional as F
+import transformers
+from tqdm.auto import tqdm
+from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    get_cosine_schedule_with_warmup,
+)
+
+import sepformer
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
+
+# The demo's data helpers. Imported after transformers and datasets, so that the demo's offline defaults do not stop
+# `--dataset-name` from reaching the Hub.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo import byte_blocks, stdlib_sources  # noqa: E402
+
+PRESETS = {
+    # two seeds of six models: about 17 minutes on 2 idle CPU cores
+    "default": dict(block_size=64, hidden_size=128, num_layers=3, num_heads=4, batch_size=32, max_steps=600,
+                    learning_rate=2e-3, eval_tokens=16384, max_bytes=3_000_000, seeds=[0, 1]),
+    # one seed: about 3 minutes
+    "quick": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=1000,
+                  learning_rate=3e-3, eval_tokens=8192, max_bytes=1_000_000, seeds=[0]),
+    # seconds: checks the plumbing, learns nothing (the test and CI run this)
+    "tiny": dict(block_size=16, hidden_size=32, num_layers=1, num_heads=2, batch_size=4, max_steps=3,
+                 learning_rate=3e-3, eval_tokens=1024, max_bytes=300_000, seeds=[0]),
+}
+MULTIPLIERS = (1, 2, 4, 8)
+NATIVE = "-"  # the method column of models that have no extrapolation method to choose
+
+
+@dataclass
+class Contender:
+    """One model to train: `build(vocab_size)` makes it, `methods` are the ways it is evaluated."""
+
+    name: str
+    build: Callable
+    methods: tuple[str, ...] = (NATIVE,)
+    max_length: int | None = None  # longer inputs are not even tried (GPT-2: an index error, a device assert on GPU)
+
+
+def sepformer_config(args, vocab_size: int, **overrides) -> SepFormerConfig:
+    return SepFormerConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                           num_attention_heads=args.num_heads, max_position_embeddings=args.block_size, **overrides)
+
+
+SPECIAL_TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
+
+
+def contenders(args) -> list[Contender]:
+    """The models. Peers get GPT-2's 4·d_model MLP (Llama's gated MLP 8/3·d_model: as many weights)."""
+    d, layers, heads = args.hidden_size, args.num_layers, args.num_heads
+    every = [
+        Contender("SepFormer learned", lambda v: SepFormerForCausalLM(sepformer_config(args, v)), args.methods),
+        # Beyond the seed: half the training sequences shifted by a random offset, so the table's 8L rows are all
+        # trained and no extrapolation is needed up to 8L.
+        Contender("SepFormer learned, random offsets (8L table)", lambda v: SepFormerForCausalLM(sepformer_config(
+            args, v, position_table_size=MULTIPLIERS[-1] * args.block_size, random_position_offsets=True))),
+        Contender("SepFormer sinusoidal",
+                  lambda v: SepFormerForCausalLM(sepformer_config(args, v, positional_map="sinusoidal"))),
+        Contender("SepFormer d_pos=0", lambda v: SepFormerForCausalLM(sepformer_config(args, v, position_size=0))),
+        Contender("GPT-2 (learned, additive)", lambda v: GPT2LMHeadModel(GPT2Config(
+            vocab_size=v, n_embd=d, n_layer=layers, n_head=heads, n_positions=args.block_size,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SPECIAL_TOKENS)),
+            max_length=args.block_size),
+        Contender("Llama (rotary)", lambda v: LlamaForCausalLM(LlamaConfig(
+            vocab_size=v, hidden_size=d, intermediate_size=round(8 * d / 3), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=args.block_size,
+            **SPECIAL_TOKENS))),
+        Contender("Bloom (ALiBi)", lambda v: BloomForCausalLM(BloomConfig(
+            vocab_size=v, hidden_size=d, n_layer=layers, n_head=heads, **SPECIAL_TOKENS))),
+    ]
+    chosen = [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
+    if not chosen:
+        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)}")
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def load_texts(args) -> tuple[list[str], list[str]]:
+    """Train and validation documents: files, a Hub data set, or (default) the standard library's source."""
+    if args.train_file or args.validation_file:
+        if not (args.train_file and args.validation_file):
+            raise SystemExit("--train-file and --validation-file go together")
+        def read(paths):
+            return [Path(path).read_text(encoding="utf-8", errors="replace") for path in paths]
+
+        return read(args.train_file), read(args.validation_file)
+    if args.dataset_name:
+        from datasets import load_dataset
+
+        dataset = load_dataset(args.dataset_name, args.dataset_config)
+        validation_split = next((s for s in ("validation", "test") if s in dataset), None)
+        if "train" not in dataset or validation_split is None:
+            raise SystemExit(f"{args.dataset_name} needs a 'train' and a 'validation' (or 'test') split; "
+                             f"it has {list(dataset)}")
+        def take(split):
+            return first_bytes(dataset[split][args.text_column], args.max_bytes)
+
+        return take("train"), take(validation_split)
+    return stdlib_sources(args.max_bytes, validation_fraction=0.05)
+
+
+def first_bytes(texts, max_bytes: int) -> list[str]:
+    """The first documents, up to about `max_bytes` characters (a Hub split may be far larger than we need)."""
+    kept, total = [], 0
+    for text in texts:
+        if total >= max_bytes:
+            break
+        kept.append(text)
+        total += len(text)
+    return kept
+
+
+def token_data(args, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training blocks (n, L), and the validation tokens: windows of the longest length, evenly spread over the
+    validation text, concatenated (so that every shorter length cuts the very same tokens into shorter windows)."""
+    train_texts, validation_texts = load_texts(args)
+    train = torch.tensor(byte_blocks(train_texts, tokenizer, args.block_size)["input_ids"])
+    longest = args.block_size * max(MULTIPLIERS)
+    windows = torch.tensor(byte_blocks(validation_texts, tokenizer, longest)["input_ids"])  # (n, longest)
+    count = min(args.eval_tokens // longest, len(windows))
+    if count == 0:
+        raise SystemExit(f"--eval-tokens {args.eval_tokens} and the validation text ({windows.numel()} tokens) must "
+                         f"hold at least one window of 8L = {longest} tokens")
+    if len(train) < args.batch_size:
+        raise SystemExit(f"training text makes {len(train)} blocks of {args.block_size}: fewer than one batch")
+    stream = windows[torch.linspace(0, len(windows) - 1, count).long()].flatten()
+    print(f"data: {len(train_texts)} train documents -> {len(train)} blocks of {args.block_size} tokens; "
+          f"{len(validation_texts)} validation documents -> {len(stream)} tokens scored at each length")
+    return train, stream
+
+
+def batch_order(num_blocks: int, args, seed: int) -> torch.Tensor:
+    """Block indices of every step, shared by all models of a seed: (max_steps, batch_size)."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = args.max_steps * args.batch_size
+    epochs = [torch.randperm(num_blocks, generator=generator) for _ in range(math.ceil(needed / num_blocks))]
+    return torch.cat(epochs)[:needed].view(args.max_steps, args.batch_size)
+
+
+# ------------------------------------------------------------------------------------------------ train, evaluate
+
+
+def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: str) -> float:
+    """AdamW, linear warm-up then cosine decay, gradient clipping at 1; returns the mean loss of the last 10% steps."""
+    model.to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
+    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.max_steps // 20), args.max_steps)
+    losses = []
+    bar = tqdm(order, desc=description, leave=False, dynamic_ncols=True)
+    for indices in bar:
+        batch = blocks[indices].to(args.device)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(bits_per_byte=f"{loss.item() / math.log(2):.3f}")
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail) / math.log(2)
+
+
+@torch.no_grad()
+def bits_per_byte(model, stream: torch.Tensor, length: int, args, **forward_kwargs) -> tuple[float, float]:
+    """Bits per byte over windows of `length` tokens: of every scored token, and of the tokens at positions >= L."""
+    model.eval()
+    windows = stream.view(-1, length)
+    per_position = torch.zeros(length - 1, dtype=torch.float64)  # summed loss of the target at position j + 1
+    for batch in windows.split(args.eval_batch_size):
+        batch = batch.to(args.device)
+        logits = model(input_ids=batch, **forward_kwargs).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (b, length - 1)
+        per_position += nll.sum(0).double().cpu()
+    nats = per_position.sum().item() / (len(windows) * (length - 1))
+    beyond = per_position[args.block_size - 1:]
+    nats_beyond = beyond.sum().item() / (len(windows) * len(beyond)) if len(beyond) else float("nan")
+    return nats / math.log(2), nats_beyond / math.log(2)
+
+
+def evaluate(model, contender: Contender, stream: torch.Tensor, args) -> list[dict]:
+    """One row per method and length; a length a model cannot run at is a row with the error, not a gap."""
+    rows = []
+    cells = [(method, args.block_size * m) for method in contender.methods for m in MULTIPLIERS]
+    for method, length in tqdm(cells, desc=f"  evaluate {contender.name}", leave=False, dynamic_ncols=True):
+        kwargs = {} if method == NATIVE else {"position_extrapolation": method}
+        scored = len(stream) - len(stream) // length  # the first token of each window has no prediction
+        row = dict(model=contender.name, method=method, length=length, tokens_scored=scored,
+                   bits_per_byte=float("nan"), bits_per_byte_beyond_L=float("nan"))
+        if contender.max_length is not None and length > contender.max_length:
+            row["status"] = f"cannot run: its position table has {contender.max_length} rows (n_positions = L)"
+        else:
+            try:
+                total, beyond = bits_per_byte(model, stream, length, args, **kwargs)
+                row.update(bits_per_byte=total, bits_per_byte_beyond_L=beyond, status="ok")
+            except (ValueError, IndexError, RuntimeError) as error:  # e.g. a learned table asked for a row it lacks
+                message = str(error).splitlines()[0] if str(error) else ""
+                row["status"] = f"cannot run: {type(error).__name__}: {message[:200]}"
+        rows.append(row)
+    return rows
+
+
+def run_seed(seed: int, train_blocks: torch.Tensor, stream: torch.Tensor, vocab_size: int, args) -> list[dict]:
+    order = batch_order(len(train_blocks), args, seed)
+    rows = []
+    for contender in contenders(args):
+        torch.manual_seed(seed)
+        model = contender.build(vocab_size)
+        started = time.time()
+        train_bpb = train(model, train_blocks, order, args, f"seed {seed} · train {contender.name}")
+        train_seconds = time.time() - started
+        new_rows = evaluate(model, contender, stream, args)
+        for row in new_rows:
+            row.update(seed=seed, train_length=args.block_size, parameters=model.num_parameters(),
+                       train_steps=args.max_steps, train_bits_per_byte=round(train_bpb, 4),
+                       train_seconds=round(train_seconds, 1))
+        at_l = min((r["bits_per_byte"] for r in new_rows if r["length"] == args.block_size), default=float("nan"))
+        tqdm.write(f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
+                   f"{train_seconds:5.1f} s, train {train_bpb:.3f} / validation {at_l:.3f} bits per byte at L")
+        rows += new_rows
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------- report
+
+
+def summarise(rows: list[dict], args) -> tuple[list[tuple[str, str]], dict]:
+    """(model, method) in run order, and {(model, method, length): (mean, std, reason or None)}."""
+    keys, cells = [], {}
+    for row in rows:
+        key = (row["model"], row["method"])
+        if key not in keys:
+            keys.append(key)
+    for model, method in keys:
+        for multiplier in MULTIPLIERS:
+            length = args.block_size * multiplier
+            same = [r for r in rows if (r["model"], r["method"], r["length"]) == (model, method, length)]
+            values = [r["bits_per_byte"] for r in same if r["status"] == "ok"]
+            failures = [r["status"] for r in same if r["status"] != "ok"]
+            if failures:
+                cells[model, method, length] = (float("nan"), float("nan"), failures[0])
+            else:
+                std = statistics.stdev(values) if len(values) > 1 else float("nan")
+                cells[model, method, length] = (statistics.fmean(values), std, None)
+    return keys, cells
+
+
+def markdown_table(rows: list[dict], args) -> str:
+    keys, cells = summarise(rows, args)
+    lengths = [args.block_size * m for m in MULTIPLIERS]
+    seeds = sorted({r["seed"] for r in rows})
+    parameters = {(r["model"], r["method"]): r["parameters"] for r in rows}
+    header = ["model", "method", "params"] + [f"{args.block_size * m} ({m}L)" for m in MULTIPLIERS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * len(lengths)]
+    reasons = []  # one footnote per row that cannot run somewhere: its first error
+    for model, method in keys:
+        out = [model, method, f"{parameters[model, method] / 1e6:.3f}M"]
+        for length in lengths:
+            mean, std, reason = cells[model, method, length]
+            if reason is not None:
+                if not reasons or reasons[-1][0] != (model, method):
+                    reasons.append(((model, method), f"{model} / {method} at {length}: {reason}"))
+                out.append(f"n/a [{len(reasons)}]")
+            else:
+                out.append(f"{mean:.3f}" + (f" ± {std:.3f}" if len(seeds) > 1 else ""))
+        lines.append("| " + " | ".join(out) + " |")
+    lines += ["", "Bits per byte on held-out text (lower is better): the same "
+              f"{args.eval_tokens_used} validation tokens at every length n, cut into windows of n, every token but "
+              "the first of each window scored. Trained at "
+              f"L = {args.block_size} for {args.max_steps} steps of {args.batch_size} sequences; "
+              + (f"mean ± std over seeds {seeds}." if len(seeds) > 1 else f"seed {seeds[0]}.")]
+    lines += [f"[{i}] {reason}" for i, (_, reason) in enumerate(reasons, 1)]
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    fields = ["model", "method", "seed", "train_length", "length", "bits_per_byte", "bits_per_byte_beyond_L",
+              "tokens_scored", "status", "parameters", "train_steps", "train_bits_per_byte", "train_seconds"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.5f}" if isinstance(v, float) and k.startswith("bits") else v)
+                             for k, v in row.items() if k in fields})
+
+
+def plot(rows: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys, cells = summarise(rows, args)
+    lengths = [args.block_size * m for m in MULTIPLIERS]
+    figure, axes = plt.subplots(figsize=(11, 5.5))
+    for model, method in keys:
+        points = [(n, *cells[model, method, n][:2]) for n in lengths if cells[model, method, n][2] is None]
+        label = model if method == NATIVE else f"{model} / {method}"
+        if len(points) < len(lengths):
+            label += " (cannot run past " + str(points[-1][0] if points else 0) + ")"
+        if not points:
+            continue
+        x, mean, std = zip(*points, strict=True)
+        style = "-" if model.startswith("SepFormer") else "--"
+        axes.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], fmt=style + "o", capsize=3,
+                      markersize=4, label=label)
+    axes.axvline(args.block_size, color="grey", linestyle=":", linewidth=1)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(lengths, [f"{args.block_size * m}\n({m}L)" for m in MULTIPLIERS])
+    at_l = [cells[k][0] for k in cells if k[2] == args.block_size and cells[k][2] is None]
+    if at_l:  # keep the interesting range readable; the table has every number
+        axes.set_ylim(min(at_l) * 0.9, max(at_l) * 2.0)
+    axes.set_xlabel("evaluation length (tokens)")
+    axes.set_ylabel("bits per byte (validation)")
+    axes.set_title(f"Length extrapolation, trained at L = {args.block_size}")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=130)
+    plt.close(figure)
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="the quick preset (a few minutes)")
+    preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1)")
+    parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama")
+    parser.add_argument("--methods", nargs="+", choices=sepformer.EXTRAPOLATION_METHODS,
+                        help="extrapolation methods for the learned SepFormer (default: all)")
+    parser.add_argument("--block-size", type=int, help="training length L")
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--num-heads", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--eval-tokens", type=int, help="validation tokens scored at each length")
+    parser.add_argument("--eval-batch-size", type=int, default=8)
+    parser.add_argument("--max-bytes", type=int, help="how much text to read (train and validation)")
+    parser.add_argument("--train-file", nargs="+", help="text files, one document each")
+    parser.add_argument("--validation-file", nargs="+")
+    parser.add_argument("--dataset-name", help="a Hub data set with train and validation (or test) splits")
+    parser.add_argument("--dataset-config")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output-dir", default="outputs/extrapolation")
+    args = parser.parse_args(argv)
+    for name, value in PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.methods = tuple(args.methods or sepformer.EXTRAPOLATION_METHODS)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import matplotlib  # noqa: F401  (fail now, not after training, if the plot cannot be drawn)
+    transformers.logging.set_verbosity_error()  # config chatter of the peers (e.g. GPT-2's default loss_type)
+    datasets.disable_progress_bars()  # the bars that matter are training's and evaluation's
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    tokenizer = SepFormerTokenizer()
+    train_blocks, stream = token_data(args, tokenizer)
+    args.eval_tokens_used = len(stream)
+    print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, L={args.block_size}; "
+          f"{args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; SepFormer methods {list(args.methods)}")
+    rows = []
+    for seed in args.seeds:
+        rows += run_seed(seed, train_blocks, stream, len(tokenizer), args)
+
+    table = markdown_table(rows, args)
+    print("\n" + table + "\n")
+    write_csv(rows, output_dir / "results.csv")
+    (output_dir / "results.md").write_text(table + "\n")
+    plot(rows, args, output_dir / "extrapolation.png")
+    print(f"wrote {output_dir / 'results.csv'}, {output_dir / 'results.md'}, {output_dir / 'extrapolation.png'} "
+          f"in {(time.time() - started) / 60:.1f} min")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

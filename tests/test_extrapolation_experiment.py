@@ -1,0 +1,92 @@
+"""`examples/extrapolation.py`: the one-command length-extrapolation experiment, run end to end at its tiny preset."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sepformer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import extrapolation  # noqa: E402  (after the path)
+
+MODELS = ["SepFormer learned", "SepFormer sinusoidal", "SepFormer d_pos=0", "GPT-2 (learned, additive)",
+          "Llama (rotary)", "Bloom (ALiBi)"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The command as a user types it: tiny preset (3 steps), two seeds, every model and method."""
+    output_dir = tmp_path_factory.mktemp("extrapolation")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    completed = subprocess.run(
+        [sys.executable, str(EXAMPLES / "extrapolation.py"), "--tiny", "--seeds", "0", "1", "--output-dir",
+         str(output_dir)], check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    with open(output_dir / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    return completed.stdout, rows, output_dir
+
+
+def test_every_model_method_seed_and_length_has_a_row(run):
+    _, rows, _ = run
+    lengths = {str(16 * m) for m in (1, 2, 4, 8)}
+    expected = {(model, method, seed, length)
+                for model in MODELS
+                for method in (sepformer.EXTRAPOLATION_METHODS if model == "SepFormer learned" else ["-"])
+                for seed in ("0", "1") for length in lengths}
+    assert {(r["model"], r["method"], r["seed"], r["length"]) for r in rows} == expected
+    assert len(rows) == len(expected)
+
+
+def test_models_that_cannot_run_are_reported_not_skipped(run):
+    stdout, rows, _ = run
+    for row in rows:
+        beyond = int(row["length"]) > int(row["train_length"])
+        cannot = (row["model"].startswith("GPT-2") or row["method"] == "none") and beyond
+        if cannot:
+            assert row["status"].startswith("cannot run"), row
+            assert math.isnan(float(row["bits_per_byte"]))
+        else:
+            assert row["status"] == "ok", row
+            assert 0 < float(row["bits_per_byte"]) < 12, row
+    assert "cannot run: ValueError: position" in stdout  # SepFormer's own error, naming the position
+    assert "cannot run: its position table has 16 rows (n_positions = L)" in stdout  # GPT-2
+
+
+def test_same_tokens_at_every_length(run):
+    _, rows, _ = run
+    for row in rows:
+        total = 1024  # the tiny preset's --eval-tokens, a multiple of 8L = 128
+        assert int(row["tokens_scored"]) == total - total // int(row["length"])
+
+
+def test_table_and_plot(run):
+    stdout, _, output_dir = run
+    assert "| model | method | params | 16 (1L) | 32 (2L) | 64 (4L) | 128 (8L) |" in stdout
+    assert " ± " in stdout  # two seeds: mean ± std
+    assert (output_dir / "results.md").read_text().strip() in stdout
+    assert (output_dir / "extrapolation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bits_per_byte_is_the_model_loss():
+    """The scoring agrees with the model's own loss on the same windows, and 'beyond L' with a manual slice."""
+    args = extrapolation.parse_args(["--tiny"])
+    torch.manual_seed(0)
+    model = sepformer.SepFormerForCausalLM(extrapolation.sepformer_config(args, 259)).eval()
+    stream = torch.randint(0, 256, (8 * 32,))
+    length = 32  # 2L: positions past L need a method
+    total, beyond = extrapolation.bits_per_byte(model, stream, length, args, position_extrapolation="clamp")
+    windows = stream.view(-1, length)
+    with torch.no_grad():
+        logits = model(input_ids=windows, position_extrapolation="clamp").logits
+        loss = model(input_ids=windows, labels=windows, position_extrapolation="clamp").loss
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), windows[:, 1:], reduction="none")
+    assert total == pytest.approx(loss.item() / math.log(2), rel=1e-5)
+    assert beyond == pytest.approx(nll[:, args.block_size - 1:].mean().item() / math.log(2), rel=1e-5)
