@@ -66,16 +66,16 @@ class SepFormerConfig(PreTrainedConfig):
     position_table_size: int | None = None
     random_position_offsets: bool = False
     norm_type: str = "rmsnorm"
-    norm_eps: float = 1e-6
+    norm_eps: float | int = 1e-6
     lm_head_input: str = "semantic"
     tie_word_embeddings: bool = False
     rotary_dim: int = 0
-    rope_theta: float = 10000.0
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
+    rope_theta: float | int = 10000.0
+    attention_dropout: float | int = 0.0
+    hidden_dropout: float | int = 0.0
     attention_bias: bool = False
     mlp_bias: bool = False
-    initializer_range: float = 0.02
+    initializer_range: float | int = 0.02
     use_cache: bool = True
     pad_token_id: int | None = 256
     bos_token_id: int | None = 257
@@ -133,8 +133,8 @@ class SepFormerConfig(PreTrainedConfig):
                 f"position_size={self.position_size} is odd, but positional_map='sinusoidal' needs an even "
                 "position_size (sine/cosine pairs)."
             )
-        self.default_extrapolation()  # raises on an unknown method or bad parameters
-        has_table = self.positional_map == "learned" and self.position_size > 0
+        self.check_interpolation_length(self.default_extrapolation())  # raises on an unknown method or bad values
+        has_table = self.has_positional_table
         if self.position_extrapolation != "none" and not has_table:
             raise ValueError(
                 f"position_extrapolation={self.position_extrapolation!r} needs a learned positional table; this "
@@ -145,6 +145,12 @@ class SepFormerConfig(PreTrainedConfig):
             raise ValueError(
                 f"position_table_size={self.position_table_size} must be >= max_position_embeddings="
                 f"{self.max_position_embeddings}."
+            )
+        if self.position_table_size > self.max_position_embeddings and not self.random_position_offsets:
+            raise ValueError(
+                f"position_table_size={self.position_table_size} > max_position_embeddings="
+                f"{self.max_position_embeddings} needs random_position_offsets=True: otherwise the rows past "
+                "max_position_embeddings are never trained."
             )
         if self.random_position_offsets and not (has_table and self.position_table_size > self.max_position_embeddings):
             raise ValueError(
@@ -174,6 +180,17 @@ class SepFormerConfig(PreTrainedConfig):
                 f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}."
             )
 
+
+    @property
+    def has_positional_table(self) -> bool:
+        return self.positional_map == "learned" and self.position_size > 0
+
+    def check_interpolation_length(self, extrapolation: PositionExtrapolation) -> None:
+        if extrapolation.length is not None and extrapolation.length <= self.position_table_size:
+            raise ValueError(
+                f"interpolate length={extrapolation.length} must exceed the table's {self.position_table_size} rows: "
+                "up to the table's length 'interpolate' is the identity."
+            )
 
     def default_extrapolation(self) -> PositionExtrapolation:
         return PositionExtrapolation(

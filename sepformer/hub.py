@@ -5,7 +5,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_sepformer.SepFormerModel",
     "AutoModelForCausalLM": "modeling_sepformer.SepFormerForCausalLM",
 }
-TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["tokenization_sepformer.SepFormerTokenizer", None]}
 
 
 def prepare_for_hub(model, tokenizer=None):

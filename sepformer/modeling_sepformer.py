@@ -290,12 +290,12 @@ class SepFormerModel(SepFormerPreTrainedModel):
         )
 
         hidden_states = inputs_embeds  # (b, seq, d_sem)
+        extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
         if self.embed_positions is not None:
-            extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
             batch = inputs_embeds.shape[0]
             table_positions = self.random_offset(position_ids, batch) if self.training else position_ids
             positions = self.embed_positions(table_positions, extrapolation).to(inputs_embeds.dtype)  # (b|1,seq,d_pos)
-            positions = positions.expand(inputs_embeds.shape[0], -1, -1)
+            positions = positions.expand(batch, -1, -1)
             hidden_states = torch.cat((positions, inputs_embeds), dim=-1)  # (b, seq, d_model) = [p(i) ‖ s(t)]
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
@@ -312,20 +312,23 @@ class SepFormerModel(SepFormerPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
     def resolve_extrapolation(self, value, past_key_values: Cache | None) -> PositionExtrapolation:
+        config = self.config
         if value is None:
-            extrapolation = self.config.default_extrapolation()
+            extrapolation = config.default_extrapolation()
         else:
             extrapolation = PositionExtrapolation.parse(value)
-            if extrapolation.method != "none" and self.config.positional_map != "learned":
+            if extrapolation.method != "none" and not config.has_positional_table:
                 raise ValueError(
                     f"position_extrapolation={extrapolation.method!r} applies to a learned positional table; this "
-                    f"model has positional_map={self.config.positional_map!r}, which is defined at every position."
+                    f"model has positional_map={config.positional_map!r}, position_size={config.position_size} (a "
+                    "sinusoid is defined at every position, position_size=0 has no positions)."
                 )
+            config.check_interpolation_length(extrapolation)
         continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
         if extrapolation.method == "interpolate" and extrapolation.length is None and continuing:
             # The cached keys were made with the scale of an earlier length: only positions inside the table, where
             # the scale is 1, can continue them exactly.
-            extrapolation = dataclasses.replace(extrapolation, length=self.config.position_table_size)
+            extrapolation = dataclasses.replace(extrapolation, length=config.position_table_size)
         return extrapolation
 
     def random_offset(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
@@ -337,6 +340,11 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if not self.config.random_position_offsets:
             return position_ids
         room = self.config.position_table_size - int(position_ids.max())  # offsets in [0, room)
+        if room < 1:
+            raise ValueError(
+                f"random_position_offsets: a training sequence reaches position {int(position_ids.max())}, past the "
+                f"table of position_table_size={self.config.position_table_size} rows; train on shorter sequences."
+            )
         offsets = torch.randint(0, room, (batch, 1), device=position_ids.device)
         keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
         return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)

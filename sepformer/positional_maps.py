@@ -51,8 +51,9 @@ class PositionExtrapolation:
     @classmethod
     def parse(cls, value) -> "PositionExtrapolation":
         """A method name, a dict `{"method": ..., "components": ..., "length": ...}`, or an instance."""
-        if isinstance(value, cls):
-            return value
+        if all(hasattr(value, name) for name in ("method", "components", "length")):
+            # duck-typed: an instance from another copy of this module (installed package vs. Hub custom code)
+            return cls(method=value.method, components=value.components, length=value.length)
         if isinstance(value, str):
             return cls(method=value)
         if isinstance(value, dict):
@@ -69,10 +70,13 @@ class PositionExtrapolation:
 
 
 def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """`PE(i)_{2k} = sin(i / 10000^{2k/dim})`, `PE(i)_{2k+1} = cos(i / 10000^{2k/dim})`; fractional `positions` too."""
+    """`PE(i)_{2k} = sin(i / 10000^{2k/dim})`, `PE(i)_{2k+1} = cos(i / 10000^{2k/dim})`; fractional `positions` too.
+
+    An odd `dim` ends with a sine.
+    """
     exponents = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
-    angles = positions.float()[..., None] * 10000.0**-exponents  # (..., dim / 2)
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., dim), sin/cos interleaved
+    angles = positions.float()[..., None] * 10000.0**-exponents  # (..., ceil(dim / 2))
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[..., :dim]  # (..., dim), interleaved
 
 
 def fourier_rows(table: torch.Tensor, positions: torch.Tensor, components: int) -> torch.Tensor:
@@ -110,69 +114,101 @@ class LearnedPositions(nn.Embedding):
 
     def __init__(self, config):
         super().__init__(config.position_table_size, config.position_size)
-        self._cache = None  # (key, extended table) of the last no-grad extension
+        self._cache = None  # (key, rows past the table) of the last extension made without autograd
 
     def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         if position_ids.is_floating_point():
             return self.fractional(position_ids, extrapolation)
-        if torch.compiler.is_compiling():  # data-dependent checks would break the graph: the table alone
-            return super().forward(position_ids)
+        if torch.compiler.is_compiling():
+            return self.traceable(position_ids, extrapolation)
         if position_ids.numel() == 0:
             return super().forward(position_ids)
-        if int(position_ids.min()) < 0:
-            raise ValueError(f"position {int(position_ids.min())} is negative: positions start at 0.")
-        length, needed = self.num_embeddings, int(position_ids.max()) + 1
+        _check_not_negative(position_ids)
         if extrapolation.method == "interpolate":
-            target = extrapolation.length or needed
-            if needed > target:
-                raise ValueError(
-                    f"position {needed - 1} is past position_extrapolation 'interpolate' length={target}: cached "
-                    "decoding with 'interpolate' needs the final sequence length, e.g. "
-                    "position_extrapolation={'method': 'interpolate', 'length': N}."
-                )
-            if target > length:  # (b or 1, seq) fractional positions in [0, L - 1]
-                return interpolate_rows(self.weight, position_ids * ((length - 1) / (target - 1)))
-        if needed <= length:
+            return self.interpolated(position_ids, extrapolation)
+        needed = int(position_ids.max()) + 1
+        if needed <= self.num_embeddings:
             return super().forward(position_ids)
-        return nn.functional.embedding(position_ids, self.extended_table(needed, extrapolation))
+        table = torch.cat((self.weight, self.rows_past_table(needed, extrapolation)))  # (capacity, d_pos)
+        return nn.functional.embedding(position_ids, table)
+
+    def interpolated(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """Position interpolation, per row: a row of `n > L` positions is compressed by `(L-1)/(n-1)`."""
+        length = self.num_embeddings
+        row_needed = position_ids.amax(-1, keepdim=True) + 1  # (b or 1, 1): each row's own length
+        if extrapolation.length is not None:
+            if int(row_needed.max()) > extrapolation.length:
+                raise ValueError(
+                    f"position {int(row_needed.max()) - 1} is past position_extrapolation 'interpolate' "
+                    f"length={extrapolation.length}. Past the table (L={length}), cached decoding with 'interpolate' "
+                    "needs the final sequence length: position_extrapolation={'method': 'interpolate', 'length': N}."
+                )
+            row_needed = torch.full_like(row_needed, extrapolation.length)
+        scale = torch.where(row_needed > length, (length - 1) / (row_needed - 1).clamp(min=1), 1.0)
+        return interpolate_rows(self.weight, position_ids * scale)  # identity for rows of at most L positions
 
     def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between table rows."""
+        """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
+        _check_not_negative(positions)
         needed = math.ceil(float(positions.max())) + 1
-        table = self.weight if needed <= self.num_embeddings else self.extended_table(needed, extrapolation)
-        return interpolate_rows(table, positions)
+        if needed <= self.num_embeddings:
+            return interpolate_rows(self.weight, positions)
+        return interpolate_rows(torch.cat((self.weight, self.rows_past_table(needed, extrapolation))), positions)
 
-    def extended_table(self, needed: int, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """The table followed by extrapolated rows, at least `needed` rows long.
+    def rows_past_table(self, needed: int, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """Extrapolated rows `L, L+1, ...`, at least up to row `needed - 1`.
 
-        Rows depend on the position only, so the extension is computed for a capacity rounded up to `L · 2^m` and
-        reused by every call and decoding step that fits, until the table's weights change (their version counter
-        moves with every in-place update: optimiser steps, loading). Under autograd it is rebuilt, once per call.
+        Rows depend on the position only, so they are computed for a capacity rounded up to `L · 2^m` and reused by
+        every call and decoding step that fits, until the table's weights change (their version counter moves with
+        every in-place update: optimiser steps, loading; writes through `.data` bypass it: call `clear_cache()`).
+        Under autograd they are rebuilt, once per call.
         """
         length, method = self.num_embeddings, extrapolation.method
         if method in ("none", "interpolate"):
             raise ValueError(
                 f"position {needed - 1} is past the learned positional table of L={length} rows and "
-                f"position_extrapolation={method!r}. Choose an extrapolation method: "
-                f"{', '.join(repr(m) for m in EXTRAPOLATION_METHODS[1:])}, in the config or per call "
-                "(`model(..., position_extrapolation='fourier')`)."
+                f"position_extrapolation={method!r}"
+                + (" (which compresses integer positions only)" if method == "interpolate" else "")
+                + f". Choose an extrapolation method: {', '.join(repr(m) for m in EXTRAPOLATION_METHODS[1:4])}"
+                + (", 'interpolate'" if method == "none" else "")
+                + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."
             )
         capacity = length * 2 ** math.ceil(math.log2(needed / length))
         key = (extrapolation, capacity, self.weight._version, self.weight.data_ptr(), self.weight.dtype)
-        cacheable = not (torch.is_grad_enabled() and self.weight.requires_grad) and not torch.compiler.is_compiling()
+        cacheable = not (torch.is_grad_enabled() and self.weight.requires_grad)
         if cacheable and self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        positions = torch.arange(length, capacity, device=self.weight.device)
-        if method == "clamp":
-            extra = self.weight[-1:].expand(capacity - length, -1)
-        elif method == "sinusoidal":
-            extra = self.weight.std() * sinusoid(positions, self.embedding_dim).to(self.weight.dtype)
-        else:
-            extra = fourier_rows(self.weight, positions, extrapolation.components)
-        table = torch.cat((self.weight, extra), 0)  # (capacity, d_pos)
+        rows = self.method_rows(torch.arange(length, capacity, device=self.weight.device), extrapolation)
         if cacheable:
-            self._cache = (key, table)
-        return table
+            self._cache = (key, rows)
+        return rows
+
+    def clear_cache(self) -> None:
+        self._cache = None
+
+    def method_rows(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """`p(i)` of `clamp`, `sinusoidal` or `fourier` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
+        weight = self.weight
+        with torch.autocast(weight.device.type, enabled=False):  # a cached extension must not carry autocast's dtype
+            if extrapolation.method == "clamp":
+                return weight[-1:].expand(positions.shape[0], -1)
+            if extrapolation.method == "sinusoidal":
+                return (weight.float().std() * sinusoid(positions, self.embedding_dim)).to(weight.dtype)
+            return fourier_rows(weight, positions, extrapolation.components)
+
+    def traceable(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """The same rows without data-dependent branches (under `torch.compile`): every method is evaluated at every
+        position and selected where the position is past the table. `none` indexes the table as it is."""
+        length, method = self.num_embeddings, extrapolation.method
+        if method == "interpolate":
+            if extrapolation.length is None or extrapolation.length <= length:
+                return super().forward(position_ids)
+            return interpolate_rows(self.weight, position_ids * ((length - 1) / (extrapolation.length - 1)))
+        if method == "none":
+            return super().forward(position_ids)
+        inside = super().forward(position_ids.clamp(max=length - 1))
+        past = self.method_rows(position_ids.flatten(), extrapolation).view(*position_ids.shape, -1)
+        return torch.where((position_ids >= length).unsqueeze(-1), past, inside)
 
 
 class SinusoidalPositions(nn.Module):
@@ -191,3 +227,8 @@ class SinusoidalPositions(nn.Module):
 
 POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 
+
+
+def _check_not_negative(positions: torch.Tensor) -> None:
+    if positions.numel() and float(positions.min()) < 0:
+        raise ValueError(f"position {positions.min().item()} is negative: positions start at 0.")

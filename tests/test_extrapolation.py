@@ -106,22 +106,14 @@ def test_negative_positions_are_refused():
         model(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[-1, 0, 1]]))
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_continuity_at_L(method):
-    """Distance between rows L-1 and L, against the table's own typical step."""
+def test_continuity_at_L_of_clamp_and_interpolate():
+    """`clamp` and `interpolate` are continuous at L; `sinusoidal` and `fourier` start another curve there, which the
+    exact-formula tests above pin down (std-matched sinusoid; the periodic series, `p(L) = p(0)` with every term)."""
     model = model_with_table()
     weight = model.model.embed_positions.weight
-    step = weight.diff(dim=0).norm(dim=-1).mean()
-    if method == "interpolate":  # continuous by construction: check the compressed rows step no more than the table
-        compressed = rows(model, list(range(2 * L)), "interpolate")
-        assert compressed.diff(dim=0).norm(dim=-1).max() <= weight.diff(dim=0).norm(dim=-1).max() + 1e-6
-        return
-    jump = (rows(model, [L], method) - weight[L - 1]).norm()
-    if method == "clamp":
-        assert jump == 0
-    else:  # sinusoidal and fourier start a different curve at L (documented): only finite and of table scale
-        assert torch.isfinite(jump) and jump < 10 * weight.norm(dim=-1).max()
-    assert step > 0
+    assert torch.equal(rows(model, [L], "clamp")[0], weight[L - 1])
+    compressed = rows(model, list(range(2 * L)), "interpolate")
+    assert compressed.diff(dim=0).norm(dim=-1).max() <= weight.diff(dim=0).norm(dim=-1).max() + 1e-6
 
 
 def test_fractional_positions_interpolate_inside_the_table():
@@ -196,25 +188,67 @@ def test_config_default_and_per_call_override():
         assert not torch.allclose(model(ids).logits, model(ids, position_extrapolation="sinusoidal").logits)
 
 
-def test_extended_table_is_cached_and_refreshed_when_the_weights_change():
+def test_extension_is_cached_and_refreshed_when_the_weights_change():
     model = model_with_table()
     table = model.model.embed_positions
     fourier = PositionExtrapolation(method="fourier", components=4)
     with torch.no_grad():
-        first = table.extended_table(3 * L, fourier)
-        assert table.extended_table(2 * L + 5, fourier) is first  # same capacity, same state: reused
-        assert first.shape[0] == 4 * L  # capacity rounded up to L * 2^m
+        first = table.rows_past_table(3 * L, fourier)
+        assert table.rows_past_table(2 * L + 5, fourier) is first  # same capacity, same state: reused
+        assert first.shape[0] == 3 * L  # rows L .. 4L-1: capacity rounded up to L * 2^m
     # an optimiser step changes the table in place: the extension must follow
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model.train()
     model(torch.randint(0, 256, (1, L)), labels=torch.randint(0, 256, (1, L))).loss.backward()
     optimizer.step()
     with torch.no_grad():
-        after_step = table.extended_table(3 * L, fourier)
+        after_step = table.rows_past_table(3 * L, fourier)
         assert after_step is not first
-        torch.testing.assert_close(after_step[L:], fourier_rows(table.weight, torch.arange(L, 4 * L), 4))
+        torch.testing.assert_close(after_step, fourier_rows(table.weight, torch.arange(L, 4 * L), 4))
         table.weight.copy_(torch.randn_like(table.weight))  # as loading a checkpoint does
-        assert table.extended_table(3 * L, fourier) is not after_step
+        assert table.rows_past_table(3 * L, fourier) is not after_step
+
+
+def test_rows_inside_the_table_are_always_the_live_weights():
+    """Only the rows past the table are cached: a write through `.data` (which bypasses the version counter) still
+    reaches every position inside the table, and `clear_cache()` refreshes the rest."""
+    model = model_with_table()
+    table = model.model.embed_positions
+    ids = torch.arange(2 * L)[None]
+    with torch.no_grad():
+        model(ids, position_extrapolation="fourier")
+        table.weight.data.mul_(2.0)
+        rows = table(ids, PositionExtrapolation(method="fourier"))[0]
+        torch.testing.assert_close(rows[:L], table.weight)
+        table.clear_cache()
+        torch.testing.assert_close(table(ids, PositionExtrapolation(method="fourier"))[0, L:],
+                                   fourier_rows(table.weight, torch.arange(L, 2 * L), 16))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_left_padded_rows_past_L_equal_the_row_alone(method):
+    """Each row extrapolates for its own positions: a short row is not compressed for the longest one."""
+    model = model_with_table()
+    long_ids, short_ids = torch.randint(0, 256, (1, 3 * L)), torch.randint(0, 256, (1, L + 4))
+    pad = 3 * L - short_ids.shape[1]
+    batch = torch.cat([long_ids, torch.cat([torch.full((1, pad), 256), short_ids], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        together = model(batch, attention_mask=mask, position_extrapolation=method).logits
+        alone = model(short_ids, position_extrapolation=method).logits
+    torch.testing.assert_close(together[1, pad:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["clamp", "sinusoidal", "fourier", "interpolate"])
+def test_compiled_forward_past_L_equals_eager(method):
+    model = model_with_table()
+    extrapolation = {"method": method, "length": 3 * L} if method == "interpolate" else method
+    ids = torch.randint(0, 256, (2, 3 * L))
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, position_extrapolation=extrapolation).logits,
+                                   model(ids, position_extrapolation=extrapolation).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_training_past_L_sends_gradients_to_the_table():
@@ -232,7 +266,8 @@ def test_method_survives_save_and_reload(tmp_folder, method):
     model.save_pretrained(tmp_folder)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
     assert reloaded.config.position_extrapolation == method
-    ids = torch.randint(0, 256, (1, 3 * L))
+    assert reloaded.config.default_extrapolation() == model.config.default_extrapolation()
+    ids = torch.randint(0, 256, (1, 2 * L))  # shorter than interpolation_length: a dropped length would show
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
@@ -249,8 +284,17 @@ def test_random_position_offsets_train_the_whole_table():
     # the last row is only ever a sequence's last position, whose output has no next token to predict
     assert touched[:-1].all()
     model.eval()  # at inference positions start at 0 and the table covers 4L without extrapolating
+    ids = torch.randint(0, 256, (2, L))
     with torch.no_grad():
         assert model(torch.randint(0, 256, (1, 4 * L))).logits.shape == (1, 4 * L, 259)
+        assert torch.equal(model(ids).logits, model(ids).logits)  # no random offset outside training
+
+
+def test_random_position_offsets_refuse_a_sequence_longer_than_the_table():
+    model = tiny_model(max_position_embeddings=L, position_table_size=2 * L, random_position_offsets=True).train()
+    ids = torch.randint(0, 256, (1, 2 * L + 1))
+    with pytest.raises(ValueError, match=r"reaches position 32, past the table of position_table_size=32"):
+        model(ids, position_extrapolation="clamp")
 
 
 @pytest.mark.parametrize(
@@ -263,9 +307,16 @@ def test_random_position_offsets_train_the_whole_table():
         ({"position_extrapolation": "clamp", "position_size": 0}, "needs a learned positional table"),
         ({"position_table_size": 8}, "position_table_size=8 must be >= max_position_embeddings=16"),
         ({"random_position_offsets": True}, "random_position_offsets=True needs"),
+        ({"position_table_size": 32}, "position_table_size=32 > max_position_embeddings=16 needs random_position_"),
+        ({"interpolation_length": 16}, "interpolate length=16 must exceed the table's 16 rows"),
+        ({"position_extrapolation": "sinusoidal", "position_size": 7}, None),  # odd d_pos: a sine ends the row
     ],
 )
 def test_invalid_extrapolation_config(overrides, message):
+    if message is None:
+        model = tiny_model(max_position_embeddings=L, **overrides)
+        assert model(torch.zeros(1, 2 * L, dtype=torch.long)).logits.shape == (1, 2 * L, 259)
+        return
     with pytest.raises(ValueError, match=message):
         tiny_model(max_position_embeddings=L, **overrides)
 
@@ -277,6 +328,7 @@ def test_invalid_extrapolation_config(overrides, message):
         ({"method": "fourier", "k": 3}, r"unknown keys \['k'\]"),
         ({"method": "fourier", "components": -1}, "components=-1"),
         (3, "must be a method name, a dict or a PositionExtrapolation"),
+        ({"method": "interpolate", "length": 10}, "interpolate length=10 must exceed the table's 16 rows"),
     ],
 )
 def test_invalid_per_call_extrapolation(value, message):
@@ -284,10 +336,25 @@ def test_invalid_per_call_extrapolation(value, message):
         model_with_table()(torch.zeros(1, 4, dtype=torch.long), position_extrapolation=value)
 
 
-def test_per_call_method_on_a_sinusoidal_map_is_refused():
-    model = tiny_model(max_position_embeddings=L, positional_map="sinusoidal")
+@pytest.mark.parametrize("overrides", [{"positional_map": "sinusoidal"}, {"position_size": 0}])
+def test_per_call_method_without_a_learned_table_is_refused(overrides):
+    model = tiny_model(max_position_embeddings=L, **overrides)
     with pytest.raises(ValueError, match="applies to a learned positional table"):
         model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation="fourier")
+    with pytest.raises(ValueError, match="must be a method name"):
+        model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation=3)
+
+
+def test_an_extrapolation_from_another_copy_of_the_module_is_accepted():
+    """Hub custom code and the installed package each have their own `PositionExtrapolation` class."""
+    from types import SimpleNamespace
+
+    foreign = SimpleNamespace(method="clamp", components=16, length=None)
+    model = model_with_table()
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with torch.no_grad():
+        assert torch.equal(model(ids, position_extrapolation=foreign).logits,
+                           model(ids, position_extrapolation="clamp").logits)
 
 
 def test_sinusoidal_map_runs_past_L_as_is():

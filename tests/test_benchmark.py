@@ -1,0 +1,63 @@
+"""`benchmarks/benchmark.py`: the speed and memory comparison, run end to end at its `--quick` preset."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "benchmark.py"
+MODELS = ("SepFormer", "GPT-2", "Llama")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The command as a user types it, quick preset, two repetitions, one thread (CI runs tests side by side)."""
+    output_dir = tmp_path_factory.mktemp("benchmark")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--reps", "2", "--threads", "1", "--output-dir", str(output_dir)],
+        check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    with open(output_dir / "benchmark.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    return completed.stdout, rows, output_dir
+
+
+def test_table_and_files_are_written(run):
+    stdout, _, output_dir = run
+    table = (output_dir / "benchmark.md").read_text()
+    assert stdout.strip() == table.strip()
+    assert "| measurement | unit | SepFormer | GPT-2 | Llama | SepFormer / GPT-2 | SepFormer / Llama | target |" in table
+    assert "### Extrapolation past the trained length" in table
+    assert "Position-bias mitigations" not in table  # no mitigation is registered yet: no stub rows
+
+
+def test_every_measurement_has_every_model_and_finite_ratios(run):
+    _, rows, _ = run
+    by_metric = {}
+    for row in rows:
+        by_metric.setdefault(row["metric"], {})[row["variant"]] = row
+    speed = ["train_tokens_per_s", "prefill_64_ms", "prefill_256_ms", "generate_b1_tokens_per_s",
+             "generate_b2_tokens_per_s", "forward_flops_per_token"]
+    for metric in speed:
+        variants = by_metric[metric]
+        for model in MODELS:
+            value = float(variants[model]["median"])
+            assert math.isfinite(value) and value > 0, (metric, model, value)
+        for peer in ("GPT-2", "Llama"):
+            ratio = variants[f"SepFormer / {peer}"]
+            assert ratio["unit"] == "ratio"
+            for field in ("median", "q1", "q3", "min", "max"):
+                assert math.isfinite(float(ratio[field])) and float(ratio[field]) > 0, (metric, peer, ratio)
+    extrapolation = by_metric["extrapolation_generate_ms"]
+    for method in ("fourier", "clamp"):
+        ratio = float(extrapolation[f"past L, {method} / within L"]["median"])
+        assert math.isfinite(ratio) and ratio > 0
+    for row in rows:
+        if row["metric"].startswith("peak_memory_") and row["unit"] == "MiB":
+            assert float(row["median"]) >= 0 and int(row["n"]) == 2, row
+    assert {row["n"] for row in rows if row["metric"] == "train_tokens_per_s"} == {"2"}
