@@ -42,7 +42,10 @@ class BlockDiagonal(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.position is None:
             return self.semantic(x)
-        return torch.cat((self.position(x[..., : self.position_size]), self.semantic(x[..., self.position_size :])), -1)
+        # One split rather than two slices: its backward is one cat, where each slice's backward fills a zero tensor
+        # of the full width and the two are summed.
+        position, semantic = x.split((self.position_size, x.shape[-1] - self.position_size), -1)
+        return torch.cat((self.position(position), self.semantic(semantic)), -1)
 
 
 def block_diagonal(config: SepFormerConfig, make: Callable[[int], nn.Module]) -> BlockDiagonal:
@@ -199,8 +202,10 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
             past_key_values=past_key_values,
             **kwargs,
         )
-        hidden_states = hidden_states + self.dropout(attn_output)
-        return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
+        hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
+        mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + (self.dropout(mlp_output) if dropout else mlp_output)
 
 
 class SepFormerPreTrainedModel(PreTrainedModel):

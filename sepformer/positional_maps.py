@@ -123,14 +123,18 @@ class LearnedPositions(nn.Embedding):
             return self.traceable(position_ids, extrapolation)
         if position_ids.numel() == 0:
             return super().forward(position_ids)
-        _check_not_negative(position_ids)
+        low, high = (int(value) for value in torch.aminmax(position_ids))  # one reduction for both checks
+        if low < 0:
+            raise ValueError(f"position {low} is negative: positions start at 0.")
         if extrapolation.method == "interpolate":
             return self.interpolated(position_ids, extrapolation)
-        needed = int(position_ids.max()) + 1
-        if needed <= self.num_embeddings:
+        length = self.num_embeddings
+        if high < length:
             return super().forward(position_ids)
-        table = torch.cat((self.weight, self.rows_past_table(needed, extrapolation)))  # (capacity, d_pos)
-        return nn.functional.embedding(position_ids, table)
+        rows = self.rows_past_table(high + 1, extrapolation)  # rows L, L+1, ...
+        if low >= length:  # every position past the table (cached decoding past L): no copy of the table
+            return nn.functional.embedding(position_ids - length, rows)
+        return nn.functional.embedding(position_ids, torch.cat((self.weight, rows)))  # (capacity, d_pos) table
 
     def interpolated(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Position interpolation, per row: a row of `n > L` positions is compressed by `(L-1)/(n-1)`."""
