@@ -16,7 +16,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import extrapolation  # noqa: E402  (after the path)
 
-MODELS = ["SepFormer learned", "SepFormer learned, random offsets (8L table)", "SepFormer sinusoidal", "SepFormer d_pos=0", "GPT-2 (learned, additive)",
+MODELS = ["SepFormer learned", "SepFormer learned, random offsets (8L table)",
+          "SepFormer sinusoidal", "SepFormer d_pos=0", "GPT-2 (learned, additive)",
           "Llama (rotary)", "Bloom (ALiBi)"]
 
 
