@@ -1,14 +1,12 @@
 """`benchmarks/benchmark.py`: the speed and memory comparison, run end to end at its `--quick` preset."""
 
-import csv
 import dataclasses
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "benchmark.py"
 MODELS = ("SepFormer", "GPT-2", "Llama")
@@ -18,14 +16,9 @@ MODELS = ("SepFormer", "GPT-2", "Llama")
 def run(tmp_path_factory):
     """The command as a user types it, quick preset, two repetitions, one thread (CI runs tests side by side)."""
     output_dir = tmp_path_factory.mktemp("benchmark")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--reps", "2", "--threads", "1", "--output-dir", str(output_dir)],
-        check=False, capture_output=True, text=True, env=env, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    with open(output_dir / "benchmark.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    return completed.stdout, rows, output_dir
+    stdout, rows = run_script(SCRIPT, "--quick", "--reps", "2", "--threads", "1", output_dir=output_dir,
+                              csv_name="benchmark.csv")
+    return stdout, rows, output_dir
 
 
 def test_table_and_files_are_written(run):

@@ -1,14 +1,12 @@
 """`examples/extrapolation.py`: the one-command length-extrapolation experiment, run end to end at its tiny preset."""
 
-import csv
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_script
 
 import sepformer
 
@@ -25,14 +23,9 @@ MODELS = ["SepFormer learned", "SepFormer learned, random offsets (8L table)",
 def run(tmp_path_factory):
     """The command as a user types it: tiny preset (3 steps), two seeds, every model and method."""
     output_dir = tmp_path_factory.mktemp("extrapolation")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / "extrapolation.py"), "--tiny", "--seeds", "0", "1", "--output-dir",
-         str(output_dir)], check=False, capture_output=True, text=True, env=env, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    with open(output_dir / "results.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    return completed.stdout, rows, output_dir
+    stdout, rows = run_script(EXAMPLES / "extrapolation.py", "--tiny", "--seeds", "0", "1", output_dir=output_dir,
+                              csv_name="results.csv")
+    return stdout, rows, output_dir
 
 
 def test_every_model_method_seed_and_length_has_a_row(run):
