@@ -4,6 +4,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from .mitigations import StableMask
 from .positional_maps import PositionExtrapolation
 
 POSITIONAL_MAPS = ("learned", "sinusoidal")
@@ -45,6 +46,8 @@ class SepFormerConfig(PreTrainedConfig):
             embeddings.
         attention_bias, mlp_bias: biases of the attention projections and of the MLPs.
         initializer_range: std of the normal initialisation.
+        stable_mask: StableMask's fields as a dict (`{"gamma": 0.05}`), on in training and inference; `None` is off.
+            A call's `stable_mask=` overrides it.
     """
 
     model_type = "sepformer"
@@ -76,6 +79,7 @@ class SepFormerConfig(PreTrainedConfig):
     attention_bias: bool = False
     mlp_bias: bool = False
     initializer_range: float | int = 0.02
+    stable_mask: dict | None = None
     use_cache: bool = True
     pad_token_id: int | None = 256
     bos_token_id: int | None = 257
@@ -174,6 +178,10 @@ class SepFormerConfig(PreTrainedConfig):
                 raise ValueError(f"{name}={value} must be in [0, 1).")
         if self.initializer_range < 0:
             raise ValueError(f"initializer_range={self.initializer_range} must be >= 0.")
+        if self.stable_mask is not None:
+            if not isinstance(self.stable_mask, dict):
+                raise ValueError(f"stable_mask={self.stable_mask!r} must be None or a dict such as {{'gamma': 0.05}}.")
+            StableMask.parse(self.stable_mask)  # raises on unknown keys or bad values
         if self.tie_word_embeddings and self.lm_head_input != "semantic":
             raise ValueError(
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "

@@ -17,13 +17,25 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_sepformer import SepFormerConfig
+from .mitigations import (
+    AttentionCalibration,
+    AttentionOptions,
+    MSPoE,
+    PositionalScaling,
+    StableMask,
+    check_layers,
+    default_layers,
+    fixed_head_ratios,
+    last_row_probs,
+    sink_attention,
+)
 from .positional_maps import POSITIONAL_MAP_CLASSES, PositionExtrapolation
 
 
@@ -91,10 +103,19 @@ class SepFormerRotaryEmbedding(nn.Module):
 
 
 def apply_partial_rotary(q, k, cos, sin):
-    """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim)."""
+    """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim).
+
+    `cos`/`sin`: (b, seq, rotary_dim), shared by the heads, or (b, heads, seq, rotary_dim), one angle per head (MS-PoE).
+    """
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     rotary_dim = cos.shape[-1]
-    q_rot, k_rot = apply_rotary_pos_emb(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
-    return torch.cat((q_rot, q[..., rotary_dim:]), -1), torch.cat((k_rot, k[..., rotary_dim:]), -1)
+
+    def rotate(x):
+        rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
+        return torch.cat((rotated, x[..., rotary_dim:]), -1)
+
+    return rotate(q), rotate(k)
 
 
 class SepFormerAttention(nn.Module):
@@ -122,18 +143,30 @@ class SepFormerAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        mitigations: AttentionOptions | None = None,
+        position_input: tuple[torch.Tensor, nn.Module] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`position_input`: the layer's pre-norm positional block and its norm, given where MS-PoE acts."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        layer = self.layer_idx
+        query_input = key_input = hidden_states
+        if mitigations is not None and layer in mitigations.scaling_layers:
+            query_input, key_input = mitigations.scaled_inputs(hidden_states)
 
         # (b, seq, d_model) -> (b, heads, seq, head_dim). Value heads may straddle the two blocks: attention
         # mixes rows (tokens), never columns, so the blocks stay apart.
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        if position_embeddings is not None:
+        if mitigations is not None and layer in mitigations.ms_poe_layers:
+            query_states, key_states = self.multi_scale_positions(
+                query_states, key_states, hidden_states, position_embeddings, attention_mask, mitigations,
+                position_input,
+            )
+        elif position_embeddings is not None:
             query_states, key_states = apply_partial_rotary(query_states, key_states, *position_embeddings)
 
         if past_key_values is not None:
@@ -142,18 +175,61 @@ class SepFormerAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        attention_args = (self, query_states, key_states, value_states, attention_mask)
+        attention_kwargs = dict(dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling)
+        if mitigations is not None and mitigations.stable_mask is not None:
+            attn_output, attn_weights = sink_attention(
+                attention_interface, *attention_args, mitigations.sink_logits, **attention_kwargs, **kwargs
+            )
+        else:
+            attn_output, attn_weights = attention_interface(*attention_args, **attention_kwargs, **kwargs)
+        if mitigations is not None and layer in mitigations.calibration_layers:
+            last_output, last_row = mitigations.calibrated_output(
+                layer, query_states, key_states, value_states, attention_mask, self.scaling
+            )
+            if mitigations.probe is None:
+                # (b, seq, heads, head_dim) output of the attention functions: the last row replaced
+                attn_output = torch.cat((attn_output[:, :-1], last_output.transpose(1, 2)), 1)
+                if attn_weights is not None:
+                    attn_weights = torch.cat((attn_weights[:, :, :-1], last_row[:, :, None].to(attn_weights)), 2)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (b, seq, d_model)
         return self.o_proj(attn_output), attn_weights
+
+    def multi_scale_positions(
+        self, query, key, hidden_states, position_embeddings, attention_mask, mitigations, position_input
+    ):
+        """MS-PoE: head `h` of this layer sees positions `m / r_h` wherever positions enter its queries and keys.
+
+        Rotary (when on) rotates by `m / r_h`. The positional block enters through the normalised residual, whose
+        positional part is `p(m) + u(m)`, `u` what earlier layers added: head `h` reads `p(m / r_h) + u(m)` instead,
+        i.e. its queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added. Only the
+        embedding's `p(m)` is rescaled; `u` depends on content as well and has no position to rescale.
+        Query/key: (b, H, seq, head_dim).
+        """
+
+        def ranking_row():  # the last query's attention with the base positions, keys of this (prefill) call
+            base_query, base_key = query, key
+            if position_embeddings is not None:
+                base_query, base_key = apply_partial_rotary(query, key, *position_embeddings)
+            return last_row_probs(base_query, base_key, attention_mask, self.scaling)
+
+        ratios = mitigations.ms_poe_ratios(self.layer_idx, ranking_row)  # (b or 1, H)
+        positions = mitigations.position_ids[:, None, :].double() / ratios[..., None]  # (b or 1, H, seq)
+        if position_input is not None:
+            residual, norm = position_input  # (b, seq, d_pos), the positional block's input norm
+            d_pos = residual.shape[-1]
+            rows = mitigations.position_rows(positions.float())  # (b or 1, H, seq, d_pos): p(m / r_h)
+            shifted = residual[:, None] + (rows - mitigations.base_position_rows[:, None]).to(residual.dtype)
+            delta = norm(shifted) - hidden_states[:, None, :, :d_pos]  # (b, H, seq, d_pos)
+            heads = self.config.num_attention_heads
+            query = query + torch.einsum("bhsp,hdp->bhsd", delta, self.q_proj.weight[:, :d_pos].view(heads, -1, d_pos))
+            key = key + torch.einsum("bhsp,hdp->bhsd", delta, self.k_proj.weight[:, :d_pos].view(heads, -1, d_pos))
+        if position_embeddings is not None:
+            freqs = positions.float()[..., None] * mitigations.rotary_inv_freq  # (b or 1, H, seq, rotary_dim / 2)
+            angles = torch.cat((freqs, freqs), -1)
+            cos, sin = angles.cos().to(query.dtype), angles.sin().to(query.dtype)
+            query, key = apply_partial_rotary(query, key, cos, sin)
+        return query, key
 
 
 def default_position_ids(
@@ -170,6 +246,24 @@ def default_position_ids(
         return position_ids[:, -seq_len:]
     past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
     return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
+
+
+def key_documents(
+    calibration: AttentionCalibration,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    inputs_embeds: torch.Tensor,
+) -> torch.Tensor:
+    """(b, kv, K) one-hot: which document each key (cached and new) belongs to; spans count like positions."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        key_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, -1)  # (b, kv)
+    else:
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        key_positions = torch.arange(past + inputs_embeds.shape[1], device=inputs_embeds.device)[None]  # (1, kv)
+    spans = torch.tensor(calibration.spans, device=inputs_embeds.device)  # (b, K, 2)
+    starts, ends = spans[..., 0][:, None], spans[..., 1][:, None]  # (b, 1, K)
+    inside = (key_positions[..., None] >= starts) & (key_positions[..., None] < ends)
+    return inside.to(inputs_embeds.dtype)
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
@@ -193,13 +287,20 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        mitigations: AttentionOptions | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        position_input = None
+        norm = self.input_layernorm
+        if mitigations is not None and self.self_attn.layer_idx in mitigations.ms_poe_layers and norm.position is not None:
+            position_input = (hidden_states[..., : norm.position_size], norm.position)
         attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+            norm(hidden_states),
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             past_key_values=past_key_values,
+            mitigations=mitigations,
+            position_input=position_input,
             **kwargs,
         )
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
@@ -260,6 +361,10 @@ class SepFormerModel(SepFormerPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         position_extrapolation: str | dict | PositionExtrapolation | None = None,
+        stable_mask: StableMask | dict | None = None,
+        ms_poe: MSPoE | dict | None = None,
+        attention_calibration: AttentionCalibration | dict | None = None,
+        positional_scaling: PositionalScaling | dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         r"""
@@ -269,6 +374,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
         position_extrapolation (`str`, `dict` or `PositionExtrapolation`, *optional*):
             Overrides `config.position_extrapolation` for this call: how a learned table answers positions past
             its rows (`"clamp"`, `"sinusoidal"`, `"fourier"`, `"interpolate"`, or `"none"` for an error).
+        stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
+            Position-bias mitigations (`sepformer.mitigations`), each a dataclass or the dict of its fields; off
+            when `None` (`stable_mask` then falls back to `config.stable_mask`).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -283,6 +391,30 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
 
+        extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
+        mitigations = self.resolve_mitigations(
+            stable_mask, ms_poe, attention_calibration, positional_scaling, past_key_values, inputs_embeds.shape[0]
+        )
+        if mitigations is not None and mitigations.calibration is not None:
+            self.estimate_calibration_bias(input_ids, attention_mask, mitigations, extrapolation)
+        hidden_states = self.run_layers(
+            inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, mitigations, **kwargs
+        )
+        if mitigations is not None:
+            mitigations.state["prefilled"] = True
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def run_layers(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        past_key_values: Cache | None,
+        extrapolation: PositionExtrapolation,
+        mitigations: AttentionOptions | None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Positions, mask, `[p(i) ‖ s(t)]`, the layers and the final norm: (b, seq, d_sem) -> (b, seq, d_model)."""
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
 
@@ -295,15 +427,19 @@ class SepFormerModel(SepFormerPreTrainedModel):
         )
 
         hidden_states = inputs_embeds  # (b, seq, d_sem)
-        extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
+        batch = inputs_embeds.shape[0]
+        table_positions = position_ids
+        positions = None
         if self.embed_positions is not None:
-            batch = inputs_embeds.shape[0]
             table_positions = self.random_offset(position_ids, batch) if self.training else position_ids
             positions = self.embed_positions(table_positions, extrapolation).to(inputs_embeds.dtype)  # (b|1,seq,d_pos)
-            positions = positions.expand(batch, -1, -1)
-            hidden_states = torch.cat((positions, inputs_embeds), dim=-1)  # (b, seq, d_model) = [p(i) ‖ s(t)]
+            hidden_states = torch.cat((positions.expand(batch, -1, -1), inputs_embeds), dim=-1)  # [p(i) ‖ s(t)]
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        if mitigations is not None:
+            self.prepare_mitigations(
+                mitigations, table_positions, positions, extrapolation, attention_mask, past_key_values, inputs_embeds
+            )
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
@@ -311,10 +447,158 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
+                mitigations=mitigations,
                 **kwargs,
             )
+        return self.norm(hidden_states)
 
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+    def resolve_mitigations(
+        self, stable_mask, ms_poe, attention_calibration, positional_scaling, past_key_values: Cache | None, batch: int
+    ) -> AttentionOptions | None:
+        """Parse and check the mitigation options of a call against this model; `None` when all are off."""
+        config = self.config
+        stable_mask = StableMask.parse(stable_mask if stable_mask is not None else config.stable_mask)
+        ms_poe = MSPoE.parse(ms_poe)
+        calibration = AttentionCalibration.parse(attention_calibration)
+        scaling = PositionalScaling.parse(positional_scaling)
+        if (stable_mask, ms_poe, calibration, scaling) == (None, None, None, None):
+            return None
+        layers = config.num_hidden_layers
+        for option in (ms_poe, calibration, scaling):
+            if option is not None:
+                check_layers(option.option_name, option.layers, layers)
+        if stable_mask is not None and config._attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f"stable_mask runs on the 'eager' and 'sdpa' attention implementations (its sink is an extra key); "
+                f"this model uses {config._attn_implementation!r}."
+            )
+        if stable_mask is not None and calibration is not None:
+            raise ValueError(
+                "stable_mask and attention_calibration cannot be combined: calibration redistributes a softmax row "
+                "that sums to 1, and StableMask's rows do not."
+            )
+        if ms_poe is not None and config.position_size == 0 and config.rotary_dim == 0:
+            raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
+        if ms_poe is not None and ms_poe.head_order is not None:
+            fixed_head_ratios(ms_poe, config.num_attention_heads)  # raises unless a permutation of the heads
+        if scaling is not None:
+            if scaling.channels is None and config.position_size == 0:
+                raise ValueError(
+                    "positional_scaling scales the positional block by default, but this model has position_size=0: "
+                    "give channels=(...) explicitly."
+                )
+            bad = [c for c in scaling.channels or () if not 0 <= c < config.hidden_size]
+            if bad:
+                raise ValueError(
+                    f"positional_scaling channels {bad} are out of range: channels are 0..{config.hidden_size - 1}."
+                )
+        if calibration is not None and len(calibration.spans) != batch:
+            raise ValueError(
+                f"attention_calibration has spans for {len(calibration.spans)} rows; the batch has {batch} rows."
+            )
+        ms_poe_layers = default_layers(ms_poe, layers) if ms_poe is not None else frozenset()
+        scaling_layers = default_layers(scaling, layers) if scaling is not None else frozenset()
+        if ms_poe_layers & scaling_layers:
+            raise ValueError(
+                f"ms_poe and positional_scaling both rewrite the positional part of the queries and keys of layers "
+                f"{sorted(ms_poe_layers & scaling_layers)}: give them disjoint `layers`."
+            )
+
+        # What is fixed at prefill lives on the cache, for the later decoding steps of the same generation.
+        continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
+        state = getattr(past_key_values, "mitigation_state", None) if continuing else None
+        if state is None:
+            state = {"prefilled": continuing}
+            if past_key_values is not None:
+                past_key_values.mitigation_state = state
+        if calibration is not None and continuing and "calibration_bias" not in state:
+            raise ValueError(
+                "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
+            )
+        scaling_channels = None
+        if scaling is not None:
+            scaling_channels = torch.tensor(scaling.channels or range(config.position_size), dtype=torch.long)
+        return AttentionOptions(
+            state=state,
+            stable_mask=stable_mask,
+            ms_poe=ms_poe,
+            ms_poe_layers=ms_poe_layers,
+            calibration=calibration,
+            calibration_layers=default_layers(calibration, layers) if calibration is not None else frozenset(),
+            scaling=scaling,
+            scaling_layers=scaling_layers,
+            scaling_channels=scaling_channels,
+        )
+
+    def prepare_mitigations(
+        self, mitigations, position_ids, positions, extrapolation, attention_mask, past_key_values, inputs_embeds
+    ) -> None:
+        """The per-call tensors the attention layers read: sink logits, positions, each key's document."""
+        mitigations.position_ids = position_ids
+        if mitigations.stable_mask is not None:
+            mitigations.sink_logits = mitigations.stable_mask.sink_logits(
+                position_ids, self.config.max_position_embeddings
+            ).to(inputs_embeds.device)
+        if mitigations.ms_poe is not None:
+            mitigations.base_position_rows = positions
+            if self.embed_positions is not None:
+                mitigations.position_rows = lambda fractional: self.embed_positions(fractional, extrapolation)
+            if self.rotary_emb is not None:
+                mitigations.rotary_inv_freq = self.rotary_emb.inv_freq
+        if mitigations.calibration is not None and mitigations.probe is None:
+            mitigations.key_documents = key_documents(
+                mitigations.calibration, attention_mask, past_key_values, inputs_embeds
+            )
+
+    @torch.no_grad()
+    def estimate_calibration_bias(
+        self, input_ids, attention_mask, mitigations: AttentionOptions, extrapolation: PositionExtrapolation
+    ) -> None:
+        """`bias(k)`: the attention the last prompt token gives a dummy document put in place of document `k`.
+
+        One extra forward pass per (row, document), batched and left-padded, with the call's other mitigations on;
+        the result, (b, H, K) per calibrated layer, is kept on the cache for the decoding steps.
+        """
+        if "calibration_bias" in mitigations.state:
+            return
+        calibration = mitigations.calibration
+        if input_ids is None:
+            raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
+        if calibration.dummy_document is None and self.config.pad_token_id is None:
+            raise ValueError(
+                "attention_calibration's default dummy document is pad_token_id repeated, but the config has no "
+                "pad_token_id: give dummy_document=(token ids) explicitly."
+            )
+        sequences, probes = [], []
+        for row, spans in enumerate(calibration.spans):
+            tokens = input_ids[row] if attention_mask is None else input_ids[row][attention_mask[row].bool()]
+            for start, end in spans:
+                if end > len(tokens):
+                    raise ValueError(
+                        f"attention_calibration span ({start}, {end}) of row {row} is out of range: the prompt of "
+                        f"that row has {len(tokens)} tokens (spans count from its first real token)."
+                    )
+                if calibration.dummy_document is None:
+                    dummy = tokens.new_full((end - start,), self.config.pad_token_id)
+                else:
+                    dummy = tokens.new_tensor(calibration.dummy_document)
+                sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))
+                probes.append((start, start + len(dummy)))
+        width = max(len(sequence) for sequence in sequences)
+        ids = input_ids.new_zeros(len(sequences), width)
+        mask = torch.zeros_like(ids)
+        probe = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        for index, (sequence, (start, end)) in enumerate(zip(sequences, probes)):
+            pad = width - len(sequence)  # left padding
+            ids[index, pad:], mask[index, pad:] = sequence, 1
+            probe[index, pad + start : pad + end] = True
+        probing = dataclasses.replace(mitigations, state={"prefilled": False}, probe=probe)
+        self.run_layers(self.embed_tokens(ids), mask, None, None, extrapolation, probing)
+        rows, documents = len(calibration.spans), len(calibration.spans[0])
+        mitigations.state["calibration_bias"] = {
+            layer: probed.view(rows, documents, -1).transpose(1, 2)  # (b, H, K)
+            for layer, probed in probing.state["probed"].items()
+        }
 
     def resolve_extrapolation(self, value, past_key_values: Cache | None) -> PositionExtrapolation:
         config = self.config
@@ -377,11 +661,17 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         position_extrapolation: str | dict | PositionExtrapolation | None = None,
+        stable_mask: StableMask | dict | None = None,
+        ms_poe: MSPoE | dict | None = None,
+        attention_calibration: AttentionCalibration | dict | None = None,
+        positional_scaling: PositionalScaling | dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
         position_extrapolation (`str`, `dict` or `PositionExtrapolation`, *optional*):
             Overrides `config.position_extrapolation` for this call and, through `generate`, for every decoding step.
+        stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
+            Position-bias mitigations (`sepformer.mitigations`); through `generate`, for the prompt and every step.
         """
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -391,6 +681,10 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             position_extrapolation=position_extrapolation,
+            stable_mask=stable_mask,
+            ms_poe=ms_poe,
+            attention_calibration=attention_calibration,
+            positional_scaling=positional_scaling,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
