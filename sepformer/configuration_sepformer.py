@@ -111,8 +111,13 @@ class SepFormerConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Every invalid value or combination, with the field, the value and what is allowed."""
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
             _require_positive(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
@@ -187,7 +192,6 @@ class SepFormerConfig(PreTrainedConfig):
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
                 f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}."
             )
-
 
     @property
     def has_positional_table(self) -> bool:

@@ -177,7 +177,7 @@ class AttentionCalibration(_Option):
                         f"attention_calibration span ({start}, {end}) of row {row_index} is empty or negative: a span "
                         "is (start, end) with 0 <= start < end."
                     )
-            for (_, end), (start, _) in zip(ordered, ordered[1:]):
+            for (_, end), (start, _) in zip(ordered, ordered[1:], strict=False):
                 if start < end:
                     raise ValueError(f"attention_calibration spans of row {row_index} overlap: {ordered}.")
         object.__setattr__(self, "spans", spans)
@@ -303,7 +303,7 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
 def calibrate_row(
     probs: torch.Tensor, key_documents: torch.Tensor, bias: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """"Found in the Middle": re-weight one attention row over `K` documents.
+    """ "Found in the Middle": re-weight one attention row over `K` documents.
 
     `probs` (b, H, kv) the row; `key_documents` (b, kv, K) one-hot document membership of each key (all zero outside
     documents); `bias` (b, H, K) the attention a dummy document gets at slot `k`. Every token of document `k` is

@@ -163,7 +163,12 @@ class SepFormerAttention(nn.Module):
 
         if mitigations is not None and layer in mitigations.ms_poe_layers:
             query_states, key_states = self.multi_scale_positions(
-                query_states, key_states, hidden_states, position_embeddings, attention_mask, mitigations,
+                query_states,
+                key_states,
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                mitigations,
                 position_input,
             )
         elif position_embeddings is not None:
@@ -292,7 +297,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         position_input = None
         norm = self.input_layernorm
-        if mitigations is not None and self.self_attn.layer_idx in mitigations.ms_poe_layers and norm.position is not None:
+        ms_poe_here = mitigations is not None and self.self_attn.layer_idx in mitigations.ms_poe_layers
+        if ms_poe_here and norm.position is not None:
             position_input = (hidden_states[..., : norm.position_size], norm.position)
         attn_output, _ = self.self_attn(
             norm(hidden_states),
@@ -588,7 +594,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         ids = input_ids.new_zeros(len(sequences), width)
         mask = torch.zeros_like(ids)
         probe = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
-        for index, (sequence, (start, end)) in enumerate(zip(sequences, probes)):
+        for index, (sequence, (start, end)) in enumerate(zip(sequences, probes, strict=True)):
             pad = width - len(sequence)  # left padding
             ids[index, pad:], mask[index, pad:] = sequence, 1
             probe[index, pad + start : pad + end] = True

@@ -232,7 +232,6 @@ class SinusoidalPositions(nn.Module):
 POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 
 
-
 def _check_not_negative(positions: torch.Tensor) -> None:
     if positions.numel() and float(positions.min()) < 0:
         raise ValueError(f"position {positions.min().item()} is negative: positions start at 0.")

@@ -16,8 +16,10 @@ class SepFormerTokenizer(PreTrainedTokenizer):
     model_input_names = ["input_ids", "attention_mask"]
 
     def __init__(self, pad_token="<pad>", bos_token="<s>", eos_token="</s>", **kwargs):
-        special = [AddedToken(token, special=True) if isinstance(token, str) else token
-                   for token in (pad_token, bos_token, eos_token)]
+        special = [
+            AddedToken(token, special=True) if isinstance(token, str) else token
+            for token in (pad_token, bos_token, eos_token)
+        ]
         self._added_tokens_decoder = {NUM_BYTES + offset: token for offset, token in enumerate(special)}
         kwargs.setdefault("split_special_tokens", True)
         kwargs.setdefault("clean_up_tokenization_spaces", False)

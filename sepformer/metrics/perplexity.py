@@ -43,21 +43,26 @@ class Perplexity(evaluate.Metric):
         if self.config_name == "losses":
             features = datasets.Features({"predictions": datasets.Sequence(datasets.Value("float64"))})
         elif self.config_name in ("default", "logits"):
-            features = datasets.Features({
-                "predictions": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
-                "references": datasets.Sequence(datasets.Value("int64")),
-            })
+            features = datasets.Features(
+                {
+                    "predictions": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
+                    "references": datasets.Sequence(datasets.Value("int64")),
+                }
+            )
         else:
             raise ValueError(f"perplexity configuration {self.config_name!r}: use 'logits' (default) or 'losses'.")
-        return evaluate.MetricInfo(description=_DESCRIPTION, citation="", inputs_description=_KWARGS_DESCRIPTION,
-                                   features=features)
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION, citation="", inputs_description=_KWARGS_DESCRIPTION, features=features
+        )
 
     def _compute(self, predictions, references=None, shift=True, ignore_index=-100):
         if self.config_name == "losses":
             losses = [np.asarray(row, dtype=np.float64) for row in predictions]
         else:
-            losses = [_token_losses(logits, labels, shift, ignore_index)
-                      for logits, labels in zip(predictions, references, strict=True)]
+            losses = [
+                _token_losses(logits, labels, shift, ignore_index)
+                for logits, labels in zip(predictions, references, strict=True)
+            ]
         num_tokens = sum(len(row) for row in losses)
         # float64 sums: the mean of many float32 losses should not depend on the order they were added in
         mean_loss = sum(float(row.sum()) for row in losses) / num_tokens if num_tokens else float("nan")
@@ -74,8 +79,10 @@ def _token_losses(logits, labels, shift: bool, ignore_index: int) -> np.ndarray:
     """The cross-entropy (nats) of every scored label, in float64."""
     logits, labels = np.asarray(logits, dtype=np.float64), np.asarray(labels, dtype=np.int64)
     if logits.ndim != 2 or len(logits) != len(labels):
-        raise ValueError(f"perplexity: logits of shape {logits.shape} do not match {len(labels)} labels; "
-                         "each example needs logits (n, vocab) and n labels.")
+        raise ValueError(
+            f"perplexity: logits of shape {logits.shape} do not match {len(labels)} labels; "
+            "each example needs logits (n, vocab) and n labels."
+        )
     if shift:
         logits, labels = logits[:-1], labels[1:]
     scored = labels != ignore_index
