@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
+from .mitigations import AttentionCalibration, MSPoE, PositionalScaling, StableMask
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
 from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .tokenization_sepformer import SepFormerTokenizer
@@ -20,6 +21,10 @@ AutoTokenizer.register(SepFormerConfig, tokenizer_class=SepFormerTokenizer, exis
 __version__ = "0.1.0"
 __all__ = [
     "EXTRAPOLATION_METHODS",
+    "AttentionCalibration",
+    "MSPoE",
+    "PositionalScaling",
+    "StableMask",
     "PositionExtrapolation",
     "SepFormerConfig",
     "SepFormerForCausalLM",

@@ -184,9 +184,7 @@ class SepFormerConfig(PreTrainedConfig):
         if self.initializer_range < 0:
             raise ValueError(f"initializer_range={self.initializer_range} must be >= 0.")
         if self.stable_mask is not None:
-            if not isinstance(self.stable_mask, dict):
-                raise ValueError(f"stable_mask={self.stable_mask!r} must be None or a dict such as {{'gamma': 0.05}}.")
-            StableMask.parse(self.stable_mask)  # raises on unknown keys or bad values
+            StableMask.parse(self.stable_mask)  # a dict (the field's type): raises on unknown keys or bad values
         if self.tie_word_embeddings and self.lm_head_input != "semantic":
             raise ValueError(
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "

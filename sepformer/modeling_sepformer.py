@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward, ro
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import _active_collector, capture_outputs
 
 from .configuration_sepformer import SepFormerConfig
 from .mitigations import (
@@ -599,7 +599,11 @@ class SepFormerModel(SepFormerPreTrainedModel):
             ids[index, pad:], mask[index, pad:] = sequence, 1
             probe[index, pad + start : pad + end] = True
         probing = dataclasses.replace(mitigations, state={"prefilled": False}, probe=probe)
-        self.run_layers(self.embed_tokens(ids), mask, None, None, extrapolation, probing)
+        not_recorded = _active_collector.set(None)  # the caller's output_attentions/hidden_states are not these passes'
+        try:
+            self.run_layers(self.embed_tokens(ids), mask, None, None, extrapolation, probing)
+        finally:
+            _active_collector.reset(not_recorded)
         rows, documents = len(calibration.spans), len(calibration.spans[0])
         mitigations.state["calibration_bias"] = {
             layer: probed.view(rows, documents, -1).transpose(1, 2)  # (b, H, K)

@@ -1,0 +1,425 @@
+"""Position-bias mitigations (SPEC §3), checked against formulas written from the papers, independently of the code."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers import AttentionInterface, DynamicCache
+from transformers.models.llama.modeling_llama import rotate_half
+
+from sepformer import (
+    AttentionCalibration,
+    MSPoE,
+    PositionalScaling,
+    SepFormerConfig,
+    SepFormerForCausalLM,
+    SepFormerTokenizer,
+    StableMask,
+)
+from sepformer.mitigations import calibrate_row, fixed_head_ratios, head_ratios, position_awareness
+
+SPANS = ((0, 3), (3, 6), (6, 9))
+OPTIONS = {
+    "stable_mask": {"stable_mask": StableMask(gamma=0.2, length=40)},
+    "ms_poe": {"ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1))},
+    "ms_poe_fixed": {"ms_poe": MSPoE(layers=(1,), head_order=(2, 0, 3, 1))},
+    "calibration": {"attention_calibration": AttentionCalibration(spans=(SPANS,), temperature=1e-2, layers=(0, 1))},
+    "scaling": {"positional_scaling": PositionalScaling(factor=-1.0, layers=(0, 1))},
+}
+
+
+def random_ids(batch, seq, seed=0):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def strong_positions(model):
+    """A fresh table has rows of std 0.02, too small to move anything: make positions matter."""
+    with torch.no_grad():
+        model.model.embed_positions.weight.normal_(0, 1)
+    return model
+
+
+def logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+# ------------------------------------------------------------------------------------------------------- StableMask
+
+
+@pytest.mark.parametrize("gamma", [0.01, 0.3, 2.0])
+def test_sink_logit_closed_form_equals_the_explicit_sum(gamma):
+    length = 20
+    tau = StableMask(gamma=gamma, length=length).sink_logits(torch.arange(25), default_length=99)
+    for t in range(1, 26):  # t = position + 1
+        terms = [math.exp(-gamma * (j - 1)) for j in range(t + 1, length + 1)]
+        expected = math.log(sum(terms)) if terms else -math.inf
+        assert tau[t - 1].item() == pytest.approx(expected, rel=1e-5, abs=1e-5), t
+
+
+def dense_stable_mask(gamma, length):
+    """`softmax(A ⊙ C + P) ⊙ C` over `N` columns, `P_ij = -γ(j-1)` for `j > i` (1-indexed), as an attention function
+    for an unpadded full forward pass."""
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        seq = query.shape[2]
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (b, H, seq, seq): A
+        i = torch.arange(1, seq + 1)[:, None]
+        j = torch.arange(1, length + 1)[None]
+        causal = (j <= i).float()  # (seq, N): C
+        pseudo = torch.where(j > i, -gamma * (j - 1.0), 0.0)  # P
+        masked = torch.zeros(*scores.shape[:3], length)
+        masked[..., :seq] = scores
+        probs = torch.softmax(masked * causal + pseudo, -1) * causal  # (b, H, seq, N)
+        probs = probs[..., :seq]
+        return torch.matmul(probs, value).transpose(1, 2), probs
+
+    return attention
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rotary_dim": 4}, {"position_size": 0}])
+def test_stable_mask_equals_dense_reference(overrides):
+    gamma, length = 0.3, 24
+    model = tiny_model(**overrides)
+    ids = random_ids(2, 16)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ours = model(ids, stable_mask=StableMask(gamma, length), output_attentions=True)
+    AttentionInterface.register("dense_stable_mask", dense_stable_mask(gamma, length))
+    model.set_attn_implementation("dense_stable_mask")
+    with torch.no_grad():
+        reference = model(ids, output_attentions=True)
+    torch.testing.assert_close(ours.logits, reference.logits, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(ours.attentions, reference.attentions, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert (got.sum(-1) < 1).all()  # the pseudo-columns take mass from every row before N
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_very_large_gamma_is_the_base_model(attn):
+    model = tiny_model(rotary_dim=4)
+    model.set_attn_implementation(attn)
+    ids = random_ids(2, 12)
+    torch.testing.assert_close(logits(model, ids, stable_mask={"gamma": 1e4}), logits(model, ids), rtol=0, atol=1e-6)
+
+
+def test_stable_mask_sdpa_equals_eager_with_padding_and_past_the_pseudo_columns():
+    model = tiny_model()
+    ids = random_ids(3, 20)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    option = StableMask(gamma=0.1, length=12)  # rows at t >= 12 get no sink
+    model.set_attn_implementation("eager")
+    eager = logits(model, ids, attention_mask=mask, stable_mask=option)
+    model.set_attn_implementation("sdpa")
+    sdpa = logits(model, ids, attention_mask=mask, stable_mask=option)
+    unpadded = logits(model, ids, stable_mask=option)  # sdpa's causal path: no mask at all
+    real = mask.bool()
+    torch.testing.assert_close(eager[real], sdpa[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unpadded[[0, 2]], sdpa[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unpadded, logits(model, ids), atol=1e-3)
+
+
+def test_stable_mask_from_the_config_trains_and_round_trips(tmp_path):
+    model = tiny_model(stable_mask={"gamma": 0.1})
+    model.train()
+    ids = random_ids(4, 16)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    assert torch.equal(logits(model, ids), logits(model, ids, stable_mask=StableMask(0.1)))
+    model.save_pretrained(tmp_path)
+    reloaded = SepFormerForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.stable_mask == {"gamma": 0.1}
+    assert torch.equal(logits(reloaded, ids), logits(model, ids))
+
+
+# ----------------------------------------------------------------------------------------------------------- MS-PoE
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rotary_dim": 4}, {"position_size": 0, "rotary_dim": 8}])
+@pytest.mark.parametrize("head_order", [None, (3, 1, 0, 2)])
+def test_ms_poe_with_all_ratios_one_is_the_base_model_bit_for_bit(overrides, head_order):
+    model = tiny_model(**overrides)
+    ids = random_ids(2, 14)
+    option = MSPoE(r_min=1.0, r_max=1.0, layers=(0, 1), head_order=head_order)
+    assert torch.equal(logits(model, ids, ms_poe=option), logits(model, ids))
+
+
+def test_position_awareness_counts_keys_over_three_times_the_mean():
+    probs = torch.tensor([[[0.7, 0.1, 0.1, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0]]])  # (1, 2 heads, 5 keys)
+    valid = torch.tensor([[[True, True, True, True, False]]])  # l = 4, mean 0.25, threshold 0.75 ... and 3/4
+    torch.testing.assert_close(position_awareness(probs, valid), torch.tensor([[0.0, 0.0]]))
+    probs[0, 0] = torch.tensor([0.8, 0.1, 0.05, 0.05, 0.0])
+    torch.testing.assert_close(position_awareness(probs, valid), torch.tensor([[0.25, 0.0]]))
+
+
+def test_ratios_are_monotone_in_the_score_with_the_papers_semantics():
+    option = MSPoE(r_min=1.2, r_max=1.8)
+    scores = torch.rand(5, 7, generator=torch.Generator().manual_seed(0))
+    ratios = head_ratios(option, scores)
+    for row_scores, row_ratios in zip(scores, ratios, strict=True):
+        order = torch.argsort(row_scores, descending=True)
+        assert torch.all(row_ratios[order].diff() > 0)  # more position-aware -> smaller ratio
+        torch.testing.assert_close(row_ratios.sort().values, option.ratios(7))
+    # heads 1 and 3 tie (head 1 first); the authors' code would give head i the ratio of rank order[i] instead
+    ratios = head_ratios(option, torch.tensor([[0.1, 0.5, 0.3, 0.5]]))
+    torch.testing.assert_close(ratios, torch.tensor([[1.8, 1.2, 1.6, 1.4]], dtype=torch.float64))
+    order = torch.tensor([1, 3, 2, 0])
+    assert not torch.equal(option.ratios(4)[order], ratios[0])
+    assert torch.equal(fixed_head_ratios(MSPoE(head_order=(1, 3, 2, 0)), 4), ratios[0])
+
+
+def ms_poe_reference_logits(model, ids, option):
+    """A one-layer model written out head by head: head `h` reads `[p(m / r_h) ‖ s]` and rotates by `m / r_h`;
+    values (and the residual) keep `p(m)`."""
+    cfg, layer = model.config, model.model.layers[0]
+    attn, heads, head_dim = layer.self_attn, cfg.num_attention_heads, cfg.head_dim
+    seq = ids.shape[1]
+    ratios = fixed_head_ratios(option, heads).float()
+    table = model.model.embed_positions.weight
+    tokens = model.model.embed_tokens(ids)
+
+    def rows(positions):  # linear interpolation between table rows
+        low = positions.floor().long()
+        weight = (positions - low)[:, None]
+        return table[low] * (1 - weight) + table[(low + 1).clamp(max=table.shape[0] - 1)] * weight
+
+    base = torch.cat((table[:seq][None].expand(ids.shape[0], -1, -1), tokens), -1)
+    values = attn.v_proj(layer.input_layernorm(base)).view(*ids.shape, heads, head_dim)
+    outputs = []
+    for h in range(heads):
+        positions = torch.arange(seq) / ratios[h]
+        normed = layer.input_layernorm(torch.cat((rows(positions)[None].expand(ids.shape[0], -1, -1), tokens), -1))
+        q = attn.q_proj(normed).view(*ids.shape, heads, head_dim)[:, :, h]  # (b, seq, head_dim)
+        k = attn.k_proj(normed).view(*ids.shape, heads, head_dim)[:, :, h]
+        if cfg.rotary_dim:
+            inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2).float() / cfg.rotary_dim)
+            angles = positions[:, None] * inv_freq
+            cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+            r = cfg.rotary_dim
+            q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), -1)
+            k = torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), -1)
+        scores = (q @ k.transpose(1, 2)) * head_dim**-0.5
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+        outputs.append(scores.softmax(-1) @ values[:, :, h])
+    hidden = base + attn.o_proj(torch.cat(outputs, -1))
+    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(model.model.norm(hidden)[..., cfg.position_size :])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rotary_dim": 4}])
+def test_ms_poe_equals_a_head_by_head_reference(overrides):
+    model = strong_positions(tiny_model(num_hidden_layers=1, **overrides))
+    ids = random_ids(2, 12)
+    option = MSPoE(r_min=1.3, r_max=2.5, layers=(0,), head_order=(2, 0, 3, 1))
+    with torch.no_grad():
+        reference = ms_poe_reference_logits(model, ids, option)
+    ours = logits(model, ids, ms_poe=option)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-5)
+    assert (ours - logits(model, ids)).abs().max() > 1e-4  # the ratios did something
+
+
+def test_ms_poe_ranking_is_made_at_prefill_and_kept():
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids = random_ids(2, 12)
+    option = MSPoE(layers=(1,))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, ms_poe=option)
+        ranked = cache.mitigation_state["ms_poe_ratios"][1].clone()
+        model(ids[:, :1], past_key_values=cache, use_cache=True, ms_poe=option)
+    assert torch.equal(cache.mitigation_state["ms_poe_ratios"][1], ranked)
+    assert ranked.shape == (2, 4)
+    torch.testing.assert_close(ranked.sort(-1).values[0], option.ratios(4))
+    later = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=later, use_cache=True)
+        with pytest.raises(ValueError, match="ranks the heads at prefill"):
+            model(ids[:, :1], past_key_values=later, use_cache=True, ms_poe=option)
+
+
+# ---------------------------------------------------------------------------------------------- attention calibration
+
+
+def test_calibrated_row_keeps_the_row_and_the_document_total():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(2, 3, 12, generator=generator).softmax(-1)
+    documents = torch.zeros(2, 12, 3)
+    documents[:, 1:4, 0], documents[:, 4:6, 1], documents[:, 8:11, 2] = 1, 1, 1
+    bias = torch.rand(2, 3, 3, generator=generator) * 0.1
+    calibrated = calibrate_row(probs, documents, bias, temperature=0.05)
+    torch.testing.assert_close(calibrated.sum(-1), torch.ones(2, 3))
+    outside = documents.sum(-1)[:, None].expand_as(probs) == 0
+    assert torch.equal(calibrated[outside], probs[outside])
+    mass = lambda p: torch.einsum("bhk,bkd->bhd", p, documents)  # noqa: E731
+    torch.testing.assert_close(mass(calibrated).sum(-1), mass(probs).sum(-1))
+    # α_k ∝ exp(rel_k / t): each document's mean attention becomes proportional to α_k
+    means = mass(calibrated) / documents.sum(1)[:, None]
+    rel = mass(probs) / documents.sum(1)[:, None] - bias
+    torch.testing.assert_close(means / means.sum(-1, keepdim=True), (rel / 0.05).softmax(-1))
+    flat = calibrate_row(probs, documents, bias, temperature=1e9)  # t -> ∞: every document's mean is equal
+    flat_means = mass(flat) / documents.sum(1)[:, None]
+    torch.testing.assert_close(flat_means, flat_means[..., :1].expand_as(flat_means))
+
+
+def test_calibration_in_the_model_rewrites_the_last_row_of_its_layers_only():
+    model = strong_positions(tiny_model(num_hidden_layers=3))
+    model.set_attn_implementation("eager")
+    ids = random_ids(1, 14)
+    option = AttentionCalibration(spans=(SPANS,), temperature=0.01)  # default layers: the last half, 1 and 2
+    with torch.no_grad():
+        base = model(ids, output_attentions=True)
+        calibrated = model(ids, output_attentions=True, attention_calibration=option)
+    assert torch.equal(calibrated.attentions[0], base.attentions[0])
+    torch.testing.assert_close(calibrated.logits[:, :-1], base.logits[:, :-1], rtol=0, atol=0)
+    documents = torch.zeros(14, dtype=torch.bool)
+    documents[:9] = True
+    for layer in (1, 2):
+        got, before = calibrated.attentions[layer], base.attentions[layer]
+        assert torch.equal(got[:, :, :-1], before[:, :, :-1])
+        last, last_before = got[0, :, -1], before[0, :, -1]
+        torch.testing.assert_close(last.sum(-1), torch.ones(4))
+        torch.testing.assert_close(last[:, documents].sum(-1), last_before[:, documents].sum(-1))
+        torch.testing.assert_close(last[:, ~documents], last_before[:, ~documents])
+
+
+def test_calibration_bias_is_the_dummy_documents_attention():
+    model = strong_positions(tiny_model())
+    model.set_attn_implementation("eager")
+    ids = random_ids(1, 12)
+    dummy = (7, 7)
+    option = AttentionCalibration(spans=(SPANS,), layers=(1,), dummy_document=dummy)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
+        bias = cache.mitigation_state["calibration_bias"][1]  # (1, H, K)
+        for k, (start, end) in enumerate(SPANS):
+            spliced = torch.cat((ids[:, :start], torch.tensor([dummy]), ids[:, end:]), 1)
+            row = model(spliced, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
+            torch.testing.assert_close(bias[0, :, k], row[:, start : start + len(dummy)].mean(-1))
+
+
+# ------------------------------------------------------------------------------------------------ positional scaling
+
+
+def test_positional_scaling_with_factor_one_is_the_base_model_bit_for_bit():
+    model = tiny_model(num_hidden_layers=3, rotary_dim=4)
+    ids = random_ids(2, 12)
+    for option in (PositionalScaling(1.0), PositionalScaling(1.0, channels=(0, 9, 31), layers=(0, 1, 2))):
+        assert torch.equal(logits(model, ids, positional_scaling=option), logits(model, ids))
+
+
+def test_positional_scaling_writes_scaled_keys_into_the_cache():
+    model = strong_positions(tiny_model(num_hidden_layers=3))
+    ids = random_ids(2, 10)
+    inputs = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kw: inputs.__setitem__(m.layer_idx, args[0]), with_kwargs=True
+        )
+        for layer in model.model.layers
+    ]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, positional_scaling=PositionalScaling(-0.5))  # layer 1 only
+        base_cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=base_cache, use_cache=True)
+        scaled_input = inputs[1].clone()
+        scaled_input[..., :8] *= -0.5
+        expected = model.model.layers[1].self_attn.k_proj(scaled_input).view(2, 10, 4, 8).transpose(1, 2)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(cache.layers[1].keys, expected)
+    assert torch.equal(cache.layers[0].keys, base_cache.layers[0].keys)  # layer 0 is not scaled (default layers)
+    assert torch.equal(cache.layers[0].values, base_cache.layers[0].values)
+
+
+# -------------------------------------------------------------------------------------- every option: cache, padding
+
+
+@pytest.mark.parametrize("name", ["stable_mask", "ms_poe_fixed"])
+def test_cached_decoding_equals_the_full_pass(name):
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids = random_ids(2, 20)
+    full = logits(model, ids, **OPTIONS[name])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :8], past_key_values=cache, use_cache=True, **OPTIONS[name]).logits]
+        for t in range(8, 20):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **OPTIONS[name]).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn):
+    model = strong_positions(tiny_model(rotary_dim=4))
+    model.set_attn_implementation(attn)
+    tokenizer = SepFormerTokenizer(padding_side="left")
+    prompts = ["def f(x): return", "import os, sys", "a longer prompt, with more bytes"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id, **OPTIONS[name])
+    if name == "calibration":
+        kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,) * 3, temperature=1e-2, layers=(0, 1))
+    together = model.generate(**batch, **kwargs)[:, batch.input_ids.shape[1] :]
+    options = {key: value for key, value in kwargs.items() if key in OPTIONS[name]}
+    changed = logits(model, batch.input_ids, attention_mask=batch.attention_mask, **options)[:, -1]
+    assert (changed - logits(model, batch.input_ids, attention_mask=batch.attention_mask)[:, -1]).abs().max() > 1e-5
+    for row, prompt in enumerate(prompts):
+        if name == "calibration":
+            kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,), temperature=1e-2, layers=(0, 1))
+        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), **kwargs)
+        assert torch.equal(together[row], alone[0, -8:]), prompt
+
+
+BAD = [
+    ({"stable_mask": {"gamma": -1}}, "gamma=-1 must be > 0"),
+    ({"stable_mask": {"gamma": 0.1, "length": 0}}, "length=0 must be None or a positive integer"),
+    ({"stable_mask": {"gama": 0.1}}, "unknown keys \\['gama'\\]"),
+    ({"stable_mask": 0.1}, "must be a StableMask, a dict"),
+    ({"ms_poe": {"r_min": 0.5}}, "r_min=0.5 must be >= 1.0"),
+    ({"ms_poe": {"r_min": 2.0, "r_max": 1.5}}, "r_max=1.5 must be >= r_min=2.0"),
+    ({"ms_poe": {"layers": (5,)}}, "layers \\[5\\] are out of range: this model has layers 0..1"),
+    ({"ms_poe": {"head_order": (0, 1, 2)}}, "must be a permutation of the 4 heads"),
+    ({"ms_poe": {"layers": (1,)}, "positional_scaling": {"factor": 0.0, "layers": (1,)}}, "disjoint `layers`"),
+    ({"positional_scaling": {"factor": float("nan")}}, "factor=nan must be a finite number"),
+    ({"positional_scaling": {"factor": 0.5, "channels": (32,)}}, "channels \\[32\\] are out of range"),
+    ({"attention_calibration": {"spans": (((0, 4), (3, 6)),)}}, "overlap"),
+    ({"attention_calibration": {"spans": (((0, 4), (4, 60)),)}}, "out of range: the prompt of that row has 12"),
+    ({"attention_calibration": {"spans": (((3, 3),),)}}, "empty or negative"),
+    ({"attention_calibration": {"spans": (((0, 3),), ((0, 3),))}}, "spans for 2 rows; the batch has 1"),
+    ({"attention_calibration": {"spans": (((0, 3),), ((0, 3), (3, 5)))}}, "the same number"),
+    ({"attention_calibration": {"spans": (SPANS,), "temperature": 0}}, "temperature=0 must be > 0"),
+    ({"attention_calibration": {"spans": (SPANS,)}, "stable_mask": {"gamma": 0.1}}, "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD, ids=[message[:30] for _, message in BAD])
+def test_invalid_options_are_refused_with_a_clear_error(kwargs, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message):
+        model(random_ids(1, 12), **kwargs)
+
+
+def test_options_that_need_something_the_model_lacks_are_refused():
+    nope = tiny_model(position_size=0)
+    ids = random_ids(1, 12)
+    with pytest.raises(ValueError, match="ms_poe rescales positions, but this model has none"):
+        nope(ids, ms_poe=MSPoE())
+    with pytest.raises(ValueError, match="give channels=\\(...\\) explicitly"):
+        nope(ids, positional_scaling=PositionalScaling(0.0))
+    flex = tiny_model()
+    flex.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="stable_mask runs on the 'eager' and 'sdpa'"):
+        flex(ids, stable_mask=StableMask(0.1))
+    with pytest.raises(StrictDataclassFieldValidationError, match="stable_mask"):
+        SepFormerConfig(stable_mask=0.1)
+    with pytest.raises(ValueError, match="gamma=0 must be > 0"):
+        SepFormerConfig(stable_mask={"gamma": 0})
+    no_pad = tiny_model(pad_token_id=None)
+    with pytest.raises(ValueError, match="no pad_token_id: give dummy_document"):
+        no_pad(ids, attention_calibration=AttentionCalibration(spans=(SPANS,)))
