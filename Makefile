@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean extrapolation
+.PHONY: demo test install clean extrapolation position-bias
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: install
 
 extrapolation: install
 	$(BIN)/python examples/extrapolation.py
+
+position-bias: install
+	$(BIN)/python examples/position_bias.py
 
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
