@@ -51,13 +51,17 @@ class BlockDiagonal(nn.Module):
         self.semantic = semantic
         self.position_size = position_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, then: "BlockDiagonal | None" = None) -> torch.Tensor:
+        """`then(self(x))` with one split and one cat when `then` is given (a norm followed by the MLP)."""
         if self.position is None:
-            return self.semantic(x)
+            return self.semantic(x) if then is None else then.semantic(self.semantic(x))
         # One split rather than two slices: its backward is one cat, where each slice's backward fills a zero tensor
         # of the full width and the two are summed.
         position, semantic = x.split((self.position_size, x.shape[-1] - self.position_size), -1)
-        return torch.cat((self.position(position), self.semantic(semantic)), -1)
+        position, semantic = self.position(position), self.semantic(semantic)
+        if then is not None:
+            position, semantic = then.position(position), then.semantic(semantic)
+        return torch.cat((position, semantic), -1)
 
 
 def block_diagonal(config: SepFormerConfig, make: Callable[[int], nn.Module]) -> BlockDiagonal:
@@ -311,7 +315,7 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         )
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
-        mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_output = self.post_attention_layernorm(hidden_states, then=self.mlp)  # the MLP of the normalised blocks
         return hidden_states + (self.dropout(mlp_output) if dropout else mlp_output)
 
 

@@ -1,0 +1,87 @@
+"""The `evaluate` metric scripts of `sepformer/metrics/`: loaded offline by path, checked by hand."""
+
+import math
+
+import evaluate
+import numpy as np
+import pytest
+import torch
+
+from sepformer.metrics import METRICS, metric_path
+
+
+@pytest.fixture(scope="module")
+def accuracy_by_position():
+    return evaluate.load(metric_path("accuracy_by_position"))
+
+
+def test_metric_path_names_shipped_scripts():
+    for name in METRICS:
+        assert metric_path(name).endswith(f"sepformer/metrics/{name}.py")
+    with pytest.raises(ValueError, match="unknown metric 'bleu'"):
+        metric_path("bleu")
+
+
+def test_accuracy_by_position_token_ids(accuracy_by_position):
+    result = accuracy_by_position.compute(predictions=[3, 5, 7, 1, 9], references=[3, 4, 7, 1, 2],
+                                          positions=[2, 0, 0, 2, 1])
+    assert result["accuracy"] == pytest.approx(3 / 5)
+    assert result["accuracy_by_position"] == {0: 0.5, 1: 0.0, 2: 1.0}
+    assert list(result["accuracy_by_position"]) == [0, 1, 2]  # in position order
+    assert result["count_by_position"] == {0: 2, 1: 1, 2: 2}
+
+
+def test_accuracy_by_position_sequences_need_every_token(accuracy_by_position):
+    # a multi-token answer is right only if every token matches and nothing is missing or extra
+    result = accuracy_by_position.compute(predictions=[[1, 2], [1, 2], [1], [4, 5, 6]],
+                                          references=[[1, 2], [1, 3], [1, 2], [4, 5, 6]], positions=[0, 0, 1, 1])
+    assert result["accuracy_by_position"] == {0: 0.5, 1: 0.5}
+    assert result["accuracy"] == 0.5
+
+
+def test_accuracy_by_position_strings_and_batches(accuracy_by_position):
+    accuracy_by_position.add_batch(predictions=["a1", "b2"], references=["a1", "b3"], positions=[0, 1])
+    accuracy_by_position.add_batch(predictions=["c"], references=["c"], positions=[1])
+    result = accuracy_by_position.compute()
+    assert result["accuracy_by_position"] == {0: 1.0, 1: 0.5}
+    assert result["count_by_position"] == {0: 1, 1: 2}
+
+
+def test_perplexity_from_losses():
+    metric = evaluate.load(metric_path("perplexity"), "losses")
+    losses = [[math.log(2), math.log(2)], [math.log(8)]]  # mean nats = log(32) / 3
+    result = metric.compute(predictions=losses)
+    assert result["num_tokens"] == 3
+    assert result["mean_loss"] == pytest.approx(math.log(32) / 3)
+    assert result["perplexity"] == pytest.approx(32 ** (1 / 3))
+    assert result["bits_per_token"] == pytest.approx(5 / 3)
+    assert result["perplexities"] == pytest.approx([2.0, 8.0])
+
+
+def test_perplexity_from_logits_matches_hand_computed_and_torch():
+    # uniform logits over 4 tokens: every scored token costs log 4 nats, perplexity 4
+    metric = evaluate.load(metric_path("perplexity"))
+    result = metric.compute(predictions=[np.zeros((3, 4)).tolist()], references=[[0, 1, 2]])
+    assert result["perplexity"] == pytest.approx(4.0)
+    assert result["num_tokens"] == 2  # shifted: the first label has no prediction
+
+    # a causal LM's loss with -100 labels, by torch
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[0, 3] = -100
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
+    result = metric.compute(predictions=logits.tolist(), references=labels.tolist())
+    assert result["num_tokens"] == 7
+    assert result["mean_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(expected.item()), rel=1e-6)
+
+    unshifted = metric.compute(predictions=logits.tolist(), references=labels.tolist(), shift=False)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1))
+    assert unshifted["num_tokens"] == 9
+    assert unshifted["mean_loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_perplexity_rejects_an_unknown_configuration():
+    with pytest.raises(ValueError, match="'logits' \\(default\\) or 'losses'"):
+        evaluate.load(metric_path("perplexity"), "bleu")
