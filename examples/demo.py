@@ -7,7 +7,6 @@ No downloads and no GPU: the text is the `.py` files found with `sysconfig`, spl
 """
 
 import argparse
-import math
 import os
 import sysconfig
 import time
@@ -17,11 +16,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import evaluate  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub  # noqa: E402
+from sepformer.metrics import metric_path  # noqa: E402
 
 
 def stdlib_sources(max_bytes: int, validation_fraction: float) -> tuple[list[str], list[str]]:
@@ -57,6 +59,14 @@ def byte_blocks(texts: list[str], tokenizer: SepFormerTokenizer, block_size: int
 
     dataset = Dataset.from_dict({"text": texts}).map(tokenize, batched=True, remove_columns=["text"])
     return dataset.map(group, batched=True, batch_size=len(dataset))
+
+
+def validation_perplexity(trainer: Trainer, validation: Dataset) -> dict:
+    """Every validation token's loss, scored by the package's `perplexity` evaluate metric (loaded by path)."""
+    prediction = trainer.predict(validation)  # logits (blocks, L, vocab) and labels (blocks, L)
+    logits, labels = torch.from_numpy(prediction.predictions), torch.from_numpy(prediction.label_ids)
+    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")  # next-token NLL
+    return evaluate.load(metric_path("perplexity"), "losses").compute(predictions=losses.tolist())
 
 
 def main():
@@ -114,11 +124,12 @@ def main():
     started = time.time()
     train_result = trainer.train()
     minutes = (time.time() - started) / 60
-    validation_loss = trainer.evaluate()["eval_loss"]
     print(f"\ntrained {args.max_steps} steps in {minutes:.1f} min")
     last_logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
     print(f"train loss      {last_logged:.4f} (last logged; {train_result.training_loss:.4f} averaged over the run)")
-    print(f"validation loss {validation_loss:.4f} ({validation_loss / math.log(2):.3f} bits per byte)")
+    validation_result = validation_perplexity(trainer, validation)
+    print(f"validation loss {validation_result['mean_loss']:.4f} ({validation_result['bits_per_token']:.3f} bits per "
+          f"byte, perplexity {validation_result['perplexity']:.2f}; the package's `perplexity` metric)")
 
     model.eval()
     prompt = "def "

@@ -11,6 +11,7 @@ Each option takes its dataclass below or the equivalent dict (`{"gamma": 0.05}`)
 """
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -90,10 +91,17 @@ class StableMask(_Option):
     def sink_logits(self, position_ids: torch.Tensor, default_length: int) -> torch.Tensor:
         """`τ_t = -γt + log(1 - e^{-γ(N-t)}) - log(1 - e^{-γ})` at `t = position + 1`, `-∞` for `t >= N`."""
         length = self.length if self.length is not None else default_length
-        t = position_ids.double() + 1
-        remaining = (length - t).clamp(min=0)
-        tau = -self.gamma * t + torch.log(-torch.expm1(-self.gamma * remaining)) - math.log(-math.expm1(-self.gamma))
-        return tau.float()  # log(0) = -inf where t >= N
+        table = sink_logit_table(self.gamma, length, position_ids.device)  # (N + 1,): one lookup per decoding step
+        return table[position_ids.clamp(max=length)]
+
+
+@functools.lru_cache(maxsize=16)
+def sink_logit_table(gamma: float, length: int, device: torch.device) -> torch.Tensor:
+    """`τ` at positions `0..N`, the last one (and every later position) `-∞`."""
+    t = torch.arange(1, length + 2, dtype=torch.float64)
+    remaining = (length - t).clamp(min=0)
+    tau = -gamma * t + torch.log(-torch.expm1(-gamma * remaining)) - math.log(-math.expm1(-gamma))
+    return tau.float().to(device)  # log(0) = -inf where t >= N
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,12 @@ class MSPoE(_Option):
         if num_heads == 1:
             return torch.tensor([self.r_min], dtype=torch.float64)
         return torch.linspace(self.r_min, self.r_max, num_heads, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=16)
+def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Tensor:
+    """(H, 1) float32 ratios by rank on `device`, made once per option rather than at every decoding step."""
+    return option.ratios(num_heads).float().to(device)[:, None]
 
 
 @dataclass(frozen=True)
@@ -218,6 +232,13 @@ def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     return ((probs >= 3 * mean[..., None]) & valid).sum(-1, dtype=probs.dtype) / count
 
 
+def head_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Each head's rank (0 = most position-aware) from its score (..., H), ties broken by head index."""
+    order = torch.sort(-scores, dim=-1, stable=True).indices  # heads, most position-aware first
+    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks)  # the inverse permutation: ranks[order[i]] = i
+
+
 def head_ratios(option: MSPoE, scores: torch.Tensor) -> torch.Tensor:
     """Each head's ratio from its score (b, H): the highest score gets `r_min`, ties broken by head index.
 
@@ -225,19 +246,22 @@ def head_ratios(option: MSPoE, scores: torch.Tensor) -> torch.Tensor:
     sort permutation. The authors' code indexes with the sort permutation itself, which gives head `order[i]`'s ratio
     to head `i`; the two agree only when the permutation is its own inverse.
     """
-    order = torch.sort(-scores, dim=-1, stable=True).indices  # (b, H): heads, most position-aware first
-    ratios = option.ratios(scores.shape[-1]).to(scores.device).expand_as(order)
-    return torch.empty_like(ratios).scatter_(-1, order, ratios)  # ratios[b, order[b, i]] = r_i
+    return option.ratios(scores.shape[-1]).to(scores.device)[head_ranks(scores)]
 
 
-def fixed_head_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
-    """(H,) ratios of a fixed `head_order`."""
+def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
+    """(H,) ranks of a fixed `head_order` (its first head has rank 0)."""
     if sorted(option.head_order) != list(range(num_heads)):
         raise ValueError(
             f"ms_poe head_order={option.head_order} must be a permutation of the {num_heads} heads 0..{num_heads - 1}."
         )
     order = torch.tensor(option.head_order)
-    return torch.empty(num_heads, dtype=torch.float64).scatter_(0, order, option.ratios(num_heads))
+    return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
+
+
+def fixed_head_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
+    """(H,) ratios of a fixed `head_order`."""
+    return option.ratios(num_heads)[fixed_head_ranks(option, num_heads)]
 
 
 def default_layers(option, num_layers: int) -> frozenset[int]:
@@ -275,12 +299,21 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
 
     One extra head dimension carries the sink: queries get `τ_t / scaling` there, real keys 0, and one sink key in
     front (1 there, 0 elsewhere, with a zero value) scores exactly `τ_t`. So the softmax runs over the real keys and
-    the sink, and the sink's share is the mass StableMask's pseudo-columns take; no `n × n` matrix is built.
-    `sink_logits` is (b or 1, seq); -inf (rows past `N`) is clamped to a logit whose exponential is 0.
+    the sink, and the sink's share is the mass StableMask's pseudo-columns take; no `n × n` matrix is built. A single
+    query row at inference (decoding) is written out instead: one row of scores, the sink appended, a softmax.
+    `sink_logits` is (b or 1, 1, seq, 1); -inf (rows past `N`) is clamped to a logit whose exponential is 0.
     """
     batch, heads, seq, dim = query.shape
     kv = key.shape[2]
-    tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype)[:, None, :, None].expand(batch, heads, seq, 1)
+    if seq == 1 and not module.training:
+        # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (b, H, 1, kv)
+        if attention_mask is not None:
+            mask = attention_mask[..., :kv]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = torch.cat((scores, sink_logits.to(scores.dtype).expand(batch, heads, 1, 1)), -1).softmax(-1)[..., :kv]
+        return torch.matmul(probs, value).transpose(1, 2), probs  # (b, 1, H, d); rows sum to less than 1
+    tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype).expand(batch, heads, seq, 1)
     query = torch.cat((query, tau), -1)  # (b, H, seq, d + 1)
     sink_key = key.new_zeros(batch, heads, kv + 1, dim + 1)  # (b, H, 1 + kv, d + 1): the sink first
     sink_key[:, :, 0, dim] = 1
@@ -330,13 +363,12 @@ class AttentionOptions:
 
     state: dict
     stable_mask: StableMask | None = None
-    sink_logits: torch.Tensor | None = None  # (b or 1, seq): τ of the new tokens
+    sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the new tokens
     ms_poe: MSPoE | None = None
     ms_poe_layers: frozenset[int] = frozenset()
-    position_ids: torch.Tensor | None = None  # (b or 1, seq): the positions `p(·)` and rotary were evaluated at
-    position_rows: object = None  # fractional positions -> p(·), the model's positional map
-    base_position_rows: torch.Tensor | None = None  # (b or 1, seq, d_pos): p(position_ids)
-    rotary_inv_freq: torch.Tensor | None = None
+    # MS-PoE's `H` ratios are one set for every layer: what they do to positions is computed once per call, by rank
+    rank_position_shift: torch.Tensor | None = None  # (b or 1, H, seq, d_pos): p(m / r_i) - p(m) for rank i
+    rank_rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (b or 1, H, seq, rotary_dim) of m / r_i
     calibration: AttentionCalibration | None = None
     calibration_layers: frozenset[int] = frozenset()
     key_documents: torch.Tensor | None = None  # (b, kv, K)
@@ -345,21 +377,21 @@ class AttentionOptions:
     scaling_layers: frozenset[int] = frozenset()
     scaling_channels: torch.Tensor | None = None
 
-    def ms_poe_ratios(self, layer_idx: int, ranking_row) -> torch.Tensor:
-        """(b or 1, H) ratios of one layer: a fixed order, the ranking kept from prefill, or a ranking made now from
-        `ranking_row()` = (probs, valid) of the last query."""
-        ratios = self.state.setdefault("ms_poe_ratios", {})
-        if layer_idx not in ratios:
+    def ms_poe_ranks(self, layer_idx: int, ranking_row) -> torch.Tensor:
+        """(b or 1, H) ranks of one layer's heads: a fixed order, the ranking kept from prefill, or a ranking made now
+        from `ranking_row()` = (probs, valid) of the last query."""
+        ranks = self.state.setdefault("ms_poe_ranks", {})
+        if layer_idx not in ranks:
             if self.ms_poe.head_order is not None:
-                ratios[layer_idx] = fixed_head_ratios(self.ms_poe, len(self.ms_poe.head_order))[None]
+                ranks[layer_idx] = fixed_head_ranks(self.ms_poe, len(self.ms_poe.head_order))[None]
             elif self.state.get("prefilled"):
                 raise ValueError(
                     "ms_poe ranks the heads at prefill: it must be on from the first (prefill) call of a cached "
                     "generation, or be given a fixed head_order."
                 )
             else:
-                ratios[layer_idx] = head_ratios(self.ms_poe, position_awareness(*ranking_row()))
-        return ratios[layer_idx]
+                ranks[layer_idx] = head_ranks(position_awareness(*ranking_row()))
+        return ranks[layer_idx]
 
     def scaled_inputs(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query input, key input): the chosen channels times `s`, for every key and for the last query only."""

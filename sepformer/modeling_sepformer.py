@@ -32,8 +32,9 @@ from .mitigations import (
     StableMask,
     check_layers,
     default_layers,
-    fixed_head_ratios,
+    fixed_head_ranks,
     last_row_probs,
+    rank_ratios,
     sink_attention,
 )
 from .positional_maps import POSITIONAL_MAP_CLASSES, PositionExtrapolation
@@ -222,21 +223,18 @@ class SepFormerAttention(nn.Module):
                 base_query, base_key = apply_partial_rotary(query, key, *position_embeddings)
             return last_row_probs(base_query, base_key, attention_mask, self.scaling)
 
-        ratios = mitigations.ms_poe_ratios(self.layer_idx, ranking_row)  # (b or 1, H)
-        positions = mitigations.position_ids[:, None, :].double() / ratios[..., None]  # (b or 1, H, seq)
+        ranks = mitigations.ms_poe_ranks(self.layer_idx, ranking_row)[..., None, None]  # (b or 1, H, 1, 1)
         if position_input is not None:
             residual, norm = position_input  # (b, seq, d_pos), the positional block's input norm
             d_pos = residual.shape[-1]
-            rows = mitigations.position_rows(positions.float())  # (b or 1, H, seq, d_pos): p(m / r_h)
-            shifted = residual[:, None] + (rows - mitigations.base_position_rows[:, None]).to(residual.dtype)
-            delta = norm(shifted) - hidden_states[:, None, :, :d_pos]  # (b, H, seq, d_pos)
-            heads = self.config.num_attention_heads
-            query = query + torch.einsum("bhsp,hdp->bhsd", delta, self.q_proj.weight[:, :d_pos].view(heads, -1, d_pos))
-            key = key + torch.einsum("bhsp,hdp->bhsd", delta, self.k_proj.weight[:, :d_pos].view(heads, -1, d_pos))
+            shift = torch.take_along_dim(mitigations.rank_position_shift, ranks, 1)  # p(m / r_h) - p(m)
+            delta = norm(residual[:, None] + shift) - hidden_states[:, None, :, :d_pos]  # (b, H, seq, d_pos)
+            heads, head_dim = self.config.num_attention_heads, self.head_dim
+            for_head = (heads, head_dim, -1)  # W[:, :d_pos] (H·hd, d_pos) -> (H, hd, d_pos): W[h, :, pos]
+            query = query + torch.matmul(delta, self.q_proj.weight[:, :d_pos].view(for_head).transpose(1, 2))
+            key = key + torch.matmul(delta, self.k_proj.weight[:, :d_pos].view(for_head).transpose(1, 2))
         if position_embeddings is not None:
-            freqs = positions.float()[..., None] * mitigations.rotary_inv_freq  # (b or 1, H, seq, rotary_dim / 2)
-            angles = torch.cat((freqs, freqs), -1)
-            cos, sin = angles.cos().to(query.dtype), angles.sin().to(query.dtype)
+            cos, sin = (torch.take_along_dim(table, ranks, 1) for table in mitigations.rank_rotary)  # (b, H, seq, rd)
             query, key = apply_partial_rotary(query, key, cos, sin)
         return query, key
 
@@ -490,7 +488,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if ms_poe is not None and config.position_size == 0 and config.rotary_dim == 0:
             raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
         if ms_poe is not None and ms_poe.head_order is not None:
-            fixed_head_ratios(ms_poe, config.num_attention_heads)  # raises unless a permutation of the heads
+            fixed_head_ranks(ms_poe, config.num_attention_heads)  # raises unless a permutation of the heads
         if scaling is not None:
             if scaling.channels is None and config.position_size == 0:
                 raise ValueError(
@@ -546,15 +544,17 @@ class SepFormerModel(SepFormerPreTrainedModel):
         """The per-call tensors the attention layers read: sink logits, positions, each key's document."""
         mitigations.position_ids = position_ids
         if mitigations.stable_mask is not None:
-            mitigations.sink_logits = mitigations.stable_mask.sink_logits(
-                position_ids, self.config.max_position_embeddings
-            ).to(inputs_embeds.device)
+            tau = mitigations.stable_mask.sink_logits(position_ids, self.config.max_position_embeddings)
+            mitigations.sink_logits = tau.to(inputs_embeds.device)[:, None, :, None]  # (b or 1, 1, seq, 1)
         if mitigations.ms_poe is not None:
-            mitigations.base_position_rows = positions
-            if self.embed_positions is not None:
-                mitigations.position_rows = lambda fractional: self.embed_positions(fractional, extrapolation)
+            ratios = rank_ratios(mitigations.ms_poe, self.config.num_attention_heads, position_ids.device)  # (H, 1)
+            scaled = position_ids[:, None] / ratios  # (b or 1, H, seq): m / r_i
+            if positions is not None:
+                mitigations.rank_position_shift = self.embed_positions(scaled, extrapolation) - positions[:, None]
             if self.rotary_emb is not None:
-                mitigations.rotary_inv_freq = self.rotary_emb.inv_freq
+                angles = scaled[..., None] * self.rotary_emb.inv_freq  # (b or 1, H, seq, rotary_dim / 2)
+                angles = torch.cat((angles, angles), -1)
+                mitigations.rank_rotary = angles.cos().to(inputs_embeds.dtype), angles.sin().to(inputs_embeds.dtype)
         if mitigations.calibration is not None and mitigations.probe is None:
             mitigations.key_documents = key_documents(
                 mitigations.calibration, attention_mask, past_key_values, inputs_embeds

@@ -153,8 +153,10 @@ class LearnedPositions(nn.Embedding):
 
     def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
-        _check_not_negative(positions)
-        needed = math.ceil(float(positions.max())) + 1
+        low, high = (float(value) for value in torch.aminmax(positions))  # one reduction for both checks
+        if low < 0:
+            raise ValueError(f"position {low} is negative: positions start at 0.")
+        needed = math.ceil(high) + 1
         if needed <= self.num_embeddings:
             return interpolate_rows(self.weight, positions)
         return interpolate_rows(torch.cat((self.weight, self.rows_past_table(needed, extrapolation))), positions)
@@ -230,8 +232,3 @@ class SinusoidalPositions(nn.Module):
 
 
 POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
-
-
-def _check_not_negative(positions: torch.Tensor) -> None:
-    if positions.numel() and float(positions.min()) < 0:
-        raise ValueError(f"position {positions.min().item()} is negative: positions start at 0.")
