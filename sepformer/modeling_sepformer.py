@@ -270,7 +270,7 @@ def key_documents(
     spans = torch.tensor(calibration.spans, device=inputs_embeds.device)  # (b, K, 2)
     starts, ends = spans[..., 0][:, None], spans[..., 1][:, None]  # (b, 1, K)
     inside = (key_positions[..., None] >= starts) & (key_positions[..., None] < ends)
-    return inside.to(inputs_embeds.dtype)
+    return inside.float()  # calibration re-weights rows of probabilities kept in float32
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):

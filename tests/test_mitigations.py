@@ -423,3 +423,13 @@ def test_options_that_need_something_the_model_lacks_are_refused():
     no_pad = tiny_model(pad_token_id=None)
     with pytest.raises(ValueError, match="no pad_token_id: give dummy_document"):
         no_pad(ids, attention_calibration=AttentionCalibration(spans=(SPANS,)))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_every_option_generates_in_bfloat16(name):
+    model = tiny_model(rotary_dim=4).to(torch.bfloat16)
+    kwargs = dict(OPTIONS[name])
+    if name == "calibration":
+        kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,) * 3, layers=(0, 1))
+    out = model.generate(random_ids(3, 12), max_new_tokens=3, do_sample=False, **kwargs)
+    assert out.shape == (3, 15)
