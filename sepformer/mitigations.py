@@ -31,9 +31,12 @@ def check_layers(name: str, layers, num_layers: int) -> None:
 def _as_int_tuple(name: str, field: str, value):
     if value is None:
         return None
-    if isinstance(value, int) or not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+    if isinstance(value, int | str) or not hasattr(value, "__iter__"):
         raise ValueError(f"{name} {field}={value!r} must be a sequence of integers.")
-    return tuple(value)
+    items = tuple(value)  # a generator is read once, here
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        raise ValueError(f"{name} {field}={items!r} must be a sequence of integers.")
+    return items
 
 
 def _check_number(name: str, field: str, value, low: float | None = None, strict: bool = True) -> None:

@@ -500,6 +500,11 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 raise ValueError(
                     f"positional_scaling channels {bad} are out of range: channels are 0..{config.hidden_size - 1}."
                 )
+        if calibration is not None and past_key_values is not None and past_key_values.is_compileable:
+            raise ValueError(
+                "attention_calibration needs a cache that grows with the tokens (DynamicCache, the default): its "
+                "spans are matched to cached keys; got a static cache (cache_implementation='static')."
+            )
         if calibration is not None and len(calibration.spans) != batch:
             raise ValueError(
                 f"attention_calibration has spans for {len(calibration.spans)} rows; the batch has {batch} rows."
@@ -522,6 +527,12 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if calibration is not None and continuing and "calibration_bias" not in state:
             raise ValueError(
                 "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
+            )
+        # What was fixed at prefill belongs to the options of that call: continuing with others would reuse it wrongly.
+        if state.setdefault("prefill_options", (ms_poe, calibration)) != (ms_poe, calibration):
+            raise ValueError(
+                "ms_poe and attention_calibration are fixed at prefill (head ranking, bias(k) per span): continuing "
+                "a cache needs the same options as its prefill; start a new cache for new options or spans."
             )
         scaling_channels = None
         if scaling is not None:
@@ -550,7 +561,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
             ratios = rank_ratios(mitigations.ms_poe, self.config.num_attention_heads, position_ids.device)  # (H, 1)
             scaled = position_ids[:, None] / ratios  # (b or 1, H, seq): m / r_i
             if positions is not None:
-                mitigations.rank_position_shift = self.embed_positions(scaled, extrapolation) - positions[:, None]
+                coordinates = self.embed_positions.table_coordinates(position_ids, extrapolation)[:, None] / ratios
+                rows = self.embed_positions(coordinates, extrapolation).to(positions.dtype)  # p(m / r_i)
+                mitigations.rank_position_shift = rows - positions[:, None]
             if self.rotary_emb is not None:
                 angles = scaled[..., None] * self.rotary_emb.inv_freq  # (b or 1, H, seq, rotary_dim / 2)
                 angles = torch.cat((angles, angles), -1)
@@ -574,6 +587,12 @@ class SepFormerModel(SepFormerPreTrainedModel):
         calibration = mitigations.calibration
         if input_ids is None:
             raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
+                f"{attention_mask.dim()}D attention_mask (cache_implementation='static' makes one: use the dynamic "
+                "cache)."
+            )
         if calibration.dummy_document is None and self.config.pad_token_id is None:
             raise ValueError(
                 "attention_calibration's default dummy document is pad_token_id repeated, but the config has no "

@@ -138,6 +138,15 @@ class LearnedPositions(nn.Embedding):
 
     def interpolated(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Position interpolation, per row: a row of `n > L` positions is compressed by `(L-1)/(n-1)`."""
+        return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
+
+    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        """Where in the table each position is read: itself, except under `interpolate` past the table (compressed).
+
+        MS-PoE rescales these coordinates, so that `p(m / r)` and `p(m)` are read on the same scale.
+        """
+        if extrapolation.method != "interpolate":
+            return position_ids
         length = self.num_embeddings
         row_needed = position_ids.amax(-1, keepdim=True) + 1  # (b or 1, 1): each row's own length
         if extrapolation.length is not None:
@@ -149,7 +158,7 @@ class LearnedPositions(nn.Embedding):
                 )
             row_needed = torch.full_like(row_needed, extrapolation.length)
         scale = torch.where(row_needed > length, (length - 1) / (row_needed - 1).clamp(min=1), 1.0)
-        return interpolate_rows(self.weight, position_ids * scale)  # identity for rows of at most L positions
+        return position_ids * scale  # identity for rows of at most L positions
 
     def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
@@ -226,6 +235,9 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         return sinusoid(position_ids, self.dim)
+
+    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        return position_ids  # defined everywhere: nothing is compressed
 
     def extra_repr(self):
         return f"dim={self.dim}"

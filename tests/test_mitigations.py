@@ -173,9 +173,10 @@ def test_ratios_are_monotone_in_the_score_with_the_papers_semantics():
     assert torch.equal(fixed_head_ratios(MSPoE(head_order=(1, 3, 2, 0)), 4), ratios[0])
 
 
-def ms_poe_reference_logits(model, ids, option):
+def ms_poe_reference_logits(model, ids, option, positions=None):
     """A one-layer model written out head by head: head `h` reads `[p(m / r_h) ‖ s]` and rotates by `m / r_h`;
-    values (and the residual) keep `p(m)`."""
+    values (and the residual) keep `p(m)`. `positions`: where the table is read (default `m`; compressed under
+    `interpolate` past the table)."""
     cfg, layer = model.config, model.model.layers[0]
     attn, heads, head_dim = layer.self_attn, cfg.num_attention_heads, cfg.head_dim
     seq = ids.shape[1]
@@ -188,17 +189,19 @@ def ms_poe_reference_logits(model, ids, option):
         weight = (positions - low)[:, None]
         return table[low] * (1 - weight) + table[(low + 1).clamp(max=table.shape[0] - 1)] * weight
 
-    base = torch.cat((table[:seq][None].expand(ids.shape[0], -1, -1), tokens), -1)
+    coordinates = torch.arange(seq).float() if positions is None else positions
+    base = torch.cat((rows(coordinates)[None].expand(ids.shape[0], -1, -1), tokens), -1)
     values = attn.v_proj(layer.input_layernorm(base)).view(*ids.shape, heads, head_dim)
     outputs = []
     for h in range(heads):
-        positions = torch.arange(seq) / ratios[h]
-        normed = layer.input_layernorm(torch.cat((rows(positions)[None].expand(ids.shape[0], -1, -1), tokens), -1))
+        normed = layer.input_layernorm(
+            torch.cat((rows(coordinates / ratios[h])[None].expand(ids.shape[0], -1, -1), tokens), -1)
+        )
         q = attn.q_proj(normed).view(*ids.shape, heads, head_dim)[:, :, h]  # (b, seq, head_dim)
         k = attn.k_proj(normed).view(*ids.shape, heads, head_dim)[:, :, h]
         if cfg.rotary_dim:
             inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2).float() / cfg.rotary_dim)
-            angles = positions[:, None] * inv_freq
+            angles = (torch.arange(seq) / ratios[h])[:, None] * inv_freq
             cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
             r = cfg.rotary_dim
             q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), -1)
@@ -425,11 +428,66 @@ def test_options_that_need_something_the_model_lacks_are_refused():
         no_pad(ids, attention_calibration=AttentionCalibration(spans=(SPANS,)))
 
 
+@pytest.mark.parametrize("positional_map", ["learned", "sinusoidal"])
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_every_option_generates_in_bfloat16(name):
-    model = tiny_model(rotary_dim=4).to(torch.bfloat16)
+def test_every_option_generates_in_bfloat16(name, positional_map):
+    model = tiny_model(rotary_dim=4, positional_map=positional_map).to(torch.bfloat16)
     kwargs = dict(OPTIONS[name])
     if name == "calibration":
         kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,) * 3, layers=(0, 1))
     out = model.generate(random_ids(3, 12), max_new_tokens=3, do_sample=False, **kwargs)
     assert out.shape == (3, 15)
+
+
+def test_ms_poe_reads_the_table_on_the_scale_of_interpolate_past_the_table():
+    model = strong_positions(tiny_model())  # L = 64 rows
+    ids = random_ids(1, 70)
+    identity = MSPoE(r_min=1.0, r_max=1.0, layers=(0, 1), head_order=(0, 1, 2, 3))
+    base = logits(model, ids, position_extrapolation="interpolate")
+    assert torch.equal(logits(model, ids, position_extrapolation="interpolate", ms_poe=identity), base)
+    # one layer, one ratio for every head: the positional block of every head reads p((m · 63/69) / r)
+    one = strong_positions(tiny_model(num_hidden_layers=1))
+    option = MSPoE(r_min=2.0, r_max=2.0, layers=(0,), head_order=(0, 1, 2, 3))
+    table = one.model.embed_positions.weight
+    compressed = torch.arange(70) * (63 / 69)
+    with torch.no_grad():
+        ours = one(ids, position_extrapolation="interpolate", ms_poe=option, output_hidden_states=True)
+        position_rows = torch.lerp(
+            table[compressed.floor().long()],
+            table[(compressed.floor().long() + 1).clamp(max=63)],
+            (compressed - compressed.floor())[:, None],
+        )
+        assert torch.equal(ours.hidden_states[0][0, :, :8], position_rows)
+        reference = ms_poe_reference_logits(one, ids, option, positions=compressed)
+    torch.testing.assert_close(ours.logits, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_state_fixed_at_prefill_refuses_other_options_and_static_caches():
+    model = tiny_model()
+    ids = random_ids(1, 12)
+    cache = DynamicCache(config=model.config)
+    option = AttentionCalibration(spans=(SPANS,))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
+        with pytest.raises(ValueError, match="continuing a cache needs the same options as its prefill"):
+            model(
+                ids[:, :1],
+                past_key_values=cache,
+                use_cache=True,
+                attention_calibration=AttentionCalibration(spans=(((0, 4), (4, 8)),)),
+            )
+    with pytest.raises(ValueError, match="needs a cache that grows with the tokens"):
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=2,
+            cache_implementation="static",
+            attention_calibration=option,
+        )
+
+
+def test_layers_and_channels_accept_any_sequence_of_integers():
+    assert MSPoE(layers=(layer for layer in (2, 3))).layers == (2, 3)
+    assert PositionalScaling(0.5, channels=range(3)).channels == (0, 1, 2)
+    with pytest.raises(ValueError, match="must be a sequence of integers"):
+        MSPoE(layers=2)
