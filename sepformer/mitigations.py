@@ -262,11 +262,6 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
-def fixed_head_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
-    """(H,) ratios of a fixed `head_order`."""
-    return option.ratios(num_heads)[fixed_head_ranks(option, num_heads)]
-
-
 def default_layers(option, num_layers: int) -> frozenset[int]:
     """The layers an option acts in: its own `layers`, or the paper's default for its kind."""
     if option.layers is not None:
@@ -360,11 +355,12 @@ def calibrate_row(
 class AttentionOptions:
     """The mitigations of one forward call, resolved against the model and the batch; read by every attention layer.
 
-    `state` lives on the KV cache, so what is fixed at prefill (MS-PoE's ratios, calibration's `bias(k)`) serves
-    every later decoding step of the same generation.
+    `state` lives on the KV cache, so what is fixed at prefill (MS-PoE's ranks, calibration's `bias(k)`) serves
+    every later decoding step of the same generation; `continuing` says the call continues a cache (not a prefill).
     """
 
     state: dict
+    continuing: bool = False
     stable_mask: StableMask | None = None
     sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the new tokens
     ms_poe: MSPoE | None = None
@@ -378,7 +374,7 @@ class AttentionOptions:
     probe: torch.Tensor | None = None  # (b, kv) boolean: measuring `bias(k)`, the dummy document's keys
     scaling: PositionalScaling | None = None
     scaling_layers: frozenset[int] = frozenset()
-    scaling_channels: torch.Tensor | None = None
+    scaling_factor: torch.Tensor | None = None  # (d_model,): `s` on the chosen channels, 1 elsewhere
 
     def ms_poe_ranks(self, layer_idx: int, ranking_row) -> torch.Tensor:
         """(b or 1, H) ranks of one layer's heads: a fixed order, the ranking kept from prefill, or a ranking made now
@@ -387,7 +383,7 @@ class AttentionOptions:
         if layer_idx not in ranks:
             if self.ms_poe.head_order is not None:
                 ranks[layer_idx] = fixed_head_ranks(self.ms_poe, len(self.ms_poe.head_order))[None]
-            elif self.state.get("prefilled"):
+            elif self.continuing:
                 raise ValueError(
                     "ms_poe ranks the heads at prefill: it must be on from the first (prefill) call of a cached "
                     "generation, or be given a fixed head_order."
@@ -398,22 +394,25 @@ class AttentionOptions:
 
     def scaled_inputs(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query input, key input): the chosen channels times `s`, for every key and for the last query only."""
-        factor = torch.ones(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
-        factor[self.scaling_channels] = self.scaling.factor
-        key_input = hidden_states * factor
+        key_input = hidden_states * self.scaling_factor
         query_input = torch.cat((hidden_states[:, :-1], key_input[:, -1:]), 1)
         return query_input, key_input
 
-    def calibrated_output(
-        self, layer_idx: int, query, key, value, attention_mask, scaling: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last query's calibrated attention output (b, H, 1, d) and row (b, H, kv); when measuring `bias(k)`,
-        records the row's mean attention on the dummy document instead and returns the row unchanged."""
-        probs, _ = last_row_probs(query, key, attention_mask, scaling)
+    def calibrate(
+        self, layer_idx: int, query, key, value, attention_mask, scaling: float, output, weights
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention output (b, seq, H, d) and weights with the last query's row calibrated. When measuring
+        `bias(k)`, records that row's mean attention on the dummy document instead and changes nothing."""
+        probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
         if self.probe is not None:
             probe = self.probe[:, None].to(probs.dtype)  # (b, 1, kv)
             self.state.setdefault("probed", {})[layer_idx] = (probs * probe).sum(-1) / probe.sum(-1)  # (b, H)
-        else:
-            bias = self.state["calibration_bias"][layer_idx]
-            probs = calibrate_row(probs, self.key_documents, bias, self.calibration.temperature)
-        return torch.matmul(probs.to(value.dtype)[:, :, None], value), probs
+            return output, weights
+        probs = calibrate_row(
+            probs, self.key_documents, self.state["calibration_bias"][layer_idx], self.calibration.temperature
+        )
+        last = torch.matmul(probs.to(value.dtype)[:, :, None], value).transpose(1, 2)  # (b, 1, H, d)
+        output = torch.cat((output[:, :-1], last), 1)
+        if weights is not None:
+            weights = torch.cat((weights[:, :, :-1], probs[:, :, None].to(weights.dtype)), 2)
+        return output, weights

@@ -194,14 +194,9 @@ class SepFormerAttention(nn.Module):
         else:
             attn_output, attn_weights = attention_interface(*attention_args, **attention_kwargs, **kwargs)
         if mitigations is not None and layer in mitigations.calibration_layers:
-            last_output, last_row = mitigations.calibrated_output(
-                layer, query_states, key_states, value_states, attention_mask, self.scaling
+            attn_output, attn_weights = mitigations.calibrate(
+                layer, query_states, key_states, value_states, attention_mask, self.scaling, attn_output, attn_weights
             )
-            if mitigations.probe is None:
-                # (b, seq, heads, head_dim) output of the attention functions: the last row replaced
-                attn_output = torch.cat((attn_output[:, :-1], last_output.transpose(1, 2)), 1)
-                if attn_weights is not None:
-                    attn_weights = torch.cat((attn_weights[:, :, :-1], last_row[:, :, None].to(attn_weights)), 2)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (b, seq, d_model)
         return self.o_proj(attn_output), attn_weights
 
@@ -239,6 +234,11 @@ class SepFormerAttention(nn.Module):
         return query, key
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.LongTensor:
+    """(b, past + seq) positions counted from each row's first real token, -1 on left padding."""
+    return attention_mask.long().cumsum(-1) - 1
+
+
 def default_position_ids(
     inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None
 ) -> torch.LongTensor:
@@ -249,8 +249,7 @@ def default_position_ids(
     """
     seq_len = inputs_embeds.shape[1]
     if attention_mask is not None and attention_mask.dim() == 2:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, past + seq)
-        return position_ids[:, -seq_len:]
+        return positions_from_mask(attention_mask).clamp(min=0)[:, -seq_len:]
     past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
     return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
 
@@ -262,8 +261,8 @@ def key_documents(
     inputs_embeds: torch.Tensor,
 ) -> torch.Tensor:
     """(b, kv, K) one-hot: which document each key (cached and new) belongs to; spans count like positions."""
-    if attention_mask is not None and attention_mask.dim() == 2:
-        key_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, -1)  # (b, kv)
+    if attention_mask is not None:  # 2D (checked with the options)
+        key_positions = positions_from_mask(attention_mask).masked_fill(attention_mask == 0, -1)  # (b, kv)
     else:
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         key_positions = torch.arange(past + inputs_embeds.shape[1], device=inputs_embeds.device)[None]  # (1, kv)
@@ -401,15 +400,19 @@ class SepFormerModel(SepFormerPreTrainedModel):
 
         extrapolation = self.resolve_extrapolation(position_extrapolation, past_key_values)
         mitigations = self.resolve_mitigations(
-            stable_mask, ms_poe, attention_calibration, positional_scaling, past_key_values, inputs_embeds.shape[0]
+            stable_mask,
+            ms_poe,
+            attention_calibration,
+            positional_scaling,
+            past_key_values,
+            attention_mask,
+            inputs_embeds.shape[0],
         )
         if mitigations is not None and mitigations.calibration is not None:
             self.estimate_calibration_bias(input_ids, attention_mask, mitigations, extrapolation)
         hidden_states = self.run_layers(
             inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, mitigations, **kwargs
         )
-        if mitigations is not None:
-            mitigations.state["prefilled"] = True
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
     def run_layers(
@@ -461,7 +464,14 @@ class SepFormerModel(SepFormerPreTrainedModel):
         return self.norm(hidden_states)
 
     def resolve_mitigations(
-        self, stable_mask, ms_poe, attention_calibration, positional_scaling, past_key_values: Cache | None, batch: int
+        self,
+        stable_mask,
+        ms_poe,
+        attention_calibration,
+        positional_scaling,
+        past_key_values: Cache | None,
+        attention_mask: torch.Tensor | None,
+        batch: int,
     ) -> AttentionOptions | None:
         """Parse and check the mitigation options of a call against this model; `None` when all are off."""
         config = self.config
@@ -505,6 +515,11 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 "attention_calibration needs a cache that grows with the tokens (DynamicCache, the default): its "
                 "spans are matched to cached keys; got a static cache (cache_implementation='static')."
             )
+        if calibration is not None and attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
+                f"{attention_mask.dim()}D attention_mask."
+            )
         if calibration is not None and len(calibration.spans) != batch:
             raise ValueError(
                 f"attention_calibration has spans for {len(calibration.spans)} rows; the batch has {batch} rows."
@@ -521,7 +536,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
         state = getattr(past_key_values, "mitigation_state", None) if continuing else None
         if state is None:
-            state = {"prefilled": continuing}
+            state = {}
             if past_key_values is not None:
                 past_key_values.mitigation_state = state
         if calibration is not None and continuing and "calibration_bias" not in state:
@@ -534,11 +549,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 "ms_poe and attention_calibration are fixed at prefill (head ranking, bias(k) per span): continuing "
                 "a cache needs the same options as its prefill; start a new cache for new options or spans."
             )
-        scaling_channels = None
-        if scaling is not None:
-            scaling_channels = torch.tensor(scaling.channels or range(config.position_size), dtype=torch.long)
         return AttentionOptions(
             state=state,
+            continuing=continuing,
             stable_mask=stable_mask,
             ms_poe=ms_poe,
             ms_poe_layers=ms_poe_layers,
@@ -546,14 +559,16 @@ class SepFormerModel(SepFormerPreTrainedModel):
             calibration_layers=default_layers(calibration, layers) if calibration is not None else frozenset(),
             scaling=scaling,
             scaling_layers=scaling_layers,
-            scaling_channels=scaling_channels,
         )
 
     def prepare_mitigations(
         self, mitigations, position_ids, positions, extrapolation, attention_mask, past_key_values, inputs_embeds
     ) -> None:
         """The per-call tensors the attention layers read: sink logits, positions, each key's document."""
-        mitigations.position_ids = position_ids
+        if mitigations.scaling is not None:
+            factor = torch.ones(self.config.hidden_size, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
+            factor[list(mitigations.scaling.channels or range(self.config.position_size))] = mitigations.scaling.factor
+            mitigations.scaling_factor = factor
         if mitigations.stable_mask is not None:
             tau = mitigations.stable_mask.sink_logits(position_ids, self.config.max_position_embeddings)
             mitigations.sink_logits = tau.to(inputs_embeds.device)[:, None, :, None]  # (b or 1, 1, seq, 1)
@@ -587,12 +602,6 @@ class SepFormerModel(SepFormerPreTrainedModel):
         calibration = mitigations.calibration
         if input_ids is None:
             raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
-                f"{attention_mask.dim()}D attention_mask (cache_implementation='static' makes one: use the dynamic "
-                "cache)."
-            )
         if calibration.dummy_document is None and self.config.pad_token_id is None:
             raise ValueError(
                 "attention_calibration's default dummy document is pad_token_id repeated, but the config has no "
@@ -621,7 +630,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
             pad = width - len(sequence)  # left padding
             ids[index, pad:], mask[index, pad:] = sequence, 1
             probe[index, pad + start : pad + end] = True
-        probing = dataclasses.replace(mitigations, state={"prefilled": False}, probe=probe)
+        probing = dataclasses.replace(mitigations, state={}, continuing=False, probe=probe)
         not_recorded = _active_collector.set(None)  # the caller's output_attentions/hidden_states are not these passes'
         try:
             self.run_layers(self.embed_tokens(ids), mask, None, None, extrapolation, probing)

@@ -18,7 +18,7 @@ from sepformer import (
     SepFormerTokenizer,
     StableMask,
 )
-from sepformer.mitigations import calibrate_row, fixed_head_ratios, head_ratios, position_awareness
+from sepformer.mitigations import calibrate_row, fixed_head_ranks, head_ratios, position_awareness
 
 SPANS = ((0, 3), (3, 6), (6, 9))
 OPTIONS = {
@@ -170,7 +170,8 @@ def test_ratios_are_monotone_in_the_score_with_the_papers_semantics():
     torch.testing.assert_close(ratios, torch.tensor([[1.8, 1.2, 1.6, 1.4]], dtype=torch.float64))
     order = torch.tensor([1, 3, 2, 0])
     assert not torch.equal(option.ratios(4)[order], ratios[0])
-    assert torch.equal(fixed_head_ratios(MSPoE(head_order=(1, 3, 2, 0)), 4), ratios[0])
+    fixed = MSPoE(head_order=(1, 3, 2, 0))
+    assert torch.equal(fixed.ratios(4)[fixed_head_ranks(fixed, 4)], ratios[0])
 
 
 def ms_poe_reference_logits(model, ids, option, positions=None):
@@ -180,7 +181,7 @@ def ms_poe_reference_logits(model, ids, option, positions=None):
     cfg, layer = model.config, model.model.layers[0]
     attn, heads, head_dim = layer.self_attn, cfg.num_attention_heads, cfg.head_dim
     seq = ids.shape[1]
-    ratios = fixed_head_ratios(option, heads).float()
+    ratios = option.ratios(heads)[fixed_head_ranks(option, heads)].float()
     table = model.model.embed_positions.weight
     tokens = model.model.embed_tokens(ids)
 
