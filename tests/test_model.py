@@ -136,6 +136,25 @@ def test_value_and_output_projections_are_real_linear_blocks():
     assert model.lm_head.weight.shape == (259, 20)
 
 
+@pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_norm_equals_the_two_torch_norms_and_their_gradients(norm_type, dtype):
+    """The one-pass `BlockNorm` against its own `position`/`semantic` torch norms called on each block."""
+    model = randomize_norms(tiny_model(position_size=12, norm_type=norm_type)).to(dtype)
+    norm = model.model.layers[0].input_layernorm
+    x = (torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 4 + 1).to(dtype).requires_grad_()
+    grad = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    inputs = [x, *norm.parameters()]
+    out = norm(x)
+    reference = torch.cat((norm.position(x[..., :12]), norm.semantic(x[..., 12:])), -1)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, reference, **tolerance)
+    grads, reference_grads = (torch.autograd.grad(y, inputs, grad) for y in (out, reference))
+    for name, got, expected in zip(["x", *dict(norm.named_parameters())], grads, reference_grads, strict=True):
+        torch.testing.assert_close(got, expected, **tolerance, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
 # ------------------------------------------------------------------------------------------------ isolation invariant
 
 
