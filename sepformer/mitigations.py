@@ -54,8 +54,8 @@ class _Option:
 
     @classmethod
     def parse(cls, value):
-        if value is None:
-            return None
+        if value is None or isinstance(value, cls):  # frozen and validated when made
+            return value
         fields = [field.name for field in dataclasses.fields(cls)]
         if type(value).__name__ == cls.__name__ and all(hasattr(value, name) for name in fields):
             return cls(**{name: getattr(value, name) for name in fields})
