@@ -156,6 +156,51 @@ def apply_partial_rotary(q, k, cos, sin):
     return rotate(q), rotate(k)
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedProjections:
+    """One attention layer's projections as two dense matmuls, for decoding steps.
+
+    A decoding step multiplies a token or a few per row, and on a CPU its time goes by the number of kernels, not by
+    FLOPs: `q_proj`, `k_proj` and the two blocks of `v_proj` (four matmuls, a split and a cat) become one matmul with
+    `[W_q; W_k; W_V]`, and `o_proj` (two matmuls, a split and a cat) one with `W_O`, the block-diagonal matrices
+    written dense with their zero blocks. Same function; ~1e-7 apart in float32 (another summation order). Costs a
+    second copy of the attention weights while the cache lives.
+    """
+
+    qkv_weight: torch.Tensor  # (3 · d_model, d_model)
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor  # (d_model, d_model)
+    o_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, attention: "SepFormerAttention") -> "FusedProjections | None":
+        """The fused matrices of `attention`, or `None` if a projection is not a plain, unhooked `nn.Linear`."""
+        v_proj, o_proj = attention.v_proj, attention.o_proj
+        v_blocks, o_blocks = (
+            [block for block in (projection.position, projection.semantic) if block is not None]
+            for projection in (v_proj, o_proj)
+        )
+        linears = (attention.q_proj, attention.k_proj, *v_blocks, *o_blocks)
+        if not all(is_plain_linear(module) for module in (*linears, v_proj, o_proj)):
+            return None
+        dense = [torch.block_diag(*(block.weight for block in blocks)) for blocks in (v_blocks, o_blocks)]
+        qkv_weight = torch.cat((attention.q_proj.weight, attention.k_proj.weight, dense[0]))
+        if attention.q_proj.bias is None:
+            return cls(qkv_weight, None, dense[1], None)
+        qkv_bias = torch.cat([attention.q_proj.bias, attention.k_proj.bias, *(block.bias for block in v_blocks)])
+        return cls(qkv_weight, qkv_bias, dense[1], torch.cat([block.bias for block in o_blocks]))
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """An `nn.Linear` or `BlockDiagonal` (not a subclass) whose forward is its class's and runs no hooks."""
+    return (
+        type(module) in (nn.Linear, BlockDiagonal)
+        and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    )
+
+
 class SepFormerAttention(nn.Module):
     """Full `q_proj`/`k_proj`; block-diagonal `v_proj`/`o_proj` (each block its own `nn.Linear`)."""
 
@@ -189,15 +234,22 @@ class SepFormerAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         layer = self.layer_idx
-        query_input = key_input = hidden_states
-        if mitigations is not None and layer in mitigations.scaling_layers:
-            query_input, key_input = mitigations.scaled_inputs(hidden_states)
+        scaled = mitigations is not None and layer in mitigations.scaling_layers
+        fused = None if scaled else self.decoding_projections(past_key_values)
 
         # (b, seq, d_model) -> (b, heads, seq, head_dim). Value heads may straddle the two blocks: attention
         # mixes rows (tokens), never columns, so the blocks stay apart.
-        query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if fused is not None:
+            qkv = nn.functional.linear(hidden_states, fused.qkv_weight, fused.qkv_bias)  # (b, seq, 3 · d_model)
+            qkv = qkv.view(*input_shape, 3, -1, self.head_dim).transpose(1, 3)  # (b, heads, 3, seq, head_dim)
+            query_states, key_states, value_states = qkv.unbind(2)
+        else:
+            query_input = key_input = hidden_states
+            if scaled:
+                query_input, key_input = mitigations.scaled_inputs(hidden_states)
+            query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
+            key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
+            value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         if mitigations is not None and layer in mitigations.ms_poe_layers:
             query_states, key_states = self.multi_scale_positions(
@@ -231,7 +283,33 @@ class SepFormerAttention(nn.Module):
                 layer, query_states, key_states, value_states, attention_mask, self.scaling, attn_output, attn_weights
             )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (b, seq, d_model)
+        if fused is not None:
+            return nn.functional.linear(attn_output, fused.o_weight, fused.o_bias), attn_weights
         return self.o_proj(attn_output), attn_weights
+
+    def decoding_projections(self, past_key_values: Cache | None) -> "FusedProjections | None":
+        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd).
+
+        Made at the first decoding step from the weights of then and kept on the cache, so they live as long as the
+        generation. `None` (the per-block modules run) in training, under autograd or `torch.compile`, with a static
+        cache, at prefill, or when a projection is not a plain `nn.Linear` called as such (PEFT adapters,
+        quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass.
+        """
+        if (
+            past_key_values is None
+            or torch.is_grad_enabled()
+            or self.training
+            or past_key_values.is_compileable
+            or torch.compiler.is_compiling()
+            or past_key_values.get_seq_length(self.layer_idx) == 0
+        ):
+            return None
+        per_layer = getattr(past_key_values, "fused_projections", None)
+        if per_layer is None:
+            per_layer = past_key_values.fused_projections = {}
+        if self.layer_idx not in per_layer:
+            per_layer[self.layer_idx] = FusedProjections.of(self)
+        return per_layer[self.layer_idx]
 
     def multi_scale_positions(
         self, query, key, hidden_states, position_embeddings, attention_mask, mitigations, position_input

@@ -1,5 +1,7 @@
 """The architecture of SPEC §1, checked against formulas written independently of the model code."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,20 +141,27 @@ def test_value_and_output_projections_are_real_linear_blocks():
 @pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_norm_equals_the_two_torch_norms_and_their_gradients(norm_type, dtype):
-    """The one-pass `BlockNorm` against its own `position`/`semantic` torch norms called on each block."""
-    model = randomize_norms(tiny_model(position_size=12, norm_type=norm_type)).to(dtype)
+    """The one-pass `BlockNorm` against its own `position`/`semantic` torch norms called on each block, in float32
+    (in bf16 the reference would round its own weight gradients)."""
+    model = randomize_norms(tiny_model(position_size=12, norm_type=norm_type))
     norm = model.model.layers[0].input_layernorm
-    x = (torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 4 + 1).to(dtype).requires_grad_()
-    grad = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
-    inputs = [x, *norm.parameters()]
+    reference_norm = copy.deepcopy(norm)
+    norm.to(dtype)
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 4 + 1
+    grad = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1))
+    x_reference = x.clone().requires_grad_()
+    x = x.to(dtype).requires_grad_()
     out = norm(x)
-    reference = torch.cat((norm.position(x[..., :12]), norm.semantic(x[..., 12:])), -1)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    reference = torch.cat(
+        (reference_norm.position(x_reference[..., :12]), reference_norm.semantic(x_reference[..., 12:])), -1
+    )
     assert out.dtype == dtype
-    torch.testing.assert_close(out, reference, **tolerance)
-    grads, reference_grads = (torch.autograd.grad(y, inputs, grad) for y in (out, reference))
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+    grads = torch.autograd.grad(out, [x, *norm.parameters()], grad.to(dtype))
+    reference_grads = torch.autograd.grad(reference, [x_reference, *reference_norm.parameters()], grad)
     for name, got, expected in zip(["x", *dict(norm.named_parameters())], grads, reference_grads, strict=True):
-        torch.testing.assert_close(got, expected, **tolerance, msg=lambda m, name=name: f"grad of {name}: {m}")
+        torch.testing.assert_close(got.float(), expected, **tolerance, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------ isolation invariant
@@ -170,8 +179,9 @@ def test_zeroed_query_key_makes_positional_blocks_content_free():
             layer.self_attn.q_proj.weight.zero_()
             layer.self_attn.k_proj.weight.zero_()
     d_pos = model.config.position_size
-    first, second = all_hidden_states(model, input_ids=random_ids(1, 16, 1)), all_hidden_states(
-        model, input_ids=random_ids(1, 16, 2)
+    first, second = (
+        all_hidden_states(model, input_ids=random_ids(1, 16, 1)),
+        all_hidden_states(model, input_ids=random_ids(1, 16, 2)),
     )
     assert len(first) == model.config.num_hidden_layers + 1
     for a, b in zip(first, second, strict=True):
@@ -246,6 +256,63 @@ def test_incremental_decoding_equals_full_forward(variant):
         for t in range(8, 20):
             steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def decode_steps(model, ids, prefill, **options):
+    """Logits of a prefill of `prefill` tokens and then one decoding step per remaining token, and the cache."""
+    cache = DynamicCache(config=model.config)
+    steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True, **options).logits]
+    for t in range(prefill, ids.shape[1]):
+        steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **options).logits)
+    return torch.cat(steps, 1), cache
+
+
+@pytest.mark.parametrize(
+    "variant, options",
+    [(variant, {}) for variant in sorted(VARIANTS)]
+    + [
+        ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,)}}),
+        ("rotary", {"ms_poe": {"head_order": (2, 0, 3, 1)}}),
+    ],
+)
+def test_decoding_steps_with_fused_projections_equal_the_block_projections(variant, options):
+    """Without autograd, decoding steps use one `[W_q; W_k; W_V]` and one dense `W_O` per layer (kept on the
+    cache); with autograd the per-block modules run. Both give the same logits."""
+    model = randomize_norms(tiny_model(**VARIANTS[variant]))
+    ids = random_ids(2, 20)
+    with torch.no_grad():
+        fused, cache = decode_steps(model, ids, 8, **options)
+    fused_layers = {i for i, p in cache.fused_projections.items() if p is not None}
+    assert fused_layers == ({0} if "positional_scaling" in options else {0, 1})  # a scaled layer keeps its blocks
+    blocks, block_cache = decode_steps(model, ids, 8, **options)  # autograd on
+    assert not hasattr(block_cache, "fused_projections")
+    torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_are_not_used_when_a_projection_is_hooked():
+    """A forward hook (as PEFT, accelerate or a user would add) must see every call: that layer keeps its blocks."""
+    model = tiny_model()
+    calls = []
+    model.model.layers[0].self_attn.v_proj.semantic.register_forward_hook(lambda *args: calls.append(1))
+    with torch.no_grad():
+        _, cache = decode_steps(model, random_ids(1, 12), 4)
+    assert len(calls) == 1 + 8  # the prefill and every decoding step
+    assert cache.fused_projections[0] is None and cache.fused_projections[1] is not None
+
+
+def test_fused_projections_follow_the_weights_of_each_generation():
+    """They live on the cache: a new generation after a weight change uses the new weights."""
+    model = tiny_model()
+    ids = random_ids(1, 4)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=256, return_dict_in_generate=True, output_logits=True)
+    model.generate(ids, **kwargs)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.semantic.weight.mul_(-2)
+            layer.self_attn.o_proj.position.weight.mul_(3)
+        after = torch.stack(model.generate(ids, **kwargs).logits, 1)
+        uncached = model.generate(ids, use_cache=False, **kwargs)
+    torch.testing.assert_close(after, torch.stack(uncached.logits, 1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["learned", "sinusoidal", "nope", "rotary"])
