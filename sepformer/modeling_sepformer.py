@@ -75,31 +75,34 @@ def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=8)
-def block_averaging(position_size: int, semantic_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 `(d, 2)` matrix whose columns average each block's coordinates, and the `(2, d)` 0/1 block indicator."""
+def block_statistics(position_size: int, semantic_size: int, eps: float, device: torch.device):
+    """float32 constants of a `BlockNorm`: the `(2, d)` block-averaging matrix, `eps` per block, the 0/1 indicator."""
     indicator = torch.block_diag(torch.ones(1, position_size), torch.ones(1, semantic_size)).to(device)
-    return (indicator / indicator.sum(-1, keepdim=True)).T, indicator
+    return indicator / indicator.sum(-1, keepdim=True), torch.full((2,), eps, device=device), indicator
 
 
 class BlockNorm(BlockDiagonal):
     """Each block normalised on its own (its own RMSNorm or LayerNorm, `position` and `semantic`), in one pass.
 
-    The same function as `BlockDiagonal` of the two norms, with fewer kernels: each block's statistics are one matmul
-    with the block-averaging matrix, and come back to the block's coordinates, times the block's weight, through one
-    `(2, d)` matrix; no split, no norm call per block, no cat. A decoding step's time goes by kernel count (a CPU
-    `rms_norm` is ten kernels), a training step's by full-width passes. Statistics in float32, as the torch norms.
+    The same function as `BlockDiagonal` of the two norms, with fewer kernels: each block's mean square (plus `eps`)
+    is one matmul with the block-averaging matrix, and comes back to the block's coordinates, times the block's
+    weight, through one `(2, d)` matrix; no split, no norm call per block, no cat. A decoding step's time goes by
+    kernel count (a CPU `rms_norm` is ten kernels), a training step's by full-width passes. Statistics in float32,
+    as the torch norms compute them.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.position is None:
             return self.semantic(x)
         position, semantic = self.position, self.semantic
-        averaging, indicator = block_averaging(self.position_size, x.shape[-1] - self.position_size, x.device)
+        averaging, eps, indicator = block_statistics(
+            self.position_size, x.shape[-1] - self.position_size, semantic.eps, x.device
+        )
         centred = isinstance(semantic, nn.LayerNorm)
         h = x.float()
         if centred:
-            h = h - (h @ averaging) @ indicator  # each block minus its own mean
-        inverse_rms = torch.rsqrt((h * h) @ averaging + semantic.eps)  # (..., 2): one per block
+            h = h - nn.functional.linear(h, averaging) @ indicator  # each block minus its own mean
+        inverse_rms = nn.functional.linear(h * h, averaging, eps).rsqrt_()  # (..., 2): one per block
         weights = indicator * torch.cat((position.weight, semantic.weight)).float()  # (2, d): row j, block j's weight
         normed = (h * (inverse_rms @ weights)).to(x.dtype)
         return normed + torch.cat((position.bias, semantic.bias)) if centred else normed
@@ -295,20 +298,16 @@ class SepFormerAttention(nn.Module):
         cache, at prefill, or when a projection is not a plain `nn.Linear` called as such (PEFT adapters,
         quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass.
         """
-        if (
-            past_key_values is None
-            or torch.is_grad_enabled()
-            or self.training
-            or past_key_values.is_compileable
-            or torch.compiler.is_compiling()
-            or past_key_values.get_seq_length(self.layer_idx) == 0
-        ):
+        if past_key_values is None or torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
             return None
         per_layer = getattr(past_key_values, "fused_projections", None)
+        if per_layer is not None and self.layer_idx in per_layer:
+            return per_layer[self.layer_idx]
+        if past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) == 0:
+            return None
         if per_layer is None:
             per_layer = past_key_values.fused_projections = {}
-        if self.layer_idx not in per_layer:
-            per_layer[self.layer_idx] = FusedProjections.of(self)
+        per_layer[self.layer_idx] = FusedProjections.of(self)
         return per_layer[self.layer_idx]
 
     def multi_scale_positions(
