@@ -95,7 +95,9 @@ class BlockNorm(BlockDiagonal):
         if self.position is None:
             return self.semantic(x)
         position, semantic = self.position, self.semantic
-        averaging, eps, indicator = block_statistics(
+        # Under torch.compile the constants are traced (dynamo does not go through an lru_cache)
+        statistics = block_statistics.__wrapped__ if torch.compiler.is_compiling() else block_statistics
+        averaging, eps, indicator = statistics(
             self.position_size, x.shape[-1] - self.position_size, semantic.eps, x.device
         )
         centred = isinstance(semantic, nn.LayerNorm)
