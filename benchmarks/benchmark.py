@@ -1,7 +1,7 @@
 """Speed and memory of SepFormer against Hugging Face's GPT-2 and Llama of the same shape, in one command.
 
-    python benchmarks/benchmark.py                 # the full run (about 5 min on 2 idle CPU cores)
-    python benchmarks/benchmark.py --compile       # plus torch.compile speed-ups (about 11 min in all)
+    python benchmarks/benchmark.py                 # the full run (about 8-10 min on 2 CPU cores)
+    python benchmarks/benchmark.py --compile       # plus torch.compile speed-ups (about 17 min in all)
     python benchmarks/benchmark.py --quick         # a tiny shape: checks that everything runs (under a minute)
 
 Prints a markdown table and writes `benchmark.md` and `benchmark.csv` under `--output-dir`.
@@ -24,6 +24,7 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
 - prefill: one forward pass at batch 1 building the KV cache, logits of the last token only (as `generate` does);
 - cached generation: `generate` greedy with `min_new_tokens = max_new_tokens`, so every model produces the same number
   of tokens; tokens per second counts generated tokens (the short prompt's prefill is inside the timed call);
+  SepFormer decodes as `generate` does by default, with its fused projections (`FusedProjections`);
 - peak memory: each model in a fresh subprocess (the three run side by side; memory does not depend on timing). glibc
   is told to serve every allocation above 64 KiB with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
   resident set; before each measurement the kernel's resident high-water mark is reset (`/proc/self/clear_refs`), and

@@ -62,10 +62,12 @@ class BlockDiagonal(nn.Module):
         return torch.cat((self.position(position), self.semantic(semantic)), -1)
 
 
-def block_diagonal(config: SepFormerConfig, make: Callable[[int], nn.Module]) -> BlockDiagonal:
+def block_diagonal(
+    config: SepFormerConfig, make: Callable[[int], nn.Module], kind: type[BlockDiagonal] = BlockDiagonal
+) -> BlockDiagonal:
     """`make(width)` builds the module of one subspace; the positional one is skipped when `d_pos = 0`."""
     position = make(config.position_size) if config.position_size > 0 else None
-    return BlockDiagonal(position, make(config.semantic_size), config.position_size)
+    return kind(position, make(config.semantic_size), config.position_size)
 
 
 def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
@@ -108,11 +110,6 @@ class BlockNorm(BlockDiagonal):
         weights = indicator * torch.cat((position.weight, semantic.weight)).float()  # (2, d): row j, block j's weight
         normed = (h * (inverse_rms @ weights)).to(x.dtype)
         return normed + torch.cat((position.bias, semantic.bias)) if centred else normed
-
-
-def block_norm(config: SepFormerConfig) -> BlockNorm:
-    position = make_norm(config, config.position_size) if config.position_size > 0 else None
-    return BlockNorm(position, make_norm(config, config.semantic_size), config.position_size)
 
 
 class SepFormerMLP(nn.Module):
@@ -179,14 +176,14 @@ class FusedProjections:
 
     @classmethod
     def of(cls, attention: "SepFormerAttention") -> "FusedProjections | None":
-        """The fused matrices of `attention`, or `None` if a projection is not a plain, unhooked `nn.Linear`."""
+        """The fused matrices of `attention`, or `None` unless every projection `is_plain_module`."""
         v_proj, o_proj = attention.v_proj, attention.o_proj
         v_blocks, o_blocks = (
             [block for block in (projection.position, projection.semantic) if block is not None]
             for projection in (v_proj, o_proj)
         )
         linears = (attention.q_proj, attention.k_proj, *v_blocks, *o_blocks)
-        if not all(is_plain_linear(module) for module in (*linears, v_proj, o_proj)):
+        if not all(is_plain_module(module) for module in (*linears, v_proj, o_proj)):
             return None
         dense = [torch.block_diag(*(block.weight for block in blocks)) for blocks in (v_blocks, o_blocks)]
         qkv_weight = torch.cat((attention.q_proj.weight, attention.k_proj.weight, dense[0]))
@@ -196,10 +193,12 @@ class FusedProjections:
         return cls(qkv_weight, qkv_bias, dense[1], torch.cat([block.bias for block in o_blocks]))
 
 
-def is_plain_linear(module: nn.Module) -> bool:
-    """An `nn.Linear` or `BlockDiagonal` (not a subclass) whose forward is its class's and runs no hooks."""
+def is_plain_module(module: nn.Module) -> bool:
+    """An `nn.Linear` or `BlockDiagonal` (not a subclass) with dense parameters (no quantised, distributed or other
+    tensor subclass), whose forward is its class's and runs no hooks: what the fused matrices can stand in for."""
     return (
         type(module) in (nn.Linear, BlockDiagonal)
+        and all(type(parameter) is nn.Parameter for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
         and not (module._forward_hooks or module._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
@@ -397,8 +396,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
             SepFormerMLP(config, config.semantic_size, config.semantic_intermediate_size),
             config.position_size,
         )
-        self.input_layernorm = block_norm(config)
-        self.post_attention_layernorm = block_norm(config)
+        self.input_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
+        self.post_attention_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -466,7 +465,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         self.layers = nn.ModuleList(
             [SepFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = block_norm(config)
+        self.norm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
         self.rotary_emb = SepFormerRotaryEmbedding(config) if config.rotary_dim > 0 else None
         self.gradient_checkpointing = False
         self.post_init()

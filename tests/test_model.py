@@ -289,15 +289,34 @@ def test_decoding_steps_with_fused_projections_equal_the_block_projections(varia
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_projections_are_not_used_when_a_projection_is_hooked():
-    """A forward hook (as PEFT, accelerate or a user would add) must see every call: that layer keeps its blocks."""
+class ShiftedLinear(torch.nn.Linear):
+    """A subclass standing in for an adapter (PEFT, quantisation): its forward is not the matrix alone."""
+
+    def forward(self, x):
+        return super().forward(x) + 0.5
+
+
+def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced():
+    """A forward hook (as PEFT, accelerate or a user would add) must see every call, and a replaced projection
+    must run: those layers keep their blocks, the others fuse."""
     model = tiny_model()
     calls = []
     model.model.layers[0].self_attn.v_proj.semantic.register_forward_hook(lambda *args: calls.append(1))
+    ids = random_ids(1, 12)
     with torch.no_grad():
-        _, cache = decode_steps(model, random_ids(1, 12), 4)
+        _, cache = decode_steps(model, ids, 4)
     assert len(calls) == 1 + 8  # the prefill and every decoding step
     assert cache.fused_projections[0] is None and cache.fused_projections[1] is not None
+
+    o_proj = model.model.layers[1].self_attn.o_proj
+    replaced = ShiftedLinear(o_proj.semantic.in_features, o_proj.semantic.out_features, bias=False)
+    replaced.load_state_dict(o_proj.semantic.state_dict())
+    o_proj.semantic = replaced
+    with torch.no_grad():
+        fused, cache = decode_steps(model, ids, 4)
+    blocks, _ = decode_steps(model, ids, 4)  # autograd on: every module runs
+    assert cache.fused_projections[1] is None
+    torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_projections_follow_the_weights_of_each_generation():
