@@ -18,6 +18,29 @@ from dataclasses import dataclass
 import torch
 
 
+def cached_constant(maxsize: int):
+    """`functools.lru_cache` for functions that build constant tensors from hashable arguments.
+
+    Built outside inference mode: a first call under `torch.inference_mode()` would otherwise cache inference tensors,
+    which autograd refuses to save in a later training step. Under `torch.compile` the function is traced instead
+    (dynamo does not go through an lru_cache).
+    """
+
+    def decorate(build):
+        @functools.lru_cache(maxsize=maxsize)
+        def cached(*args):
+            with torch.inference_mode(False):
+                return build(*args)
+
+        @functools.wraps(build)
+        def constant(*args):
+            return build(*args) if torch.compiler.is_compiling() else cached(*args)
+
+        return constant
+
+    return decorate
+
+
 def check_layers(name: str, layers, num_layers: int) -> None:
     if layers is None:
         return
@@ -98,7 +121,7 @@ class StableMask(_Option):
         return table[position_ids.clamp(max=length)]
 
 
-@functools.lru_cache(maxsize=16)
+@cached_constant(maxsize=16)
 def sink_logit_table(gamma: float, length: int, device: torch.device) -> torch.Tensor:
     """`τ` at positions `0..N`, the last one (and every later position) `-∞`."""
     t = torch.arange(1, length + 2, dtype=torch.float64)
@@ -141,7 +164,7 @@ class MSPoE(_Option):
         return torch.linspace(self.r_min, self.r_max, num_heads, dtype=torch.float64)
 
 
-@functools.lru_cache(maxsize=16)
+@cached_constant(maxsize=16)
 def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Tensor:
     """(H, 1) float32 ratios by rank on `device`, made once per option rather than at every decoding step."""
     return option.ratios(num_heads).float().to(device)[:, None]

@@ -6,7 +6,6 @@ output projection, the MLPs and the norms are block-diagonal, so positional and 
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
@@ -31,6 +30,7 @@ from .mitigations import (
     MSPoE,
     PositionalScaling,
     StableMask,
+    cached_constant,
     check_layers,
     default_layers,
     fixed_head_ranks,
@@ -76,7 +76,7 @@ def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
     return nn.LayerNorm(width, eps=config.norm_eps)
 
 
-@functools.lru_cache(maxsize=8)
+@cached_constant(maxsize=8)
 def block_statistics(position_size: int, semantic_size: int, eps: float, device: torch.device):
     """float32 constants of a `BlockNorm`: the `(2, d)` block-averaging matrix, `eps` per block, the 0/1 indicator."""
     indicator = torch.block_diag(torch.ones(1, position_size), torch.ones(1, semantic_size)).to(device)
@@ -96,10 +96,11 @@ class BlockNorm(BlockDiagonal):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.position is None:
             return self.semantic(x)
+        if torch.is_autocast_enabled(x.device.type):  # the matmuls below would run in half precision
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x)
         position, semantic = self.position, self.semantic
-        # Under torch.compile the constants are traced (dynamo does not go through an lru_cache)
-        statistics = block_statistics.__wrapped__ if torch.compiler.is_compiling() else block_statistics
-        averaging, eps, indicator = statistics(
+        averaging, eps, indicator = block_statistics(
             self.position_size, x.shape[-1] - self.position_size, semantic.eps, x.device
         )
         centred = isinstance(semantic, nn.LayerNorm)
@@ -108,8 +109,10 @@ class BlockNorm(BlockDiagonal):
             h = h - nn.functional.linear(h, averaging) @ indicator  # each block minus its own mean
         inverse_rms = nn.functional.linear(h * h, averaging, eps).rsqrt_()  # (..., 2): one per block
         weights = indicator * torch.cat((position.weight, semantic.weight)).float()  # (2, d): row j, block j's weight
-        normed = (h * (inverse_rms @ weights)).to(x.dtype)
-        return normed + torch.cat((position.bias, semantic.bias)) if centred else normed
+        normed = h * (inverse_rms @ weights)
+        if centred:
+            normed = normed + torch.cat((position.bias, semantic.bias)).float()
+        return normed.to(x.dtype)
 
 
 class SepFormerMLP(nn.Module):
@@ -158,21 +161,23 @@ def apply_partial_rotary(q, k, cos, sin):
     return rotate(q), rotate(k)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FusedProjections:
     """One attention layer's projections as two dense matmuls, for decoding steps.
 
     A decoding step multiplies a token or a few per row, and on a CPU its time goes by the number of kernels, not by
     FLOPs: `q_proj`, `k_proj` and the two blocks of `v_proj` (four matmuls, a split and a cat) become one matmul with
     `[W_q; W_k; W_V]`, and `o_proj` (two matmuls, a split and a cat) one with `W_O`, the block-diagonal matrices
-    written dense with their zero blocks. Same function; ~1e-7 apart in float32 (another summation order). Costs a
-    second copy of the attention weights while the cache lives.
+    written dense with their zero blocks. Same function; ~1e-7 apart in float32 (another summation order). Memory:
+    `4 d²` per layer while the cache lives, 1.23x the attention weights at `d_pos = d / 4`.
     """
 
     qkv_weight: torch.Tensor  # (3 · d_model, d_model)
     qkv_bias: torch.Tensor | None
     o_weight: torch.Tensor  # (d_model, d_model)
     o_bias: torch.Tensor | None
+    sources: tuple[torch.Tensor, ...]  # the parameters they were made from
+    versions: tuple[tuple[int, int], ...]  # (version counter, data pointer) of each source when made
 
     @classmethod
     def of(cls, attention: "SepFormerAttention") -> "FusedProjections | None":
@@ -185,12 +190,22 @@ class FusedProjections:
         linears = (attention.q_proj, attention.k_proj, *v_blocks, *o_blocks)
         if not all(is_plain_module(module) for module in (*linears, v_proj, o_proj)):
             return None
+        sources = tuple(parameter for linear in linears for parameter in linear.parameters())
         dense = [torch.block_diag(*(block.weight for block in blocks)) for blocks in (v_blocks, o_blocks)]
         qkv_weight = torch.cat((attention.q_proj.weight, attention.k_proj.weight, dense[0]))
-        if attention.q_proj.bias is None:
-            return cls(qkv_weight, None, dense[1], None)
-        qkv_bias = torch.cat([attention.q_proj.bias, attention.k_proj.bias, *(block.bias for block in v_blocks)])
-        return cls(qkv_weight, qkv_bias, dense[1], torch.cat([block.bias for block in o_blocks]))
+        qkv_bias = o_bias = None
+        if attention.q_proj.bias is not None:
+            qkv_bias = torch.cat([attention.q_proj.bias, attention.k_proj.bias, *(block.bias for block in v_blocks)])
+            o_bias = torch.cat([block.bias for block in o_blocks])
+        return cls(qkv_weight, qkv_bias, dense[1], o_bias, sources, versions_of(sources))
+
+    def is_current(self) -> bool:
+        """Whether the source parameters are unchanged: in place (optimiser steps, loading) or moved (`.to`)."""
+        return versions_of(self.sources) == self.versions
+
+
+def versions_of(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((tensor._version, tensor.data_ptr()) for tensor in tensors)
 
 
 def is_plain_module(module: nn.Module) -> bool:
@@ -257,13 +272,7 @@ class SepFormerAttention(nn.Module):
 
         if mitigations is not None and layer in mitigations.ms_poe_layers:
             query_states, key_states = self.multi_scale_positions(
-                query_states,
-                key_states,
-                hidden_states,
-                position_embeddings,
-                attention_mask,
-                mitigations,
-                position_input,
+                query_states, key_states, position_embeddings, attention_mask, mitigations, position_input
             )
         elif position_embeddings is not None:
             query_states, key_states = apply_partial_rotary(query_states, key_states, *position_embeddings)
@@ -291,29 +300,31 @@ class SepFormerAttention(nn.Module):
             return nn.functional.linear(attn_output, fused.o_weight, fused.o_bias), attn_weights
         return self.o_proj(attn_output), attn_weights
 
-    def decoding_projections(self, past_key_values: Cache | None) -> "FusedProjections | None":
+    def decoding_projections(self, past_key_values: Cache | None) -> FusedProjections | None:
         """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd).
 
-        Made at the first decoding step from the weights of then and kept on the cache, so they live as long as the
-        generation. `None` (the per-block modules run) in training, under autograd or `torch.compile`, with a static
-        cache, at prefill, or when a projection is not a plain `nn.Linear` called as such (PEFT adapters,
-        quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass.
+        Made at the first decoding step and kept on the cache, so they live as long as the generation; remade when a
+        source parameter changed in place or moved. `None` (the per-block modules run) in training, under autograd
+        or `torch.compile`, with a static cache, at prefill, or when a projection is not a plain `nn.Linear` called
+        as such at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks), which
+        the fused matrices would bypass. Not seen within one cache: modules or hooks replaced or added later, and
+        writes through `.data` (they bypass the version counter).
         """
         if past_key_values is None or torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
             return None
         per_layer = getattr(past_key_values, "fused_projections", None)
         if per_layer is not None and self.layer_idx in per_layer:
-            return per_layer[self.layer_idx]
-        if past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) == 0:
+            fused = per_layer[self.layer_idx]
+            if fused is None or fused.is_current():
+                return fused
+        elif past_key_values.is_compileable or past_key_values.get_seq_length(self.layer_idx) == 0:
             return None
         if per_layer is None:
             per_layer = past_key_values.fused_projections = {}
         per_layer[self.layer_idx] = FusedProjections.of(self)
         return per_layer[self.layer_idx]
 
-    def multi_scale_positions(
-        self, query, key, hidden_states, position_embeddings, attention_mask, mitigations, position_input
-    ):
+    def multi_scale_positions(self, query, key, position_embeddings, attention_mask, mitigations, position_input):
         """MS-PoE: head `h` of this layer sees positions `m / r_h` wherever positions enter its queries and keys.
 
         Rotary (when on) rotates by `m / r_h`. The positional block enters through the normalised residual, whose

@@ -164,6 +164,28 @@ def test_block_norm_equals_the_two_torch_norms_and_their_gradients(norm_type, dt
         torch.testing.assert_close(got.float(), expected, **tolerance, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
+def test_block_norm_keeps_float32_statistics_under_autocast(norm_type):
+    """Under autocast (Trainer's bf16) the statistics stay in float32, as in the torch norms."""
+    norm = randomize_norms(tiny_model(position_size=12, norm_type=norm_type)).model.layers[0].input_layernorm
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 3 + 1000
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    reference = torch.cat((norm.position(x[..., :12]), norm.semantic(x[..., 12:])), -1)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_constants_first_made_under_inference_mode_train_afterwards():
+    """The cached constants (block norms, StableMask's τ) made under `inference_mode` are not inference tensors."""
+    model = tiny_model(norm_eps=1.25e-5, stable_mask={"gamma": 0.0625})  # values no other test caches
+    ids = random_ids(2, 12)
+    with torch.inference_mode():
+        model(ids)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.model.layers[0].input_layernorm.parameters())
+
+
 # ------------------------------------------------------------------------------------------------ isolation invariant
 
 
@@ -319,19 +341,22 @@ def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced(
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_projections_follow_the_weights_of_each_generation():
-    """They live on the cache: a new generation after a weight change uses the new weights."""
-    model = tiny_model()
-    ids = random_ids(1, 4)
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=256, return_dict_in_generate=True, output_logits=True)
-    model.generate(ids, **kwargs)
+def test_fused_projections_follow_the_weights_changed_in_place_or_moved():
+    """A weight changed in place (optimiser, loading) or moved between steps of one cache remakes them."""
+    model = tiny_model(attention_bias=True)
+    ids = random_ids(2, 12)
     with torch.no_grad():
+        _, cache = decode_steps(model, ids[:, :10], 6)
+        made = cache.fused_projections[0]
         for layer in model.model.layers:
             layer.self_attn.v_proj.semantic.weight.mul_(-2)
-            layer.self_attn.o_proj.position.weight.mul_(3)
-        after = torch.stack(model.generate(ids, **kwargs).logits, 1)
-        uncached = model.generate(ids, use_cache=False, **kwargs)
-    torch.testing.assert_close(after, torch.stack(uncached.logits, 1), rtol=1e-5, atol=1e-5)
+            layer.self_attn.o_proj.position.bias.add_(1)
+        model.model.layers[1].self_attn.q_proj.weight.data = model.model.layers[1].self_attn.q_proj.weight * 3
+        block_cache = copy.deepcopy(cache)
+        fused_step = model(ids[:, 10:11], past_key_values=cache, use_cache=True).logits
+    block_step = model(ids[:, 10:11], past_key_values=block_cache, use_cache=True).logits  # autograd on: blocks
+    assert cache.fused_projections[0] is not made
+    torch.testing.assert_close(fused_step, block_step.detach(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["learned", "sinusoidal", "nope", "rotary"])
