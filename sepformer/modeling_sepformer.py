@@ -304,13 +304,16 @@ class SepFormerAttention(nn.Module):
         """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd).
 
         Made at the first decoding step and kept on the cache, so they live as long as the generation; remade when a
-        source parameter changed in place or moved. `None` (the per-block modules run) in training, under autograd
-        or `torch.compile`, with a static cache, at prefill, or when a projection is not a plain `nn.Linear` called
-        as such at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks), which
-        the fused matrices would bypass. Not seen within one cache: modules or hooks replaced or added later, and
-        writes through `.data` (they bypass the version counter).
+        source parameter changed in place or moved. `None` (the per-block modules run) with
+        `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with a static
+        cache, at prefill, or when a projection is not a plain `nn.Linear` called as such at the first decoding step
+        (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass. Not
+        seen within one cache: modules or hooks replaced or added later, and writes through `.data` (they bypass the
+        version counter).
         """
         if past_key_values is None or torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
+            return None
+        if not self.config.fuse_decoding_projections:
             return None
         per_layer = getattr(past_key_values, "fused_projections", None)
         if per_layer is not None and self.layer_idx in per_layer:

@@ -341,6 +341,13 @@ def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced(
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_fused_projections_can_be_switched_off():
+    model = tiny_model(fuse_decoding_projections=False)
+    with torch.no_grad():
+        _, cache = decode_steps(model, random_ids(1, 8), 4)
+    assert not hasattr(cache, "fused_projections")
+
+
 def test_fused_projections_follow_the_weights_changed_in_place_or_moved():
     """A weight changed in place (optimiser, loading) or moved between steps of one cache remakes them."""
     model = tiny_model(attention_bias=True)
