@@ -311,9 +311,13 @@ class SepFormerAttention(nn.Module):
         seen within one cache: modules or hooks replaced or added later, and writes through `.data` (they bypass the
         version counter).
         """
-        if past_key_values is None or torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
-            return None
-        if not self.config.fuse_decoding_projections:
+        if (
+            past_key_values is None
+            or torch.is_grad_enabled()
+            or self.training
+            or torch.compiler.is_compiling()
+            or not self.config.fuse_decoding_projections
+        ):
             return None
         per_layer = getattr(past_key_values, "fused_projections", None)
         if per_layer is not None and self.layer_idx in per_layer:

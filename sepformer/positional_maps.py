@@ -109,6 +109,14 @@ def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return torch.lerp(table[low], table[high], weight)
 
 
+def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
+    """(lowest, highest) position as Python numbers, from one reduction; a negative position is an error."""
+    low, high = (value.item() for value in torch.aminmax(positions))
+    if low < 0:
+        raise ValueError(f"position {low} is negative: positions start at 0.")
+    return low, high
+
+
 class LearnedPositions(nn.Embedding):
     """A table of learned rows (the seed's choice), extended past its end by a `PositionExtrapolation`."""
 
@@ -123,9 +131,7 @@ class LearnedPositions(nn.Embedding):
             return self.traceable(position_ids, extrapolation)
         if position_ids.numel() == 0:
             return super().forward(position_ids)
-        low, high = (int(value) for value in torch.aminmax(position_ids))  # one reduction for both checks
-        if low < 0:
-            raise ValueError(f"position {low} is negative: positions start at 0.")
+        low, high = position_range(position_ids)
         if extrapolation.method == "interpolate":
             return self.interpolated(position_ids, extrapolation)
         length = self.num_embeddings
@@ -162,9 +168,7 @@ class LearnedPositions(nn.Embedding):
 
     def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
-        low, high = (float(value) for value in torch.aminmax(positions))  # one reduction for both checks
-        if low < 0:
-            raise ValueError(f"position {low} is negative: positions start at 0.")
+        _, high = position_range(positions)
         needed = math.ceil(high) + 1
         if needed <= self.num_embeddings:
             return interpolate_rows(self.weight, positions)
