@@ -6,9 +6,10 @@ Importing this package registers `SepFormerConfig`, `SepFormerModel`, `SepFormer
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
-from .mitigations import AttentionCalibration, MSPoE, PositionalScaling, StableMask
+from .mitigation_options import AttentionCalibration, MSPoE, PositionalScaling, StableMask
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
 from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .tokenization_sepformer import SepFormerTokenizer
@@ -26,6 +27,7 @@ __all__ = [
     "PositionalScaling",
     "StableMask",
     "PositionExtrapolation",
+    "SepFormerCache",
     "SepFormerConfig",
     "SepFormerForCausalLM",
     "SepFormerModel",

@@ -4,7 +4,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-from .mitigations import StableMask
+from .mitigation_options import StableMask
 from .positional_maps import PositionExtrapolation
 
 POSITIONAL_MAPS = ("learned", "sinusoidal")
@@ -146,14 +146,8 @@ class SepFormerConfig(PreTrainedConfig):
                 f"position_size={self.position_size} is odd, but positional_map='sinusoidal' needs an even "
                 "position_size (sine/cosine pairs)."
             )
-        self.check_interpolation_length(self.default_extrapolation())  # raises on an unknown method or bad values
+        self.check_extrapolation(self.default_extrapolation())  # raises on an unknown method or bad values
         has_table = self.has_positional_table
-        if self.position_extrapolation != "none" and not has_table:
-            raise ValueError(
-                f"position_extrapolation={self.position_extrapolation!r} needs a learned positional table; this "
-                f"config has positional_map={self.positional_map!r}, position_size={self.position_size} "
-                "(a sinusoid is defined at every position, position_size=0 has none): use 'none'."
-            )
         if self.position_table_size < self.max_position_embeddings:
             raise ValueError(
                 f"position_table_size={self.position_table_size} must be >= max_position_embeddings="
@@ -199,7 +193,16 @@ class SepFormerConfig(PreTrainedConfig):
     def has_positional_table(self) -> bool:
         return self.positional_map == "learned" and self.position_size > 0
 
-    def check_interpolation_length(self, extrapolation: PositionExtrapolation) -> None:
+    def check_extrapolation(self, extrapolation: PositionExtrapolation) -> None:
+        """An extrapolation method (the config's or a call's) is for a learned table, and `interpolate`'s length
+        must be past it."""
+        if extrapolation.method != "none" and not self.has_positional_table:
+            raise ValueError(
+                f"position_extrapolation={extrapolation.method!r} needs a learned positional table (it applies to a "
+                f"learned positional table only); this model has positional_map={self.positional_map!r}, "
+                f"position_size={self.position_size} (a sinusoid is defined at every position, position_size=0 has "
+                "none): use 'none'."
+            )
         if extrapolation.length is not None and extrapolation.length <= self.position_table_size:
             raise ValueError(
                 f"interpolate length={extrapolation.length} must exceed the table's {self.position_table_size} rows: "

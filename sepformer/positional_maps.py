@@ -1,7 +1,7 @@
 """Positional maps `p(i)`, the only part of a SepFormer that depends on position, and their extrapolation.
 
 Each map takes `position_ids` of shape (batch or 1, seq), integer or fractional, and returns rows of shape
-(batch or 1, seq, d_pos). Past the `L` rows of a learned table, rows come from an extrapolation method (SPEC §2):
+(batch or 1, seq, d_pos). Past the `L` rows of a learned table, rows come from an extrapolation method:
 
 | method        | `p(i)` for `i >= L`                                                                      |
 |---------------|------------------------------------------------------------------------------------------|
@@ -12,11 +12,13 @@ Each map takes `position_ids` of shape (batch or 1, seq), integer or fractional,
 | `interpolate` | positions compressed into `[0, L-1]`: `i · (L-1)/(n-1)` for a sequence of `n > L` tokens  |
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
 
@@ -101,6 +103,11 @@ def fourier_rows(table: torch.Tensor, positions: torch.Tensor, components: int) 
     return (basis_real @ spectrum.real - basis_imag @ spectrum.imag).to(table.dtype)  # (n, d)
 
 
+def interpolation_scale(length: int, needed):
+    """`(L-1)/(n-1)`: positions of a sequence of `n > L` tokens compressed into a table of `L` rows."""
+    return (length - 1) / (needed - 1)
+
+
 def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows at fractional `positions` in `[0, len(table) - 1]`, linear between neighbouring rows."""
     low = positions.floor().long().clamp(0, table.shape[0] - 1)
@@ -122,7 +129,24 @@ class LearnedPositions(nn.Embedding):
 
     def __init__(self, config):
         super().__init__(config.position_table_size, config.position_size)
+        self.random_offsets = config.random_position_offsets
         self._cache = None  # (key, rows past the table) of the last extension made without autograd
+
+    def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
+        """With `random_position_offsets`, half the rows shifted by a random offset so that every row of the table
+        gets trained. The other half keep their positions: inference starts at 0, and with uniform offsets alone row
+        0 would be trained by one sequence in `position_table_size - seq` only."""
+        if not self.random_offsets:
+            return position_ids
+        room = self.num_embeddings - int(position_ids.max())  # offsets in [0, room)
+        if room < 1:
+            raise ValueError(
+                f"random_position_offsets: a training sequence reaches position {int(position_ids.max())}, past the "
+                f"table of position_table_size={self.num_embeddings} rows; train on shorter sequences."
+            )
+        offsets = torch.randint(0, room, (batch, 1), device=position_ids.device)
+        keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
+        return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
 
     def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         if position_ids.is_floating_point():
@@ -163,7 +187,7 @@ class LearnedPositions(nn.Embedding):
                     "needs the final sequence length: position_extrapolation={'method': 'interpolate', 'length': N}."
                 )
             row_needed = torch.full_like(row_needed, extrapolation.length)
-        scale = torch.where(row_needed > length, (length - 1) / (row_needed - 1).clamp(min=1), 1.0)
+        scale = torch.where(row_needed > length, interpolation_scale(length, row_needed.clamp(min=2)), 1.0)
         return position_ids * scale  # identity for rows of at most L positions
 
     def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
@@ -222,7 +246,7 @@ class LearnedPositions(nn.Embedding):
         if method == "interpolate":
             if extrapolation.length is None or extrapolation.length <= length:
                 return super().forward(position_ids)
-            return interpolate_rows(self.weight, position_ids * ((length - 1) / (extrapolation.length - 1)))
+            return interpolate_rows(self.weight, position_ids * interpolation_scale(length, extrapolation.length))
         if method == "none":
             return super().forward(position_ids)
         inside = super().forward(position_ids.clamp(max=length - 1))
@@ -237,6 +261,9 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.dim = config.position_size
 
+    def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
+        return position_ids
+
     def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         return sinusoid(position_ids, self.dim)
 
@@ -248,3 +275,33 @@ class SinusoidalPositions(nn.Module):
 
 
 POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
+
+
+def apply_partial_rotary(q, k, cos, sin):
+    """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim).
+
+    `cos`/`sin`: (b, seq, rotary_dim), shared by the heads, or (b, heads, seq, rotary_dim), one angle per head (MS-PoE).
+    """
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rotary_dim = cos.shape[-1]
+
+    def rotate(x):
+        rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
+        return torch.cat((rotated, x[..., rotary_dim:]), -1)
+
+    return rotate(q), rotate(k)
+
+
+def call_extrapolation(config, value, continuing: bool) -> PositionExtrapolation:
+    """The call's `position_extrapolation` (the config's when `None`), checked against the model."""
+    if value is None:
+        extrapolation = config.default_extrapolation()
+    else:
+        extrapolation = PositionExtrapolation.parse(value)
+        config.check_extrapolation(extrapolation)
+    if extrapolation.method == "interpolate" and extrapolation.length is None and continuing:
+        # The cached keys were made with the scale of an earlier length: only positions inside the table, where
+        # the scale is 1, can continue them exactly.
+        extrapolation = dataclasses.replace(extrapolation, length=config.position_table_size)
+    return extrapolation

@@ -1,4 +1,4 @@
-"""Position-bias mitigations (SPEC §3), checked against formulas written from the papers, independently of the code."""
+"""Position-bias mitigations, checked against formulas written from the papers, independently of the code."""
 
 import math
 
@@ -6,28 +6,36 @@ import pytest
 import torch
 from conftest import tiny_model
 from huggingface_hub.errors import StrictDataclassFieldValidationError
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import rotate_half
 
 from sepformer import (
     AttentionCalibration,
     MSPoE,
     PositionalScaling,
+    SepFormerCache,
     SepFormerConfig,
     SepFormerForCausalLM,
     SepFormerTokenizer,
     StableMask,
 )
 from sepformer.mitigations import calibrate_row, fixed_head_ranks, head_ratios, position_awareness
+from sepformer.stable_mask import sink_logits
 
 SPANS = ((0, 3), (3, 6), (6, 9))
 OPTIONS = {
-    "stable_mask": {"stable_mask": StableMask(gamma=0.2, length=40)},
+    "stable_mask": {"stable_mask": StableMask(gamma=0.2, columns=40)},
     "ms_poe": {"ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1))},
     "ms_poe_fixed": {"ms_poe": MSPoE(layers=(1,), head_order=(2, 0, 3, 1))},
     "calibration": {"attention_calibration": AttentionCalibration(spans=(SPANS,), temperature=1e-2, layers=(0, 1))},
     "scaling": {"positional_scaling": PositionalScaling(factor=-1.0, layers=(0, 1))},
 }
+
+
+def paper_ratios(option, num_heads):
+    """`r_i = r_min + (i-1)(r_max - r_min)/(H-1)` for ranks i = 1..H, written out."""
+    step = (option.r_max - option.r_min) / max(num_heads - 1, 1)
+    return torch.tensor([option.r_min + i * step for i in range(num_heads)], dtype=torch.float64)
 
 
 def random_ids(batch, seq, seed=0):
@@ -52,7 +60,7 @@ def logits(model, ids, **kwargs):
 @pytest.mark.parametrize("gamma", [0.01, 0.3, 2.0])
 def test_sink_logit_closed_form_equals_the_explicit_sum(gamma):
     length = 20
-    tau = StableMask(gamma=gamma, length=length).sink_logits(torch.arange(25), default_length=99)
+    tau = sink_logits(StableMask(gamma=gamma, columns=length), torch.arange(25), default_columns=99)
     for t in range(1, 26):  # t = position + 1
         terms = [math.exp(-gamma * (j - 1)) for j in range(t + 1, length + 1)]
         expected = math.log(sum(terms)) if terms else -math.inf
@@ -110,7 +118,7 @@ def test_stable_mask_sdpa_equals_eager_with_padding_and_past_the_pseudo_columns(
     ids = random_ids(3, 20)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
-    option = StableMask(gamma=0.1, length=12)  # rows at t >= 12 get no sink
+    option = StableMask(gamma=0.1, columns=12)  # rows at t >= 12 get no sink
     model.set_attn_implementation("eager")
     eager = logits(model, ids, attention_mask=mask, stable_mask=option)
     model.set_attn_implementation("sdpa")
@@ -164,14 +172,14 @@ def test_ratios_are_monotone_in_the_score_with_the_papers_semantics():
     for row_scores, row_ratios in zip(scores, ratios, strict=True):
         order = torch.argsort(row_scores, descending=True)
         assert torch.all(row_ratios[order].diff() > 0)  # more position-aware -> smaller ratio
-        torch.testing.assert_close(row_ratios.sort().values, option.ratios(7))
+        torch.testing.assert_close(row_ratios.sort().values, paper_ratios(option, 7))
     # heads 1 and 3 tie (head 1 first); the authors' code would give head i the ratio of rank order[i] instead
     ratios = head_ratios(option, torch.tensor([[0.1, 0.5, 0.3, 0.5]]))
     torch.testing.assert_close(ratios, torch.tensor([[1.8, 1.2, 1.6, 1.4]], dtype=torch.float64))
     order = torch.tensor([1, 3, 2, 0])
-    assert not torch.equal(option.ratios(4)[order], ratios[0])
+    assert not torch.equal(paper_ratios(option, 4)[order], ratios[0])
     fixed = MSPoE(head_order=(1, 3, 2, 0))
-    assert torch.equal(fixed.ratios(4)[fixed_head_ranks(fixed, 4)], ratios[0])
+    assert torch.equal(paper_ratios(fixed, 4)[fixed_head_ranks(fixed, 4)], ratios[0])
 
 
 def ms_poe_reference_logits(model, ids, option, positions=None):
@@ -181,7 +189,7 @@ def ms_poe_reference_logits(model, ids, option, positions=None):
     cfg, layer = model.config, model.model.layers[0]
     attn, heads, head_dim = layer.self_attn, cfg.num_attention_heads, cfg.head_dim
     seq = ids.shape[1]
-    ratios = option.ratios(heads)[fixed_head_ranks(option, heads)].float()
+    ratios = paper_ratios(option, heads)[fixed_head_ranks(option, heads)].float()
     table = model.model.embed_positions.weight
     tokens = model.model.embed_tokens(ids)
 
@@ -231,15 +239,15 @@ def test_ms_poe_ranking_is_made_at_prefill_and_kept():
     model = strong_positions(tiny_model(rotary_dim=4))
     ids = random_ids(2, 12)
     option = MSPoE(layers=(1,))
-    cache = DynamicCache(config=model.config)
+    cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, ms_poe=option)
-        ranked = cache.mitigation_state["ms_poe_ranks"][1].clone()
+        ranked = cache.ms_poe_ranks[1].clone()
         model(ids[:, :1], past_key_values=cache, use_cache=True, ms_poe=option)
-    assert torch.equal(cache.mitigation_state["ms_poe_ranks"][1], ranked)
+    assert torch.equal(cache.ms_poe_ranks[1], ranked)
     assert ranked.shape == (2, 4)
     assert torch.equal(ranked.sort(-1).values, torch.arange(4).expand(2, 4))  # a permutation of the ranks per row
-    later = DynamicCache(config=model.config)
+    later = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=later, use_cache=True)
         with pytest.raises(ValueError, match="ranks the heads at prefill"):
@@ -297,10 +305,10 @@ def test_calibration_bias_is_the_dummy_documents_attention():
     ids = random_ids(1, 12)
     dummy = (7, 7)
     option = AttentionCalibration(spans=(SPANS,), layers=(1,), dummy_document=dummy)
-    cache = DynamicCache(config=model.config)
+    cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
-        bias = cache.mitigation_state["calibration_bias"][1]  # (1, H, K)
+        bias = cache.calibration_bias[1]  # (1, H, K)
         for k, (start, end) in enumerate(SPANS):
             spliced = torch.cat((ids[:, :start], torch.tensor([dummy]), ids[:, end:]), 1)
             row = model(spliced, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
@@ -327,10 +335,10 @@ def test_positional_scaling_writes_scaled_keys_into_the_cache():
         )
         for layer in model.model.layers
     ]
-    cache = DynamicCache(config=model.config)
+    cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, positional_scaling=PositionalScaling(-0.5))  # layer 1 only
-        base_cache = DynamicCache(config=model.config)
+        base_cache = SepFormerCache(config=model.config)
         model(ids, past_key_values=base_cache, use_cache=True)
         scaled_input = inputs[1].clone()
         scaled_input[..., :8] *= -0.5
@@ -350,7 +358,7 @@ def test_cached_decoding_equals_the_full_pass(name):
     model = strong_positions(tiny_model(rotary_dim=4))
     ids = random_ids(2, 20)
     full = logits(model, ids, **OPTIONS[name])
-    cache = DynamicCache(config=model.config)
+    cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         steps = [model(ids[:, :8], past_key_values=cache, use_cache=True, **OPTIONS[name]).logits]
         for t in range(8, 20):
@@ -382,7 +390,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn
 
 BAD = [
     ({"stable_mask": {"gamma": -1}}, "gamma=-1 must be > 0"),
-    ({"stable_mask": {"gamma": 0.1, "length": 0}}, "length=0 must be None or a positive integer"),
+    ({"stable_mask": {"gamma": 0.1, "columns": 0}}, "columns=0 must be None or a positive integer"),
     ({"stable_mask": {"gama": 0.1}}, "unknown keys \\['gama'\\]"),
     ({"stable_mask": 0.1}, "must be a StableMask, a dict"),
     ({"ms_poe": {"r_min": 0.5}}, "r_min=0.5 must be >= 1.0"),
@@ -466,7 +474,7 @@ def test_ms_poe_reads_the_table_on_the_scale_of_interpolate_past_the_table():
 def test_state_fixed_at_prefill_refuses_other_options_and_static_caches():
     model = tiny_model()
     ids = random_ids(1, 12)
-    cache = DynamicCache(config=model.config)
+    cache = SepFormerCache(config=model.config)
     option = AttentionCalibration(spans=(SPANS,))
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)

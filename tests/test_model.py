@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config, tiny_model
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
+from sepformer import SepFormerCache, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
 
 VARIANTS = {
     "learned": {},
@@ -273,7 +273,7 @@ def test_incremental_decoding_equals_full_forward(variant):
     ids = random_ids(2, 20)
     with torch.no_grad():
         full = model(ids).logits
-        cache = DynamicCache(config=model.config)
+        cache = SepFormerCache(config=model.config)
         steps = [model(ids[:, :8], past_key_values=cache, use_cache=True).logits]
         for t in range(8, 20):
             steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
@@ -282,7 +282,7 @@ def test_incremental_decoding_equals_full_forward(variant):
 
 def decode_steps(model, ids, prefill, **options):
     """Logits of a prefill of `prefill` tokens and then one decoding step per remaining token, and the cache."""
-    cache = DynamicCache(config=model.config)
+    cache = SepFormerCache(config=model.config)
     steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True, **options).logits]
     for t in range(prefill, ids.shape[1]):
         steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **options).logits)
@@ -307,7 +307,7 @@ def test_decoding_steps_with_fused_projections_equal_the_block_projections(varia
     fused_layers = {i for i, p in cache.fused_projections.items() if p is not None}
     assert fused_layers == ({0} if "positional_scaling" in options else {0, 1})  # a scaled layer keeps its blocks
     blocks, block_cache = decode_steps(model, ids, 8, **options)  # autograd on
-    assert not hasattr(block_cache, "fused_projections")
+    assert block_cache.fused_projections == {}
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
@@ -345,7 +345,7 @@ def test_fused_projections_can_be_switched_off():
     model = tiny_model(fuse_decoding_projections=False)
     with torch.no_grad():
         _, cache = decode_steps(model, random_ids(1, 8), 4)
-    assert not hasattr(cache, "fused_projections")
+    assert cache.fused_projections == {}
 
 
 def test_fused_projections_follow_the_weights_changed_in_place_or_moved():

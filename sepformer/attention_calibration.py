@@ -1,0 +1,195 @@
+""" "Found in the Middle" attention calibration (arXiv 2406.16008): the last query re-weighted over documents."""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache_sepformer import SepFormerCache
+from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, MitigationPlan, last_row_probs
+from .mitigation_options import AttentionCalibration
+
+
+def calibrate_row(
+    probs: torch.Tensor, key_documents: torch.Tensor, bias: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Re-weight one attention row over `K` documents.
+
+    `probs` (b, H, kv) the row; `key_documents` (b, kv, K) one-hot document membership of each key (all zero outside
+    documents); `bias` (b, H, K) the attention a dummy document gets at slot `k`. Every token of document `k` is
+    scaled by `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total attention on
+    documents; other tokens are untouched, so the row still sums to 1.
+    """
+    sizes = key_documents.sum(1)[:, None]  # (b, 1, K)
+    mass = torch.einsum("bhk,bkd->bhd", probs, key_documents)  # (b, H, K): attention on each document
+    mean = mass / sizes  # Attn(doc_k)
+    alpha = ((mean - bias) / temperature).softmax(-1)
+    keep_total = mass.sum(-1, keepdim=True) / (alpha * sizes).sum(-1, keepdim=True)  # C
+    factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
+    outside = 1 - key_documents.sum(-1)[:, None]  # (b, 1, kv): 1 for keys in no document
+    return probs * (torch.einsum("bhd,bkd->bhk", factor, key_documents) + outside)
+
+
+def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
+    """(b or 1, kv) each key's position counted from its row's first real token, -1 on left padding."""
+    if padding_mask is None:
+        return torch.arange(kv, device=device)[None]
+    return (padding_mask.long().cumsum(-1) - 1).masked_fill(padding_mask == 0, -1)
+
+
+def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(b, kv, K) one-hot: which of the (b, K, 2) spans each key at `positions` (b or 1, kv) lies in."""
+    starts, ends = spans[..., 0][:, None], spans[..., 1][:, None]  # (b, 1, K)
+    inside = (positions[..., None] >= starts) & (positions[..., None] < ends)
+    return inside.float()  # calibration re-weights rows of probabilities kept in float32
+
+
+def dummy_batch(options: AttentionCalibration, call: CallContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One left-padded sequence per (row, document): the prompt with the dummy document in place of document `k`.
+
+    Returns ids and padding mask (rows × K, width) and the dummy's keys (rows × K, width), row-major.
+    """
+    config, input_ids, mask = call.model.config, call.input_ids, call.attention_mask
+    sequences, probes = [], []
+    for row, spans in enumerate(options.spans):
+        tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
+        for start, end in spans:
+            if end > len(tokens):
+                raise ValueError(
+                    f"attention_calibration span ({start}, {end}) of row {row} is out of range: the prompt of that "
+                    f"row has {len(tokens)} tokens (spans count from its first real token)."
+                )
+            if options.dummy_document is None:
+                dummy = tokens.new_full((end - start,), config.pad_token_id)
+            else:
+                dummy = tokens.new_tensor(options.dummy_document)
+            sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))
+            probes.append((start, start + len(dummy)))
+    width = max(len(sequence) for sequence in sequences)
+    ids = input_ids.new_zeros(len(sequences), width)
+    padding = torch.zeros_like(ids)
+    probe = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    for index, (sequence, (start, end)) in enumerate(zip(sequences, probes, strict=True)):
+        pad = width - len(sequence)  # left padding
+        ids[index, pad:], padding[index, pad:] = sequence, 1
+        probe[index, pad + start : pad + end] = True
+    return ids, padding, probe
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationProbe(Mitigation):
+    """Measures `bias(k)` in a dummy pass: records the last query's mean attention on the dummy's keys, changes
+    nothing."""
+
+    options_class = AttentionCalibration
+    probe: torch.Tensor | None = None  # (b, kv) boolean: the dummy document's keys
+    probed: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, H)
+
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        def probing(module, query, key, value, attention_mask, scaling, **kwargs):
+            output = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
+            probe = self.probe[:, None].to(probs.dtype)  # (b, 1, kv)
+            self.probed[layer_idx] = (probs * probe).sum(-1) / probe.sum(-1)
+            return output
+
+        return probing
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationMitigation(Mitigation):
+    """In its layers, the attention row of each call's last query (the last prompt token at prefill, then each
+    decoding step's token) is re-weighted over the documents, with `bias(k)` measured once at prefill."""
+
+    options_class = AttentionCalibration
+    prefill_requirement = (
+        "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
+    )
+    state: object = None  # the SepFormerCache holding `bias(k)` and the spans
+    documents: torch.Tensor | None = None  # (b, kv, K): each key's document, for one run
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options: AttentionCalibration) -> bool:
+        return True
+
+    @classmethod
+    def resolve(cls, options: AttentionCalibration, call: CallContext, others) -> "CalibrationMitigation":
+        config = call.model.config
+        if config._attn_implementation == "flex_attention":
+            raise ValueError(
+                "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
+                "does not give: use attn_implementation 'eager' or 'sdpa'."
+            )
+        if call.attention_mask is not None and call.attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
+                f"{call.attention_mask.dim()}D attention_mask."
+            )
+        if len(options.spans) != call.batch:
+            raise ValueError(
+                f"attention_calibration has spans for {len(options.spans)} rows; the batch has {call.batch} rows."
+            )
+        layers = options.layer_set(config.num_hidden_layers)
+        if not call.continuing:
+            cls.measure_bias(options, layers, call, others)
+        return cls(options, layers, call.state)
+
+    @staticmethod
+    def measure_bias(options, layers, call: CallContext, others) -> None:
+        """`bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
+        config = call.model.config
+        if call.input_ids is None:
+            raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
+        if options.dummy_document is None and config.pad_token_id is None:
+            raise ValueError(
+                "attention_calibration's default dummy document is pad_token_id repeated, but the config has no "
+                "pad_token_id: give dummy_document=(token ids) explicitly."
+            )
+        bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"attention_calibration dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
+            )
+        ids, padding, probe = dummy_batch(options, call)
+        # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
+        dummy_call = dataclasses.replace(
+            call, input_ids=ids, attention_mask=padding, cache=None, batch=len(ids), state=SepFormerCache()
+        )
+        others = tuple(type(other).resolve(other.options, dummy_call, ()) for other in others)
+        probing = CalibrationProbe(options, layers, probe)
+        plan = MitigationPlan.of((*others, probing), config.num_hidden_layers)
+        with torch.no_grad():  # a forward of its own: the caller's output_attentions do not record these passes
+            call.model(
+                input_ids=ids,
+                attention_mask=padding,
+                position_extrapolation=call.extrapolation,
+                mitigation_plan=plan,
+                use_cache=False,
+                output_attentions=False,
+                output_hidden_states=False,
+            )
+        rows, documents = len(options.spans), len(options.spans[0])
+        call.state.calibration_bias.update(
+            {layer: probed.view(rows, documents, -1).transpose(1, 2) for layer, probed in probing.probed.items()}
+        )  # (b, H, K)
+        call.state.calibration_spans = torch.tensor(options.spans, device=ids.device)  # (b, K, 2)
+
+    def start(self, run: LayerRun) -> "CalibrationMitigation":
+        kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
+        positions = key_positions(run.padding_mask, kv, run.device)
+        return self.replace(documents=key_documents(self.state.calibration_spans, positions))
+
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        bias, temperature = self.state.calibration_bias[layer_idx], self.options.temperature
+
+        def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
+            output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
+            probs = calibrate_row(probs, self.documents, bias, temperature)
+            last = torch.matmul(probs.to(value.dtype)[:, :, None], value).transpose(1, 2)  # (b, 1, H, d)
+            output = torch.cat((output[:, :-1], last), 1)
+            if weights is not None:
+                weights = torch.cat((weights[:, :, :-1], probs[:, :, None].to(weights.dtype)), 2)
+            return output, weights
+
+        return calibrated

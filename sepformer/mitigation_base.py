@@ -1,0 +1,210 @@
+"""The extension point of the position-bias mitigations: a `Mitigation` and the hooks the attention layers call.
+
+A mitigation is resolved once per call against the model (`resolve`), started once per run of the layers with the
+positions that run computes (`start`), and then acts only through its per-layer hooks, each of which does nothing
+unless the subclass overrides it:
+
+| hook                 | slot                                                                  | used by            |
+|----------------------|-----------------------------------------------------------------------|--------------------|
+| `query_key_inputs`   | the attention input (after the norm) that `q_proj` and `k_proj` read  | positional scaling |
+| `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
+| `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib. |
+
+`sepformer.mitigations` registers the mitigations and holds the rules on which of them can be combined.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .mitigation_options import MitigationOptions
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def cached_constant(maxsize: int):
+    """`functools.lru_cache` for functions that build constant tensors from hashable arguments.
+
+    Built outside inference mode: a first call under `torch.inference_mode()` would otherwise cache inference tensors,
+    which autograd refuses to save in a later training step. Under `torch.compile` the function is traced instead
+    (dynamo does not go through an lru_cache).
+    """
+
+    def decorate(build):
+        @functools.lru_cache(maxsize=maxsize)
+        def cached(*args):
+            with torch.inference_mode(False):
+                return build(*args)
+
+        @functools.wraps(build)
+        def constant(*args):
+            return build(*args) if torch.compiler.is_compiling() else cached(*args)
+
+        return constant
+
+    return decorate
+
+
+@dataclass(frozen=True, eq=False)
+class CallContext:
+    """One call of the model, as the mitigations are resolved against it, before any layer runs."""
+
+    model: Any  # the SepFormerModel
+    input_ids: torch.LongTensor | None
+    attention_mask: torch.Tensor | None  # the caller's mask: 2D padding mask (batch, past + seq), 4D, or None
+    cache: Any  # a transformers `Cache` or None
+    extrapolation: Any  # the call's PositionExtrapolation
+    batch: int
+    continuing: bool  # the call continues a cache (a decoding step), rather than starting one (prefill)
+    # The SepFormerCache that keeps what is fixed at prefill (a fresh one for a call without a cache), or None when the
+    # call's cache is of another kind; set by `resolve_plan`.
+    state: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class LayerRun:
+    """What one run of the layers computes once for all of them: the positions of its new tokens."""
+
+    position_ids: torch.LongTensor  # (b or 1, seq): where the positional map is read
+    position_rows: torch.Tensor | None  # (b or 1, seq, d_pos): p(position_ids), None without a positional block
+    padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
+    cache: Any
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True, eq=False)
+class Mitigation:
+    """One mitigation of one call: its options, the layers it acts in, and whatever it fixed for the call.
+
+    Subclasses are frozen dataclasses: `start` returns a copy holding the tensors of one run of the layers.
+    """
+
+    options: MitigationOptions
+    layers: frozenset[int]
+    options_class: ClassVar[type[MitigationOptions]]
+    prefill_requirement: ClassVar[str] = ""  # the error when a state fixed at prefill is missing
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options: MitigationOptions) -> bool:
+        """Whether these options fix, at prefill, state that decoding steps reuse (kept on the `SepFormerCache`)."""
+        return False
+
+    @classmethod
+    def resolve(cls, options: MitigationOptions, call: CallContext, others: tuple["Mitigation", ...]) -> "Mitigation":
+        """Check `options` against the model and the call (a `ValueError` naming what is wrong) and fix what holds
+        for the whole call. `others`: the call's mitigations resolved before this one (registry order)."""
+        return cls(options, options.layer_set(call.model.config.num_hidden_layers))
+
+    def start(self, run: LayerRun) -> "Mitigation":
+        """The per-run tensors (from positions, the padding mask, the dtype), computed once for every layer."""
+        return self
+
+    def query_key_inputs(
+        self, layer_idx: int, query_input: torch.Tensor, key_input: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, seq, d_model) inputs of `q_proj` and `k_proj`; values always read the layer's own normed input."""
+        return query_input, key_input
+
+    def position_query_key(
+        self,
+        attention: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        residual: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions into the projected (b, H, seq, head_dim) queries and keys, in place of the layer's rotary.
+
+        `residual` is the layer's input before its norm, `attention_mask` the one the attention function gets.
+        """
+        raise NotImplementedError  # only called on subclasses that override it
+
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        """The attention function of the layer: `(module, query, key, value, mask, **kwargs) -> (output, weights)`."""
+        return function
+
+    def replace(self, **changes) -> "Mitigation":
+        return dataclasses.replace(self, **changes)
+
+
+def overrides(mitigation: Mitigation, hook: str) -> bool:
+    return getattr(type(mitigation), hook) is not getattr(Mitigation, hook)
+
+
+def last_row_probs(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last query's attention row, written out: probs (b, H, kv) and the keys it may attend (b, 1, kv).
+
+    `query` (b, H, seq, d), `key` (b, H, kv, d); `attention_mask` as the attention functions get it (`None`, boolean
+    with True = attend, or additive float), already causal, so the last row's slice is all that matters.
+    """
+    kv = key.shape[2]
+    scores = torch.matmul(query[:, :, -1:], key.transpose(2, 3)).squeeze(2).float() * scaling  # (b, H, kv)
+    if attention_mask is None:
+        valid = torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
+    elif attention_mask.dtype == torch.bool:
+        valid = attention_mask[:, :, -1, :kv]
+    else:
+        valid = attention_mask[:, :, -1, :kv] > torch.finfo(attention_mask.dtype).min / 2
+    return scores.masked_fill(~valid, float("-inf")).softmax(-1), valid
+
+
+@dataclass(frozen=True, eq=False)
+class LayerHooks:
+    """The hooks of one layer, in the order of the plan's mitigations; no hook is a no-op."""
+
+    input_hooks: tuple[Mitigation, ...] = ()
+    position_hook: Mitigation | None = None
+    attention_wrappers: tuple[Mitigation, ...] = ()
+
+    @property
+    def rewrites_inputs(self) -> bool:
+        """Whether `q_proj` and `k_proj` read something else than the values do (no fused projections then)."""
+        return bool(self.input_hooks)
+
+    def query_key_inputs(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        query_input = key_input = hidden_states
+        for mitigation in self.input_hooks:
+            query_input, key_input = mitigation.query_key_inputs(layer_idx, query_input, key_input)
+        return query_input, key_input
+
+    def attention_function(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        for mitigation in self.attention_wrappers:
+            function = mitigation.wrap_attention(layer_idx, function)
+        return function
+
+
+NO_HOOKS = LayerHooks()
+
+
+@dataclass(frozen=True, eq=False)
+class MitigationPlan:
+    """The mitigations of one call, and for each layer the hooks its attention calls."""
+
+    mitigations: tuple[Mitigation, ...]
+    layers: tuple[LayerHooks, ...]
+
+    @classmethod
+    def of(cls, mitigations: tuple[Mitigation, ...], num_layers: int) -> "MitigationPlan":
+        def hooks(layer: int) -> LayerHooks:
+            here = [mitigation for mitigation in mitigations if layer in mitigation.layers]
+            position_hooks = [mitigation for mitigation in here if overrides(mitigation, "position_query_key")]
+            assert len(position_hooks) <= 1, "refused by the compatibility rules"
+            return LayerHooks(
+                input_hooks=tuple(mitigation for mitigation in here if overrides(mitigation, "query_key_inputs")),
+                position_hook=position_hooks[0] if position_hooks else None,
+                attention_wrappers=tuple(mitigation for mitigation in here if overrides(mitigation, "wrap_attention")),
+            )
+
+        return cls(mitigations, tuple(hooks(layer) for layer in range(num_layers)))
+
+    def start(self, run: LayerRun) -> "MitigationPlan":
+        """The plan for one run of the layers: each mitigation with its per-run tensors."""
+        return MitigationPlan.of(tuple(mitigation.start(run) for mitigation in self.mitigations), len(self.layers))

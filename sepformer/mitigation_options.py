@@ -1,0 +1,230 @@
+"""What a user passes to `forward`/`generate` to switch a position-bias mitigation on: one frozen dataclass each.
+
+Plain Python, no torch: the config validates its `stable_mask` field with these classes. Each field is checked when
+the dataclass is made, so a bad value fails at the call, with the field, the value and what is allowed. Every option
+takes its dataclass, the dict of its fields (`{"gamma": 0.05}`), or `None` (off).
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+def _as_int_tuple(name: str, field: str, value):
+    if value is None:
+        return None
+    if isinstance(value, int | str) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} {field}={value!r} must be a sequence of integers.")
+    items = tuple(value)  # a generator is read once, here
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        raise ValueError(f"{name} {field}={items!r} must be a sequence of integers.")
+    return items
+
+
+def _check_number(name: str, field: str, value, low: float | None = None, strict: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} {field}={value!r} must be a finite number.")
+    if low is not None and (value <= low if strict else value < low):
+        raise ValueError(f"{name} {field}={value!r} must be {'>' if strict else '>='} {low}.")
+
+
+def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every row."""
+    try:
+        rows = tuple(tuple(tuple(span) for span in row) for row in spans)
+    except TypeError:
+        rows = None
+    if rows is None or not all(len(span) == 2 for row in rows for span in row):
+        raise ValueError(f"{name} spans={spans!r} must be, per batch row, a sequence of (start, end).")
+    for row_index, row in enumerate(rows):
+        for span in row:
+            if not all(isinstance(bound, int) and not isinstance(bound, bool) for bound in span):
+                raise ValueError(
+                    f"{name} span {span!r} of row {row_index} must be two integers (token indices), not "
+                    f"{', '.join(type(bound).__name__ for bound in span)}."
+                )
+    if not rows or len({len(row) for row in rows}) != 1 or len(rows[0]) == 0:
+        raise ValueError(
+            f"{name} spans must give every batch row the same number (>= 1) of documents; got "
+            f"{[len(row) for row in rows]}."
+        )
+    for row_index, row in enumerate(rows):
+        ordered = sorted(row)
+        for start, end in ordered:
+            if not 0 <= start < end:
+                raise ValueError(
+                    f"{name} span ({start}, {end}) of row {row_index} is empty or negative: a span is (start, end) "
+                    "with 0 <= start < end."
+                )
+        for (_, end), (start, _) in zip(ordered, ordered[1:], strict=False):
+            if start < end:
+                raise ValueError(f"{name} spans of row {row_index} overlap: {ordered}.")
+    return rows
+
+
+class MitigationOptions:
+    """Base of the option dataclasses: `parse` accepts an instance (also one from another copy of this module: the
+    installed package and the Hub custom code are two copies), a dict of the fields, or `None` (off)."""
+
+    name: ClassVar[str]  # the keyword of `forward` and `generate`
+
+    @classmethod
+    def parse(cls, value):
+        if value is None or isinstance(value, cls):  # frozen and validated when made
+            return value
+        fields = [field.name for field in dataclasses.fields(cls)]
+        if type(value).__name__ == cls.__name__ and all(hasattr(value, name) for name in fields):
+            return cls(**{name: getattr(value, name) for name in fields})
+        if isinstance(value, dict):
+            unknown = set(value) - set(fields)
+            if unknown:
+                raise ValueError(
+                    f"{cls.name} got unknown keys {sorted(unknown)}: allowed are {', '.join(map(repr, fields))}."
+                )
+            return cls(**value)
+        raise ValueError(f"{cls.name} must be a {cls.__name__}, a dict of its fields or None; got {value!r}.")
+
+    def default_layers(self, num_layers: int) -> range:
+        """The layers the option acts in when it is given no `layers`: its paper's choice."""
+        return range(num_layers)
+
+    def layer_set(self, num_layers: int) -> frozenset[int]:
+        """The layers it acts in, checked against the model's."""
+        layers = getattr(self, "layers", None)
+        if layers is None:
+            return frozenset(self.default_layers(num_layers))
+        if len(layers) == 0 or len(set(layers)) != len(layers):
+            raise ValueError(f"{self.name} layers={layers!r} must be a non-empty tuple of distinct layer indices.")
+        bad = [layer for layer in layers if not 0 <= layer < num_layers]
+        if bad:
+            raise ValueError(f"{self.name} layers {bad} are out of range: this model has layers 0..{num_layers - 1}.")
+        return frozenset(layers)
+
+    def repeat_rows(self, repeats: int) -> "MitigationOptions":
+        """The options for a batch whose rows are each repeated `repeats` times (beam search, several return
+        sequences): only options with per-row data change."""
+        return self
+
+
+@dataclass(frozen=True)
+class StableMask(MitigationOptions):
+    """StableMask (arXiv 2402.04779): `softmax(A ⊙ C + P) ⊙ C` with pseudo-scores `P_ij = -γ(j-1)` for `j > i`.
+
+    Computed in its exact sink form: one extra logit `τ_t = log Σ_{j=t+1..N} e^{-γ(j-1)}` per query row `t` (the
+    1-indexed absolute position) with a zero value vector, so no `n × n` matrix is built.
+
+    Args:
+        gamma: `γ > 0`, the decay of the pseudo-scores; large `γ` is the base model.
+        columns: `N`, the last column the pseudo-scores run to; `None` is the model's `max_position_embeddings`.
+            Rows at `t >= N` get no sink.
+    """
+
+    gamma: float
+    columns: int | None = None
+    name: ClassVar[str] = "stable_mask"
+
+    def __post_init__(self):
+        _check_number(self.name, "gamma", self.gamma, low=0.0)
+        if self.columns is not None and (
+            isinstance(self.columns, bool) or not isinstance(self.columns, int) or self.columns < 1
+        ):
+            raise ValueError(f"stable_mask columns={self.columns!r} must be None or a positive integer.")
+
+
+@dataclass(frozen=True)
+class MSPoE(MitigationOptions):
+    """MS-PoE (arXiv 2403.04797): head `h` sees positions `m / r_h`, ratios linear from `r_min` to `r_max`.
+
+    Args:
+        r_min, r_max: `1 <= r_min <= r_max`; the most position-aware head gets `r_min`.
+        layers: layer indices; `None` is every layer but the first `min(2, num_layers // 2)` (the paper leaves the
+            first two alone; a two-layer model keeps its first).
+        head_order: heads from most to least position-aware (`head_order[0]` gets `r_min`). `None` ranks the heads of
+            each layer and batch row at prefill by the position-awareness score `S_P` of the last query's attention
+            row; the ranking is kept for every later decoding step.
+    """
+
+    r_min: float = 1.2
+    r_max: float = 1.8
+    layers: tuple[int, ...] | None = None
+    head_order: tuple[int, ...] | None = None
+    name: ClassVar[str] = "ms_poe"
+
+    def __post_init__(self):
+        _check_number(self.name, "r_min", self.r_min, low=1.0, strict=False)
+        _check_number(self.name, "r_max", self.r_max, low=1.0, strict=False)
+        if self.r_max < self.r_min:
+            raise ValueError(f"ms_poe r_max={self.r_max} must be >= r_min={self.r_min}.")
+        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
+        object.__setattr__(self, "head_order", _as_int_tuple(self.name, "head_order", self.head_order))
+
+    def default_layers(self, num_layers: int) -> range:
+        return range(min(2, num_layers // 2), num_layers)
+
+
+@dataclass(frozen=True)
+class AttentionCalibration(MitigationOptions):
+    """Attention calibration, "Found in the Middle" (arXiv 2406.16008).
+
+    Args:
+        spans: per batch row, the documents' `(start, end)` token spans (end exclusive, integers), counted like
+            positions: from the row's first real token, so the same spans serve a row alone and left-padded in a
+            batch. Every row has the same number of documents; spans do not overlap and lie inside the prompt.
+            `generate` repeats each row's spans for its beams and return sequences.
+        temperature: `t` of `α = softmax(rel / t)` over documents (paper: 5e-5).
+        layers: layer indices; `None` is the last half of the layers (the paper's choice).
+        dummy_document: token ids of the dummy document that measures `bias(k)` when it replaces document `k`;
+            `None` is `pad_token_id` repeated to document `k`'s length (a document with no content).
+    """
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    temperature: float = 5e-5
+    layers: tuple[int, ...] | None = None
+    dummy_document: tuple[int, ...] | None = None
+    name: ClassVar[str] = "attention_calibration"
+
+    def __post_init__(self):
+        _check_number(self.name, "temperature", self.temperature, low=0.0)
+        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
+        object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
+        if self.dummy_document is not None and len(self.dummy_document) == 0:
+            raise ValueError("attention_calibration dummy_document must have at least one token.")
+        object.__setattr__(self, "spans", _as_spans(self.name, self.spans))
+
+    def default_layers(self, num_layers: int) -> range:
+        return range(num_layers // 2, num_layers)
+
+    def repeat_rows(self, repeats: int) -> "AttentionCalibration":
+        spans = tuple(row for row in self.spans for _ in range(repeats))
+        return dataclasses.replace(self, spans=spans)
+
+
+@dataclass(frozen=True)
+class PositionalScaling(MitigationOptions):
+    """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`, for the
+    keys (which go into the cache scaled) and for the last token's query.
+
+    Args:
+        factor: `s` (paper: 0.5, 0, -0.5, -1); 1 is the base model.
+        channels: hidden-state channels; `None` is SepFormer's positional block `[0, d_pos)`, known by construction.
+        layers: layer indices; `None` is the middle layers (all but the first and the last when there are >= 3).
+    """
+
+    factor: float
+    channels: tuple[int, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    name: ClassVar[str] = "positional_scaling"
+
+    def __post_init__(self):
+        _check_number(self.name, "factor", self.factor)
+        object.__setattr__(self, "channels", _as_int_tuple(self.name, "channels", self.channels))
+        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
+        if self.channels is not None and (len(self.channels) == 0 or len(set(self.channels)) != len(self.channels)):
+            raise ValueError(f"positional_scaling channels={self.channels!r} must be distinct and non-empty.")
+
+    def default_layers(self, num_layers: int) -> range:
+        return range(1, num_layers - 1) if num_layers >= 3 else range(num_layers)
+
+
+__all__ = ["AttentionCalibration", "MSPoE", "MitigationOptions", "PositionalScaling", "StableMask"]

@@ -1,0 +1,150 @@
+"""MS-PoE (arXiv 2403.04797): head `h` of the chosen layers sees positions `m / r_h`."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, last_row_probs
+from .mitigation_options import MSPoE
+from .positional_maps import apply_partial_rotary
+
+
+def ms_poe_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
+    """`r_i = r_min + (i-1)(r_max - r_min)/(H-1)`, `i` the rank (1 = most position-aware), float64 (H,)."""
+    if num_heads == 1:
+        return torch.tensor([option.r_min], dtype=torch.float64)
+    return torch.linspace(option.r_min, option.r_max, num_heads, dtype=torch.float64)
+
+
+@cached_constant(maxsize=16)
+def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Tensor:
+    """(H, 1) float32 ratios by rank on `device`, made once per option rather than at every decoding step."""
+    return ms_poe_ratios(option, num_heads).float().to(device)[:, None]
+
+
+def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """MS-PoE's `S_P = (1/l) Σ_i 1(A_i >= 3 · mean(A))` per head.
+
+    `probs`: (b, H, kv) the last query's attention row; `valid`: (b, 1 or H, kv) the keys it may attend (padding
+    excluded), `l` their number. Returns (b, H).
+    """
+    count = valid.sum(-1, dtype=probs.dtype)  # (b, 1 or H): l
+    mean = (probs * valid).sum(-1) / count  # (b, H)
+    return ((probs >= 3 * mean[..., None]) & valid).sum(-1, dtype=probs.dtype) / count
+
+
+def head_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Each head's rank (0 = most position-aware) from its score (..., H), ties broken by head index."""
+    order = torch.sort(-scores, dim=-1, stable=True).indices  # heads, most position-aware first
+    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks)  # the inverse permutation: ranks[order[i]] = i
+
+
+def head_ratios(option: MSPoE, scores: torch.Tensor) -> torch.Tensor:
+    """Each head's ratio from its score (b, H): the highest score gets `r_min`, ties broken by head index.
+
+    This is the paper's stated semantics, `r_h = r[rank(h)]`: the ratios are scattered through the *inverse* of the
+    sort permutation. The authors' code indexes with the sort permutation itself, which gives head `order[i]`'s ratio
+    to head `i`; the two agree only when the permutation is its own inverse.
+    """
+    return ms_poe_ratios(option, scores.shape[-1]).to(scores.device)[head_ranks(scores)]
+
+
+def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
+    """(H,) ranks of a fixed `head_order` (its first head has rank 0)."""
+    if sorted(option.head_order) != list(range(num_heads)):
+        raise ValueError(
+            f"ms_poe head_order={option.head_order} must be a permutation of the {num_heads} heads 0..{num_heads - 1}."
+        )
+    order = torch.tensor(option.head_order)
+    return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
+
+
+@dataclass(frozen=True, eq=False)
+class MSPoEMitigation(Mitigation):
+    """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`.
+
+    Rotary (when on) rotates by `m / r_h`. The positional block enters through the normalised residual, whose
+    positional part is `p(m) + u(m)`, `u` what earlier layers added: head `h` reads `p(m / r_h) + u(m)` instead, i.e.
+    its queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added. Only the
+    embedding's `p(m)` is rescaled; `u` depends on content as well and has no position to rescale. Values and the
+    residual keep `p(m)`. The heads are ranked at prefill (or by `head_order`) and keep their ratios while decoding.
+    """
+
+    options_class = MSPoE
+    prefill_requirement = (
+        "ms_poe ranks the heads at prefill: it must be on from the first (prefill) call of a cached generation, or "
+        "be given a fixed head_order."
+    )
+    model: nn.Module | None = None  # the SepFormerModel: its positional map, rotary and input norms
+    extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
+    fixed_ranks: torch.Tensor | None = None  # (1, H) from `head_order`
+    ranks: dict[int, torch.Tensor] | None = None  # per layer, (b, H) ranks made at prefill (on the cache)
+    # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
+    position_shift: torch.Tensor | None = None  # (b or 1, H, seq, d_pos): p(m / r_i) - p(m) for rank i
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (b or 1, H, seq, rotary_dim) of m / r_i
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options: MSPoE) -> bool:
+        return options.head_order is None
+
+    @classmethod
+    def resolve(cls, options: MSPoE, call: CallContext, others) -> "MSPoEMitigation":
+        config = call.model.config
+        if config.position_size == 0 and config.rotary_dim == 0:
+            raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
+        layers = options.layer_set(config.num_hidden_layers)
+        if options.head_order is not None:
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None]
+            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed)
+        if config._attn_implementation == "flex_attention":
+            raise ValueError(
+                "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
+                "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
+            )
+        return cls(options, layers, call.model, call.extrapolation, ranks=call.state.ms_poe_ranks)
+
+    def start(self, run: LayerRun) -> "MSPoEMitigation":
+        model, config = self.model, self.model.config
+        ratios = rank_ratios(self.options, config.num_attention_heads, run.device)  # (H, 1)
+        position_shift = rotary = None
+        if run.position_rows is not None:
+            coordinates = model.embed_positions.table_coordinates(run.position_ids, self.extrapolation)
+            rows = model.embed_positions(coordinates[:, None] / ratios, self.extrapolation).to(run.dtype)  # p(m / r_i)
+            position_shift = rows - run.position_rows[:, None]
+        if model.rotary_emb is not None:
+            angles = (run.position_ids[:, None] / ratios)[..., None] * model.rotary_emb.inv_freq  # (b|1, H, seq, rd/2)
+            angles = torch.cat((angles, angles), -1)
+            rotary = angles.cos().to(run.dtype), angles.sin().to(run.dtype)
+        return self.replace(position_shift=position_shift, rotary=rotary)
+
+    def layer_ranks(self, attention, query, key, position_embeddings, attention_mask) -> torch.Tensor:
+        """(b or 1, H) ranks of one layer's heads: fixed, kept from prefill, or made now from the last query's
+        attention row with the base positions (a prefill)."""
+        if self.fixed_ranks is not None:
+            return self.fixed_ranks
+        if attention.layer_idx not in self.ranks:
+            if position_embeddings is not None:
+                query, key = apply_partial_rotary(query, key, *position_embeddings)
+            probs, valid = last_row_probs(query, key, attention_mask, attention.scaling)
+            self.ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))
+        return self.ranks[attention.layer_idx]
+
+    def position_query_key(self, attention, query, key, position_embeddings, residual, attention_mask):
+        ranks = self.layer_ranks(attention, query, key, position_embeddings, attention_mask)[..., None, None]
+        if self.position_shift is not None:
+            norm = self.model.layers[attention.layer_idx].input_layernorm.position
+            d_pos = self.position_shift.shape[-1]
+            positional = residual[:, None, :, :d_pos]  # (b, 1, seq, d_pos)
+            shift = torch.take_along_dim(self.position_shift, ranks, 1)  # p(m / r_h) - p(m): (b, H, seq, d_pos)
+            # Shifted and unshifted rows through one norm call: fewer calls, and a ratio of 1 adds exactly 0.
+            normed = norm(torch.cat((positional + shift, positional), 1))  # (b, H + 1, seq, d_pos)
+            delta = normed[:, :-1] - normed[:, -1:]  # (b, H, seq, d_pos)
+            for_head = (query.shape[1], attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
+            query = query + torch.matmul(delta, attention.q_proj.weight[:, :d_pos].view(for_head).transpose(1, 2))
+            key = key + torch.matmul(delta, attention.k_proj.weight[:, :d_pos].view(for_head).transpose(1, 2))
+        if position_embeddings is not None:
+            cos, sin = (torch.take_along_dim(table, ranks, 1) for table in self.rotary)  # (b, H, seq, rotary_dim)
+            query, key = apply_partial_rotary(query, key, cos, sin)
+        return query, key

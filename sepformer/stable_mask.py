@@ -1,0 +1,93 @@
+"""StableMask (arXiv 2402.04779) in its exact sink form: one extra logit per query row with a zero value."""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, cached_constant
+from .mitigation_options import StableMask
+
+
+def sink_logits(option: StableMask, position_ids: torch.Tensor, default_columns: int) -> torch.Tensor:
+    """`τ_t = -γt + log(1 - e^{-γ(N-t)}) - log(1 - e^{-γ})` at `t = position + 1`, `-∞` for `t >= N`."""
+    columns = option.columns if option.columns is not None else default_columns
+    table = sink_logit_table(option.gamma, columns, position_ids.device)  # (N + 1,): one lookup per decoding step
+    return table[position_ids.clamp(max=columns)]
+
+
+@cached_constant(maxsize=16)
+def sink_logit_table(gamma: float, columns: int, device: torch.device) -> torch.Tensor:
+    """`τ` at positions `0..N`, the last one (and every later position) `-∞`."""
+    t = torch.arange(1, columns + 2, dtype=torch.float64)
+    remaining = (columns - t).clamp(min=0)
+    tau = -gamma * t + torch.log(-torch.expm1(-gamma * remaining)) - math.log(-math.expm1(-gamma))
+    return tau.float().to(device)  # log(0) = -inf where t >= N
+
+
+def sink_attention(interface, module, query, key, value, attention_mask, sink_logits, scaling, **kwargs):
+    """StableMask's sink form on any attention function that takes a boolean or additive mask (eager, sdpa).
+
+    One extra head dimension carries the sink: queries get `τ_t / scaling` there, real keys 0, and one sink key in
+    front (1 there, 0 elsewhere, with a zero value) scores exactly `τ_t`. So the softmax runs over the real keys and
+    the sink, and the sink's share is the mass StableMask's pseudo-columns take; no `n × n` matrix is built. A single
+    query row at inference (decoding) is written out instead: one row of scores, the sink appended, a softmax.
+    `sink_logits` is (b or 1, 1, seq, 1); -inf (rows past `N`) is clamped to a logit whose exponential is 0.
+    """
+    batch, heads, seq, dim = query.shape
+    kv = key.shape[2]
+    if seq == 1 and not module.training:
+        # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (b, H, 1, kv)
+        if attention_mask is not None:
+            mask = attention_mask[..., :kv]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = torch.cat((scores, sink_logits.to(scores.dtype).expand(batch, heads, 1, 1)), -1).softmax(-1)[..., :kv]
+        return torch.matmul(probs, value).transpose(1, 2), probs  # (b, 1, H, d); rows sum to less than 1
+    tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype).expand(batch, heads, seq, 1)
+    query = torch.cat((query, tau), -1)  # (b, H, seq, d + 1)
+    sink_key = key.new_zeros(batch, heads, kv + 1, dim + 1)  # (b, H, 1 + kv, d + 1): the sink first
+    sink_key[:, :, 0, dim] = 1
+    sink_key[:, :, 1:, :dim] = key
+    sink_value = value.new_zeros(batch, heads, kv + 1, value.shape[-1])
+    sink_value[:, :, 1:] = value
+    if attention_mask is None and seq > 1:
+        # sdpa's causal path (q_len == kv, no padding) aligns the causal mask top-left: a dummy query row in front
+        # makes it see the sink alone, and row t + 1 the sink and keys 0..t, as it should.
+        query = torch.cat((query.new_zeros(batch, heads, 1, dim + 1), query), 2)
+        output, _ = interface(module, query, sink_key, sink_value, None, scaling=scaling, **kwargs)
+        return output[:, 1:], None  # (b, seq, H, d)
+    if attention_mask is not None:
+        attend = True if attention_mask.dtype == torch.bool else 0.0
+        attention_mask = torch.nn.functional.pad(attention_mask[..., :kv], (1, 0), value=attend)
+    output, weights = interface(module, query, sink_key, sink_value, attention_mask, scaling=scaling, **kwargs)
+    return output, (weights[..., 1:] if weights is not None else None)  # weights on the real keys: rows sum < 1
+
+
+@dataclass(frozen=True, eq=False)
+class StableMaskMitigation(Mitigation):
+    """Every layer's attention gets the sink; `τ` depends on the absolute position only (left padding and the cache
+    do not move it), so cached decoding is the full forward pass."""
+
+    options_class = StableMask
+    columns: int = 0  # N: the option's, or the model's max_position_embeddings
+    sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the run's new tokens
+
+    @classmethod
+    def resolve(cls, options: StableMask, call: CallContext, others) -> "StableMaskMitigation":
+        implementation = call.model.config._attn_implementation
+        if implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f"stable_mask runs on the 'eager' and 'sdpa' attention implementations (its sink is an extra key); "
+                f"this model uses {implementation!r}."
+            )
+        config = call.model.config
+        return cls(options, frozenset(range(config.num_hidden_layers)), config.max_position_embeddings)
+
+    def start(self, run: LayerRun) -> "StableMaskMitigation":
+        tau = sink_logits(self.options, run.position_ids, self.columns)
+        return self.replace(sink_logits=tau.to(run.device)[:, None, :, None])
+
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        return functools.partial(sink_attention, function, sink_logits=self.sink_logits)

@@ -1,0 +1,101 @@
+"""What a generation fixes at prefill lives on the `SepFormerCache` and follows the batch through `generate`."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from sepformer import AttentionCalibration, MSPoE, SepFormerCache, SepFormerTokenizer
+
+PROMPTS = ["def f(x): return x", "import os, sys  # x", "a longer prompt, with more bytes"]
+SPANS = ((0, 5), (5, 10), (10, 15))
+
+
+def strong_model():
+    model = tiny_model(rotary_dim=4)
+    with torch.no_grad():
+        model.model.embed_positions.weight.normal_(0, 1)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.5)
+            layer.self_attn.k_proj.weight.normal_(0, 0.5)
+    return model
+
+
+OPTIONS = {
+    "ms_poe": lambda rows: {"ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1))},
+    "calibration": lambda rows: {
+        "attention_calibration": AttentionCalibration(spans=(SPANS,) * rows, temperature=1e-2, layers=(0, 1))
+    },
+}
+
+
+def generate_alone(model, tokenizer, options, **kwargs):
+    return [model.generate(**tokenizer([prompt], return_tensors="pt"), **options(1), **kwargs)[0] for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_beam_search_gives_each_row_what_it_gives_alone(name):
+    model, tokenizer = strong_model(), SepFormerTokenizer(padding_side="left")
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    together = model.generate(**batch, **OPTIONS[name](len(PROMPTS)), **kwargs)[:, batch.input_ids.shape[1] :]
+    for row, alone in enumerate(generate_alone(model, tokenizer, OPTIONS[name], **kwargs)):
+        assert torch.equal(together[row], alone[-6:]), PROMPTS[row]
+    without = model.generate(**batch, **kwargs)[:, batch.input_ids.shape[1] :]
+    assert not torch.equal(together, without)  # the option changed the generation
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_several_return_sequences_each_carry_their_rows_state(name):
+    """Sampling restricted to the top token is deterministic: every returned sequence is its row's greedy output."""
+    model, tokenizer = strong_model(), SepFormerTokenizer(padding_side="left")
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=6, pad_token_id=tokenizer.pad_token_id)
+    sampled = model.generate(
+        **batch, **OPTIONS[name](len(PROMPTS)), do_sample=True, top_k=1, num_return_sequences=2, **kwargs
+    )[:, batch.input_ids.shape[1] :]
+    for row, alone in enumerate(generate_alone(model, tokenizer, OPTIONS[name], do_sample=False, **kwargs)):
+        assert torch.equal(sampled[2 * row], alone[-6:]) and torch.equal(sampled[2 * row + 1], alone[-6:])
+
+
+def test_batch_operations_carry_the_state_row_by_row():
+    """Beam search reorders, contrastive search repeats and selects: the state follows its rows."""
+    model = strong_model()
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    options = {**OPTIONS["ms_poe"](3), **OPTIONS["calibration"](3)}
+    options["ms_poe"] = MSPoE(layers=(0,))  # calibration in layers 0 and 1, MS-PoE in 0
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, **options)
+    ranks, bias, spans = cache.ms_poe_ranks[0].clone(), cache.calibration_bias[1].clone(), cache.calibration_spans
+    assert ranks.shape == (3, 4) and bias.shape == (3, 4, 3) and spans.shape == (3, 3, 2)
+    assert not torch.equal(ranks[0], ranks[1]) or not torch.equal(ranks[1], ranks[2])  # rows differ: order matters
+
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    assert torch.equal(cache.ms_poe_ranks[0], ranks[[2, 0, 0]])
+    assert torch.equal(cache.calibration_bias[1], bias[[2, 0, 0]])
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.ms_poe_ranks[0], ranks[[2, 2, 0, 0, 0, 0]])
+    cache.batch_select_indices(torch.tensor([1, 2]))
+    assert torch.equal(cache.calibration_bias[1], bias[[2, 0]])
+    assert torch.equal(cache.calibration_spans, spans[[2, 0]])
+    assert cache.layers[0].keys.shape[0] == 2
+
+
+def test_forward_and_generate_make_a_sepformer_cache():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        assert isinstance(model(ids, use_cache=True).past_key_values, SepFormerCache)
+    out = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, SepFormerCache)
+
+
+def test_state_needs_a_cache_that_keeps_it():
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 12))
+    with pytest.raises(ValueError, match="needs a cache that grows with the tokens and carries that state"):
+        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, ms_poe=MSPoE())
+    # a fixed head order keeps nothing: any cache will do
+    model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, ms_poe=MSPoE(head_order=(0, 1, 2, 3)))
