@@ -9,7 +9,7 @@
 
 This module registers them (`MITIGATIONS`), holds the rules on which can be combined (`REFUSED_TOGETHER`), and
 resolves a call's options into a `MitigationPlan`. A new mitigation is a `Mitigation` subclass with its options
-dataclass, added to `MITIGATIONS` (see `mitigation_base` for the hooks).
+dataclass, added to `MITIGATIONS` here or with `register_mitigation` (see `mitigation_base` for the hooks).
 """
 
 import dataclasses
@@ -113,13 +113,32 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     return MitigationPlan.of(tuple(resolved), num_layers)
 
 
+FORWARDS_WITH_KEYWORDS = []  # the forward functions whose signature lists the registered options
+
+
 def with_mitigation_keywords(forward):
     """Give `forward`'s signature a keyword per registered option: `generate` accepts the keywords it names."""
-    signature = inspect.signature(forward)
-    *parameters, variadic = signature.parameters.values()
-    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in MITIGATIONS]
-    forward.__signature__ = signature.replace(parameters=[*parameters, *keywords, variadic])
+    FORWARDS_WITH_KEYWORDS.append((forward, inspect.signature(forward)))
+    refresh_signatures()
     return forward
+
+
+def refresh_signatures() -> None:
+    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in MITIGATIONS]
+    for forward, signature in FORWARDS_WITH_KEYWORDS:
+        *parameters, variadic = signature.parameters.values()
+        forward.__signature__ = signature.replace(parameters=[*parameters, *keywords, variadic])
+
+
+def register_mitigation(mitigation: type[Mitigation]) -> None:
+    """Add a mitigation: its options' `name` becomes a keyword of `forward` and `generate`."""
+    MITIGATIONS[mitigation.options_class.name] = mitigation
+    refresh_signatures()
+
+
+def unregister_mitigation(name: str) -> None:
+    del MITIGATIONS[name]
+    refresh_signatures()
 
 
 __all__ = [
@@ -132,5 +151,7 @@ __all__ = [
     "fixed_head_ranks",
     "head_ratios",
     "position_awareness",
+    "register_mitigation",
     "resolve_plan",
+    "unregister_mitigation",
 ]

@@ -482,6 +482,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if mitigation_plan is None:
             call = CallContext(self, input_ids, attention_mask, past_key_values, extrapolation, batch, continuing)
             mitigation_plan = resolve_plan(call, options)
+        elif options:
+            raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
 
