@@ -1,17 +1,124 @@
-"""SepFormer configuration: sizes, the positional map, and every check on them in one place."""
+"""SepFormer configuration: sizes, the positional map, and every check on them in one place.
+
+Every mistake is refused before anything is built or written, by an error that names the field, the value and what
+is allowed: a value of the wrong type is a `TypeError` (also huggingface_hub's `StrictDataclassFieldValidationError`),
+a wrong value or combination a `ValueError`, a misspelt or foreign keyword a `TypeError`. A single value is checked
+whenever it is set: at construction, from a `config.json`, and on assignment (`config.norm_eps = float("nan")`
+raises). Combinations are checked when the config is made, loaded and saved, not on assignment, so that related
+fields can be changed one after the other (`config.vocab_size = 4; config.pad_token_id = 3`).
+
+The derived sizes `position_size`, `position_table_size`, `position_intermediate_size` and
+`semantic_intermediate_size` keep what the user gave: `None` (the default) follows the fields it derives from, also
+when those are assigned later (`config.max_position_embeddings = 1024` gives a table of 1024 rows), and is saved as
+`null`. Reading one always gives the resolved integer.
+"""
+
+import dataclasses
+import difflib
+import math
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
 
 from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 
 from .mitigation_options import StableMask
-from .positional_maps import PositionExtrapolation
+from .positional_maps import EXTRAPOLATION_METHODS, POSITIONAL_MAP_CLASSES, PositionExtrapolation
 
-POSITIONAL_MAPS = ("learned", "sinusoidal")
+POSITIONAL_MAPS = tuple(POSITIONAL_MAP_CLASSES)
 NORM_TYPES = ("rmsnorm", "layernorm")
 LM_HEAD_INPUTS = ("semantic", "all")
 
+# Sizes that `None` derives from other fields, and what it means (for the messages).
+DERIVED_SIZES = {
+    "position_size": "head_dim",
+    "position_table_size": "max_position_embeddings",
+    "position_intermediate_size": "4 * position_size",
+    "semantic_intermediate_size": "4 * (hidden_size - position_size)",
+}
 
+# Keywords of other architectures' configs that SepFormer does not read, and what to do instead.
+FOREIGN_KEYWORDS = {
+    "intermediate_size": "use position_intermediate_size and semantic_intermediate_size (one MLP per block)",
+    "n_inner": "use position_intermediate_size and semantic_intermediate_size (one MLP per block)",
+    "rms_norm_eps": "use norm_eps",
+    "layer_norm_eps": "use norm_eps",
+    "layer_norm_epsilon": "use norm_eps",
+    "n_positions": "use max_position_embeddings",
+    "n_embd": "use hidden_size",
+    "n_layer": "use num_hidden_layers",
+    "n_head": "use num_attention_heads",
+    "num_key_value_heads": "SepFormer has no grouped-query attention (every head has its own keys and values)",
+    "hidden_dropout_prob": "use hidden_dropout",
+    "resid_pdrop": "use hidden_dropout",
+    "embd_pdrop": "use hidden_dropout",
+    "attention_probs_dropout_prob": "use attention_dropout",
+    "attn_pdrop": "use attention_dropout",
+    "activation_function": "use hidden_act",
+    "hidden_activation": "use hidden_act",
+    "rope_scaling": "SepFormer's rotary embedding (rotary_dim, rope_theta) has no scaling; positions past the table "
+    "use position_extrapolation",
+    "rope_parameters": "use rotary_dim and rope_theta (SepFormer's rotary embedding has no scaling types)",
+    "head_dim": "set hidden_size and num_attention_heads (head_dim = hidden_size / num_attention_heads)",
+    "semantic_size": "set hidden_size and position_size (semantic_size = hidden_size - position_size)",
+}
+
+
+class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
+    """A config field set to a value of the wrong type: a `TypeError`, and the error `@strict` dataclasses raise."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+
+
+def _check_fields_on_every_assignment(cls):
+    """Run each field's type and value checks before `@strict`'s own setattr, raising `ConfigTypeError` for a wrong
+    type and `ValueError` for a wrong value; make the derived sizes properties over their stored values."""
+    strict_setattr = cls.__setattr__
+    field_types = {field.name: field.type for field in dataclasses.fields(cls)}
+
+    def __setattr__(self, name, value):
+        if name in field_types:
+            try:
+                for validator in cls.__validators__.get(name, ()):
+                    validator(value)
+            except (TypeError, ValueError):
+                raise ConfigTypeError(_type_message(name, value, field_types[name])) from None
+            check = FIELD_CHECKS.get(name)
+            if check is not None:
+                check(name, value)
+        strict_setattr(self, name, value)
+
+    cls.__setattr__ = __setattr__
+    for name in DERIVED_SIZES:
+        setattr(cls, name, _derived_size(name))
+    return cls
+
+
+def _derived_size(name: str) -> property:
+    resolve = _RESOLVE[name]
+
+    def get(self):
+        value = self.__dict__.get(name)
+        return resolve(self) if value is None else value
+
+    def set_(self, value):
+        self.__dict__[name] = value
+
+    return property(get, set_, doc=f"`{name}`; `None` (stored and saved as such) reads as {DERIVED_SIZES[name]}.")
+
+
+_RESOLVE = {
+    "position_size": lambda config: config.head_dim,
+    "position_table_size": lambda config: config.max_position_embeddings,
+    "position_intermediate_size": lambda config: 4 * config.position_size,
+    "semantic_intermediate_size": lambda config: 4 * config.semantic_size,
+}
+
+
+@_check_fields_on_every_assignment
 @strict
 class SepFormerConfig(PreTrainedConfig):
     r"""
@@ -21,20 +128,21 @@ class SepFormerConfig(PreTrainedConfig):
     Args:
         vocab_size: tokens in the vocabulary (259 = 256 bytes + pad, bos, eos for `SepFormerTokenizer`).
         hidden_size: `d_model = d_pos + d_sem`.
-        position_size: `d_pos`, the width of the positional block. `None` means `head_dim`; `0` is a model with no
-            positional information at all (NoPE). Must be smaller than `hidden_size`.
+        position_size: `d_pos`, the width of the positional block. `None` means `head_dim` (and follows
+            `hidden_size`/`num_attention_heads` when they are assigned later); `0` is a model with no positional
+            information at all (NoPE). Must be smaller than `hidden_size`.
         num_hidden_layers, num_attention_heads: depth and heads; `head_dim = hidden_size / num_attention_heads`.
         position_intermediate_size, semantic_intermediate_size: hidden widths of the two MLPs. `None` means
-            4x the block's width.
+            4x the block's width (following later changes of the block's width).
         hidden_act: activation of both MLPs (any name of `transformers.activations.ACT2FN`).
         max_position_embeddings: `L`, the training length (rows of the learned positional table).
         positional_map: `"learned"` (a table of `L` rows) or `"sinusoidal"` (fixed, over `d_pos` dimensions).
         position_extrapolation: how a learned table answers positions past its rows: `"none"` (an error),
-            `"clamp"`, `"sinusoidal"`, `"fourier"` or `"interpolate"` (SPEC §2). Overridable per call.
+            `"clamp"`, `"sinusoidal"`, `"fourier"` or `"interpolate"`. Overridable per call.
         fourier_components: `K` of the `"fourier"` method.
         interpolation_length: the length `"interpolate"` compresses positions for; `None` is the current length.
-        position_table_size: rows of the learned table; `None` means `max_position_embeddings`. A larger table with
-            `random_position_offsets` is trained past `L`.
+        position_table_size: rows of the learned table; `None` means `max_position_embeddings` (following later
+            assignments of it). A larger table with `random_position_offsets` is trained past `L`.
         random_position_offsets: in training, shift each sequence's positions by a random offset so that every row
             of a `position_table_size > max_position_embeddings` table is trained.
         norm_type: `"rmsnorm"` or `"layernorm"`; each subspace is normalised on its own.
@@ -51,6 +159,8 @@ class SepFormerConfig(PreTrainedConfig):
         fuse_decoding_projections: decoding steps run each layer's q/k/v and o projections as two dense matmuls
             kept on the KV cache (faster where kernel count dominates; `4 d²` more memory per layer while the cache
             lives). `False` keeps the per-block projections everywhere.
+        pad_token_id, bos_token_id, eos_token_id: ids inside the vocabulary (`0 <= id < vocab_size`) or `None`;
+            `eos_token_id` may be a list of ids.
     """
 
     model_type = "sepformer"
@@ -90,20 +200,26 @@ class SepFormerConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 258
 
     def __post_init__(self, **kwargs):
-        # Derived sizes are resolved before validation so that `validate_architecture` sees final values.
-        for name in ("hidden_size", "num_attention_heads"):
-            _require_positive(name, getattr(self, name))
-        if self.position_size is None and self.hidden_size % self.num_attention_heads == 0:
-            self.position_size = self.head_dim
-        if self.position_table_size is None:
-            self.position_table_size = self.max_position_embeddings
-        if self.position_intermediate_size is None and self.position_size is not None:
-            self.position_intermediate_size = 4 * self.position_size
-        if self.semantic_intermediate_size is None and self.position_size is not None:
-            self.semantic_intermediate_size = 4 * (self.hidden_size - self.position_size)
+        # Fields were checked one by one as they were set; the keywords that are no field come here. A config rebuilt
+        # from a saved one (it carries `transformers_version`) keeps them, as transformers does: tools store
+        # attributes of their own on configs (`set_config_for_less_flaky_test` sets `layer_norm_eps`).
+        if self.transformers_version is None:
+            _refuse_ignored_keywords(kwargs)
         super().__post_init__(**kwargs)
-        # `@strict` runs this too, but wraps the error; calling it here raises the plain `ValueError`.
+        # `@strict` runs the `validate_*` methods too, but wraps their errors; calling them here raises the plain
+        # `ValueError` (from the constructor, `from_pretrained` and the Auto classes alike).
+        self.check_combinations()
+
+    def check_combinations(self) -> None:
+        """Every check that involves more than one field (`validate_architecture`, `validate_token_ids`), raising the
+        plain `ValueError`. The model's constructor and `save_pretrained` need a config that passes."""
         self.validate_architecture()
+        self.validate_token_ids()
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        # Before anything is written (the folder, Hub code files): assignments are not checked together.
+        self.check_combinations()
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @property
     def head_dim(self) -> int:
@@ -115,14 +231,8 @@ class SepFormerConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Every invalid value or combination, with the field, the value and what is allowed."""
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "max_position_embeddings",
-        ):
-            _require_positive(name, getattr(self, name))
+        for name, check in FIELD_CHECKS.items():  # also values that reached `__dict__` without an assignment
+            check(name, self.__dict__.get(name))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -136,11 +246,12 @@ class SepFormerConfig(PreTrainedConfig):
             )
         if self.position_size > 0:
             _require_positive("position_intermediate_size", self.position_intermediate_size)
+        elif self.__dict__.get("position_intermediate_size") not in (None, 0):  # 0: as saved before it was derived
+            raise ValueError(
+                f"position_intermediate_size={self.position_intermediate_size} is not used: position_size=0 has no "
+                "positional block and no positional MLP; leave it None."
+            )
         _require_positive("semantic_intermediate_size", self.semantic_intermediate_size)
-        _require_choice("positional_map", self.positional_map, POSITIONAL_MAPS)
-        _require_choice("norm_type", self.norm_type, NORM_TYPES)
-        _require_choice("lm_head_input", self.lm_head_input, LM_HEAD_INPUTS)
-        _require_choice("hidden_act", self.hidden_act, tuple(ACT2FN))
         if self.positional_map == "sinusoidal" and self.position_size % 2 == 1:
             raise ValueError(
                 f"position_size={self.position_size} is odd, but positional_map='sinusoidal' needs an even "
@@ -166,28 +277,31 @@ class SepFormerConfig(PreTrainedConfig):
                 f"positional_map={self.positional_map!r}, position_size={self.position_size}, "
                 f"position_table_size={self.position_table_size}."
             )
-        if self.rotary_dim < 0 or self.rotary_dim % 2 == 1 or self.rotary_dim > self.head_dim:
+        if self.rotary_dim > self.head_dim:
             raise ValueError(
                 f"rotary_dim={self.rotary_dim} is not allowed: it must be 0 (off) or an even number <= "
                 f"head_dim={self.head_dim}."
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta={self.rope_theta} must be > 0.")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps={self.norm_eps} must be > 0.")
-        for name in ("attention_dropout", "hidden_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name}={value} must be in [0, 1).")
-        if self.initializer_range < 0:
-            raise ValueError(f"initializer_range={self.initializer_range} must be >= 0.")
-        if self.stable_mask is not None:
-            StableMask.parse(self.stable_mask)  # a dict (the field's type): raises on unknown keys or bad values
         if self.tie_word_embeddings and self.lm_head_input != "semantic":
             raise ValueError(
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
                 f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}."
             )
+
+    def validate_token_ids(self):
+        """Special token ids inside the vocabulary: an error here, where transformers only warns (an id past the
+        embedding would fail deep inside torch when generation pads or stops with it)."""
+        for name in self.__dict__:
+            if not name.endswith("_token_id"):
+                continue
+            value = getattr(self, name)
+            ids = value if isinstance(value, list) else [value]
+            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name}={value!r} is outside the vocabulary: token ids are 0..{self.vocab_size - 1} "
+                    f"(vocab_size={self.vocab_size}); use None for no such token."
+                )
 
     @property
     def has_positional_table(self) -> bool:
@@ -215,6 +329,9 @@ class SepFormerConfig(PreTrainedConfig):
         )
 
 
+# ------------------------------------------------------------------------------------------- checks of one field
+
+
 def _require_positive(name, value):
     if value is None or value <= 0:
         raise ValueError(f"{name}={value} is not allowed: it must be a positive integer.")
@@ -225,4 +342,198 @@ def _require_choice(name, value, allowed):
         raise ValueError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, allowed))}.")
 
 
-__all__ = ["SepFormerConfig"]
+def _positive_or_derived(name, value):
+    if value is not None and value <= 0:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be a positive integer, or None for {DERIVED_SIZES[name]}."
+        )
+
+
+def _position_intermediate_size(name, value):
+    # 0 is the width a position_size=0 model has (configs saved before the sizes were derived store it); whether it
+    # must be positive depends on position_size: `validate_architecture`
+    if value is not None and value < 0:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be a positive integer, or None for {DERIVED_SIZES[name]}."
+        )
+
+
+def _position_size(name, value):
+    if value is not None and value < 0:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be None (head_dim), 0 (a model without positions) or a "
+            "positive integer smaller than hidden_size."
+        )
+
+
+def _finite(low: float, inclusive: bool):
+    def check(name, value):
+        if not math.isfinite(value) or (value < low if inclusive else value <= low):
+            relation = ">=" if inclusive else ">"
+            raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number {relation} {low:g}.")
+
+    return check
+
+
+def _probability(name, value):
+    if not 0.0 <= value < 1.0:  # NaN fails too
+        raise ValueError(f"{name}={value!r} must be in [0, 1): a dropout probability.")
+
+
+def _choice(allowed):
+    return lambda name, value: _require_choice(name, value, allowed)
+
+
+def _extrapolation_method(name, value):
+    if value not in EXTRAPOLATION_METHODS:
+        raise ValueError(
+            f"{name} method {value!r} is unknown: choose one of {', '.join(map(repr, EXTRAPOLATION_METHODS))}."
+        )
+
+
+def _fourier_components(name, value):
+    if value < 1:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be a positive integer (the coefficients kept per dimension)."
+        )
+
+
+def _interpolation_length(name, value):
+    if value is not None and value < 1:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be None (the current length) or a positive integer larger than "
+            "the positional table (position_table_size)."
+        )
+
+
+def _rotary_dim(name, value):
+    if value < 0 or value % 2 == 1:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be 0 (off) or an even number <= head_dim (the rotated "
+            "dimensions of each head come in pairs)."
+        )
+
+
+def _stable_mask(name, value):
+    if value is None:
+        return
+    try:
+        StableMask.parse(value)  # raises ValueError on unknown keys or bad values
+    except TypeError as error:  # a required field missing: the dataclass's own message
+        fields = ", ".join(repr(field.name) for field in dataclasses.fields(StableMask))
+        raise ValueError(
+            f"{name}={value!r} is not allowed: it must be a dict of StableMask's fields ({fields}), with at least "
+            f"'gamma' ({error})."
+        ) from None
+
+
+def _token_id(name, value):
+    ids = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and not value:
+        raise ValueError(f"{name}=[] is not allowed: it must be None, a token id or a non-empty list of token ids.")
+    negative = [i for i in ids if i is not None and i < 0]
+    if negative:
+        raise ValueError(
+            f"{name}={value!r} is not allowed: a token id is >= 0 (and < vocab_size); use None for no such token."
+        )
+
+
+FIELD_CHECKS = {
+    "vocab_size": _require_positive,
+    "hidden_size": _require_positive,
+    "num_hidden_layers": _require_positive,
+    "num_attention_heads": _require_positive,
+    "max_position_embeddings": _require_positive,
+    "position_size": _position_size,
+    "position_table_size": _positive_or_derived,
+    "position_intermediate_size": _position_intermediate_size,
+    "semantic_intermediate_size": _positive_or_derived,
+    "hidden_act": _choice(tuple(ACT2FN)),
+    "positional_map": _choice(POSITIONAL_MAPS),
+    "norm_type": _choice(NORM_TYPES),
+    "lm_head_input": _choice(LM_HEAD_INPUTS),
+    "position_extrapolation": _extrapolation_method,
+    "fourier_components": _fourier_components,
+    "interpolation_length": _interpolation_length,
+    "norm_eps": _finite(0.0, inclusive=False),
+    "rope_theta": _finite(0.0, inclusive=False),
+    "initializer_range": _finite(0.0, inclusive=True),
+    "attention_dropout": _probability,
+    "hidden_dropout": _probability,
+    "rotary_dim": _rotary_dim,
+    "stable_mask": _stable_mask,
+    "pad_token_id": _token_id,
+    "bos_token_id": _token_id,
+    "eos_token_id": _token_id,
+}
+
+
+# ----------------------------------------------------------------------------------- types and unknown keywords
+
+
+def _describe_type(annotation) -> str:
+    if annotation is bool:
+        return "True or False"
+    if annotation is int:
+        return "an integer"
+    if annotation is float:
+        return "a number"
+    if annotation is str:
+        return "a string"
+    if annotation is dict:
+        return "a dict"
+    if annotation is type(None):
+        return "None"
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is list and args:
+        return f"a list of {_describe_type(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    if origin is Literal:
+        return f"one of {', '.join(map(repr, args))}"
+    if origin in (dict, list):
+        return f"a {origin.__name__}"
+    if origin in (Union, UnionType):
+        if {float, int} <= set(args):  # `float | int`: any real number
+            args = tuple(arg for arg in args if arg is not int)
+        parts = [_describe_type(arg) for arg in args]
+        return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
+    return f"a {annotation.__name__}" if isinstance(annotation, type) else f"of type {annotation}"
+
+
+def _type_message(name: str, value, annotation) -> str:
+    message = f"{name}={value!r} is not allowed: it must be {_describe_type(annotation)}, not {type(value).__name__}."
+    if name == "stable_mask":
+        message += " Pass StableMask's fields as a dict, e.g. {'gamma': 0.05} (dataclasses.asdict of a StableMask)."
+    return message
+
+
+# transformers drops these from a config's keywords (they belong to `generation_config`)
+_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
+
+
+def _refuse_ignored_keywords(kwargs: dict) -> None:
+    """Keywords of a config made by hand that are no field. transformers keeps any unknown keyword as an attribute,
+    but nothing in SepFormer reads one: a misspelt field, another architecture's name for one, or a generation
+    parameter (which transformers drops) would be ignored without a word. Other unknown keywords stay attributes."""
+    fields = [name for name in SepFormerConfig.__annotations__ if not name.startswith("_")]
+    for key, value in kwargs.items():
+        if key in _GENERATION_KEYWORDS and value is not None:
+            raise TypeError(
+                f"SepFormerConfig got {key}={value!r}, a generation parameter: the config does not keep it (it would "
+                "be ignored); set it on model.generation_config or pass it to generate()."
+            )
+        if key in FOREIGN_KEYWORDS and value is not None:
+            raise TypeError(
+                f"SepFormerConfig got {key}={value!r}, which SepFormer does not read (it would be ignored): "
+                f"{FOREIGN_KEYWORDS[key]}."
+            )
+        if key.startswith("_") or key.endswith("_token_id"):  # private keys of transformers; extra special tokens
+            continue
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+        if close:
+            raise TypeError(
+                f"SepFormerConfig got an unknown keyword {key}={value!r} (it would be ignored): did you mean "
+                f"{close[0]!r}?"
+            )
+
+
+__all__ = ["ConfigTypeError", "SepFormerConfig"]

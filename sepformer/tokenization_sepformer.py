@@ -1,8 +1,12 @@
 """Byte-level tokenizer: ids 0-255 are the UTF-8 bytes, then pad, bos and eos."""
 
+import operator
+
 from transformers.tokenization_python import AddedToken, PreTrainedTokenizer
+from transformers.utils import to_py_obj
 
 NUM_BYTES = 256
+DECODE_KEYWORDS = ("skip_special_tokens", "clean_up_tokenization_spaces")
 
 
 class SepFormerTokenizer(PreTrainedTokenizer):
@@ -11,6 +15,9 @@ class SepFormerTokenizer(PreTrainedTokenizer):
     Special-token strings inside the text are encoded as their bytes (`split_special_tokens=True`), so user text can
     never inject a special token. Lone surrogates (not valid UTF-8) round-trip through `surrogatepass`; byte
     sequences that are not valid UTF-8 (as a model may generate) decode to U+FFFD.
+
+    Decoding an id outside the vocabulary (`0 <= id < len(tokenizer)`), an id that is not an integer, or an unknown
+    keyword of `decode` raises, naming it and what is allowed.
     """
 
     model_input_names = ["input_ids", "attention_mask"]
@@ -43,7 +50,43 @@ class SepFormerTokenizer(PreTrainedTokenizer):
         return ord(token)
 
     def _convert_id_to_token(self, index: int) -> str:
-        return chr(index)
+        return chr(self._checked_id(index))
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+        """As transformers', but every id is checked first: an integer inside the vocabulary (transformers would
+        truncate a float and hand any integer to `chr`)."""
+        ids = to_py_obj(ids)  # tensors and arrays, as `decode` does
+        if isinstance(ids, list | tuple):
+            ids = [self._checked_id(index) for index in ids]
+        else:
+            ids = self._checked_id(ids)
+        return super().convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs):
+        if kwargs:  # transformers passes them on and ignores them
+            raise TypeError(
+                f"decode got unknown keyword arguments {sorted(kwargs)}: SepFormerTokenizer.decode takes "
+                f"{' and '.join(DECODE_KEYWORDS)}."
+            )
+        cleanup = clean_up_tokenization_spaces
+        return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=cleanup)
+
+    def _checked_id(self, index) -> int:
+        try:
+            if isinstance(index, bool):
+                raise TypeError
+            index = operator.index(index)  # Python and NumPy integers; not floats
+        except TypeError:
+            raise TypeError(
+                f"token id {index!r} is a {type(index).__name__}, not a token id: {self._allowed_ids()}."
+            ) from None
+        if not 0 <= index < len(self):
+            raise ValueError(f"token id {index} is outside the vocabulary: {self._allowed_ids()}.")
+        return index
+
+    def _allowed_ids(self) -> str:
+        specials = ", ".join(f"{i} {token.content!r}" for i, token in sorted(self._added_tokens_decoder.items()))
+        return f"token ids are integers 0..{len(self) - 1} (0-255 the bytes, then {specials})"
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         pieces, pending = [], bytearray()

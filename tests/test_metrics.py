@@ -85,3 +85,20 @@ def test_perplexity_from_logits_matches_hand_computed_and_torch():
 def test_perplexity_rejects_an_unknown_configuration():
     with pytest.raises(ValueError, match="'logits' \\(default\\) or 'losses'"):
         evaluate.load(metric_path("perplexity"), "bleu")
+
+
+def test_perplexity_allows_impossible_tokens_and_infinite_losses():
+    # -inf logits mark impossible tokens (a constrained vocabulary): only the others share the probability mass
+    logits = np.zeros((3, 4))
+    logits[:, 2:] = -np.inf
+    result = evaluate.load(metric_path("perplexity")).compute(predictions=[logits.tolist()], references=[[0, 1, 0]])
+    assert result["perplexity"] == pytest.approx(2.0)
+    # a token of probability 0 costs +inf nats: an infinite perplexity, not an error
+    result = evaluate.load(metric_path("perplexity"), "losses").compute(predictions=[[0.5, math.inf]])
+    assert result["perplexity"] == math.inf
+
+
+def test_accuracy_by_position_takes_tensors_and_arrays(accuracy_by_position):
+    result = accuracy_by_position.compute(predictions=torch.tensor([[1, 2], [3, 4]]), references=np.array([[1, 2],
+                                          [3, 5]]), positions=torch.tensor([0, 1]))
+    assert result["accuracy_by_position"] == {0: 1.0, 1: 0.0}

@@ -1,10 +1,14 @@
-"""The byte-level tokenizer and every config validation error."""
+"""The byte-level tokenizer, every config validation error, and the config's derived sizes. (Bad inputs added
+since: `test_bad_inputs.py`.)"""
 
+import json
 import random
 
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from sepformer import SepFormerConfig, SepFormerTokenizer
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
 
 
 def random_strings(count=300, seed=0):
@@ -95,3 +99,76 @@ def test_config_round_trips_through_json(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = SepFormerConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
+
+
+DERIVED = ("position_size", "position_table_size", "position_intermediate_size", "semantic_intermediate_size")
+
+
+def test_assigning_max_position_embeddings_resizes_the_table_it_derives():
+    # transformers' own generation tests do this: the table must follow, and the config stay valid
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, max_position_embeddings=16)
+    config.max_position_embeddings = 40
+    assert config.position_table_size == 40
+    config.check_combinations()
+    model = SepFormerForCausalLM(config)
+    assert model.model.embed_positions.weight.shape == (40, 8)
+    with torch.no_grad():
+        assert model(torch.zeros(1, 40, dtype=torch.long)).logits.shape == (1, 40, 259)
+
+
+def test_assigning_the_widths_resizes_the_blocks_derived_from_them():
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    config.hidden_size, config.num_attention_heads = 64, 2
+    assert [getattr(config, name) for name in DERIVED] == [32, 512, 128, 128]
+    mlp = SepFormerForCausalLM(config).model.layers[0].mlp
+    assert mlp.position.up_proj.weight.shape == (128, 32) and mlp.semantic.up_proj.weight.shape == (128, 32)
+
+
+def test_explicit_sizes_are_kept_and_none_follows_again():
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_size=10,
+                             max_position_embeddings=16, position_table_size=64, random_position_offsets=True)
+    config.hidden_size, config.max_position_embeddings = 64, 32
+    assert (config.position_size, config.position_table_size) == (10, 64)  # what the user set
+    assert (config.position_intermediate_size, config.semantic_intermediate_size) == (40, 4 * 54)  # derived
+    config.position_size = None
+    assert config.position_size == 16
+
+
+def test_derived_sizes_save_as_null_and_reload_identically(tmp_path):
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_table_size=None,
+                             semantic_intermediate_size=100)
+    stored = config.to_dict()
+    assert [stored[name] for name in DERIVED] == [None, None, None, 100]  # what was given, not the resolved sizes
+    assert [getattr(config, name) for name in DERIVED] == [8, 512, 32, 100]
+    config.save_pretrained(tmp_path)
+    assert [json.loads((tmp_path / "config.json").read_text())[name] for name in DERIVED] == [None, None, None, 100]
+    loaded = SepFormerConfig.from_pretrained(tmp_path)
+    loaded_dict = loaded.to_dict()  # (+ auto_map, where a test before registered the class for the Hub)
+    assert {key: loaded_dict[key] for key in stored} == stored
+    loaded.max_position_embeddings = 64  # still derived after the round trip
+    assert loaded.position_table_size == 64
+
+
+# `save_pretrained` of the configuration before the derived sizes were kept as given: every size resolved
+OLD_CONFIG = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 257, "eos_token_id": 258,
+    "fourier_components": 16, "fuse_decoding_projections": True, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_dropout": 0.0, "hidden_size": 32, "initializer_range": 0.02, "interpolation_length": None,
+    "lm_head_input": "semantic", "max_position_embeddings": 16, "mlp_bias": False, "model_type": "sepformer",
+    "norm_eps": 1e-06, "norm_type": "rmsnorm", "num_attention_heads": 4, "num_hidden_layers": 2, "pad_token_id": 256,
+    "position_extrapolation": "none", "position_intermediate_size": 32, "position_size": 8, "position_table_size": 16,
+    "positional_map": "learned", "random_position_offsets": False, "rope_theta": 10000.0, "rotary_dim": 0,
+    "semantic_intermediate_size": 96, "stable_mask": None, "tie_word_embeddings": False,
+    "transformers_version": "5.23.0", "use_cache": True, "vocab_size": 259,
+}
+
+
+@pytest.mark.parametrize("nope", [False, True], ids=["learned", "nope"])
+def test_configs_saved_with_resolved_sizes_still_load(tmp_path, nope):
+    saved = dict(OLD_CONFIG)
+    if nope:  # as saved then: position_size=0 with a positional MLP width of 0
+        saved.update(position_size=0, position_intermediate_size=0, semantic_intermediate_size=128, lm_head_input="all")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert [getattr(config, name) for name in DERIVED] == [saved[name] for name in DERIVED]
+    assert isinstance(AutoModelForCausalLM.from_config(config), SepFormerForCausalLM)

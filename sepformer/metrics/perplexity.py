@@ -24,7 +24,12 @@ Configuration "logits" (default):
     shift (compute keyword, default True): as a causal LM's loss, logits[i] predicts references[i + 1]; False when
         references are already aligned with the logits.
 Configuration "losses":
-    predictions: per example, the negative log-likelihoods (nats) of its scored tokens.
+    predictions: per example, the negative log-likelihoods (nats, >= 0) of its scored tokens; neither references,
+        shift nor ignore_index (they belong to "logits").
+Refused with a ValueError naming the example, the position and what is allowed: a label that is neither a token id
+of the logits' vocabulary (0..vocab-1) nor ignore_index, logits whose shape does not match the labels or whose
+vocabulary differs between examples, a NaN loss (NaN or +inf logits), a negative or NaN loss in "losses" (a
+log-probability passed for a loss), and inputs with no scored token at all.
 Returns:
     perplexity: exp of the mean loss over all scored tokens.
     mean_loss: that mean, in nats.
@@ -55,17 +60,80 @@ class Perplexity(evaluate.Metric):
             description=_DESCRIPTION, citation="", inputs_description=_KWARGS_DESCRIPTION, features=features
         )
 
-    def _compute(self, predictions, references=None, shift=True, ignore_index=-100):
+    # evaluate drops `references` when they are no input (the "losses" configuration) and fails on a len(None) when
+    # they are missing: check them first. (evaluate appends the inputs' description to these docstrings.)
+    def add_batch(self, *, predictions=None, references=None, **kwargs):
+        """Add a batch of examples."""
+        self._check_references(predictions, references)
+        return super().add_batch(predictions=predictions, references=references, **kwargs)
+
+    def add(self, *, prediction=None, reference=None, **kwargs):
+        """Add one example."""
+        self._check_references(prediction, reference)
+        return super().add(prediction=prediction, reference=reference, **kwargs)
+
+    def compute(self, *, predictions=None, references=None, **kwargs):
+        """Perplexity of the examples given here and of those added before."""
+        self._check_references(predictions, references)
+        return super().compute(predictions=predictions, references=references, **kwargs)
+
+    def _check_references(self, predictions, references):
+        if self.config_name == "losses" and references is not None:
+            raise ValueError(
+                "perplexity 'losses' takes only predictions (each example's token losses): references would be "
+                "ignored; for logits and labels load the default 'logits' configuration."
+            )
+        if self.config_name != "losses" and predictions is not None and references is None:
+            raise ValueError(
+                "perplexity needs references with the predictions: per example, the n labels of its (n, vocab) "
+                "logits (ignore_index for positions not scored)."
+            )
+        if self.config_name != "losses" and _sized(predictions) and _sized(references):
+            if len(predictions) != len(references):
+                raise ValueError(
+                    f"perplexity got {len(predictions)} predictions and {len(references)} references: one list of "
+                    "labels per example's logits."
+                )
+
+    def _compute(self, predictions, references=None, shift=None, ignore_index=None, **unknown):
+        if unknown:
+            allowed = "shift, ignore_index" if self.config_name != "losses" else "no keyword"
+            raise TypeError(f"perplexity got unknown keywords {sorted(unknown)}: compute takes {allowed}.")
         if self.config_name == "losses":
-            losses = [np.asarray(row, dtype=np.float64) for row in predictions]
+            pairs = (("shift", shift), ("ignore_index", ignore_index))
+            given = [f"{name}={value!r}" for name, value in pairs if value is not None]
+            if given:
+                raise ValueError(
+                    f"perplexity 'losses' takes no {' or '.join(given)} (it would be ignored): the losses are those "
+                    "of the scored tokens already; shift and ignore_index belong to the 'logits' configuration."
+                )
+            losses = [_checked_losses(index, row) for index, row in enumerate(predictions)]
         else:
-            losses = [
-                _token_losses(logits, labels, shift, ignore_index)
-                for logits, labels in zip(predictions, references, strict=True)
-            ]
+            shift = True if shift is None else shift
+            ignore_index = -100 if ignore_index is None else ignore_index
+            if not isinstance(shift, bool | np.bool_):
+                raise ValueError(f"perplexity shift={shift!r} must be True (causal LM logits) or False.")
+            if isinstance(ignore_index, bool) or not isinstance(ignore_index, int | np.integer):
+                raise ValueError(f"perplexity ignore_index={ignore_index!r} must be an integer (default -100).")
+            shift, ignore_index = bool(shift), int(ignore_index)
+            losses, vocab = [], None
+            for index, (logits, labels) in enumerate(zip(predictions, references, strict=True)):
+                logits = _logits_array(index, logits, labels)
+                if len(labels) and vocab is not None and logits.shape[1] != vocab:
+                    raise ValueError(
+                        f"perplexity: the logits of example {index} have a vocabulary of {logits.shape[1]}, those of "
+                        f"the examples before {vocab}: every example's logits are (n, vocab) with the same vocab."
+                    )
+                vocab = logits.shape[1] if len(labels) else vocab
+                losses.append(_token_losses(index, logits, np.asarray(labels, dtype=np.int64), shift, ignore_index))
         num_tokens = sum(len(row) for row in losses)
+        if num_tokens == 0:
+            raise ValueError(
+                f"perplexity: no token is scored in {len(losses)} example(s) (all labels ignore_index, one-token "
+                "examples with shift=True, or empty loss lists): the perplexity of nothing is undefined."
+            )
         # float64 sums: the mean of many float32 losses should not depend on the order they were added in
-        mean_loss = sum(float(row.sum()) for row in losses) / num_tokens if num_tokens else float("nan")
+        mean_loss = sum(float(row.sum()) for row in losses) / num_tokens
         return {
             "perplexity": math.exp(mean_loss),
             "mean_loss": mean_loss,
@@ -75,18 +143,67 @@ class Perplexity(evaluate.Metric):
         }
 
 
-def _token_losses(logits, labels, shift: bool, ignore_index: int) -> np.ndarray:
-    """The cross-entropy (nats) of every scored label, in float64."""
-    logits, labels = np.asarray(logits, dtype=np.float64), np.asarray(labels, dtype=np.int64)
-    if logits.ndim != 2 or len(logits) != len(labels):
+def _sized(value) -> bool:
+    return value is not None and hasattr(value, "__len__")
+
+
+def _checked_losses(index: int, row) -> np.ndarray:
+    losses = np.asarray(row, dtype=np.float64)
+    bad = np.flatnonzero(np.isnan(losses) | (losses < 0))
+    if len(bad):
+        position = int(bad[0])
         raise ValueError(
-            f"perplexity: logits of shape {logits.shape} do not match {len(labels)} labels; "
+            f"perplexity: the loss {losses[position]} at position {position} of example {index} is not allowed: "
+            "losses are negative log-likelihoods in nats, >= 0 (+inf for a token of probability 0); a negative one "
+            "is a log-probability (negate it), NaN a placeholder (give each example only its scored tokens)."
+        )
+    return losses
+
+
+def _logits_array(index: int, logits, labels) -> np.ndarray:
+    """Example `index`'s logits as an (n, vocab) array, n the number of its labels."""
+    try:
+        array = np.asarray(logits, dtype=np.float64)
+    except ValueError:  # rows of different lengths
+        raise ValueError(
+            f"perplexity: the logits of example {index} have rows of different widths "
+            f"{sorted({len(row) for row in logits})}: each example needs logits (n, vocab) and n labels."
+        ) from None
+    if len(labels) == 0 and array.size == 0:
+        return array.reshape(0, 0)
+    if array.ndim != 2 or len(array) != len(labels) or array.shape[1] == 0:
+        raise ValueError(
+            f"perplexity: logits of shape {array.shape} do not match {len(labels)} labels in example {index}; "
             "each example needs logits (n, vocab) and n labels."
+        )
+    return array
+
+
+def _token_losses(index: int, logits: np.ndarray, labels: np.ndarray, shift: bool, ignore_index: int) -> np.ndarray:
+    """The cross-entropy (nats) of every scored label, in float64."""
+    vocab = logits.shape[1]
+    bad = np.flatnonzero((labels != ignore_index) & ((labels < 0) | (labels >= vocab)))
+    if len(bad):
+        position = int(bad[0])
+        raise ValueError(
+            f"perplexity: label {int(labels[position])} at position {position} of example {index} is not allowed: "
+            f"a label is a token id 0..{vocab - 1} (the logits' vocabulary) or ignore_index={ignore_index}."
         )
     if shift:
         logits, labels = logits[:-1], labels[1:]
     scored = labels != ignore_index
+    positions = np.flatnonzero(scored) + int(shift)
     logits, labels = logits[scored], labels[scored]
+    if len(labels) == 0:
+        return np.zeros(0)
     peak = logits.max(-1, keepdims=True)
-    log_normaliser = peak[:, 0] + np.log(np.exp(logits - peak).sum(-1))
-    return log_normaliser - logits[np.arange(len(labels)), labels]
+    with np.errstate(invalid="ignore"):  # NaN and +inf logits give NaN losses: refused below
+        log_normaliser = peak[:, 0] + np.log(np.exp(logits - peak).sum(-1))
+        losses = log_normaliser - logits[np.arange(len(labels)), labels]
+    nan = np.flatnonzero(np.isnan(losses))
+    if len(nan):
+        raise ValueError(
+            f"perplexity: the loss of the label at position {int(positions[nan[0]])} of example {index} is NaN: its "
+            "logits contain NaN or +inf, or are all -inf; finite logits (or -inf for impossible tokens) are allowed."
+        )
+    return losses
