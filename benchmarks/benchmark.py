@@ -2,7 +2,7 @@
 
     python benchmarks/benchmark.py                 # the full run (about 8-10 min on 2 CPU cores)
     python benchmarks/benchmark.py --compile       # plus torch.compile speed-ups (about 17 min in all)
-    python benchmarks/benchmark.py --quick         # a tiny shape: checks that everything runs (under a minute)
+    python benchmarks/benchmark.py --tiny          # a smoke run: a tiny shape, checks that everything runs (~1 min)
 
 Prints a markdown table and writes `benchmark.md` and `benchmark.csv` under `--output-dir`.
 
@@ -88,7 +88,7 @@ def calibration_over_quarters(batch: int, prompt: int) -> dict:
     return {"attention_calibration": AttentionCalibration(spans=(spans,) * batch)}
 
 
-# Position-bias mitigations (SPEC §3): a name -> (batch, prompt length) -> the keyword arguments that switch it on in
+# Position-bias mitigations: a name -> (batch, prompt length) -> the keyword arguments that switch it on in
 # SepFormer's `generate`. Each adds a variant "SepFormer + <name>" to the generation measurements, timed against plain
 # SepFormer in the same repetitions (same prompt, same number of tokens), and a row of overhead ratios. Main
 # parameters as in the papers; their values do not change the work done.
@@ -131,8 +131,8 @@ class Shape:
 
 
 FULL = Shape()
-QUICK = Shape(hidden_size=64, layers=2, heads=4, train_batch=2, train_seq=64, train_steps=1, prefill_lengths=(64, 256),
-              prompt=8, new_tokens=12, generate_batches=(1, 2), extrapolation_length=16, reps=3)
+TINY = Shape(hidden_size=64, layers=2, heads=4, train_batch=2, train_seq=64, train_steps=1, prefill_lengths=(64, 256),
+             prompt=8, new_tokens=12, generate_batches=(1, 2), extrapolation_length=16, reps=3)
 
 
 # ----------------------------------------------------------------------------------------------------------- models
@@ -335,7 +335,7 @@ def memory_worker(names: list[str], shape: Shape, seed: int, reps: int) -> None:
 def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = False) -> list[Measurement]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     # One fresh process per model, side by side; `together` puts all models in one process (one import instead of
-    # three: the quick preset), measured one after the other.
+    # three: the tiny preset), measured one after the other.
     groups = [list(MODELS)] if together else [[name] for name in MODELS]
     processes = []
     for names in groups:
@@ -630,7 +630,7 @@ def header(shape: Shape, args, load_before: float, elapsed: float) -> str:
     except (OSError, StopIteration):
         pass
     d_pos = shape.hidden_size // shape.heads
-    text = (f"## SepFormer benchmark{' (quick preset)' if args.quick else ''}\n\n"
+    text = (f"## SepFormer benchmark{' (tiny preset)' if args.tiny else ''}\n\n"
             f"d_model={shape.hidden_size}, layers={shape.layers}, heads={shape.heads} (SepFormer d_pos = head_dim = "
             f"{d_pos}), vocab={shape.vocab_size}, fp32, sdpa, Llama intermediate={shape.llama_intermediate}; "
             f"{shape.reps} repetitions, models interleaved; cells are median [q1, q3], ratios the median of "
@@ -643,8 +643,8 @@ def header(shape: Shape, args, load_before: float, elapsed: float) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shape and 3 repetitions: seconds, for CI")
-    parser.add_argument("--reps", type=int, help="repetitions (default 7, 3 with --quick)")
+    parser.add_argument("--tiny", action="store_true", help="the smoke preset (tiny shape, 3 repetitions)")
+    parser.add_argument("--reps", type=int, help="repetitions (default 7, 3 with --tiny)")
     parser.add_argument("--output-dir", default="outputs/benchmark")
     parser.add_argument("--compile", action="store_true", help="add the torch.compile section")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -655,7 +655,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()
 
-    shape = QUICK if args.quick else FULL
+    shape = TINY if args.tiny else FULL
     if args.shape_json:
         fields = json.loads(args.shape_json)
         shape = Shape(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
@@ -685,7 +685,7 @@ def main(argv=None):
     log("extrapolation, step by step")
     measurements.append(extrapolation_step_measurement(models["SepFormer"], shape, args.seed))
     if not args.no_memory:
-        measurements += measure_memory(shape, args.seed, shape.reps, log, together=args.quick)
+        measurements += measure_memory(shape, args.seed, shape.reps, log, together=args.tiny)
     if args.compile:
         compiled = compile_measurements(shape, args.seed, log)
         run_interleaved([m for m in compiled if m.runners], shape.reps, log)

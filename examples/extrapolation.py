@@ -15,7 +15,7 @@ Prints a markdown table (mean ± std over seeds) and writes `results.csv`, `resu
 under `--output-dir`. No downloads: the default text is the Python standard library's own source, split by file
 into train and validation.
 
-    python examples/extrapolation.py                      # default preset, seeds 0 and 1 (about 17 min, 2 CPU cores)
+    python examples/extrapolation.py                      # default preset, seeds 0 and 1 (about 24 min, 2 CPU cores)
     python examples/extrapolation.py --quick              # one seed of smaller models (about 3 min)
     python examples/extrapolation.py --tiny               # a smoke run in seconds (what the test runs)
     python examples/extrapolation.py --quick --max-steps 3 --models sepformer llama --methods clamp fourier
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import byte_blocks, stdlib_sources  # noqa: E402
 
 PRESETS = {
-    # two seeds of six models: about 17 minutes on 2 idle CPU cores
+    # two seeds of seven models: about 24 minutes on 2 CPU cores
     "default": dict(block_size=64, hidden_size=128, num_layers=3, num_heads=4, batch_size=32, max_steps=600,
                     learning_rate=2e-3, eval_tokens=16384, max_bytes=3_000_000, seeds=[0, 1]),
     # one seed: about 3 minutes
@@ -94,7 +94,7 @@ def contenders(args) -> list[Contender]:
     d, layers, heads = args.hidden_size, args.num_layers, args.num_heads
     every = [
         Contender("SepFormer learned", lambda v: SepFormerForCausalLM(sepformer_config(args, v)), args.methods),
-        # Beyond the seed: half the training sequences shifted by a random offset, so the table's 8L rows are all
+        # Half the training sequences shifted by a random offset, so the table's 8L rows are all
         # trained and no extrapolation is needed up to 8L.
         Contender("SepFormer learned, random offsets (8L table)", lambda v: SepFormerForCausalLM(sepformer_config(
             args, v, position_table_size=MULTIPLIERS[-1] * args.block_size, random_position_offsets=True))),

@@ -54,11 +54,6 @@ def dummy_batch(options: AttentionCalibration, call: CallContext) -> tuple[torch
     for row, spans in enumerate(options.spans):
         tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
         for start, end in spans:
-            if end > len(tokens):
-                raise ValueError(
-                    f"attention_calibration span ({start}, {end}) of row {row} is out of range: the prompt of that "
-                    f"row has {len(tokens)} tokens (spans count from its first real token)."
-                )
             if options.dummy_document is None:
                 dummy = tokens.new_full((end - start,), config.pad_token_id)
             else:
@@ -113,7 +108,7 @@ class CalibrationMitigation(Mitigation):
         return True
 
     @classmethod
-    def resolve(cls, options: AttentionCalibration, call: CallContext, others) -> "CalibrationMitigation":
+    def resolve(cls, options: AttentionCalibration, call: CallContext) -> "CalibrationMitigation":
         config = call.model.config
         if config._attn_implementation == "flex_attention":
             raise ValueError(
@@ -129,14 +124,12 @@ class CalibrationMitigation(Mitigation):
             raise ValueError(
                 f"attention_calibration has spans for {len(options.spans)} rows; the batch has {call.batch} rows."
             )
-        layers = options.layer_set(config.num_hidden_layers)
         if not call.continuing:
-            cls.measure_bias(options, layers, call, others)
-        return cls(options, layers, call.state)
+            cls.check_dummy_passes(options, call)
+        return cls(options, options.layer_set(config.num_hidden_layers), call.state)
 
     @staticmethod
-    def measure_bias(options, layers, call: CallContext, others) -> None:
-        """`bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
+    def check_dummy_passes(options: AttentionCalibration, call: CallContext) -> None:
         config = call.model.config
         if call.input_ids is None:
             raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
@@ -150,13 +143,28 @@ class CalibrationMitigation(Mitigation):
             raise ValueError(
                 f"attention_calibration dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
             )
+        lengths = call.attention_mask.sum(-1).tolist() if call.attention_mask is not None else [call.input_ids.shape[1]]
+        for row, spans in enumerate(options.spans):
+            length = lengths[row if len(lengths) > 1 else 0]
+            for start, end in spans:
+                if end > length:
+                    raise ValueError(
+                        f"attention_calibration span ({start}, {end}) of row {row} is out of range: the prompt of "
+                        f"that row has {length} tokens (spans count from its first real token)."
+                    )
+
+    def prepare(self, call: CallContext, others) -> None:
+        """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
+        if call.continuing:
+            return
+        options, config = self.options, call.model.config
         ids, padding, probe = dummy_batch(options, call)
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(
             call, input_ids=ids, attention_mask=padding, cache=None, batch=len(ids), state=SepFormerCache()
         )
-        others = tuple(type(other).resolve(other.options, dummy_call, ()) for other in others)
-        probing = CalibrationProbe(options, layers, probe)
+        others = tuple(type(other).resolve(other.options, dummy_call) for other in others)
+        probing = CalibrationProbe(options, self.layers, probe)
         plan = MitigationPlan.of((*others, probing), config.num_hidden_layers)
         with torch.no_grad():  # a forward of its own: the caller's output_attentions do not record these passes
             call.model(

@@ -13,6 +13,7 @@ when those are assigned later (`config.max_position_embeddings = 1024` gives a t
 `null`. Reading one always gives the resolved integer.
 """
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -215,6 +216,16 @@ class SepFormerConfig(PreTrainedConfig):
         plain `ValueError`. The model's constructor and `save_pretrained` need a config that passes."""
         self.validate_architecture()
         self.validate_token_ids()
+
+    def with_sizes_fixed(self) -> "SepFormerConfig":
+        """This config if its derived sizes are all set, else a copy with each set to its value now: a model's config
+        describes the model's weights, so its sizes no longer follow later assignments."""
+        if all(self.__dict__.get(name) is not None for name in DERIVED_SIZES):
+            return self
+        fixed = copy.deepcopy(self)
+        for name in DERIVED_SIZES:
+            fixed.__dict__[name] = getattr(self, name)
+        return fixed
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
         # Before anything is written (the folder, Hub code files): assignments are not checked together.

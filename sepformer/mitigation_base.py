@@ -95,10 +95,13 @@ class Mitigation:
         return False
 
     @classmethod
-    def resolve(cls, options: MitigationOptions, call: CallContext, others: tuple["Mitigation", ...]) -> "Mitigation":
-        """Check `options` against the model and the call (a `ValueError` naming what is wrong) and fix what holds
-        for the whole call. `others`: the call's mitigations resolved before this one (registry order)."""
+    def resolve(cls, options: MitigationOptions, call: CallContext) -> "Mitigation":
+        """Check `options` against the model and the call (a `ValueError` naming what is wrong), doing no work yet."""
         return cls(options, options.layer_set(call.model.config.num_hidden_layers))
+
+    def prepare(self, call: CallContext, others: tuple["Mitigation", ...]) -> None:
+        """Work on the call before its layers run, once every mitigation of the call is resolved: `others` are the
+        rest of them (calibration's dummy passes run with them on)."""
 
     def start(self, run: LayerRun) -> "Mitigation":
         """The per-run tensors (from positions, the padding mask, the dtype), computed once for every layer."""
@@ -196,7 +199,12 @@ class MitigationPlan:
         def hooks(layer: int) -> LayerHooks:
             here = [mitigation for mitigation in mitigations if layer in mitigation.layers]
             position_hooks = [mitigation for mitigation in here if overrides(mitigation, "position_query_key")]
-            assert len(position_hooks) <= 1, "refused by the compatibility rules"
+            if len(position_hooks) > 1:
+                names = " and ".join(hook.options.name for hook in position_hooks)
+                raise ValueError(
+                    f"{names} both rewrite how positions enter the queries and keys of layer {layer}: give them "
+                    "disjoint `layers`."
+                )
             return LayerHooks(
                 input_hooks=tuple(mitigation for mitigation in here if overrides(mitigation, "query_key_inputs")),
                 position_hook=position_hooks[0] if position_hooks else None,

@@ -7,8 +7,19 @@ takes its dataclass, the dict of its fields (`{"gamma": 0.05}`), or `None` (off)
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass
 from typing import ClassVar
+
+
+def _as_int(value) -> int | None:
+    """`value` as a Python int if it is an integer (int, NumPy or torch integer), else `None` (floats, bools)."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _as_int_tuple(name: str, field: str, value):
@@ -17,9 +28,10 @@ def _as_int_tuple(name: str, field: str, value):
     if isinstance(value, int | str) or not hasattr(value, "__iter__"):
         raise ValueError(f"{name} {field}={value!r} must be a sequence of integers.")
     items = tuple(value)  # a generator is read once, here
-    if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+    integers = tuple(_as_int(item) for item in items)
+    if None in integers:
         raise ValueError(f"{name} {field}={items!r} must be a sequence of integers.")
-    return items
+    return integers
 
 
 def _check_number(name: str, field: str, value, low: float | None = None, strict: bool = True) -> None:
@@ -39,11 +51,12 @@ def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
         raise ValueError(f"{name} spans={spans!r} must be, per batch row, a sequence of (start, end).")
     for row_index, row in enumerate(rows):
         for span in row:
-            if not all(isinstance(bound, int) and not isinstance(bound, bool) for bound in span):
+            if None in (_as_int(bound) for bound in span):
                 raise ValueError(
                     f"{name} span {span!r} of row {row_index} must be two integers (token indices), not "
                     f"{', '.join(type(bound).__name__ for bound in span)}."
                 )
+    rows = tuple(tuple((_as_int(start), _as_int(end)) for start, end in row) for row in rows)
     if not rows or len({len(row) for row in rows}) != 1 or len(rows[0]) == 0:
         raise ValueError(
             f"{name} spans must give every batch row the same number (>= 1) of documents; got "
@@ -68,6 +81,7 @@ class MitigationOptions:
     installed package and the Hub custom code are two copies), a dict of the fields, or `None` (off)."""
 
     name: ClassVar[str]  # the keyword of `forward` and `generate`
+    renamed: ClassVar[dict[str, str]] = {}  # old field name -> new, still read from dicts (saved configs)
 
     @classmethod
     def parse(cls, value):
@@ -77,6 +91,7 @@ class MitigationOptions:
         if type(value).__name__ == cls.__name__ and all(hasattr(value, name) for name in fields):
             return cls(**{name: getattr(value, name) for name in fields})
         if isinstance(value, dict):
+            value = {cls.renamed.get(key, key): item for key, item in value.items()}
             unknown = set(value) - set(fields)
             if unknown:
                 raise ValueError(
@@ -123,6 +138,7 @@ class StableMask(MitigationOptions):
     gamma: float
     columns: int | None = None
     name: ClassVar[str] = "stable_mask"
+    renamed: ClassVar[dict[str, str]] = {"length": "columns"}
 
     def __post_init__(self):
         _check_number(self.name, "gamma", self.gamma, low=0.0)

@@ -23,7 +23,7 @@ from .ms_poe import MSPoEMitigation, fixed_head_ranks, head_ratios, position_awa
 from .positional_scaling import PositionalScalingMitigation
 from .stable_mask import StableMaskMitigation
 
-# Resolved in this order: calibration's dummy passes run with the mitigations resolved before it.
+# By keyword; a plan applies its mitigations' hooks in this order.
 MITIGATIONS: dict[str, type[Mitigation]] = {
     mitigation.options_class.name: mitigation
     for mitigation in (StableMaskMitigation, MSPoEMitigation, PositionalScalingMitigation, CalibrationMitigation)
@@ -103,14 +103,15 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     for name, value in parsed.items():
         if MITIGATIONS[name].fixes_state_at_prefill(value):
             check_prefill_state(name, value, call)
-    resolved: list[Mitigation] = []
-    for name, value in parsed.items():
-        resolved.append(MITIGATIONS[name].resolve(value, call, tuple(resolved)))
+    resolved = tuple(MITIGATIONS[name].resolve(value, call) for name, value in parsed.items())
+    plan = MitigationPlan.of(resolved, num_layers)  # every check done: now the work
+    for mitigation in resolved:
+        mitigation.prepare(call, tuple(other for other in resolved if other is not mitigation))
     if not call.continuing and call.state is not None:
         call.state.prefill_options = {
             name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)
         }
-    return MitigationPlan.of(tuple(resolved), num_layers)
+    return plan
 
 
 FORWARDS_WITH_KEYWORDS = []  # the forward functions whose signature lists the registered options

@@ -275,8 +275,8 @@ class SepFormerAttention(nn.Module):
         `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with another kind of
         cache, at prefill, or when a projection is not a plain `nn.Linear` called as such at the first decoding step
         (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass. Not
-        seen within one cache: modules or hooks replaced or added later, and writes through `.data` (they bypass the
-        version counter).
+        seen within one cache: modules or hooks replaced or added later, and in-place writes through `.data` (they
+        bypass the version counter; a `.data = tensor` swap moves the data pointer and is seen).
         """
         if (
             not isinstance(past_key_values, SepFormerCache)
@@ -353,6 +353,10 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         "attentions": SepFormerAttention,
     }
 
+    def __init__(self, config: SepFormerConfig, *inputs, **kwargs):
+        config.check_combinations()  # assignments are checked field by field; a model needs the fields to agree
+        super().__init__(config.with_sizes_fixed(), *inputs, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -381,16 +385,17 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
     unknown = sorted(set(kwargs) - set(TransformersKwargs.__optional_keys__))
     if unknown:
         raise TypeError(
-            f"SepFormer got unknown keyword arguments {unknown}. Its own are 'position_extrapolation' and the "
-            f"mitigations {', '.join(map(repr, MITIGATIONS))}; transformers' are "
+            f"SepFormer got unknown keyword arguments {unknown}. Besides the named arguments of `forward`, it takes "
+            f"the mitigations {', '.join(map(repr, MITIGATIONS))} and transformers' "
             f"{', '.join(sorted(TransformersKwargs.__optional_keys__))}."
         )
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if input_ids is not None and (input_ids.dim() != 2 or input_ids.is_floating_point()):
+        hint = "integer token ids" if input_ids.dim() == 2 else "a batch dimension: input_ids[None]"
         raise ValueError(
             f"input_ids must be a 2-D tensor of token ids (batch, sequence); got shape {tuple(input_ids.shape)} of "
-            f"{input_ids.dtype} (add a batch dimension with input_ids[None])."
+            f"{input_ids.dtype} (give {hint})."
         )
     if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.semantic_size):
         raise ValueError(
@@ -400,13 +405,13 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
     batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
     if batch == 0 or seq == 0:
         raise ValueError(f"the input has no tokens (shape {(batch, seq)}): give at least one row of one token or more.")
-    if input_ids is not None and not torch.compiler.is_compiling():  # a value check would break the graph
+    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    if input_ids is not None and past == 0:  # a prompt; decoding steps feed back ids the model chose (no sync there)
         low, high = (value.item() for value in torch.aminmax(input_ids))
         if low < 0 or high >= config.vocab_size:
             raise ValueError(
                 f"input_ids contains id {low if low < 0 else high}, outside the vocabulary 0..{config.vocab_size - 1}."
             )
-    past = past_key_values.get_seq_length() if past_key_values is not None else 0
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape != (batch, past + seq):
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}; a 2-D padding mask must be (batch, past + new "
@@ -429,6 +434,7 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
 class SepFormerModel(SepFormerPreTrainedModel):
     def __init__(self, config: SepFormerConfig):
         super().__init__(config)
+        config = self.config  # with its sizes fixed
         self.embed_tokens = nn.Embedding(config.vocab_size, config.semantic_size)
         self.embed_positions = (
             POSITIONAL_MAP_CLASSES[config.positional_map](config) if config.position_size > 0 else None
@@ -471,7 +477,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
             Mitigations already resolved, in place of the options: for passes that a mitigation runs itself.
         """
         options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
-        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
+        if not torch.compiler.is_compiling():  # the checks read shapes and values that a graph would guard on
+            check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -531,6 +538,7 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: SepFormerConfig):
         super().__init__(config)
+        config = self.config  # with its sizes fixed: the one object the whole model reads
         self.model = SepFormerModel(config)
         head_width = config.semantic_size if config.lm_head_input == "semantic" else config.hidden_size
         self.lm_head = nn.Linear(head_width, config.vocab_size, bias=False)
@@ -597,11 +605,10 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """`generate` makes a `DynamicCache` by default: make it a `SepFormerCache`, which also carries the
         mitigation state and the fused decoding projections (transformers has no public hook for the cache class)."""
+        given = model_kwargs.get("past_key_values")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if type(model_kwargs.get("past_key_values")) is DynamicCache and generation_config.cache_implementation in (
-            None,
-            "dynamic",
-        ):
+        made = model_kwargs.get("past_key_values")
+        if given is None and type(made) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
             model_kwargs["past_key_values"] = SepFormerCache(config=self.config)
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):

@@ -90,7 +90,7 @@ class MSPoEMitigation(Mitigation):
         return options.head_order is None
 
     @classmethod
-    def resolve(cls, options: MSPoE, call: CallContext, others) -> "MSPoEMitigation":
+    def resolve(cls, options: MSPoE, call: CallContext) -> "MSPoEMitigation":
         config = call.model.config
         if config.position_size == 0 and config.rotary_dim == 0:
             raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")

@@ -125,7 +125,7 @@ def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
 
 
 class LearnedPositions(nn.Embedding):
-    """A table of learned rows (the seed's choice), extended past its end by a `PositionExtrapolation`."""
+    """A table of learned rows (the default map), extended past its end by a `PositionExtrapolation`."""
 
     def __init__(self, config):
         super().__init__(config.position_table_size, config.position_size)

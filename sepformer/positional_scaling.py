@@ -21,7 +21,7 @@ class PositionalScalingMitigation(Mitigation):
     factors: torch.Tensor | None = None  # (d_model,): `s` on the chosen channels, 1 elsewhere
 
     @classmethod
-    def resolve(cls, options: PositionalScaling, call: CallContext, others) -> "PositionalScalingMitigation":
+    def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
         config = call.model.config
         if options.channels is None and config.position_size == 0:
             raise ValueError(

@@ -75,7 +75,7 @@ class StableMaskMitigation(Mitigation):
     sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the run's new tokens
 
     @classmethod
-    def resolve(cls, options: StableMask, call: CallContext, others) -> "StableMaskMitigation":
+    def resolve(cls, options: StableMask, call: CallContext) -> "StableMaskMitigation":
         implementation = call.model.config._attn_implementation
         if implementation not in ("eager", "sdpa"):
             raise ValueError(

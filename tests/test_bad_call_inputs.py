@@ -95,3 +95,17 @@ def test_flex_attention_refuses_what_needs_the_attention_row_and_runs_a_fixed_or
         flex = model(IDS, ms_poe=fixed).logits
         model.set_attn_implementation("sdpa")
         torch.testing.assert_close(flex, model(IDS, ms_poe=fixed).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_spans_of_numpy_or_torch_integers_are_integers():
+    import numpy as np
+
+    assert AttentionCalibration(spans=np.array([[[0, 3], [3, 6]]])).spans == (((0, 3), (3, 6)),)
+    assert MSPoE(layers=torch.tensor([1])).layers == (1,)
+    with pytest.raises(ValueError, match="must be two integers"):
+        AttentionCalibration(spans=[[(0, np.bool_(True))]])
+
+
+def test_a_stable_mask_saved_with_its_old_field_name_still_loads():
+    assert StableMask.parse({"gamma": 0.1, "length": 40}) == StableMask(0.1, columns=40)
+    assert tiny_model(stable_mask={"gamma": 0.1, "length": 40}).config.stable_mask == {"gamma": 0.1, "length": 40}

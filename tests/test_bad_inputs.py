@@ -13,7 +13,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sepformer import SepFormerConfig, SepFormerTokenizer
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
 from sepformer.metrics import metric_path
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
@@ -390,3 +390,24 @@ def test_accuracy_by_position_refuses_a_fractional_position(accuracy):
 def test_accuracy_by_position_refuses_unknown_compute_keywords(accuracy):
     with pytest.raises(TypeError, match=r"accuracy_by_position got unknown keywords \['normalize'\]: compute takes"):
         accuracy.compute(predictions=[1], references=[1], positions=[0], normalize=True)
+
+
+def test_a_model_is_not_built_from_fields_assigned_into_disagreement():
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    config.vocab_size = 200  # the default pad_token_id=256 is now outside the vocabulary
+    with pytest.raises(ValueError, match="pad_token_id=256 is outside the vocabulary: token ids are 0..199"):
+        SepFormerForCausalLM(config)
+
+
+def test_a_models_config_keeps_the_sizes_of_its_weights(tmp_path):
+    """A config's derived sizes follow assignments until a model is built; the model's config then describes its
+    weights, so a checkpoint it saves loads back."""
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, max_position_embeddings=16)
+    model = SepFormerForCausalLM(config)
+    assert config.to_dict()["position_table_size"] is None  # the caller's config still derives
+    assert model.config.to_dict()["position_table_size"] == 16
+    model.config.max_position_embeddings = 32
+    with pytest.raises(ValueError, match="position_table_size=16 must be >= max_position_embeddings=32"):
+        model.save_pretrained(tmp_path / "model")
+    config.max_position_embeddings = 32
+    assert SepFormerForCausalLM(config).model.embed_positions.num_embeddings == 32

@@ -1,4 +1,4 @@
-"""`benchmarks/benchmark.py`: the speed and memory comparison, run end to end at its `--quick` preset."""
+"""`benchmarks/benchmark.py`: the speed and memory comparison, run end to end at its `--tiny` preset."""
 
 import math
 from pathlib import Path
@@ -12,9 +12,9 @@ MODELS = ("SepFormer", "GPT-2", "Llama")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The command as a user types it, quick preset, two repetitions, one thread (CI runs tests side by side)."""
+    """The command as a user types it, tiny preset, two repetitions, one thread (CI runs tests side by side)."""
     output_dir = tmp_path_factory.mktemp("benchmark")
-    stdout, rows = run_script(SCRIPT, "--quick", "--reps", "2", "--threads", "1", output_dir=output_dir,
+    stdout, rows = run_script(SCRIPT, "--tiny", "--reps", "2", "--threads", "1", output_dir=output_dir,
                               csv_name="benchmark.csv")
     return stdout, rows, output_dir
 

@@ -51,12 +51,32 @@ def test_a_registered_mitigation_reaches_forward_generate_and_every_layer(value_
     with torch.no_grad():
         model(ids)
         model(ids, value_gain={"gain": 3.0, "layers": (0,)})
-    torch.testing.assert_close(outputs[0][1], 3 * outputs[0][0])  # layer 0: the gain, applied before o_proj's bias
+    torch.testing.assert_close(outputs[0][1], 3 * outputs[0][0])  # layer 0: the gain (o_proj has no bias)
     assert not torch.equal(outputs[1][1], outputs[1][0])  # layer 1 sees layer 0's change
-    neutral = model.generate(ids, max_new_tokens=3, do_sample=False, value_gain=ValueGain(1.0))
-    assert torch.equal(neutral, model.generate(ids, max_new_tokens=3, do_sample=False))
+    outputs.clear()
+    plain = model.generate(ids, max_new_tokens=3, do_sample=False)
+    calls = {layer: len(seen) for layer, seen in outputs.items()}
+    outputs.clear()
+    gained = model.generate(ids, max_new_tokens=3, do_sample=False, value_gain=ValueGain(0.0))
+    assert {layer: len(seen) for layer, seen in outputs.items()} == calls == {0: 3, 1: 3}  # prefill and 2 steps
+    assert all(not seen.any() for layer_outputs in outputs.values() for seen in layer_outputs)  # every layer, step
+    assert not torch.equal(gained, plain)
     with pytest.raises(ValueError, match="value_gain layers \\[7\\] are out of range"):
         model(ids, value_gain={"gain": 2.0, "layers": (7,)})
+
+
+def test_two_mitigations_rewriting_positions_in_one_layer_are_refused(value_gain):
+    @dataclass(frozen=True, eq=False)
+    class Shifted(Mitigation):
+        options_class = ValueGain
+
+        def position_query_key(self, attention, query, key, position_embeddings, residual, attention_mask):
+            return query, key
+
+    unregister_mitigation("value_gain")
+    register_mitigation(Shifted)
+    with pytest.raises(ValueError, match="ms_poe and value_gain both rewrite how positions enter .* layer 1"):
+        tiny_model()(torch.zeros(1, 4, dtype=torch.long), value_gain={"gain": 1.0}, ms_poe={"head_order": (0, 1, 2, 3)})
 
 
 def test_an_unregistered_keyword_is_refused_again():

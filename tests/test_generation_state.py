@@ -99,3 +99,17 @@ def test_state_needs_a_cache_that_keeps_it():
         model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, ms_poe=MSPoE())
     # a fixed head order keeps nothing: any cache will do
     model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, ms_poe=MSPoE(head_order=(0, 1, 2, 3)))
+
+
+def test_generate_continues_a_cache_the_caller_passes():
+    """A cache given to `generate` is used and grown, whatever its class (only the one `generate` makes is ours)."""
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+    continued = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert cache.get_seq_length() == 12  # 10 prompt tokens, then the first two generated tokens fed back
+    assert torch.equal(continued, model.generate(ids, max_new_tokens=3, do_sample=False))

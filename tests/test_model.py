@@ -1,4 +1,5 @@
-"""The architecture of SPEC §1, checked against formulas written independently of the model code."""
+"""The architecture (`h = [p(i) ‖ s(token)]`, block-diagonal V, O, MLPs and norms), checked against formulas written
+independently of the model code."""
 
 import copy
 
@@ -36,7 +37,7 @@ def randomize_norms(model):
     return model
 
 
-# ---------------------------------------------------------------- dense reference (SPEC §1, written from the formula)
+# ------------------------------------------------------------------------ dense reference, written from the formula
 
 
 def dense_reference_logits(model: SepFormerForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
