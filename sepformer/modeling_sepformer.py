@@ -354,7 +354,6 @@ class SepFormerPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: SepFormerConfig, *inputs, **kwargs):
-        config.check_combinations()  # assignments are checked field by field; a model needs the fields to agree
         super().__init__(config.with_sizes_fixed(), *inputs, **kwargs)
 
     @torch.no_grad()
