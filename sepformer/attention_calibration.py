@@ -8,6 +8,7 @@ import torch
 from .cache_sepformer import SepFormerCache
 from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, MitigationPlan, last_row_probs
 from .mitigation_options import AttentionCalibration
+from .positional_maps import positions_from_mask
 
 
 def calibrate_row(
@@ -34,7 +35,7 @@ def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.devi
     """(b or 1, kv) each key's position counted from its row's first real token, -1 on left padding."""
     if padding_mask is None:
         return torch.arange(kv, device=device)[None]
-    return (padding_mask.long().cumsum(-1) - 1).masked_fill(padding_mask == 0, -1)
+    return positions_from_mask(padding_mask).masked_fill(padding_mask == 0, -1)
 
 
 def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .mitigation_base import NO_HOOKS, CallContext, LayerRun, MitigationPlan, cached_constant
 from .mitigations import MITIGATIONS, resolve_plan, with_mitigation_keywords
-from .positional_maps import POSITIONAL_MAP_CLASSES, apply_partial_rotary, call_extrapolation
+from .positional_maps import POSITIONAL_MAP_CLASSES, apply_partial_rotary, call_extrapolation, positions_from_mask
 
 
 class BlockDiagonal(nn.Module):
@@ -374,7 +374,7 @@ def default_position_ids(
     """
     seq_len = inputs_embeds.shape[1]
     if attention_mask is not None and attention_mask.dim() == 2:
-        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+        return positions_from_mask(attention_mask).clamp(min=0)[:, -seq_len:]
     past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
     return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
 

@@ -277,6 +277,11 @@ class SinusoidalPositions(nn.Module):
 POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
 
 
+def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
+    """(b, n) each slot's position counted from its row's first real token (left padding gets negative values)."""
+    return padding_mask.long().cumsum(-1) - 1
+
+
 def apply_partial_rotary(q, k, cos, sin):
     """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim).
 
