@@ -144,9 +144,9 @@ class CalibrationMitigation(Mitigation):
             raise ValueError(
                 f"attention_calibration dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
             )
-        lengths = call.attention_mask.sum(-1).tolist() if call.attention_mask is not None else [call.input_ids.shape[1]]
-        for row, spans in enumerate(options.spans):
-            length = lengths[row if len(lengths) > 1 else 0]
+        mask = call.attention_mask
+        lengths = mask.sum(-1).tolist() if mask is not None else [call.input_ids.shape[1]] * call.batch
+        for row, (spans, length) in enumerate(zip(options.spans, lengths, strict=True)):
             for start, end in spans:
                 if end > length:
                     raise ValueError(

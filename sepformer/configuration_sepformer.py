@@ -26,7 +26,7 @@ from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 
 from .mitigation_options import StableMask
-from .positional_maps import EXTRAPOLATION_METHODS, POSITIONAL_MAP_CLASSES, PositionExtrapolation
+from .positional_maps import POSITIONAL_MAP_CLASSES, PositionExtrapolation
 
 POSITIONAL_MAPS = tuple(POSITIONAL_MAP_CLASSES)
 NORM_TYPES = ("rmsnorm", "layernorm")
@@ -353,20 +353,17 @@ def _require_choice(name, value, allowed):
         raise ValueError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, allowed))}.")
 
 
-def _positive_or_derived(name, value):
-    if value is not None and value <= 0:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be a positive integer, or None for {DERIVED_SIZES[name]}."
-        )
+def _size_or_derived(minimum: int):
+    """A size that `None` derives; `minimum` 0 for the positional MLP, whose width is 0 in a `position_size=0` model
+    (configs saved before the sizes were derived store it; whether it must be positive is `validate_architecture`'s)."""
 
+    def check(name, value):
+        if value is not None and value < minimum:
+            raise ValueError(
+                f"{name}={value} is not allowed: it must be a positive integer, or None for {DERIVED_SIZES[name]}."
+            )
 
-def _position_intermediate_size(name, value):
-    # 0 is the width a position_size=0 model has (configs saved before the sizes were derived store it); whether it
-    # must be positive depends on position_size: `validate_architecture`
-    if value is not None and value < 0:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be a positive integer, or None for {DERIVED_SIZES[name]}."
-        )
+    return check
 
 
 def _position_size(name, value):
@@ -396,10 +393,7 @@ def _choice(allowed):
 
 
 def _extrapolation_method(name, value):
-    if value not in EXTRAPOLATION_METHODS:
-        raise ValueError(
-            f"{name} method {value!r} is unknown: choose one of {', '.join(map(repr, EXTRAPOLATION_METHODS))}."
-        )
+    PositionExtrapolation(method=value)  # raises on an unknown method, naming the allowed ones
 
 
 def _fourier_components(name, value):
@@ -456,9 +450,9 @@ FIELD_CHECKS = {
     "num_attention_heads": _require_positive,
     "max_position_embeddings": _require_positive,
     "position_size": _position_size,
-    "position_table_size": _positive_or_derived,
-    "position_intermediate_size": _position_intermediate_size,
-    "semantic_intermediate_size": _positive_or_derived,
+    "position_table_size": _size_or_derived(1),
+    "position_intermediate_size": _size_or_derived(0),
+    "semantic_intermediate_size": _size_or_derived(1),
     "hidden_act": _choice(tuple(ACT2FN)),
     "positional_map": _choice(POSITIONAL_MAPS),
     "norm_type": _choice(NORM_TYPES),

@@ -109,3 +109,11 @@ def test_spans_of_numpy_or_torch_integers_are_integers():
 def test_a_stable_mask_saved_with_its_old_field_name_still_loads():
     assert StableMask.parse({"gamma": 0.1, "length": 40}) == StableMask(0.1, columns=40)
     assert tiny_model(stable_mask={"gamma": 0.1, "length": 40}).config.stable_mask == {"gamma": 0.1, "length": 40}
+
+
+def test_a_resolved_plan_and_options_together_are_refused():
+    from sepformer.mitigation_base import MitigationPlan
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"give either mitigation_plan or the options \['stable_mask'\], not both"):
+        model.model(IDS, mitigation_plan=MitigationPlan.of((), 2), stable_mask={"gamma": 0.1})

@@ -404,3 +404,10 @@ def test_a_models_config_keeps_the_sizes_of_its_weights(tmp_path):
         model.save_pretrained(tmp_path / "model")
     config.max_position_embeddings = 32
     assert SepFormerForCausalLM(config).model.embed_positions.num_embeddings == 32
+
+
+def test_an_unknown_extrapolation_method_is_refused_when_assigned():
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="position_extrapolation method 'Clamp' is unknown: choose one of 'none'"):
+        config.position_extrapolation = "Clamp"
+    assert config.position_extrapolation == "none"  # nothing written half-way
