@@ -8,7 +8,8 @@ unless the subclass overrides it:
 |----------------------|-----------------------------------------------------------------------|--------------------|
 | `query_key_inputs`   | the attention input (after the norm) that `q_proj` and `k_proj` read  | positional scaling |
 | `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
-| `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib. |
+| `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
+|                      |                                                                       | positional scaling |
 
 `sepformer.mitigations` registers the mitigations and holds the rules on which of them can be combined.
 """
@@ -67,14 +68,31 @@ class CallContext:
 
 @dataclass(frozen=True, eq=False)
 class LayerRun:
-    """What one run of the layers computes once for all of them: the positions of its new tokens."""
+    """What one run of the layers computes once for all of them: the positions of its new tokens.
 
-    position_ids: torch.LongTensor  # (b or 1, seq): where the positional map is read
+    A position-dependent rule (StableMask's `τ`, rotary angles, which tokens to skip) reads `position_ids`; only what
+    reads the positional map reads `table_positions`."""
+
+    position_ids: torch.LongTensor  # (b or 1, seq): absolute positions in the sequence, from each row's first token
+    table_positions: torch.LongTensor  # (b or 1, seq): where the positional map is read (shifted in training with
+    # `random_position_offsets`; the absolute positions otherwise)
     position_rows: torch.Tensor | None  # (b or 1, seq, d_pos): p(position_ids), None without a positional block
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
     cache: Any
     dtype: torch.dtype
     device: torch.device
+
+
+@dataclass(frozen=True, eq=False)
+class QueryKeyProjection:
+    """A layer's attention input and its query/key pipeline, given to the attention function (keyword
+    `query_key_projection`) in layers whose `query_key_inputs` a hook rewrites: an attention wrapper may then attend
+    with other readings of the same input than the ones the layer projected (positional scaling's base rows)."""
+
+    attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
+    # (query_input, key_input), each (b, seq, d_model) -> (query, key), each (b, H, seq, head_dim), positions applied
+    # as the layer applies them (rotary or a `position_query_key` hook)
+    project: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +128,10 @@ class Mitigation:
     def query_key_inputs(
         self, layer_idx: int, query_input: torch.Tensor, key_input: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, seq, d_model) inputs of `q_proj` and `k_proj`; values always read the layer's own normed input."""
+        """(b, seq, d_model) inputs of `q_proj` and `k_proj`; values always read the layer's own normed input. The
+        keys projected from `key_input` are the ones written to the cache. A layer with such a hook gives its attention
+        function the keyword `query_key_projection` (a `QueryKeyProjection`); a wrapper that does not read it passes it
+        on, and the attention functions ignore it."""
         return query_input, key_input
 
     def position_query_key(

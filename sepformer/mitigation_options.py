@@ -218,18 +218,26 @@ class AttentionCalibration(MitigationOptions):
 
 @dataclass(frozen=True)
 class PositionalScaling(MitigationOptions):
-    """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`, for the
-    keys (which go into the cache scaled) and for the last token's query.
+    """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`.
+
+    In its layers, at prefill, the rows before the last `last_recompute_tokens` are the base model's; the last rows
+    are recomputed with scaled queries against scaled keys, and the scaled keys go into the cache; each decoding step
+    computes its query and key from the scaled input. So a cached generation is, by the method's definition, not the
+    full forward pass of the final sequence.
 
     Args:
-        factor: `s` (paper: 0.5, 0, -0.5, -1); 1 is the base model.
+        factor: `s` (paper's grid: 0.5, 0, -0.5, -1; default 0, as the authors' code); 1 is the base model.
         channels: hidden-state channels; `None` is SepFormer's positional block `[0, d_pos)`, known by construction.
         layers: layer indices; `None` is the middle layers (all but the first and the last when there are >= 3).
+        skip_first: tokens at positions `< skip_first` (counted from each row's first real token) are never scaled.
+        last_recompute_tokens: how many of the prompt's last rows are recomputed with scaled queries and keys.
     """
 
-    factor: float
+    factor: float = 0.0
     channels: tuple[int, ...] | None = None
     layers: tuple[int, ...] | None = None
+    skip_first: int = 0
+    last_recompute_tokens: int = 1
     name: ClassVar[str] = "positional_scaling"
 
     def __post_init__(self):
@@ -238,6 +246,13 @@ class PositionalScaling(MitigationOptions):
         object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
         if self.channels is not None and (len(self.channels) == 0 or len(set(self.channels)) != len(self.channels)):
             raise ValueError(f"positional_scaling channels={self.channels!r} must be distinct and non-empty.")
+        for field, low in (("skip_first", 0), ("last_recompute_tokens", 1)):
+            value = _as_int(getattr(self, field))
+            if value is None or value < low:
+                raise ValueError(
+                    f"positional_scaling {field}={getattr(self, field)!r} must be an integer >= {low}."
+                )
+            object.__setattr__(self, field, value)
 
     def default_layers(self, num_layers: int) -> range:
         return range(1, num_layers - 1) if num_layers >= 3 else range(num_layers)

@@ -25,7 +25,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
-from .mitigation_base import NO_HOOKS, CallContext, LayerRun, MitigationPlan, cached_constant
+from .mitigation_base import NO_HOOKS, CallContext, LayerRun, MitigationPlan, QueryKeyProjection, cached_constant
 from .mitigations import MITIGATIONS, resolve_plan, with_mitigation_keywords
 from .positional_maps import POSITIONAL_MAP_CLASSES, apply_partial_rotary, call_extrapolation, positions_from_mask
 
@@ -228,24 +228,34 @@ class SepFormerAttention(nn.Module):
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
         fused = None if hooks.rewrites_inputs else self.decoding_projections(past_key_values)
 
+        def positions_into(query_states, key_states):
+            if hooks.position_hook is not None:
+                return hooks.position_hook.position_query_key(
+                    self, query_states, key_states, position_embeddings, residual, attention_mask
+                )
+            if position_embeddings is not None:
+                return apply_partial_rotary(query_states, key_states, *position_embeddings)
+            return query_states, key_states
+
+        def project_query_key(query_input, key_input):
+            """(b, seq, d_model) inputs -> (b, heads, seq, head_dim) queries and keys, positions applied."""
+            query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
+            key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
+            return positions_into(query_states, key_states)
+
         # (b, seq, d_model) -> (b, heads, seq, head_dim). Value heads may straddle the two blocks: attention
         # mixes rows (tokens), never columns, so the blocks stay apart.
         if fused is not None:
             qkv = nn.functional.linear(hidden_states, fused.qkv_weight, fused.qkv_bias)  # (b, seq, 3 · d_model)
             qkv = qkv.view(*input_shape, 3, -1, self.head_dim).transpose(1, 3)  # (b, heads, 3, seq, head_dim)
             query_states, key_states, value_states = qkv.unbind(2)
+            query_states, key_states = positions_into(query_states, key_states)
         else:
             query_input, key_input = hooks.query_key_inputs(self.layer_idx, hidden_states)
-            query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
-            key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
+            query_states, key_states = project_query_key(query_input, key_input)
             value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        if hooks.position_hook is not None:
-            query_states, key_states = hooks.position_hook.position_query_key(
-                self, query_states, key_states, position_embeddings, residual, attention_mask
-            )
-        elif position_embeddings is not None:
-            query_states, key_states = apply_partial_rotary(query_states, key_states, *position_embeddings)
+        if hooks.rewrites_inputs:  # the attention function may attend with other readings of the same input
+            kwargs["query_key_projection"] = QueryKeyProjection(hidden_states, project_query_key)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -513,7 +523,13 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if mitigation_plan is not None:
             padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
             run = LayerRun(
-                table_positions, position_rows, padding_mask, past_key_values, inputs_embeds.dtype, inputs_embeds.device
+                position_ids,
+                table_positions,
+                position_rows,
+                padding_mask,
+                past_key_values,
+                inputs_embeds.dtype,
+                inputs_embeds.device,
             )
             mitigation_plan = mitigation_plan.start(run)
 

@@ -110,7 +110,7 @@ class MSPoEMitigation(Mitigation):
         ratios = rank_ratios(self.options, config.num_attention_heads, run.device)  # (H, 1)
         position_shift = rotary = None
         if run.position_rows is not None:
-            coordinates = model.embed_positions.table_coordinates(run.position_ids, self.extrapolation)
+            coordinates = model.embed_positions.table_coordinates(run.table_positions, self.extrapolation)
             rows = model.embed_positions(coordinates[:, None] / ratios, self.extrapolation).to(run.dtype)  # p(m / r_i)
             position_shift = rows - run.position_rows[:, None]
         if model.rotary_emb is not None:

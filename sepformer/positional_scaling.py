@@ -4,21 +4,29 @@ from dataclasses import dataclass
 
 import torch
 
-from .mitigation_base import CallContext, LayerRun, Mitigation
+from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, QueryKeyProjection
 from .mitigation_options import PositionalScaling
 
 
 @dataclass(frozen=True, eq=False)
 class PositionalScalingMitigation(Mitigation):
-    """In its layers, every key and the call's last query read the attention input with channels `c` times `s`;
-    values and the other queries read it unscaled. Scaled keys go into the cache, and each decoding step (a call of
-    one token) scales its own query: a cached generation is, by the method's definition, not the full forward pass
-    of the final sequence."""
+    """`f(h) = h` with channels `c` times `s`, in the chosen layers, as the authors' code computes it:
+
+    - prefill (a call that starts a cache, or runs without one): rows before the last `r = last_recompute_tokens` are
+      the base model's (`softmax(q_i Kᵀ) V`, queries and keys unscaled); the last `r` rows are recomputed as
+      `softmax(q̄_i K̄ᵀ) V` with `q̄ = W_Q f(h)`, `K̄ = W_K f(h)` over every key; the scaled keys `K̄` go into the cache;
+    - a call continuing a cache: each new token is a decoding step, its query and key read `f(h)` and it attends to
+      the cached scaled keys.
+
+    Values are never scaled; tokens at positions `< skip_first` are never scaled.
+    """
 
     options_class = PositionalScaling
     hidden_size: int = 0
     channels: tuple[int, ...] = ()
-    factors: torch.Tensor | None = None  # (d_model,): `s` on the chosen channels, 1 elsewhere
+    continuing: bool = False
+    key_factors: torch.Tensor | None = None  # (b or 1, seq, d_model): `s` on the channels of scaled tokens, else 1
+    query_factors: torch.Tensor | None = None  # the same on the rows whose queries are scaled, 1 on the others
 
     @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
@@ -34,13 +42,42 @@ class PositionalScalingMitigation(Mitigation):
                 f"positional_scaling channels {bad} are out of range: channels are 0..{config.hidden_size - 1}."
             )
         channels = options.channels or tuple(range(config.position_size))
-        return cls(options, options.layer_set(config.num_hidden_layers), config.hidden_size, channels)
+        layers = options.layer_set(config.num_hidden_layers)
+        return cls(options, layers, config.hidden_size, channels, call.continuing)
 
     def start(self, run: LayerRun) -> "PositionalScalingMitigation":
         factors = torch.ones(self.hidden_size, dtype=run.dtype, device=run.device)
         factors[list(self.channels)] = self.options.factor
-        return self.replace(factors=factors)
+        skipped = (run.position_ids < self.options.skip_first)[..., None]  # (b or 1, seq, 1)
+        key_factors = torch.where(skipped, torch.ones_like(factors), factors)  # (b or 1, seq, d_model)
+        query_factors = key_factors
+        if not self.continuing:  # prefill: only the last rows' queries are scaled
+            recomputed = torch.arange(key_factors.shape[1], device=run.device) >= (
+                key_factors.shape[1] - self.options.last_recompute_tokens
+            )
+            query_factors = torch.where(recomputed[:, None], key_factors, torch.ones_like(factors))
+        return self.replace(key_factors=key_factors, query_factors=query_factors)
 
     def query_key_inputs(self, layer_idx, query_input, key_input):
-        key_input = key_input * self.factors
-        return torch.cat((query_input[:, :-1], key_input[:, -1:]), 1), key_input
+        return query_input * self.query_factors, key_input * self.key_factors
+
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        recomputed = self.options.last_recompute_tokens
+
+        def scaled_attention(module, query, key, value, attention_mask, query_key_projection, **kwargs):
+            # `query`: scaled on the recomputed rows; `key`: the scaled keys (what the cache holds)
+            output, weights = function(module, query, key, value, attention_mask, **kwargs)
+            base_rows = query.shape[2] - recomputed
+            if self.continuing or base_rows <= 0:
+                return output, weights
+            # Prefill: the rows before the last attend to the unscaled keys, as in the base model. A causal row reads
+            # keys up to itself only, so the base rows of a full attention call with those keys are the base model's.
+            projection: QueryKeyProjection = query_key_projection
+            _, base_key = projection.project(projection.attention_input, projection.attention_input)
+            base_output, base_weights = function(module, query, base_key, value, attention_mask, **kwargs)
+            output = torch.cat((base_output[:, :base_rows], output[:, base_rows:]), 1)  # (b, seq, H, head_dim)
+            if weights is not None:
+                weights = torch.cat((base_weights[:, :, :base_rows], weights[:, :, base_rows:]), 2)
+            return output, weights
+
+        return scaled_attention

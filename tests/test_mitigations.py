@@ -20,7 +20,7 @@ from sepformer import (
     StableMask,
 )
 from sepformer.mitigations import calibrate_row, fixed_head_ranks, head_ratios, position_awareness
-from sepformer.stable_mask import sink_logits
+from sepformer.stable_mask import StableMaskMitigation, sink_logits
 
 SPANS = ((0, 3), (3, 6), (6, 9))
 OPTIONS = {
@@ -143,6 +143,29 @@ def test_stable_mask_from_the_config_trains_and_round_trips(tmp_path):
     reloaded = SepFormerForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.config.stable_mask == {"gamma": 0.1}
     assert torch.equal(logits(reloaded, ids), logits(model, ids))
+
+
+def test_stable_mask_in_training_with_random_position_offsets_reads_the_absolute_position(monkeypatch):
+    """`random_position_offsets` shifts where the table is read (here past N), not where a row is in its sequence: τ
+    is taken at positions 0..n-1, so StableMask stays on for shifted rows."""
+    model = tiny_model(position_table_size=256, random_position_offsets=True).train()
+    shifted = lambda position_ids, batch: position_ids + 100  # noqa: E731  every row read past N = 64
+    monkeypatch.setattr(model.model.embed_positions, "training_positions", shifted)
+    started, start = [], StableMaskMitigation.start
+
+    def recorded_start(self, run):
+        started.append(start(self, run))
+        return started[-1]
+
+    monkeypatch.setattr(StableMaskMitigation, "start", recorded_start)
+    ids = random_ids(2, 12)
+    option = StableMask(gamma=0.3)
+    with torch.no_grad():
+        on, off = logits(model, ids, stable_mask=option), logits(model, ids, stable_mask=False)
+    expected = sink_logits(option, torch.arange(12)[None], model.config.max_position_embeddings)
+    torch.testing.assert_close(started[0].sink_logits[:, 0, :, 0], expected)
+    assert torch.isfinite(started[0].sink_logits).all()
+    assert (on - off).abs().max() > 1e-4
 
 
 # ----------------------------------------------------------------------------------------------------------- MS-PoE
@@ -400,6 +423,11 @@ BAD = [
     ({"ms_poe": {"layers": (1,)}, "positional_scaling": {"factor": 0.0, "layers": (1,)}}, "disjoint `layers`"),
     ({"positional_scaling": {"factor": float("nan")}}, "factor=nan must be a finite number"),
     ({"positional_scaling": {"factor": 0.5, "channels": (32,)}}, "channels \\[32\\] are out of range"),
+    ({"positional_scaling": {"skip_first": -1}}, "skip_first=-1 must be an integer >= 0"),
+    ({"positional_scaling": {"last_recompute_tokens": 0}}, "last_recompute_tokens=0 must be an integer >= 1"),
+    ({"positional_scaling": {"last_recompute_tokens": 1.5}}, "last_recompute_tokens=1.5 must be an integer"),
+    ({"positional_scaling": {"channels": ()}}, "must be distinct and non-empty"),
+    ({"positional_scaling": {"dims": (0,)}}, "unknown keys \\['dims'\\]"),
     ({"attention_calibration": {"spans": (((0, 4), (3, 6)),)}}, "overlap"),
     ({"attention_calibration": {"spans": (((0, 4), (4, 60)),)}}, "out of range: the prompt of that row has 12"),
     ({"attention_calibration": {"spans": (((3, 3),),)}}, "empty or negative"),

@@ -139,49 +139,109 @@ def test_fourier_rows_equal_the_inverse_dft_for_odd_and_even_lengths(length, com
 # ----------------------------------------------------------------------------------------------- positional scaling
 
 
-def scaled_layer_reference(model, ids, factor):
-    """A one-layer model written out, with positional scaling in its layer: channels [0, d_pos) of the normalised
-    attention input times `factor` for every key and for the last query only; values and other queries unscaled.
-    Returns the last hidden state (both blocks: the values reach the positional one only) and the logits."""
-    config, layer = model.config, model.model.layers[0]
-    attention = layer.self_attn
-    batch, seq = ids.shape
-    heads, d_pos = config.num_attention_heads, config.position_size
-    head_dim = config.hidden_size // heads
-    split = lambda x: x.view(batch, seq, heads, head_dim).transpose(1, 2)  # noqa: E731
-    table = model.model.embed_positions.weight
-    hidden = torch.cat((table[:seq].expand(batch, -1, -1), model.model.embed_tokens(ids)), -1)
-    normed = layer.input_layernorm(hidden)
-    scaled = normed.clone()
-    scaled[..., :d_pos] *= factor
-    queries = torch.cat((normed[:, :-1], scaled[:, -1:]), 1)
-    q, k, v = split(attention.q_proj(queries)), split(attention.k_proj(scaled)), split(attention.v_proj(normed))
-    scores = q @ k.transpose(2, 3) / head_dim**0.5
-    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
-    attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
-    hidden = hidden + attention.o_proj(attended)
-    hidden = model.model.norm(hidden + layer.mlp(layer.post_attention_layernorm(hidden)))
-    return hidden, model.lm_head(hidden[..., d_pos:])
+def rotary_reference(x, positions, rotary_dim, theta):
+    """Llama's half-split rotary embedding of the first `rotary_dim` dimensions of each head: x (b, H, n, head_dim)."""
+    inverse_frequencies = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    angles = positions[:, None].float() * inverse_frequencies  # (n, rotary_dim / 2)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    head, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat((-head[..., half:], head[..., :half]), -1)
+    return torch.cat((head * cos + rotated_half * sin, rest), -1)
+
+
+def scaling_reference(model, ids, option, prompt_length=None):
+    """The model written out with positional scaling (arXiv 2406.02536) when the first `prompt_length` tokens (all by
+    default) are a prompt and every later token is decoded one at a time.
+
+    `f(h)` multiplies channels `c` of a layer's normed input by `s` at positions `>= skip_first`. In a scaled layer
+    row `i` is "recomputed" when `i >= prompt_length - last_recompute_tokens` (the prompt's last rows, and every
+    decoded token): it attends with `q̄_i = W_Q f(h_i)` to `K̄_j = W_K f(h_j)`, `j <= i`; any other row with `q_i`, `K_j`
+    unscaled. Values are never scaled. Returns the logits of every row."""
+    config, table = model.config, model.model.embed_positions.weight
+    batch, n = ids.shape
+    heads, d_pos, head_dim = config.num_attention_heads, config.position_size, config.head_dim
+    prompt_length = n if prompt_length is None else prompt_length
+    positions = torch.arange(n)
+    channels = list(option.channels if option.channels is not None else range(d_pos))
+    scale = torch.ones(n, config.hidden_size)
+    scale[:, channels] = option.factor
+    scale[positions < option.skip_first] = 1.0
+    recomputed = (positions >= prompt_length - option.last_recompute_tokens)[:, None]  # (n, 1): rows reading q̄, K̄
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+
+    def project(attention, x):  # (b, n, d) -> queries and keys (b, H, n, head_dim), rotary applied
+        split = lambda y: y.view(batch, n, heads, head_dim).transpose(1, 2)  # noqa: E731
+        q, k = split(attention.q_proj(x)), split(attention.k_proj(x))
+        if config.rotary_dim:
+            q, k = (rotary_reference(y, positions, config.rotary_dim, config.rope_theta) for y in (q, k))
+        return q, k
+
+    hidden = torch.cat((table[:n].expand(batch, -1, -1), model.model.embed_tokens(ids)), -1)
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        q, k = project(attention, normed)
+        scores = q @ k.transpose(2, 3)
+        if index in option.layer_set(config.num_hidden_layers):
+            q_bar, k_bar = project(attention, normed * scale)
+            scores = torch.where(recomputed, q_bar @ k_bar.transpose(2, 3), scores)
+        v = attention.v_proj(normed).view(batch, n, heads, head_dim).transpose(1, 2)
+        probs = (scores / head_dim**0.5).masked_fill(causal, float("-inf")).softmax(-1)
+        hidden = hidden + attention.o_proj((probs @ v).transpose(1, 2).reshape(batch, n, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(model.model.norm(hidden)[..., d_pos:])
+
+
+SCALINGS = [
+    PositionalScaling(factor=-0.5, layers=(1,)),
+    PositionalScaling(factor=0.0, layers=(0, 2), last_recompute_tokens=4),
+    PositionalScaling(factor=-1.0, channels=(1, 3, 20), layers=(1, 2), skip_first=3, last_recompute_tokens=2),
+]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_positional_scaling_equals_the_formula_and_leaves_the_values_alone(attn):
-    """Every row's logits and last hidden state equal the written-out layer (keys and the last query scaled,
-    values and earlier queries not), and the value cache is the base model's."""
-    model = strong_model(num_hidden_layers=1)
+@pytest.mark.parametrize("option", SCALINGS, ids=["last_row", "four_rows", "channels_skip_first"])
+def test_positional_scaling_prefill_equals_the_formula(option, attn):
+    """A full pass equals the written-out model: rows before the last `last_recompute_tokens` are the base model's
+    (bit for bit), the last ones change; the value cache is the base model's."""
+    model = strong_model(num_hidden_layers=3, rotary_dim=4)
     model.set_attn_implementation(attn)
     ids = random_ids(2, 12)
-    option = PositionalScaling(factor=-0.5, layers=(0,))
     cache, base_cache = SepFormerCache(config=model.config), SepFormerCache(config=model.config)
     with torch.no_grad():
-        output = model(ids, past_key_values=cache, use_cache=True, positional_scaling=option, output_hidden_states=True)
+        ours = model(ids, past_key_values=cache, use_cache=True, positional_scaling=option).logits
         base = model(ids, past_key_values=base_cache, use_cache=True).logits
-        hidden, reference = scaled_layer_reference(model, ids, -0.5)
-    ours = output.logits
+        reference = scaling_reference(model, ids, option)
     torch.testing.assert_close(ours, reference, **LOGITS)
-    torch.testing.assert_close(output.hidden_states[-1], hidden, rtol=1e-5, atol=1e-5)
-    assert (ours - base)[:, :-1].abs().max() > 1e-2 and (ours - base)[:, -1].abs().max() > 1e-2
-    assert torch.equal(cache.layers[0].values, base_cache.layers[0].values)
+    kept = 12 - option.last_recompute_tokens
+    assert torch.equal(ours[:, :kept], base[:, :kept])
+    assert (ours - base)[:, kept:].abs().amax((0, 2)).min() > 1e-2  # every recomputed row changes
+    for layer in range(3):
+        assert torch.equal(cache.layers[layer].values[:, :, :kept], base_cache.layers[layer].values[:, :, :kept])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("option", SCALINGS, ids=["last_row", "four_rows", "channels_skip_first"])
+def test_positional_scaling_decoding_steps_follow_the_method_not_the_full_pass(option, attn):
+    """A prefill of 10 tokens then 4 decoding steps equals the written-out model in which each decoded token attends
+    with its scaled query to the scaled keys of every earlier token (those of the prompt too, as the cache holds them);
+    that is not the full forward pass of the final sequence, which the test shows. A continuing call of several
+    tokens gives what as many one-token steps give."""
+    model = strong_model(num_hidden_layers=3, rotary_dim=4)
+    model.set_attn_implementation(attn)
+    ids = random_ids(2, 14, seed=1)
+    ours = prefill_and_steps(model, ids, 10, positional_scaling=option)
+    with torch.no_grad():
+        reference = scaling_reference(model, ids, option, prompt_length=10)
+        full = logits(model, ids, positional_scaling=option)
+    torch.testing.assert_close(ours, reference, **LOGITS)
+    assert (ours - full)[:, 10:].abs().max() > 1e-2
+    cache = SepFormerCache(config=model.config)  # a continuing call of several tokens is that many decoding steps
+    with torch.no_grad():
+        model(ids[:, :10], past_key_values=cache, use_cache=True, positional_scaling=option)
+        chunk = model(ids[:, 10:], past_key_values=cache, use_cache=True, positional_scaling=option).logits
+    torch.testing.assert_close(chunk, ours[:, 10:], **LOGITS)
 
 
 # ---------------------------------------------------------------------------------------------- attention calibration
@@ -332,6 +392,7 @@ OPTIONS = {
     "ms_poe_fixed": {"ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1), head_order=(2, 0, 3, 1))},
     "calibration": {"attention_calibration": AttentionCalibration(spans=(SPANS,), temperature=1e-2, layers=(0, 1))},
     "scaling": {"positional_scaling": PositionalScaling(factor=-0.5, layers=(0, 1))},
+    "scaling_rows": {"positional_scaling": PositionalScaling(-1.0, layers=(1,), skip_first=2, last_recompute_tokens=3)},
 }
 
 

@@ -1,0 +1,379 @@
+"""The search of positional-dimension scaling (arXiv 2406.02536, Alg. 1): which channels to scale, and by how much.
+
+`search_positional_scaling(model, batches)` evaluates every candidate (channel set, factor) on a validation set whose
+examples each have a gold position, and returns the one with the lowest loss averaged over gold positions:
+
+    argmin_{c, s < 1}  mean_p [ mean over the examples with gold position p of L(x, y; F(θ, h_c, s)) ]
+
+- SepFormer: the candidates are its positional channels, known by construction (coordinates `[0, d_pos)` of every
+  hidden state): each channel, aligned contiguous groups of 2, 4, ... channels, and the whole block. The scaling is the
+  model's `positional_scaling` option.
+- Any other Hugging Face decoder (`LlamaForCausalLM`, `GPT2LMHeadModel`, ...): the paper's filter picks the candidate
+  channels (`positional_channel_candidates`: channels of the attention input whose position curve is monotone and
+  smooth), and the scaling is applied by forward hooks (`scale_attention_input`).
+
+In both, the rows that predict the answer are recomputed with scaled queries and keys, which is what generation with
+the option computes: the prompt's last row is recomputed and every answer token is a decoding step.
+"""
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .mitigation_options import PositionalScaling
+
+DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
+
+
+@dataclass(frozen=True)
+class ScalingCandidate:
+    """One evaluated setting: `loss` is the mean over gold positions of `position_losses` (gold position -> the mean
+    loss of the examples with that gold position)."""
+
+    channels: tuple[int, ...]
+    layers: tuple[int, ...]
+    factor: float
+    loss: float
+    position_losses: dict[int, float]
+
+
+@dataclass(frozen=True)
+class PositionalSearchResult:
+    best: ScalingCandidate  # the lowest loss over the candidates (ties: the first, so the smallest channel set)
+    base: ScalingCandidate  # the model unscaled (factor 1), for reference
+    candidates: tuple[ScalingCandidate, ...]  # every candidate, in the order evaluated
+
+    @property
+    def option(self) -> PositionalScaling:
+        """The best setting as SepFormer's `positional_scaling` option (one recomputed prompt row, as in generation)."""
+        return PositionalScaling(factor=self.best.factor, channels=self.best.channels, layers=self.best.layers)
+
+
+def is_sepformer(model: nn.Module) -> bool:
+    return getattr(model.config, "model_type", None) == "sepformer"
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM: `model.model.layers` (Llama, Mistral, Qwen, SepFormer) or
+    `model.transformer.h` (GPT-2)."""
+    for path in ("model.layers", "transformer.h"):
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} has neither model.layers nor transformer.h: positional scaling by hooks supports "
+        "Llama-like models (self_attn.q_proj, self_attn.k_proj) and GPT-2 (attn.c_attn)."
+    )
+
+
+def attention_module(layer: nn.Module) -> nn.Module:
+    attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+    if attention is None:
+        raise ValueError(f"{type(layer).__name__} has no self_attn or attn module to scale the input of.")
+    return attention
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """The middle layers, as `PositionalScaling`'s default: all but the first and the last when there are >= 3."""
+    return tuple(PositionalScaling().default_layers(num_layers))
+
+
+def hidden_size(model: nn.Module) -> int:
+    config = model.config
+    return getattr(config, "hidden_size", None) or config.n_embd
+
+
+@contextlib.contextmanager
+def query_key_inputs_scaled(attention: nn.Module, scale: torch.Tensor):
+    """While active, the queries and keys of `attention` read its input times `scale` (d_model,); values do not."""
+    handles = []
+    if hasattr(attention, "q_proj") and hasattr(attention, "k_proj"):  # Llama-like: one projection each
+        for projection in (attention.q_proj, attention.k_proj):
+            handles.append(projection.register_forward_pre_hook(lambda module, args: (args[0] * scale, *args[1:])))
+    elif hasattr(attention, "c_attn") and not getattr(attention, "is_cross_attention", False):  # GPT-2: [q ‖ k ‖ v]
+        split = attention.split_size
+
+        def scale_query_key(module, args, output):
+            # `forward` called directly runs no hook: the query and key columns from the scaled input
+            scaled = module.forward(args[0] * scale)
+            return torch.cat((scaled[..., : 2 * split], output[..., 2 * split :]), -1)
+
+        handles.append(attention.c_attn.register_forward_hook(scale_query_key))
+    else:
+        raise ValueError(
+            f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn: cannot scale its queries "
+            "and keys alone."
+        )
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def recompute_last_rows(scale, rows, attention, args, kwargs, output):
+    """Forward hook of an attention module: its last `rows` output rows recomputed with scaled queries and keys over
+    every key; the rows before are the base model's."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("layer_past") is not None:
+        raise ValueError(
+            "scale_attention_input recomputes rows of a full forward pass: call the model with use_cache=False (a "
+            "cache would receive the keys twice)."
+        )
+    with query_key_inputs_scaled(attention, scale.to(output[0].dtype)):
+        recomputed = attention.forward(*args, **kwargs)  # `forward` directly: this hook does not run again
+    kept = output[0].shape[1] - min(rows, output[0].shape[1])
+    return (torch.cat((output[0][:, :kept], recomputed[0][:, kept:]), 1), *output[1:])  # (b, seq, d_model)
+
+
+@contextlib.contextmanager
+def scale_attention_input(
+    model: nn.Module,
+    channels: Sequence[int],
+    factor: float,
+    layers: Sequence[int] | None = None,
+    last_recompute_tokens: int = 1,
+):
+    """Positional scaling on a Hugging Face decoder (Llama-like or GPT-2), for full forward passes (`use_cache=False`).
+
+    In each of `layers` (default: the middle ones), channels `c` of the attention input (the output of the
+    pre-attention norm) are multiplied by `factor` for the queries of the last `last_recompute_tokens` rows and for
+    every key those rows attend to; values and the other rows are the base model's. So the last rows are
+    `softmax(q̄ K̄ᵀ) V`, the paper's formula. `factor = 1` gives the base model bit for bit.
+    """
+    layer_modules = decoder_layers(model)
+    num_layers, width = len(layer_modules), hidden_size(model)
+    layers = default_layers(num_layers) if layers is None else tuple(layers)
+    options = PositionalScaling(factor, channels=channels, layers=layers, last_recompute_tokens=last_recompute_tokens)
+    options.layer_set(num_layers)  # range and duplicates checked, with the option's messages
+    bad = [channel for channel in options.channels if not 0 <= channel < width]
+    if bad:
+        raise ValueError(f"channels {bad} are out of range: this model's hidden states have channels 0..{width - 1}.")
+    scale = torch.ones(width, device=model.device)
+    scale[list(options.channels)] = factor
+    hook = functools.partial(recompute_last_rows, scale, last_recompute_tokens)
+    handles = [
+        attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True) for layer in layers
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ------------------------------------------------------------------------------------------- candidate channels
+
+
+def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """(n, d_model) the attention input (after the pre-attention norm) averaged over the batch and over `layers`, at
+    each position of `input_ids` (b, n) (unpadded rows of one length)."""
+    layer_modules = decoder_layers(model)
+    captured = []
+
+    def capture(module, args, kwargs):
+        inputs = args[0] if args else kwargs["hidden_states"]
+        captured.append(inputs.float().mean(0))  # (n, d_model)
+
+    handles = [
+        attention_module(layer_modules[layer]).register_forward_pre_hook(capture, with_kwargs=True) for layer in layers
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(captured).mean(0)
+
+
+def positional_channel_candidates(curves: torch.Tensor, top_k: int = 8, skip: int = 0, degree: int = 3) -> list[int]:
+    """The paper's filter on (n, d) position curves: the channels that are monotone in position and smooth.
+
+    Per channel, after dropping the first `skip` positions (the paper skips the first tokens, where attention sinks
+    sit), the curve is rescaled to [0, 1] (a constant channel is dropped). It is *monotone* when its least-squares
+    polynomial fit of degree `degree` (cubic, as the paper) has first differences of one sign at every position; its
+    *roughness* is the mean squared second difference of the rescaled curve (the paper sums the squared second
+    derivative, of a smoothed curve). Returns the monotone channels, smoothest first, at most `top_k`.
+    """
+    curves = curves[skip:].double()
+    n = curves.shape[0]
+    if n < degree + 2:
+        raise ValueError(f"the filter needs at least {degree + 2} positions after skip={skip}; got {n}.")
+    low, high = curves.amin(0), curves.amax(0)
+    varying = (high - low) > 1e-8 * high.abs().clamp(min=1.0)
+    rescaled = (curves - low) / (high - low).clamp(min=1e-30)  # (n, d)
+    x = torch.linspace(-1, 1, n, dtype=torch.float64)
+    basis = torch.stack([x**power for power in range(degree + 1)], -1)  # (n, degree + 1)
+    fitted = basis @ torch.linalg.lstsq(basis, rescaled).solution  # (n, d)
+    steps = fitted.diff(dim=0)
+    monotone = (steps >= 0).all(0) | (steps <= 0).all(0)
+    roughness = rescaled.diff(n=2, dim=0).square().mean(0)
+    chosen = torch.nonzero(monotone & varying).flatten()
+    return chosen[roughness[chosen].argsort()][:top_k].tolist()
+
+
+def sepformer_channel_sets(position_size: int) -> list[tuple[int, ...]]:
+    """Each positional channel, aligned contiguous groups of 2, 4, ... channels, and the whole block."""
+    if position_size == 0:
+        raise ValueError("this SepFormer has no positional block (position_size=0): give channel_sets explicitly.")
+    sets = [(channel,) for channel in range(position_size)]
+    size = 2
+    while size < position_size:
+        sets += [tuple(range(start, start + size)) for start in range(0, position_size - size + 1, size)]
+        size *= 2
+    return [*sets, tuple(range(position_size))]
+
+
+# ----------------------------------------------------------------------------------------------------- the loss
+
+
+def checked_batch(batch: Mapping, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+    missing = [key for key in ("input_ids", "labels", "gold_position") if key not in batch]
+    if missing:
+        raise ValueError(
+            f"batch {index} lacks {missing}: each batch is a dict with input_ids (b, n), labels (b, n; -100 where "
+            "no loss is taken) and gold_position (b,), optionally attention_mask (b, n)."
+        )
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise ValueError(
+            f"batch {index}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be (b, n)."
+        )
+    gold = [int(position) for position in torch.as_tensor(batch["gold_position"]).flatten().tolist()]
+    if len(gold) != input_ids.shape[0]:
+        raise ValueError(f"batch {index}: {len(gold)} gold positions for {input_ids.shape[0]} examples.")
+    labelled = labels[:, 1:] != -100
+    if not labelled.any(-1).all():
+        raise ValueError(f"batch {index}: every example needs at least one labelled token after its first.")
+    return input_ids, labels, batch.get("attention_mask"), gold
+
+
+def answer_rows(labels: torch.Tensor, index: int) -> int:
+    """How many last rows predict the answer (from the row before its first labelled token to the end); the same in
+    every example of a batch, so that one recomputation count serves them all."""
+    first = (labels != -100).long().argmax(-1)  # (b,): each example's first labelled token
+    if (first != first[0]).any():
+        raise ValueError(
+            f"batch {index}: the answers start at different indices {sorted(set(first.tolist()))}; positional scaling "
+            "recomputes the same last rows of every example: left-pad the prompts and give answers of one length."
+        )
+    return labels.shape[1] - int(first[0]) + 1
+
+
+def example_losses(
+    model: nn.Module, batches: Sequence[Mapping], scaling: tuple | None
+) -> tuple[list[float], list[int]]:
+    """Per example, the mean cross-entropy over its labelled tokens, with `scaling = (channels, layers, factor)` or
+    none; and the gold positions."""
+    losses, golds = [], []
+    for index, batch in enumerate(batches):
+        input_ids, labels, attention_mask, gold = checked_batch(batch, index)
+        rows = answer_rows(labels, index)
+        options = {}
+        context = contextlib.nullcontext()
+        if scaling is not None:
+            channels, layers, factor = scaling
+            if is_sepformer(model):
+                options["positional_scaling"] = PositionalScaling(
+                    factor, channels=channels, layers=layers, last_recompute_tokens=rows
+                )
+            else:
+                context = scale_attention_input(model, channels, factor, layers, last_recompute_tokens=rows)
+        with torch.no_grad(), context:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **options).logits
+        targets = labels[:, 1:]
+        token_losses = nn.functional.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
+        )  # (b, n - 1)
+        labelled = (targets != -100).float()
+        losses += ((token_losses * labelled).sum(-1) / labelled.sum(-1)).tolist()
+        golds += gold
+    return losses, golds
+
+
+def candidate(channels, layers, factor, losses, golds) -> ScalingCandidate:
+    by_position = {}
+    for loss, gold in zip(losses, golds, strict=True):
+        by_position.setdefault(gold, []).append(loss)
+    position_losses = {gold: sum(values) / len(values) for gold, values in sorted(by_position.items())}
+    mean = sum(position_losses.values()) / len(position_losses)
+    return ScalingCandidate(tuple(channels), tuple(layers), float(factor), mean, position_losses)
+
+
+def search_positional_scaling(
+    model: nn.Module,
+    batches: Iterable[Mapping],
+    factors: Sequence[float] = DEFAULT_FACTORS,
+    layers: Sequence[int] | None = None,
+    channel_sets: Sequence[Sequence[int]] | None = None,
+    top_k: int = 8,
+    skip: int = 0,
+) -> PositionalSearchResult:
+    """The channel set and factor `s < 1` with the lowest validation loss averaged over gold positions.
+
+    Args:
+        model: a `SepFormerForCausalLM`, or a Hugging Face decoder with Llama-like or GPT-2 attention, in eval mode.
+        batches: dicts with `input_ids` (b, n), `labels` (b, n; -100 except on the answer, which ends each row),
+            `gold_position` (b,): the slot of the evidence the answer needs, and optionally `attention_mask`. Prompts
+            are left-padded and the answers of a batch have one length.
+        factors: the grid of `s` (the paper's by default); each must be < 1 (1 is the base model, reported apart).
+        layers: the scaled layers; `None` is the middle ones (`PositionalScaling`'s default).
+        channel_sets: the candidate channel sets; `None` is SepFormer's positional channels (each, aligned groups, the
+            block), or, for another model, each channel `positional_channel_candidates` keeps (at most `top_k`,
+            ignoring the first `skip` positions) and all of them together, the curves read on the first batch
+            (which must then be unpadded), averaged over its examples and the scaled layers.
+
+    Returns the best candidate, the base model's losses and the table of every candidate.
+    """
+    batches = list(batches)
+    if not batches:
+        raise ValueError("search_positional_scaling needs at least one validation batch.")
+    factors = tuple(factors)
+    bad = [
+        factor for factor in factors if isinstance(factor, bool) or not isinstance(factor, int | float) or factor >= 1
+    ]
+    if not factors or bad:
+        raise ValueError(f"factors must be numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
+    if model.training:
+        raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
+    num_layers = len(decoder_layers(model))
+    layers = default_layers(num_layers) if layers is None else tuple(layers)
+    if channel_sets is None:
+        if is_sepformer(model):
+            channel_sets = sepformer_channel_sets(model.config.position_size)
+        else:
+            first, _, mask, _ = checked_batch(batches[0], 0)
+            if mask is not None and not bool(mask.all()):
+                raise ValueError(
+                    "the channel filter reads the position curves of the first batch, which has padding: put an "
+                    "unpadded batch first, or give channel_sets."
+                )
+            curves = attention_input_curves(model, first, layers)
+            chosen = positional_channel_candidates(curves, top_k=top_k, skip=skip)
+            if not chosen:
+                raise ValueError("no channel of the attention input is monotone in position: give channel_sets.")
+            channel_sets = [(channel,) for channel in chosen] + ([tuple(chosen)] if len(chosen) > 1 else [])
+    base = candidate((), layers, 1.0, *example_losses(model, batches, None))
+    candidates = tuple(
+        candidate(channels, layers, factor, *example_losses(model, batches, (tuple(channels), layers, factor)))
+        for channels, factor in itertools.product(channel_sets, factors)
+    )
+    best = min(candidates, key=lambda evaluated: evaluated.loss)
+    return PositionalSearchResult(best, base, candidates)
+
+
+__all__ = [
+    "PositionalSearchResult",
+    "ScalingCandidate",
+    "attention_input_curves",
+    "positional_channel_candidates",
+    "scale_attention_input",
+    "search_positional_scaling",
+]

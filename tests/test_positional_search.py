@@ -1,0 +1,289 @@
+"""The positional-dimension search and positional scaling on Hugging Face models by hooks, against references
+written here from the paper's formulas."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from sepformer import PositionalScaling
+from sepformer.positional_search import (
+    attention_input_curves,
+    positional_channel_candidates,
+    query_key_inputs_scaled,
+    scale_attention_input,
+    search_positional_scaling,
+)
+
+PLANTED = 5  # the positional channel that carries the recency bias in `planted_model`
+
+
+def planted_model():
+    """A one-layer SepFormer whose attention reads position through channel 5 only: every head scores key `j` from
+    query `i` by `a² h_5(i) h_5(j) / √8`, with `p_5(m) = (m - 6) / 3` rising with position, so the last row attends to
+    the latest tokens (a recency bias); values copy the semantic block, the head reads it back, the MLPs are off.
+    Scaling channel 5 by `s` multiplies those scores by `s²`; no other channel moves the attention."""
+    model = tiny_model(num_hidden_layers=1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.model.norm.position.weight.fill_(1)
+        model.model.norm.semantic.weight.fill_(1)
+        layer = model.model.layers[0]
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.position.weight.fill_(1)
+            norm.semantic.weight.fill_(1)
+        table = model.model.embed_positions.weight
+        table.fill_(1.0)
+        table[:, PLANTED] = (torch.arange(table.shape[0]) - 6) / 3
+        attention = layer.self_attn
+        for head in range(4):
+            attention.q_proj.weight[8 * head, PLANTED] = 2.0
+            attention.k_proj.weight[8 * head, PLANTED] = 2.0
+        attention.v_proj.semantic.weight.copy_(torch.eye(24))
+        attention.o_proj.semantic.weight.copy_(torch.eye(24))
+        embeddings = torch.randn(259, 24, generator=torch.Generator().manual_seed(0))
+        model.model.embed_tokens.weight.copy_(embeddings)
+        model.lm_head.weight.copy_(3 * embeddings)
+    return model
+
+
+def retrieval_batches(num_tokens=12, batches=2, seed=0):
+    """Each example: 12 distinct tokens, then the token at its gold position (the answer, the only label); every gold
+    position 0..10 in each batch."""
+    generator = torch.Generator().manual_seed(seed)
+    made = []
+    for _ in range(batches):
+        gold = torch.arange(num_tokens - 1)
+        tokens = torch.stack([torch.randperm(256, generator=generator)[:num_tokens] for _ in gold])
+        answers = tokens[torch.arange(len(gold)), gold][:, None]
+        input_ids = torch.cat((tokens, answers), 1)
+        labels = torch.full_like(input_ids, -100)
+        labels[:, -1] = answers[:, 0]
+        made.append({"input_ids": input_ids, "labels": labels, "gold_position": gold})
+    return made
+
+
+def test_the_search_finds_the_planted_positional_channel_and_reports_every_candidate():
+    model = planted_model()
+    batches = retrieval_batches()
+    result = search_positional_scaling(model, batches)
+    # 8 single channels, 4 pairs, 2 quadruples, the block; each with the 4 factors
+    assert len(result.candidates) == 15 * 4
+    sets = {candidate.channels for candidate in result.candidates}
+    assert len(sets) == 15 and (PLANTED,) in sets and tuple(range(8)) in sets
+    assert {candidate.factor for candidate in result.candidates} == {0.5, 0.0, -0.5, -1.0}
+    assert result.best.channels == (PLANTED,) and result.best.factor in (0.5, 0.0, -0.5)
+    assert result.best.loss < result.base.loss - 0.1
+    assert result.option == PositionalScaling(result.best.factor, channels=(PLANTED,), layers=(0,))
+    for candidate in result.candidates:
+        assert sorted(candidate.position_losses) == list(range(11))
+        assert candidate.loss == pytest.approx(sum(candidate.position_losses.values()) / 11)
+        if PLANTED not in candidate.channels or candidate.factor == -1.0:  # s² = 1: the scores are unchanged
+            assert candidate.loss == pytest.approx(result.base.loss, abs=1e-5)
+    # the base model's loss, written out: the mean over gold positions of the cross-entropy of the answer
+    with torch.no_grad():
+        per_example = torch.cat(
+            [
+                torch.nn.functional.cross_entropy(model(batch["input_ids"]).logits[:, -2], batch["labels"][:, -1],
+                                                  reduction="none")
+                for batch in batches
+            ]
+        )
+    assert result.base.loss == pytest.approx(per_example.view(2, 11).mean().item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------- scaling by hooks, HF models
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.weight.normal_(0, 0.4)
+    return model
+
+
+def tiny_gpt2(seed=0):
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=100, n_embd=32, n_layer=3, n_head=4, n_positions=64)
+    return GPT2LMHeadModel(config).eval()
+
+
+def llama_reference(model, ids, channels, factor, layers, rows):
+    """Llama written out with positional scaling: in `layers`, the last `rows` rows attend with `q̄ = W_Q f(h)` to
+    `K̄ = W_K f(h)` (rotary applied to both), values and the other rows unscaled."""
+    config = model.config
+    batch, n = ids.shape
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    scale = torch.ones(config.hidden_size)
+    scale[list(channels)] = factor
+    split = lambda x: x.view(batch, n, heads, head_dim).transpose(1, 2)  # noqa: E731
+    hidden = model.model.embed_tokens(ids)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(n)[None])
+    recomputed = (torch.arange(n) >= n - rows)[:, None]
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        q, k = apply_rotary_pos_emb(split(attention.q_proj(normed)), split(attention.k_proj(normed)), cos, sin)
+        scores = q @ k.transpose(2, 3)
+        if index in layers:
+            q_bar, k_bar = apply_rotary_pos_emb(
+                split(attention.q_proj(normed * scale)), split(attention.k_proj(normed * scale)), cos, sin
+            )
+            scores = torch.where(recomputed, q_bar @ k_bar.transpose(2, 3), scores)
+        probs = (scores / head_dim**0.5).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+        attended = (probs.softmax(-1) @ split(attention.v_proj(normed))).transpose(1, 2).reshape(batch, n, -1)
+        hidden = hidden + attention.o_proj(attended)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(model.model.norm(hidden))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_scaling_by_hooks_on_llama_equals_the_formula(rows):
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+        with scale_attention_input(model, (1, 7, 30), -0.5, layers=(1, 2), last_recompute_tokens=rows):
+            ours = model(ids, use_cache=False).logits
+        reference = llama_reference(model, ids, (1, 7, 30), -0.5, (1, 2), rows)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[:, :-rows], base[:, :-rows])
+    assert (ours - base)[:, -rows:].abs().max() > 1e-3
+    with torch.no_grad():  # the hooks are gone after the block
+        assert torch.equal(model(ids, use_cache=False).logits, base)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, lambda: tiny_model(num_hidden_layers=3)],
+                         ids=["llama", "gpt2", "sepformer"])
+def test_scaling_by_hooks_with_factor_one_is_the_base_model_bit_for_bit(make):
+    model = make()
+    ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids, use_cache=False).logits
+        with scale_attention_input(model, (0, 3), 1.0, layers=(0, 1, 2), last_recompute_tokens=4):
+            assert torch.equal(model(ids, use_cache=False).logits, base)
+        with scale_attention_input(model, (0, 3), 0.0, layers=(0, 1, 2), last_recompute_tokens=4):
+            scaled = model(ids, use_cache=False).logits
+    assert torch.equal(scaled[:, :-4], base[:, :-4]) and (scaled - base)[:, -4:].abs().max() > 1e-6
+
+
+def test_scaling_by_hooks_on_sepformer_equals_its_option():
+    """The hooks and SepFormer's own `positional_scaling` compute the same full pass: values unscaled (GPT-2's fused
+    projection and Llama's separate ones go through the same hook code)."""
+    model = tiny_model(num_hidden_layers=3)
+    with torch.no_grad():
+        model.model.embed_positions.weight.normal_(0, 1)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    option = PositionalScaling(-1.0, channels=(0, 2, 5), layers=(1, 2), last_recompute_tokens=3)
+    with torch.no_grad():
+        native = model(ids, use_cache=False, positional_scaling=option).logits
+        with scale_attention_input(model, (0, 2, 5), -1.0, layers=(1, 2), last_recompute_tokens=3):
+            hooked = model(ids, use_cache=False).logits
+    torch.testing.assert_close(hooked, native, rtol=1e-6, atol=1e-6)
+
+
+def test_gpt2_scaling_leaves_the_values_alone():
+    """GPT-2 projects [q ‖ k ‖ v] in one matmul: under the hook its query and key columns read the scaled input, its
+    value columns the input itself."""
+    attention = tiny_gpt2().transformer.h[1].attn
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    scale = torch.ones(32)
+    scale[[4, 11]] = -0.5
+    with torch.no_grad():
+        plain, scaled = attention.c_attn(x), attention.c_attn(x * scale)
+        with query_key_inputs_scaled(attention, scale):
+            hooked = attention.c_attn(x)
+    assert torch.equal(hooked[..., :64], scaled[..., :64])  # queries and keys
+    assert torch.equal(hooked[..., 64:], plain[..., 64:])  # values
+
+
+# ------------------------------------------------------------------------------------------ the candidate filter
+
+
+def test_the_filter_keeps_monotone_smooth_channels_smoothest_first():
+    n = torch.linspace(0, 1, 40)[:, None]
+    noise = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+    curves = torch.cat(
+        (
+            noise[:, :1],  # 0: noise, not monotone
+            n**2,  # 1: monotone and smooth
+            torch.sin(6 * n),  # 2: not monotone
+            -n + 0.05 * noise[:, 1:2],  # 3: monotone, a little rough
+            torch.ones(40, 1),  # 4: constant, dropped
+            n + 0.1 * noise[:, 2:3],  # 5: monotone, rougher
+            torch.where(n < 0.5, 0.0, 1.0),  # 6: a step: its cubic fit overshoots, not monotone
+        ),
+        1,
+    )
+    assert positional_channel_candidates(curves) == [1, 3, 5]
+    assert positional_channel_candidates(curves, top_k=1) == [1]
+    with pytest.raises(ValueError, match="needs at least 5 positions after skip=38"):
+        positional_channel_candidates(curves, skip=38)
+
+
+def test_the_filter_finds_a_planted_channel_of_gpt2_and_the_search_runs_on_it():
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.transformer.wpe.weight[:, 9] = torch.linspace(-0.1, 0.1, 64)
+    ids = torch.randint(0, 100, (16, 24), generator=torch.Generator().manual_seed(0))
+    curves = attention_input_curves(model, ids, layers=(1,))
+    assert curves.shape == (24, 32)
+    assert positional_channel_candidates(curves, top_k=1) == [9]
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = ids[:, 3]
+    batches = [{"input_ids": ids, "labels": labels, "gold_position": torch.arange(16) % 4}]
+    result = search_positional_scaling(model, batches, factors=(0.0,), top_k=1)
+    assert [candidate.channels for candidate in result.candidates] == [(9,)]
+    assert result.best.layers == (1,)
+
+
+# --------------------------------------------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_are_refused_with_a_clear_error():
+    model = planted_model()
+    batches = retrieval_batches(batches=1)
+    with pytest.raises(ValueError, match="factors must be numbers < 1"):
+        search_positional_scaling(model, batches, factors=(0.5, 1.0))
+    with pytest.raises(ValueError, match="at least one validation batch"):
+        search_positional_scaling(model, [])
+    with pytest.raises(ValueError, match="lacks \\['gold_position'\\]"):
+        search_positional_scaling(model, [{"input_ids": batches[0]["input_ids"], "labels": batches[0]["labels"]}])
+    shifted = dict(batches[0], labels=batches[0]["labels"].clone())
+    shifted["labels"][0, -2] = 7
+    with pytest.raises(ValueError, match="answers start at different indices"):
+        search_positional_scaling(model, [shifted])
+    with pytest.raises(ValueError, match="2 gold positions for 11 examples"):
+        search_positional_scaling(model, [dict(batches[0], gold_position=[0, 1])])
+    with pytest.raises(ValueError, match="put the model in eval mode"):
+        search_positional_scaling(model.train(), batches)
+    model.eval()
+    with pytest.raises(ValueError, match="layers \\[3\\] are out of range"):
+        search_positional_scaling(model, batches, layers=(3,))
+    llama = tiny_llama()
+    ids = torch.randint(0, 100, (1, 6))
+    with pytest.raises(ValueError, match="call the model with use_cache=False"):
+        with scale_attention_input(llama, (0,), 0.0, layers=(1,)):
+            llama(ids)
+    with pytest.raises(ValueError, match="channels \\[32\\] are out of range"):
+        with scale_attention_input(llama, (32,), 0.0):
+            pass
+    with pytest.raises(ValueError, match="last_recompute_tokens=0 must be an integer >= 1"):
+        with scale_attention_input(llama, (0,), 0.0, last_recompute_tokens=0):
+            pass
+    with pytest.raises(ValueError, match="neither model.layers nor transformer.h"):
+        with scale_attention_input(torch.nn.Linear(2, 2), (0,), 0.0):
+            pass
+    padded = {"input_ids": ids, "labels": torch.tensor([[-100] * 5 + [3]]), "gold_position": [0],
+              "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}
+    with pytest.raises(ValueError, match="first batch, which has padding"):
+        search_positional_scaling(llama, [padded])
