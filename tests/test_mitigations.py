@@ -344,8 +344,15 @@ def test_calibration_bias_is_the_dummy_documents_attention():
 def test_positional_scaling_with_factor_one_is_the_base_model_bit_for_bit():
     model = tiny_model(num_hidden_layers=3, rotary_dim=4)
     ids = random_ids(2, 12)
-    for option in (PositionalScaling(1.0), PositionalScaling(1.0, channels=(0, 9, 31), layers=(0, 1, 2))):
+    options = (
+        PositionalScaling(1.0),
+        PositionalScaling(1.0, channels=(0, 9, 31), layers=(0, 1, 2)),
+        PositionalScaling(1.0, layers=(0, 1, 2), skip_first=2, last_recompute_tokens=5),
+    )
+    for option in options:
         assert torch.equal(logits(model, ids, positional_scaling=option), logits(model, ids))
+    greedy = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, **greedy, positional_scaling=options[2]), model.generate(ids, **greedy))
 
 
 def test_positional_scaling_writes_scaled_keys_into_the_cache():
