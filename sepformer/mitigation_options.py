@@ -235,7 +235,6 @@ class AttentionCalibration(SpanOptions):
         return range(num_layers // 2, num_layers)
 
 
-
 @dataclass(frozen=True)
 class PositionalScaling(MitigationOptions):
     """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`, for the

@@ -474,9 +474,11 @@ class SepFormerModel(SepFormerPreTrainedModel):
         position_extrapolation (`str`, `dict` or `PositionExtrapolation`, *optional*):
             Overrides `config.position_extrapolation` for this call: how a learned table answers positions past
             its rows (`"clamp"`, `"sinusoidal"`, `"fourier"`, `"interpolate"`, or `"none"` for an error).
-        stable_mask, ms_poe, attention_calibration, positional_scaling, parallel_context_windows, attention_buckets (*optional*):
+        stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
             Position-bias mitigations (`sepformer.mitigations`), each a dataclass or the dict of its fields; off
             when `None` (`stable_mask` then falls back to `config.stable_mask`; `False` switches that off).
+        parallel_context_windows, attention_buckets (*optional*):
+            Likewise; the base model runs one attention bucket at a time (the causal LM mixes several).
         mitigation_plan (`MitigationPlan`, *optional*):
             Mitigations already resolved, in place of the options: for passes that a mitigation runs itself.
         """
@@ -491,8 +493,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
         continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
+            new_tokens = inputs_embeds.shape[1]
             call = CallContext(
-                self, input_ids, attention_mask, past_key_values, extrapolation, batch, inputs_embeds.shape[1], continuing
+                self, input_ids, attention_mask, past_key_values, extrapolation, batch, new_tokens, continuing
             )
             mitigation_plan = resolve_plan(call, options)
         elif options:
@@ -503,7 +506,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
         mask_function, rotary_base, map_base = None, None, None
         read_positions = position_ids  # where the positional map and rotary are read
         if mitigation_plan is not None:
-            kv_length = inputs_embeds.shape[1] + (past_key_values.get_seq_length() if past_key_values is not None else 0)
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            kv_length = past + inputs_embeds.shape[1]
             mask_function = mitigation_plan.mask_function(padding_mask, kv_length, inputs_embeds.device)
             read_positions = mitigation_plan.read_positions(position_ids)
             rotary_base, map_base = mitigation_plan.position_bases()
@@ -580,9 +584,10 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         r"""
         position_extrapolation (`str`, `dict` or `PositionExtrapolation`, *optional*):
             Overrides `config.position_extrapolation` for this call and, through `generate`, for every decoding step.
-        stable_mask, ms_poe, attention_calibration, positional_scaling, parallel_context_windows, attention_buckets (*optional*):
+        stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
             Position-bias mitigations (`sepformer.mitigations`); through `generate`, for the prompt and every step.
-            Several attention buckets run this forward once per bucket and return the mixed logits.
+        parallel_context_windows, attention_buckets (*optional*):
+            Likewise; several attention buckets run this forward once per bucket and return the mixed logits.
         """
         wrapper = causal_lm_wrapper(kwargs)
         if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
