@@ -90,15 +90,22 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     return parsed
 
 
-def causal_lm_wrapper(options: dict) -> tuple[type[Mitigation], MitigationOptions] | None:
+def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], MitigationOptions] | None:
     """The call's mitigation whose options replace the whole forward of the causal LM (several attention buckets),
-    with its parsed options, or `None`."""
+    with its parsed options, or `None`. A cache whose prefill ran several buckets holds one cache per bucket and
+    cannot be continued without them."""
     for name, mitigation in MITIGATIONS.items():
         if options.get(name) in (None, False):
             continue
         value = mitigation.options_class.parse(options[name])
         if mitigation.wraps_causal_lm(value):
             return mitigation, value
+    buckets = getattr(cache, "buckets", None)
+    if buckets is not None and options.get(buckets.name) is None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"this cache keeps one cache per attention bucket from its prefill ({buckets}): continue it with the same "
+            "attention_buckets."
+        )
     return None
 
 

@@ -589,25 +589,7 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         parallel_context_windows, attention_buckets (*optional*):
             Likewise; several attention buckets run this forward once per bucket and return the mixed logits.
         """
-        wrapper = causal_lm_wrapper(kwargs)
-        if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
-            mitigation, options = wrapper
-            options_of_call = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
-            inputs = dict(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                position_extrapolation=position_extrapolation,
-                **kwargs,
-            )
-            return mitigation.run_causal_lm(options, self, inputs, options_of_call)
-        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KEYWORDS if name in kwargs}
-        outputs: BaseModelOutputWithPast = self.model(
+        model_inputs = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -615,8 +597,15 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             position_extrapolation=position_extrapolation,
-            **kwargs,
         )
+        wrapper = causal_lm_wrapper(kwargs, past_key_values)
+        if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
+            mitigation, options = wrapper
+            options_of_call = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
+            inputs = dict(model_inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+            return mitigation.run_causal_lm(options, self, inputs, options_of_call)
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KEYWORDS if name in kwargs}
+        outputs: BaseModelOutputWithPast = self.model(**model_inputs, **kwargs)
         hidden_states = outputs.last_hidden_state
         if self.config.lm_head_input == "semantic":
             hidden_states = hidden_states[..., self.config.position_size :]

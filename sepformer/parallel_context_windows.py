@@ -43,6 +43,7 @@ class ParallelContextWindowsMitigation(Mitigation):
         "cached generation."
     )
     spans: torch.Tensor | None = None  # (b, K, 2)
+    continuing: bool = False
 
     @classmethod
     def fixes_state_at_prefill(cls, options: ParallelContextWindows) -> bool:
@@ -57,12 +58,14 @@ class ParallelContextWindowsMitigation(Mitigation):
             )
         check_spans_in_prompt(options, call)
         layers = options.layer_set(call.model.config.num_hidden_layers)
-        return cls(options, layers, torch.tensor(options.spans, device=call.model.device))
+        return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         return window_positions(self.spans, position_ids)
 
     def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
+        if self.continuing:  # the windows lie in the prefill's prompt (checked there): later tokens are task tokens
+            return None
         windows = window_ids(self.spans, key_positions(padding_mask, kv_length, device))  # (b, kv)
 
         def within_window(batch_idx, head_idx, q_idx, kv_idx):

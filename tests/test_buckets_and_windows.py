@@ -153,20 +153,6 @@ def test_bucket_cached_decoding_equals_the_full_pass():
     torch.testing.assert_close(cached_logits(model, ids, 7, attention_buckets=BUCKETS), full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_buckets_left_padded_batch_generates_what_each_prompt_generates_alone(attn):
-    model = strong_positions(tiny_model(rotary_dim=4))
-    model.set_attn_implementation(attn)
-    tokenizer = SepFormerTokenizer(padding_side="left")
-    prompts = ["def f(x): return", "import os, sys", "a longer prompt, with more bytes"]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id, attention_buckets=BUCKETS)
-    together = model.generate(**batch, **kwargs)[:, batch.input_ids.shape[1] :]
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), **kwargs)
-        assert torch.equal(together[row], alone[0, -8:]), prompt
-
-
 def test_identical_buckets_follow_beams_and_return_sequences_like_the_base_model():
     """Two buckets with the model's own reading mix to exactly the base model's logits (weights 1/2 each), so beam
     search must give the base model's beams: only if every bucket's cache follows the beams' reordering."""
@@ -230,6 +216,8 @@ def test_buckets_that_mean_nothing_for_the_model_are_refused():
         model(ids, past_key_values=cache, use_cache=True, attention_buckets={"bases": [1e4, 2e4]})
         with pytest.raises(ValueError, match="needs the same attention_buckets as its prefill"):
             model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets={"bases": [1e4, 3e4]})
+        with pytest.raises(ValueError, match="keeps one cache per attention bucket .* continue it with the same"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
         plain = SepFormerCache(config=model.config)
         model(ids, past_key_values=plain, use_cache=True)
         with pytest.raises(ValueError, match="needs the same attention_buckets as its prefill \\(None\\)"):
@@ -312,22 +300,28 @@ def test_window_cached_decoding_continues_with_task_positions_as_the_full_pass()
     torch.testing.assert_close(full[:1], reference_logits(model, ids[:1], WINDOWS), rtol=1e-5, atol=1e-5)
 
 
+PROMPTS = ["def f(x): return", "import os, sys", "a longer prompt, with more bytes"]
+PROMPT_WINDOWS = (((1, 5), (5, 9)), ((0, 7), (7, 12)), ((2, 10), (10, 20)))
+
+
+def options_of_rows(name, rows):
+    """The option `name` for a batch of the prompts `rows` (windows are given per row)."""
+    if name == "attention_buckets":
+        return {name: BUCKETS}
+    return {name: {"spans": [PROMPT_WINDOWS[row] for row in rows]}}
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_windows_left_padded_batch_generates_what_each_prompt_generates_alone(attn):
+@pytest.mark.parametrize("name", ["attention_buckets", "parallel_context_windows"])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn):
     model = strong_positions(tiny_model(rotary_dim=4))
     model.set_attn_implementation(attn)
     tokenizer = SepFormerTokenizer(padding_side="left")
-    prompts = ["def f(x): return", "import os, sys", "a longer prompt, with more bytes"]
-    spans = (((1, 5), (5, 9)), ((0, 7), (7, 12)), ((2, 10), (10, 20)))
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id, num_beams=2)
-    together = model.generate(**batch, **kwargs, parallel_context_windows={"spans": spans})
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(
-            **tokenizer([prompt], return_tensors="pt"),
-            **kwargs,
-            parallel_context_windows={"spans": spans[row : row + 1]},
-        )
+    together = model.generate(**batch, **kwargs, **options_of_rows(name, range(len(PROMPTS))))
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), **kwargs, **options_of_rows(name, [row]))
         assert torch.equal(together[row, -8:], alone[0, -8:]), prompt
 
 
