@@ -18,7 +18,7 @@ and, once per run of the layers, model-level hooks:
 | `position_bases`     | the bases of rotary and of the sinusoidal map                         | buckets            |
 | `mask_function`      | an and-mask on the causal mask: which keys each query may attend      | PCW                |
 
-A mitigation whose options `wrap_causal_lm` replaces the whole causal-LM forward (`run_causal_lm`): Attention Buckets.
+A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forward (`run_causal_lm`): Attention Buckets.
 
 `sepformer.mitigations` registers the mitigations and holds the rules on which of them can be combined.
 """
@@ -279,11 +279,12 @@ class MitigationPlan:
         return position_ids
 
     def position_bases(self) -> tuple[float | None, float | None]:
-        rotary_base = map_base = None
+        """`(rotary base, sinusoidal map base)`: the last mitigation that sets each one, else `None` (the model's)."""
+        bases = [None, None]
         for mitigation in self.mitigations:
-            rotary, sinusoid = mitigation.position_bases()
-            rotary_base, map_base = rotary if rotary is not None else rotary_base, sinusoid or map_base
-        return rotary_base, map_base
+            for index, base in enumerate(mitigation.position_bases()):
+                bases[index] = base if base is not None else bases[index]
+        return bases[0], bases[1]
 
     def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
         """The and-mask of the plan's mitigations, or `None`."""
