@@ -9,7 +9,14 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
-from .mitigation_options import AttentionCalibration, MSPoE, PositionalScaling, StableMask
+from .mitigation_options import (
+    AttentionBuckets,
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    StableMask,
+)
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
 from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .tokenization_sepformer import SepFormerTokenizer
@@ -22,8 +29,10 @@ AutoTokenizer.register(SepFormerConfig, tokenizer_class=SepFormerTokenizer, exis
 __version__ = "0.1.0"
 __all__ = [
     "EXTRAPOLATION_METHODS",
+    "AttentionBuckets",
     "AttentionCalibration",
     "MSPoE",
+    "ParallelContextWindows",
     "PositionalScaling",
     "StableMask",
     "PositionExtrapolation",

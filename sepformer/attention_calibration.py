@@ -6,7 +6,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache_sepformer import SepFormerCache
-from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, MitigationPlan, last_row_probs
+from .mitigation_base import (
+    AttentionFunction,
+    CallContext,
+    LayerRun,
+    Mitigation,
+    MitigationPlan,
+    check_spans_in_prompt,
+    last_row_probs,
+)
 from .mitigation_options import AttentionCalibration
 from .positional_maps import positions_from_mask
 
@@ -121,10 +129,7 @@ class CalibrationMitigation(Mitigation):
                 f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
                 f"{call.attention_mask.dim()}D attention_mask."
             )
-        if len(options.spans) != call.batch:
-            raise ValueError(
-                f"attention_calibration has spans for {len(options.spans)} rows; the batch has {call.batch} rows."
-            )
+        check_spans_in_prompt(options, call)
         if not call.continuing:
             cls.check_dummy_passes(options, call)
         return cls(options, options.layer_set(config.num_hidden_layers), call.state)
@@ -144,15 +149,6 @@ class CalibrationMitigation(Mitigation):
             raise ValueError(
                 f"attention_calibration dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
             )
-        mask = call.attention_mask
-        lengths = mask.sum(-1).tolist() if mask is not None else [call.input_ids.shape[1]] * call.batch
-        for row, (spans, length) in enumerate(zip(options.spans, lengths, strict=True)):
-            for start, end in spans:
-                if end > length:
-                    raise ValueError(
-                        f"attention_calibration span ({start}, {end}) of row {row} is out of range: the prompt of "
-                        f"that row has {length} tokens (spans count from its first real token)."
-                    )
 
     def prepare(self, call: CallContext, others) -> None:
         """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
@@ -162,7 +158,13 @@ class CalibrationMitigation(Mitigation):
         ids, padding, probe = dummy_batch(options, call)
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(
-            call, input_ids=ids, attention_mask=padding, cache=None, batch=len(ids), state=SepFormerCache()
+            call,
+            input_ids=ids,
+            attention_mask=padding,
+            cache=None,
+            batch=len(ids),
+            new_tokens=ids.shape[1],
+            state=SepFormerCache(),
         )
         others = tuple(type(other).resolve(other.options, dummy_call) for other in others)
         probing = CalibrationProbe(options, self.layers, probe)

@@ -21,6 +21,8 @@ class SepFormerCache(DynamicCache):
         calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
         fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer keeps its
             per-block projections). Weights, not rows: batch operations leave them alone.
+        buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.
+        bucket_caches: the caches of buckets 1.., each a `SepFormerCache`; batch operations apply to them too.
     """
 
     def __init__(self, *args, **kwargs):
@@ -30,6 +32,8 @@ class SepFormerCache(DynamicCache):
         self.calibration_bias: dict[int, torch.Tensor] = {}
         self.calibration_spans: torch.Tensor | None = None
         self.fused_projections: dict[int, Any] = {}
+        self.buckets: Any = None
+        self.bucket_caches: list[SepFormerCache] = []
 
     def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch operation to every per-row tensor of the state."""
@@ -42,11 +46,27 @@ class SepFormerCache(DynamicCache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+        for bucket_cache in self.bucket_caches:
+            bucket_cache.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self.map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+        for bucket_cache in self.bucket_caches:
+            bucket_cache.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.map_rows(lambda tensor: tensor[indices])
+        for bucket_cache in self.bucket_caches:
+            bucket_cache.batch_select_indices(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        for bucket_cache in self.bucket_caches:
+            bucket_cache.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        for bucket_cache in self.bucket_caches:
+            bucket_cache.reset()

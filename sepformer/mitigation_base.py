@@ -11,6 +11,16 @@ unless the subclass overrides it:
 | `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
 |                      |                                                                       | positional scaling |
 
+and, once per run of the layers, model-level hooks:
+
+| hook                 | slot                                                                  | used by            |
+|----------------------|-----------------------------------------------------------------------|--------------------|
+| `read_positions`     | the positions where the positional map and rotary are read            | PCW, buckets       |
+| `position_bases`     | the bases of rotary and of the sinusoidal map                         | buckets            |
+| `mask_function`      | an and-mask on the causal mask: which keys each query may attend      | PCW                |
+
+A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forward (`run_causal_lm`): Attention Buckets.
+
 `sepformer.mitigations` registers the mitigations and holds the rules on which of them can be combined.
 """
 
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from transformers.masking_utils import and_masks
 
 from .mitigation_options import MitigationOptions
 
@@ -60,6 +71,7 @@ class CallContext:
     cache: Any  # a transformers `Cache` or None
     extrapolation: Any  # the call's PositionExtrapolation
     batch: int
+    new_tokens: int  # the call's tokens (its sequence length)
     continuing: bool  # the call continues a cache (a decoding step), rather than starting one (prefill)
     # The SepFormerCache that keeps what is fixed at prefill (a fresh one for a call without a cache), or None when the
     # call's cache is of another kind; set by `resolve_plan`.
@@ -153,12 +165,56 @@ class Mitigation:
         """The attention function of the layer: `(module, query, key, value, mask, **kwargs) -> (output, weights)`."""
         return function
 
+    def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Where the positional map and rotary read the call's new tokens: (b or 1, seq) -> (b or 1, seq), integer or
+        fractional. Receives the positions counted from each row's first real token (or the caller's)."""
+        return position_ids
+
+    def position_bases(self) -> tuple[float | None, float | None]:
+        """`(rotary base, sinusoidal map base)` to read positions with; `None` keeps the model's own."""
+        return None, None
+
+    def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
+        """An and-mask `(batch_idx, head_idx, q_idx, kv_idx) -> bool` on the causal mask (transformers' mask
+        functions: `q_idx` and `kv_idx` index the keys, cached and new), or `None`. `padding_mask` (b, kv_length)."""
+        return None
+
+    @classmethod
+    def wraps_causal_lm(cls, options: MitigationOptions) -> bool:
+        """Whether these options replace the whole forward of the causal LM (`run_causal_lm`)."""
+        return False
+
+    @classmethod
+    def run_causal_lm(cls, options: MitigationOptions, model, inputs: dict, options_of_call: dict):
+        """The causal LM's output for `inputs` (the keywords of its forward) with these options; `options_of_call`
+        are the call's mitigation keywords, these options included. Only called when `wraps_causal_lm`."""
+        raise NotImplementedError
+
     def replace(self, **changes) -> "Mitigation":
         return dataclasses.replace(self, **changes)
 
 
 def overrides(mitigation: Mitigation, hook: str) -> bool:
     return getattr(type(mitigation), hook) is not getattr(Mitigation, hook)
+
+
+def check_spans_in_prompt(options, call: CallContext) -> None:
+    """`options.spans`: one row of spans per batch row, each span inside its row's prompt (spans count from the row's
+    first real token); the lengths are checked at prefill (a decoding step only adds tokens)."""
+    name = options.name
+    if len(options.spans) != call.batch:
+        raise ValueError(f"{name} has spans for {len(options.spans)} rows; the batch has {call.batch} rows.")
+    if call.continuing:
+        return
+    mask = call.attention_mask
+    lengths = mask.sum(-1).tolist() if mask is not None else [call.new_tokens] * call.batch
+    for row, (spans, length) in enumerate(zip(options.spans, lengths, strict=True)):
+        for start, end in spans:
+            if end > length:
+                raise ValueError(
+                    f"{name} span ({start}, {end}) of row {row} is out of range: the prompt of that row has {length} "
+                    "tokens (spans count from its first real token)."
+                )
 
 
 def last_row_probs(
@@ -237,3 +293,22 @@ class MitigationPlan:
     def start(self, run: LayerRun) -> "MitigationPlan":
         """The plan for one run of the layers: each mitigation with its per-run tensors."""
         return MitigationPlan.of(tuple(mitigation.start(run) for mitigation in self.mitigations), len(self.layers))
+
+    def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        for mitigation in self.mitigations:
+            position_ids = mitigation.read_positions(position_ids)
+        return position_ids
+
+    def position_bases(self) -> tuple[float | None, float | None]:
+        """`(rotary base, sinusoidal map base)`: the last mitigation that sets each one, else `None` (the model's)."""
+        bases = [None, None]
+        for mitigation in self.mitigations:
+            for index, base in enumerate(mitigation.position_bases()):
+                bases[index] = base if base is not None else bases[index]
+        return bases[0], bases[1]
+
+    def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
+        """The and-mask of the plan's mitigations, or `None`."""
+        functions = [mitigation.mask_function(padding_mask, kv_length, device) for mitigation in self.mitigations]
+        functions = [function for function in functions if function is not None]
+        return and_masks(*functions) if functions else None

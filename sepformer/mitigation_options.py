@@ -41,6 +41,20 @@ def _check_number(name: str, field: str, value, low: float | None = None, strict
         raise ValueError(f"{name} {field}={value!r} must be {'>' if strict else '>='} {low}.")
 
 
+def _as_positive_numbers(name: str, field: str, value) -> tuple[float, ...] | None:
+    """A non-empty sequence of finite numbers > 0, as a tuple of floats, or `None`."""
+    if value is None:
+        return None
+    if isinstance(value, int | float | str) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} {field}={value!r} must be a non-empty sequence of positive numbers.")
+    items = tuple(value)
+    if not items:
+        raise ValueError(f"{name} {field}=() is empty: give one number per bucket.")
+    for item in items:
+        _check_number(name, field[:-1], item, low=0.0)
+    return tuple(float(item) for item in items)
+
+
 def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every row."""
     try:
@@ -122,6 +136,15 @@ class MitigationOptions:
         return self
 
 
+class SpanOptions(MitigationOptions):
+    """Options with a `spans` field: per batch row, `(start, end)` token spans."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+    def repeat_rows(self, repeats: int) -> "SpanOptions":
+        return dataclasses.replace(self, spans=tuple(row for row in self.spans for _ in range(repeats)))
+
+
 @dataclass(frozen=True)
 class StableMask(MitigationOptions):
     """StableMask (arXiv 2402.04779): `softmax(A ⊙ C + P) ⊙ C` with pseudo-scores `P_ij = -γ(j-1)` for `j > i`.
@@ -180,7 +203,7 @@ class MSPoE(MitigationOptions):
 
 
 @dataclass(frozen=True)
-class AttentionCalibration(MitigationOptions):
+class AttentionCalibration(SpanOptions):
     """Attention calibration, "Found in the Middle" (arXiv 2406.16008).
 
     Args:
@@ -210,10 +233,6 @@ class AttentionCalibration(MitigationOptions):
 
     def default_layers(self, num_layers: int) -> range:
         return range(num_layers // 2, num_layers)
-
-    def repeat_rows(self, repeats: int) -> "AttentionCalibration":
-        spans = tuple(row for row in self.spans for _ in range(repeats))
-        return dataclasses.replace(self, spans=spans)
 
 
 @dataclass(frozen=True)
@@ -258,4 +277,81 @@ class PositionalScaling(MitigationOptions):
         return range(1, num_layers - 1) if num_layers >= 3 else range(num_layers)
 
 
-__all__ = ["AttentionCalibration", "MSPoE", "MitigationOptions", "PositionalScaling", "StableMask"]
+@dataclass(frozen=True)
+class AttentionBuckets(MitigationOptions):
+    """Attention Buckets (arXiv 2312.04455): `B` copies of the input, each reading positions its own way, with its own
+    KV cache; the next-token logits are mixed by confidence, `Σ_b softmax_b(max_v logits_b) · logits_b`.
+
+    Bucket `b` reads positions with `bases[b]` and/or `scales[b]` (give one or both, one value per bucket):
+
+    Args:
+        bases: the base of the model's base-parametrised position reading: rotary's `θ` when rotary is on, otherwise
+            the sinusoidal positional map's base (10000 is the model's own). A learned table has no base: use `scales`.
+        scales: bucket `b` reads the positional map and rotary at positions `m · scales[b]` (1 is the model's own).
+    """
+
+    bases: tuple[float, ...] | None = None
+    scales: tuple[float, ...] | None = None
+    name: ClassVar[str] = "attention_buckets"
+
+    def __post_init__(self):
+        object.__setattr__(self, "bases", _as_positive_numbers(self.name, "bases", self.bases))
+        object.__setattr__(self, "scales", _as_positive_numbers(self.name, "scales", self.scales))
+        if self.bases is None and self.scales is None:
+            raise ValueError("attention_buckets needs bases=[...] or scales=[...] (one value per bucket).")
+        if self.bases is not None and self.scales is not None and len(self.bases) != len(self.scales):
+            raise ValueError(
+                f"attention_buckets has {len(self.bases)} bases and {len(self.scales)} scales: give one of each per "
+                "bucket."
+            )
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bases if self.bases is not None else self.scales)
+
+    def bucket(self, index: int) -> "AttentionBuckets":
+        """The options of bucket `index` alone: one bucket, which the model runs as a reading of positions."""
+
+        def pick(values):
+            return None if values is None else (values[index],)
+
+        return AttentionBuckets(bases=pick(self.bases), scales=pick(self.scales))
+
+
+@dataclass(frozen=True)
+class ParallelContextWindows(SpanOptions):
+    """Parallel Context Windows (arXiv 2212.10947): each window attends only within itself (and to the tokens before
+    the first window), its positions restart where the first window starts; the tokens after the last window (the
+    task, and every generated token) take positions from the longest window on and attend to everything.
+
+    Args:
+        spans: per batch row, the windows' `(start, end)` token spans (end exclusive), counted from the row's first
+            real token like `attention_calibration`'s; in every row the same number of windows, which follow one
+            another without gaps (the windows cover the context from the first window's start to the last's end).
+    """
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    name: ClassVar[str] = "parallel_context_windows"
+
+    def __post_init__(self):
+        rows = tuple(tuple(sorted(row)) for row in _as_spans(self.name, self.spans))
+        for row_index, row in enumerate(rows):
+            for (_, end), (start, _) in zip(row, row[1:], strict=False):
+                if start != end:
+                    raise ValueError(
+                        f"parallel_context_windows spans of row {row_index} leave tokens {end}..{start - 1} between "
+                        f"two windows ({list(row)}): windows follow one another without gaps (put separators inside "
+                        "a window)."
+                    )
+        object.__setattr__(self, "spans", rows)
+
+
+__all__ = [
+    "AttentionBuckets",
+    "AttentionCalibration",
+    "MSPoE",
+    "MitigationOptions",
+    "ParallelContextWindows",
+    "PositionalScaling",
+    "StableMask",
+]

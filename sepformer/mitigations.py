@@ -6,6 +6,8 @@
 | `ms_poe`                | head `h` of the chosen layers sees positions `m / r_h` (rotary and the positional block) |
 | `attention_calibration` | re-weights the last query row's attention over given documents ("Found in the Middle") |
 | `positional_scaling`    | scales positional channels of the attention input for the keys and the last query     |
+| `parallel_context_windows` | windows attend within themselves, positions restart per window; task attends all   |
+| `attention_buckets`     | copies of the input read positions with other bases or scales; logits mixed            |
 
 This module registers them (`MITIGATIONS`), holds the rules on which can be combined (`REFUSED_TOGETHER`), and
 resolves a call's options into a `MitigationPlan`. A new mitigation is a `Mitigation` subclass with its options
@@ -15,18 +17,35 @@ dataclass, added to `MITIGATIONS` here or with `register_mitigation` (see `mitig
 import dataclasses
 import inspect
 
+from .attention_buckets import AttentionBucketsMitigation
 from .attention_calibration import CalibrationMitigation, calibrate_row
 from .cache_sepformer import SepFormerCache
 from .mitigation_base import CallContext, Mitigation, MitigationPlan
-from .mitigation_options import AttentionCalibration, MitigationOptions, MSPoE, PositionalScaling, StableMask
+from .mitigation_options import (
+    AttentionBuckets,
+    AttentionCalibration,
+    MitigationOptions,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    StableMask,
+)
 from .ms_poe import MSPoEMitigation, fixed_head_ranks, head_ratios, position_awareness
+from .parallel_context_windows import ParallelContextWindowsMitigation
 from .positional_scaling import PositionalScalingMitigation
 from .stable_mask import StableMaskMitigation
 
 # By keyword; a plan applies its mitigations' hooks in this order.
 MITIGATIONS: dict[str, type[Mitigation]] = {
     mitigation.options_class.name: mitigation
-    for mitigation in (StableMaskMitigation, MSPoEMitigation, PositionalScalingMitigation, CalibrationMitigation)
+    for mitigation in (
+        StableMaskMitigation,
+        MSPoEMitigation,
+        PositionalScalingMitigation,
+        CalibrationMitigation,
+        ParallelContextWindowsMitigation,  # before the buckets: a bucket scales the windows' positions
+        AttentionBucketsMitigation,
+    )
 }
 
 # Pairs refused together: (first, second, in the same layer only, why).
@@ -38,6 +57,25 @@ REFUSED_TOGETHER = (
         "calibration redistributes a softmax row that sums to 1, and StableMask's rows do not",
     ),
     ("ms_poe", "positional_scaling", True, "both rewrite the positional part of the queries and keys"),
+    (
+        "stable_mask",
+        "attention_buckets",
+        False,
+        "StableMask's sink logits are tabulated at integer positions, and a bucket may read positions m · scale",
+    ),
+    ("ms_poe", "attention_buckets", False, "MS-PoE reads positions with the model's own base, not the bucket's"),
+    (
+        "ms_poe",
+        "parallel_context_windows",
+        False,
+        "MS-PoE rescales the tokens' own positions, which the windows rewrite",
+    ),
+    (
+        "attention_calibration",
+        "parallel_context_windows",
+        False,
+        "calibration's dummy passes splice documents into the prompt, which moves the windows",
+    ),
 )
 
 
@@ -56,6 +94,25 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
         if value is not None:
             parsed[name] = value
     return parsed
+
+
+def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], MitigationOptions] | None:
+    """The call's mitigation whose options replace the whole forward of the causal LM (several attention buckets),
+    with its parsed options, or `None`. A cache whose prefill ran several buckets holds one cache per bucket and
+    cannot be continued without them."""
+    for name, mitigation in MITIGATIONS.items():
+        if options.get(name) in (None, False):
+            continue
+        value = mitigation.options_class.parse(options[name])
+        if mitigation.wraps_causal_lm(value):
+            return mitigation, value
+    buckets = getattr(cache, "buckets", None)
+    if buckets is not None and options.get(buckets.name) is None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"this cache keeps one cache per attention bucket from its prefill ({buckets}): continue it with the same "
+            "attention_buckets."
+        )
+    return None
 
 
 def check_combination(layers: dict[str, frozenset[int]]) -> None:
@@ -144,8 +201,10 @@ def unregister_mitigation(name: str) -> None:
 
 __all__ = [
     "MITIGATIONS",
+    "AttentionBuckets",
     "AttentionCalibration",
     "MSPoE",
+    "ParallelContextWindows",
     "PositionalScaling",
     "StableMask",
     "calibrate_row",

@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .mitigation_base import NO_HOOKS, CallContext, LayerRun, MitigationPlan, QueryKeyProjection, cached_constant
-from .mitigations import MITIGATIONS, resolve_plan, with_mitigation_keywords
+from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import POSITIONAL_MAP_CLASSES, apply_partial_rotary, call_extrapolation, positions_from_mask
 
 
@@ -124,12 +124,17 @@ class SepFormerRotaryEmbedding(nn.Module):
         self.rope_theta = config.rope_theta
         self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
 
-    def compute_inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.rope_theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+    def compute_inv_freq(self, base: float | None = None) -> torch.Tensor:
+        base = self.rope_theta if base is None else base
+        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (b, seq, rotary_dim / 2)
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, base: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`base`: another rotary base than the config's `rope_theta` (Attention Buckets)."""
+        inv_freq = self.inv_freq if base is None else self.compute_inv_freq(base)
+        freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (b, seq, rotary_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (b, seq, rotary_dim)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -482,6 +487,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
         stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
             Position-bias mitigations (`sepformer.mitigations`), each a dataclass or the dict of its fields; off
             when `None` (`stable_mask` then falls back to `config.stable_mask`; `False` switches that off).
+        parallel_context_windows, attention_buckets (*optional*):
+            Likewise; the base model runs one attention bucket at a time (the causal LM mixes several).
         mitigation_plan (`MitigationPlan`, *optional*):
             Mitigations already resolved, in place of the options: for passes that a mitigation runs itself.
         """
@@ -496,32 +503,47 @@ class SepFormerModel(SepFormerPreTrainedModel):
         continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            call = CallContext(self, input_ids, attention_mask, past_key_values, extrapolation, batch, continuing)
+            new_tokens = inputs_embeds.shape[1]
+            call = CallContext(
+                self, input_ids, attention_mask, past_key_values, extrapolation, batch, new_tokens, continuing
+            )
             mitigation_plan = resolve_plan(call, options)
         elif options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
+        padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        mask_function, rotary_base, map_base = None, None, None
+        read_positions = position_ids  # where the positional map and rotary are read
+        if mitigation_plan is not None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            kv_length = past + inputs_embeds.shape[1]
+            mask_function = mitigation_plan.mask_function(padding_mask, kv_length, inputs_embeds.device)
+            read_positions = mitigation_plan.read_positions(position_ids)
+            rotary_base, map_base = mitigation_plan.position_bases()
 
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
-            position_ids=position_ids,
+            position_ids=position_ids,  # the tokens' own: rewritten positions would read as packed sequences
+            and_mask_function=mask_function,
         )
         hidden_states = inputs_embeds  # (b, seq, d_sem)
-        table_positions, position_rows = position_ids, None
+        table_positions, position_rows = read_positions, None
         if self.embed_positions is not None:
             if self.training:
-                table_positions = self.embed_positions.training_positions(position_ids, batch)
+                table_positions = self.embed_positions.training_positions(read_positions, batch)
+            map_reading = {} if map_base is None else {"base": map_base}
             # (b or 1, seq, d_pos)
-            position_rows = self.embed_positions(table_positions, extrapolation).to(inputs_embeds.dtype)
+            position_rows = self.embed_positions(table_positions, extrapolation, **map_reading).to(inputs_embeds.dtype)
             hidden_states = torch.cat((position_rows.expand(batch, -1, -1), inputs_embeds), dim=-1)  # [p(i) ‖ s(t)]
         hidden_states = self.embed_dropout(hidden_states)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        position_embeddings = None
+        if self.rotary_emb is not None:
+            position_embeddings = self.rotary_emb(hidden_states, read_positions, rotary_base)
         if mitigation_plan is not None:
-            padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
             run = LayerRun(
                 position_ids,
                 table_positions,
@@ -550,6 +572,7 @@ LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' ca
 
 class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes besides logits and labels
 
     def __init__(self, config: SepFormerConfig):
         super().__init__(config)
@@ -579,9 +602,10 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             Overrides `config.position_extrapolation` for this call and, through `generate`, for every decoding step.
         stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
             Position-bias mitigations (`sepformer.mitigations`); through `generate`, for the prompt and every step.
+        parallel_context_windows, attention_buckets (*optional*):
+            Likewise; several attention buckets run this forward once per bucket and return the mixed logits.
         """
-        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KEYWORDS if name in kwargs}
-        outputs: BaseModelOutputWithPast = self.model(
+        model_inputs = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -589,8 +613,15 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             position_extrapolation=position_extrapolation,
-            **kwargs,
         )
+        wrapper = causal_lm_wrapper(kwargs, past_key_values)
+        if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
+            mitigation, options = wrapper
+            options_of_call = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
+            inputs = dict(model_inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+            return mitigation.run_causal_lm(options, self, inputs, options_of_call)
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KEYWORDS if name in kwargs}
+        outputs: BaseModelOutputWithPast = self.model(**model_inputs, **kwargs)
         hidden_states = outputs.last_hidden_state
         if self.config.lm_head_input == "semantic":
             hidden_states = hidden_states[..., self.config.position_size :]

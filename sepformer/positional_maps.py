@@ -71,13 +71,16 @@ class PositionExtrapolation:
         )
 
 
-def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """`PE(i)_{2k} = sin(i / 10000^{2k/dim})`, `PE(i)_{2k+1} = cos(i / 10000^{2k/dim})`; fractional `positions` too.
+SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
+
+
+def sinusoid(positions: torch.Tensor, dim: int, base: float = SINUSOID_BASE) -> torch.Tensor:
+    """`PE(i)_{2k} = sin(i / base^{2k/dim})`, `PE(i)_{2k+1} = cos(i / base^{2k/dim})`; fractional `positions` too.
 
     An odd `dim` ends with a sine.
     """
     exponents = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
-    angles = positions.float()[..., None] * 10000.0**-exponents  # (..., ceil(dim / 2))
+    angles = positions.float()[..., None] * base**-exponents  # (..., ceil(dim / 2))
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[..., :dim]  # (..., dim), interleaved
 
 
@@ -264,8 +267,11 @@ class SinusoidalPositions(nn.Module):
     def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
         return position_ids
 
-    def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        return sinusoid(position_ids, self.dim)
+    def forward(
+        self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, base: float = SINUSOID_BASE
+    ) -> torch.Tensor:
+        """`base`: another base than the map's own (Attention Buckets)."""
+        return sinusoid(position_ids, self.dim, base)
 
     def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         return position_ids  # defined everywhere: nothing is compressed

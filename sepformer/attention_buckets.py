@@ -1,0 +1,119 @@
+"""Attention Buckets (arXiv 2312.04455): copies of the input reading positions with other bases, mixed by confidence."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .cache_sepformer import SepFormerCache
+from .mitigation_base import CallContext, Mitigation
+from .mitigation_options import AttentionBuckets
+
+
+def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """`Σ_b w_b · logits_b` with `w = softmax_b(max_v logits_b)`, per token; `logits` (B, b, seq, V) -> (b, seq, V).
+
+    The mixing of the authors' code: a bucket that is more confident of its best token weighs more.
+    """
+    weights = logits.amax(-1, keepdim=True).softmax(0)  # (B, b, seq, 1)
+    return (weights * logits).sum(0)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionBucketsMitigation(Mitigation):
+    """One bucket: the model reads positions at `m · scale`, rotary with base `rotary_base` and the sinusoidal map
+    with base `map_base` (`None`: the model's own). Several buckets wrap the causal LM (`run_causal_lm`): each runs
+    the whole model as one bucket, with its own cache, and their logits are mixed."""
+
+    options_class = AttentionBuckets
+    rotary_base: float | None = None
+    map_base: float | None = None
+    scale: float = 1.0
+
+    @classmethod
+    def resolve(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
+        config = call.model.config
+        if options.num_buckets > 1:
+            raise ValueError(
+                f"attention_buckets with {options.num_buckets} buckets mixes the buckets' next-token logits: call it "
+                "on SepFormerForCausalLM (forward or generate); the base model runs one bucket at a time."
+            )
+        rotary_base = map_base = None
+        if options.bases is not None:
+            if config.rotary_dim > 0:
+                rotary_base = options.bases[0]
+            elif config.position_size > 0 and config.positional_map == "sinusoidal":
+                map_base = options.bases[0]
+            else:
+                raise ValueError(
+                    f"attention_buckets bases={list(options.bases)} mean nothing for this model: it has no rotary "
+                    f"and its positional map is {config.positional_map!r}"
+                    + (" (a learned table has no base)" if config.position_size > 0 else " (position_size=0)")
+                    + "; give scales=[...] instead (bucket b reads positions m · scales[b])."
+                )
+        if options.scales is not None and config.position_size == 0 and config.rotary_dim == 0:
+            raise ValueError(
+                "attention_buckets scales rescale positions, but this model reads none (position_size=0, no rotary)."
+            )
+        scale = options.scales[0] if options.scales is not None else 1.0
+        return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale)
+
+    def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return position_ids if self.scale == 1.0 else position_ids * self.scale
+
+    def position_bases(self) -> tuple[float | None, float | None]:
+        return self.rotary_base, self.map_base
+
+    @classmethod
+    def wraps_causal_lm(cls, options: AttentionBuckets) -> bool:
+        return options.num_buckets > 1
+
+    @classmethod
+    def run_causal_lm(cls, options: AttentionBuckets, model, inputs: dict, options_of_call: dict):
+        """Each bucket runs the whole causal LM with its own cache: bucket 0 the call's cache itself, bucket `b > 0`
+        the sub-cache `bucket_caches[b - 1]` that the cache holds (made at prefill). Their logits are mixed."""
+        if inputs.get("output_attentions") or inputs.get("output_hidden_states"):
+            raise ValueError(
+                "attention_buckets with several buckets returns mixed logits only: output_attentions and "
+                "output_hidden_states would be one per bucket; run a bucket alone (bases=[one base]) to inspect it."
+            )
+        config = model.config
+        use_cache = inputs["use_cache"] if inputs["use_cache"] is not None else config.use_cache
+        cache = inputs["past_key_values"]
+        if cache is None and use_cache:
+            cache = SepFormerCache(config=config)
+        caches = [None] * options.num_buckets
+        if cache is not None:
+            if not isinstance(cache, SepFormerCache):
+                raise ValueError(
+                    f"attention_buckets keeps one cache per bucket on a SepFormerCache (what forward and generate make "
+                    f"by default); got {type(cache).__name__}."
+                )
+            if cache.get_seq_length() == 0:
+                cache.buckets = options
+                cache.bucket_caches = [SepFormerCache(config=config) for _ in range(options.num_buckets - 1)]
+            elif cache.buckets != options:
+                raise ValueError(
+                    "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "
+                    f"attention_buckets as its prefill ({cache.buckets}); got {options}."
+                )
+            caches = [cache, *cache.bucket_caches]
+        labels = inputs.pop("labels")
+        inputs = {key: value for key, value in inputs.items() if key not in ("past_key_values", "use_cache")}
+        logits = torch.stack(
+            [
+                model(
+                    **inputs,
+                    **{**options_of_call, options.name: options.bucket(index)},
+                    past_key_values=bucket_cache,
+                    use_cache=use_cache,
+                ).logits
+                for index, bucket_cache in enumerate(caches)
+            ]
+        )  # (B, b, seq, V)
+        logits = mix_by_confidence(logits)
+        loss = None
+        if labels is not None:
+            loss_kwargs = {key: value for key, value in inputs.items() if key in model.loss_keywords}
+            loss = model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

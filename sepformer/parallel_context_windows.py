@@ -1,0 +1,75 @@
+"""Parallel Context Windows (arXiv 2212.10947): windows that attend within themselves and share positions."""
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention_calibration import key_documents, key_positions
+from .mitigation_base import CallContext, Mitigation, check_spans_in_prompt
+from .mitigation_options import ParallelContextWindows
+
+
+def window_ids(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(b, n) the window each token at `positions` (b or 1, n) lies in, -1 outside every window; `spans` (b, K, 2)."""
+    inside = key_documents(spans, positions)  # (b, n, K) one-hot
+    return torch.where(inside.any(-1), inside.argmax(-1), -1)
+
+
+def window_positions(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """PCW's positions for tokens at `positions` (b or 1, n), counted from each row's first real token.
+
+    With windows `[s_k, e_k)` following one another, `P = s_1` (tokens before it keep their positions) and `n_max` the
+    longest window: a token of window `k` gets `P + (m - s_k)`, a token after the last window (the task, generated
+    tokens) `m - (e_K - s_1) + n_max`, so the task continues from `P + n_max`.
+    """
+    starts, ends = spans[..., 0], spans[..., 1]  # (b, K)
+    first_start, last_end = starts[:, :1], ends[:, -1:]  # (b, 1)
+    longest = (ends - starts).amax(-1, keepdim=True)  # (b, 1)
+    inside = key_documents(spans, positions)  # (b, n, K)
+    shift = torch.einsum("bnk,bk->bn", inside, (starts - first_start).float()).long()
+    after = positions >= last_end
+    return positions - shift - after * (last_end - first_start - longest)
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelContextWindowsMitigation(Mitigation):
+    """Rewrites the positions where the map and rotary are read (`read_positions`) and, through an and-mask on the
+    causal mask (`mask_function`), keeps each window's queries off the other windows' keys. Acts on the whole
+    model, not in layers; the spans are re-read at every call, so decoding steps continue with task positions."""
+
+    options_class = ParallelContextWindows
+    prefill_requirement = (
+        "parallel_context_windows encodes the windows at prefill: it must be on from the first (prefill) call of a "
+        "cached generation."
+    )
+    spans: torch.Tensor | None = None  # (b, K, 2)
+    continuing: bool = False
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options: ParallelContextWindows) -> bool:
+        return True  # the cached keys were made with the windows' positions and mask: later calls need the same
+
+    @classmethod
+    def resolve(cls, options: ParallelContextWindows, call: CallContext) -> "ParallelContextWindowsMitigation":
+        if call.attention_mask is not None and call.attention_mask.dim() != 2:
+            raise ValueError(
+                f"parallel_context_windows needs the 2D padding mask (batch, length) to place the windows; got a "
+                f"{call.attention_mask.dim()}D attention_mask."
+            )
+        check_spans_in_prompt(options, call)
+        layers = options.layer_set(call.model.config.num_hidden_layers)
+        return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
+
+    def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return window_positions(self.spans, position_ids)
+
+    def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
+        if self.continuing:  # the windows lie in the prefill's prompt (checked there): later tokens are task tokens
+            return None
+        windows = window_ids(self.spans, key_positions(padding_mask, kv_length, device))  # (b, kv)
+
+        def within_window(batch_idx, head_idx, q_idx, kv_idx):
+            query_window, key_window = windows[batch_idx, q_idx], windows[batch_idx, kv_idx]
+            return (query_window < 0) | (key_window < 0) | (query_window == key_window)
+
+        return within_window

@@ -1,0 +1,358 @@
+"""Attention Buckets and Parallel Context Windows, checked against references written from the papers' formulas."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+
+from sepformer import (
+    AttentionBuckets,
+    AttentionCalibration,
+    ParallelContextWindows,
+    SepFormerCache,
+    SepFormerForCausalLM,
+    SepFormerTokenizer,
+)
+
+
+def random_ids(batch, seq, seed=0):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def strong_positions(model):
+    """A fresh model has a table of std 0.02 and near-uniform attention, too weak to move anything: make positions
+    and attention matter."""
+    with torch.no_grad():
+        if hasattr(model.model.embed_positions, "weight"):
+            model.model.embed_positions.weight.normal_(0, 1)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def cached_logits(model, ids, prefill, **kwargs):
+    """Logits of a prefill of `prefill` tokens and then one decoding step per token, concatenated."""
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True, **kwargs).logits]
+        for t in range(prefill, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kwargs).logits)
+    return torch.cat(steps, 1)
+
+
+# ------------------------------------------------------------------------------------------------ Attention Buckets
+
+OWN_READING = {
+    "rotary": (dict(rotary_dim=4, rope_theta=500.0), {"bases": [500.0]}),
+    "sinusoidal": (dict(positional_map="sinusoidal"), {"bases": [10000]}),
+    "learned": (dict(), {"scales": [1.0]}),
+}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", sorted(OWN_READING))
+def test_one_bucket_with_the_models_own_reading_is_the_base_model_bit_for_bit(kind, attn):
+    overrides, buckets = OWN_READING[kind]
+    model = strong_positions(tiny_model(**overrides))
+    model.set_attn_implementation(attn)
+    ids = random_ids(2, 14)
+    assert torch.equal(logits(model, ids, attention_buckets=buckets), logits(model, ids))
+    plain = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, attention_buckets=buckets), plain)
+
+
+def model_with(model, **overrides):
+    """A copy of `model` (same weights) built from its config with `overrides`."""
+    config = tiny_config(**{**model.config.to_diff_dict(), **overrides})
+    copy = SepFormerForCausalLM(config).eval()
+    copy.load_state_dict(model.state_dict(), strict=False)
+    return copy
+
+
+def sinusoid_by_hand(length, dim, base):
+    rows = torch.zeros(length, dim)
+    for i in range(length):
+        for k in range(0, dim, 2):
+            rows[i, k] = math.sin(i / base ** (k / dim))
+            rows[i, k + 1] = math.cos(i / base ** (k / dim))
+    return rows
+
+
+def table_read_at(table, positions):
+    """Rows of a learned table at fractional positions, linear between neighbours, written out."""
+    rows = []
+    for position in positions:
+        low = math.floor(position)
+        weight = position - low
+        rows.append(table[low] * (1 - weight) + table[min(low + 1, len(table) - 1)] * weight)
+    return torch.stack(rows)
+
+
+def mixed_by_hand(per_bucket):
+    """The reference code's mixing: `w_b = exp(max_v l_b) / Σ_c exp(max_v l_c)`, `Σ_b w_b l_b`, per token."""
+    confidences = torch.stack([bucket.max(-1).values for bucket in per_bucket])  # (B, b, seq)
+    weights = torch.exp(confidences - confidences.max(0).values) / torch.exp(
+        confidences - confidences.max(0).values
+    ).sum(0)
+    return sum(weight[..., None] * bucket for weight, bucket in zip(weights, per_bucket, strict=True))
+
+
+def test_rotary_buckets_equal_models_built_with_each_base_mixed_by_confidence():
+    model = strong_positions(tiny_model(rotary_dim=4, position_size=0))
+    ids = random_ids(2, 16)
+    bases = [10000.0, 600.0, 80.0]
+    per_bucket = [logits(model_with(model, rope_theta=base), ids) for base in bases]
+    assert (per_bucket[2] - per_bucket[0]).abs().max() > 1e-3  # the bases do change the model
+    buckets = logits(model, ids, attention_buckets={"bases": bases})
+    torch.testing.assert_close(buckets, mixed_by_hand(per_bucket), rtol=1e-5, atol=1e-5)
+
+
+def test_sinusoidal_map_buckets_read_the_sinusoid_of_each_base():
+    model = strong_positions(tiny_model(positional_map="sinusoidal"))
+    ids = random_ids(2, 16)
+    bases = [10000.0, 50.0]
+    per_bucket = []
+    for base in bases:  # a learned table holding the sinusoid of this base, written out
+        reference = model_with(model, positional_map="learned")
+        with torch.no_grad():
+            reference.model.embed_positions.weight.copy_(sinusoid_by_hand(64, 8, base))
+        per_bucket.append(logits(reference, ids))
+    buckets = logits(model, ids, attention_buckets={"bases": bases})
+    torch.testing.assert_close(buckets, mixed_by_hand(per_bucket), rtol=1e-5, atol=1e-5)
+
+
+def test_learned_table_buckets_read_the_table_at_scaled_positions():
+    model = strong_positions(tiny_model())
+    ids = random_ids(2, 16)
+    scales = [1.0, 0.5, 0.75]
+    table = model.model.embed_positions.weight.detach()
+    per_bucket = []
+    for scale in scales:  # a table whose row i is the model's table read at i · scale
+        reference = model_with(model)
+        with torch.no_grad():
+            reference.model.embed_positions.weight[:16] = table_read_at(table, [i * scale for i in range(16)])
+        per_bucket.append(logits(reference, ids))
+    buckets = logits(model, ids, attention_buckets={"scales": scales})
+    torch.testing.assert_close(buckets, mixed_by_hand(per_bucket), rtol=1e-5, atol=1e-5)
+
+
+BUCKETS = {"bases": [10000.0, 300.0], "scales": [1.0, 0.6]}  # rotary and the learned table, both read per bucket
+
+
+def test_bucket_cached_decoding_equals_the_full_pass():
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids = random_ids(2, 18)
+    full = logits(model, ids, attention_buckets=BUCKETS)
+    torch.testing.assert_close(cached_logits(model, ids, 7, attention_buckets=BUCKETS), full, rtol=1e-5, atol=1e-5)
+
+
+def test_identical_buckets_follow_beams_and_return_sequences_like_the_base_model():
+    """Two buckets with the model's own reading mix to exactly the base model's logits (weights 1/2 each), so beam
+    search must give the base model's beams: only if every bucket's cache follows the beams' reordering."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids = random_ids(2, 10)
+    kwargs = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    plain = model.generate(ids, **kwargs)
+    same = model.generate(ids, **kwargs, attention_buckets={"bases": [10000.0, 10000.0]})
+    assert torch.equal(same, plain)
+    differ = model.generate(ids, **kwargs, attention_buckets=BUCKETS)
+    assert differ.shape == plain.shape
+
+
+def test_every_bucket_keeps_its_own_cache_and_follows_reordering():
+    model = strong_positions(tiny_model(rotary_dim=4))
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(random_ids(2, 6), past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+    assert len(cache.bucket_caches) == 1 and cache.buckets == AttentionBuckets(**BUCKETS)
+    keys = cache.bucket_caches[0].layers[0].keys.clone()
+    assert not torch.equal(keys, cache.layers[0].keys)  # bucket 1 keys are rotated with its own base
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.bucket_caches[0].layers[0].keys, keys.flip(0))
+    cache.batch_repeat_interleave(2)
+    assert cache.bucket_caches[0].layers[0].keys.shape[0] == 4
+
+
+BAD_BUCKETS = [
+    ({"bases": []}, "bases=\\(\\) is empty"),
+    ({"bases": [10000.0, -1.0]}, "base=-1.0 must be > 0"),
+    ({"scales": [0.0]}, "scale=0.0 must be > 0"),
+    ({"bases": [1e4, float("inf")]}, "base=inf must be a finite number"),
+    ({"bases": 10000.0}, "must be a non-empty sequence of positive numbers"),
+    ({}, "needs bases=\\[...\\] or scales=\\[...\\]"),
+    ({"bases": [1e4, 2e4], "scales": [1.0]}, "2 bases and 1 scales"),
+    ({"base": [1e4]}, "unknown keys \\['base'\\]"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_BUCKETS, ids=[message[:30] for _, message in BAD_BUCKETS])
+def test_bad_bucket_options_are_refused_with_a_clear_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model(rotary_dim=4)(random_ids(1, 8), attention_buckets=options)
+
+
+def test_buckets_that_mean_nothing_for_the_model_are_refused():
+    ids = random_ids(1, 8)
+    with pytest.raises(ValueError, match="bases=\\[10000.0\\] mean nothing .* \\(a learned table has no base"):
+        tiny_model()(ids, attention_buckets={"bases": [10000.0]})
+    with pytest.raises(ValueError, match="rescale positions, but this model reads none"):
+        tiny_model(position_size=0)(ids, attention_buckets={"scales": [1.0, 2.0]})
+    model = tiny_model(rotary_dim=4)
+    with pytest.raises(ValueError, match="2 buckets mixes .* call it on SepFormerForCausalLM"):
+        model.model(ids, attention_buckets={"bases": [1e4, 2e4]})
+    with pytest.raises(ValueError, match="output_attentions and output_hidden_states would be one per bucket"):
+        model(ids, attention_buckets={"bases": [1e4, 2e4]}, output_attentions=True)
+    with pytest.raises(ValueError, match="ms_poe and attention_buckets cannot be combined"):
+        model(ids, attention_buckets={"bases": [1e4]}, ms_poe={"head_order": (0, 1, 2, 3)})
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, attention_buckets={"bases": [1e4, 2e4]})
+        with pytest.raises(ValueError, match="needs the same attention_buckets as its prefill"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets={"bases": [1e4, 3e4]})
+        with pytest.raises(ValueError, match="keeps one cache per attention bucket .* continue it with the same"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        plain = SepFormerCache(config=model.config)
+        model(ids, past_key_values=plain, use_cache=True)
+        with pytest.raises(ValueError, match="needs the same attention_buckets as its prefill \\(None\\)"):
+            model(ids[:, :1], past_key_values=plain, use_cache=True, attention_buckets={"bases": [1e4, 3e4]})
+
+
+def test_buckets_train_with_labels_on_the_mixed_logits():
+    model = strong_positions(tiny_model(rotary_dim=4)).train()
+    ids = random_ids(2, 12)
+    output = model(ids, labels=ids, attention_buckets=BUCKETS)
+    expected = torch.nn.functional.cross_entropy(output.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(output.loss, expected)
+    output.loss.backward()
+    assert model.model.embed_positions.weight.grad.abs().sum() > 0
+
+
+# -------------------------------------------------------------------------------------- Parallel Context Windows
+
+
+def pcw_by_hand(spans, length):
+    """PCW's positions and attention mask for one row of `length` tokens, written from the paper with loops.
+
+    Tokens before the first window are shared by every window (the reference shares <bos>); window `k`'s tokens get
+    positions `s_1, s_1 + 1, ...`; the tokens after the windows continue from `s_1 + max |W_k|` and see everything.
+    """
+    first, last = spans[0][0], spans[-1][1]
+    longest = max(end - start for start, end in spans)
+    window = [None] * length
+    positions = list(range(length))
+    for k, (start, end) in enumerate(spans):
+        for i in range(start, end):
+            window[i], positions[i] = k, first + (i - start)
+    for i in range(last, length):
+        positions[i] = first + longest + (i - last)
+    allowed = torch.zeros(length, length, dtype=torch.bool)
+    for i in range(length):
+        for j in range(i + 1):
+            allowed[i, j] = window[i] is None or window[j] is None or window[i] == window[j]
+    return torch.tensor(positions), allowed
+
+
+def reference_logits(model, ids, spans):
+    positions, allowed = pcw_by_hand(spans, ids.shape[1])
+    mask = torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return logits(model, ids, position_ids=positions[None], attention_mask=mask)
+
+
+WINDOWS = ((2, 6), (6, 13), (13, 16))  # a 2-token prefix, windows of 4, 7 and 3 tokens, then the task
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("overrides", [dict(), dict(rotary_dim=4), dict(positional_map="sinusoidal")])
+def test_windows_equal_positions_and_mask_written_from_the_paper(overrides, attn):
+    model = strong_positions(tiny_model(**overrides))
+    model.set_attn_implementation(attn)
+    ids = random_ids(1, 20)
+    windows = logits(model, ids, parallel_context_windows={"spans": [WINDOWS]})
+    torch.testing.assert_close(windows, reference_logits(model, ids, WINDOWS), rtol=1e-5, atol=1e-5)
+    assert (windows - logits(model, ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("span", [(0, 20), (2, 20), (1, 14)])
+def test_one_window_is_the_base_model_bit_for_bit(span, attn):
+    model = strong_positions(tiny_model(rotary_dim=4))
+    model.set_attn_implementation(attn)
+    ids = random_ids(2, 20)
+    assert torch.equal(logits(model, ids, parallel_context_windows={"spans": [[span]] * 2}), logits(model, ids))
+    kwargs = dict(max_new_tokens=5, do_sample=False, num_beams=2, num_return_sequences=2)
+    plain = model.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, **kwargs, parallel_context_windows={"spans": [[span]] * 2}), plain)
+
+
+def test_window_cached_decoding_continues_with_task_positions_as_the_full_pass():
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids = random_ids(2, 22)
+    options = {"parallel_context_windows": {"spans": [WINDOWS, ((0, 9), (9, 12), (12, 16))]}}
+    full = logits(model, ids, **options)
+    torch.testing.assert_close(cached_logits(model, ids, 17, **options), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full[:1], reference_logits(model, ids[:1], WINDOWS), rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = ["def f(x): return", "import os, sys", "a longer prompt, with more bytes"]
+PROMPT_WINDOWS = (((1, 5), (5, 9)), ((0, 7), (7, 12)), ((2, 10), (10, 20)))
+
+
+def options_of_rows(name, rows):
+    """The option `name` for a batch of the prompts `rows` (windows are given per row)."""
+    if name == "attention_buckets":
+        return {name: BUCKETS}
+    return {name: {"spans": [PROMPT_WINDOWS[row] for row in rows]}}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["attention_buckets", "parallel_context_windows"])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn):
+    model = strong_positions(tiny_model(rotary_dim=4))
+    model.set_attn_implementation(attn)
+    tokenizer = SepFormerTokenizer(padding_side="left")
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id, num_beams=2)
+    together = model.generate(**batch, **kwargs, **options_of_rows(name, range(len(PROMPTS))))
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), **kwargs, **options_of_rows(name, [row]))
+        assert torch.equal(together[row, -8:], alone[0, -8:]), prompt
+
+
+BAD_WINDOWS = [
+    ({"spans": [((0, 4), (5, 8))]}, "leave tokens 4..4 between two windows"),
+    ({"spans": [((0, 4), (3, 8))]}, "overlap"),
+    ({"spans": [((0, 4), (4, 30))]}, "span \\(4, 30\\) of row 0 is out of range: the prompt of that row has 12"),
+    ({"spans": [((3, 3),)]}, "empty or negative"),
+    ({"spans": [((0, 3),), ((0, 3),)]}, "spans for 2 rows; the batch has 1"),
+    ({"spans": [((0, 3.5),)]}, "must be two integers"),
+    ({"spans": []}, "the same number \\(>= 1\\)"),
+    ({"window": [((0, 3),)]}, "unknown keys \\['window'\\]"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_WINDOWS, ids=[message[:30] for _, message in BAD_WINDOWS])
+def test_bad_windows_are_refused_with_a_clear_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model()(random_ids(1, 12), parallel_context_windows=options)
+
+
+def test_windows_refuse_a_4d_mask_calibration_and_a_cache_started_without_them():
+    model = tiny_model()
+    ids = random_ids(1, 12)
+    windows = ParallelContextWindows(spans=(((0, 4), (4, 8)),))
+    with pytest.raises(ValueError, match="needs the 2D padding mask"):
+        model(ids, attention_mask=torch.zeros(1, 1, 12, 12), parallel_context_windows=windows)
+    with pytest.raises(ValueError, match="attention_calibration and parallel_context_windows cannot be combined"):
+        model(ids, parallel_context_windows=windows, attention_calibration=AttentionCalibration(spans=(((0, 4),),)))
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="parallel_context_windows encodes the windows at prefill"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
