@@ -7,6 +7,8 @@ Hugging Face causal LM, one forward of the whole prompt without a cache:
   rotary base `θ_b` (the rotary module's `inv_freq` swapped for that base's during the run), the logits mixed by
   confidence, `Σ_b softmax_b(max_v logits_b) · logits_b`. Not defined for GPT-2: its learned absolute positions have
   no base (SepFormer reads a learned table at rescaled positions instead, its `scales`).
+- `ms_poe_sdpa`, registered as the attention implementation `"ms_poe_sdpa"`: SDPA with MS-PoE on Llama when a
+  forward call passes `ms_poe=` (plain SDPA otherwise).
 - `parallel_context_windows_logits(model, input_ids, spans, attention_mask=None)`: position ids and a 4D attention
   mask, which any model that takes both runs as given (Llama, `GPT2LMHeadModel`): transformers returns a 4D mask
   unchanged (`masking_utils._preprocess_mask_arguments`), so it is built here with transformers' own
@@ -22,11 +24,15 @@ spans too.
 import copy
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import rotate_half
 
 from sepformer.attention_buckets import mix_by_confidence
 from sepformer.mitigation_base import CallContext
-from sepformer.mitigation_options import AttentionBuckets, ParallelContextWindows
+from sepformer.mitigation_options import AttentionBuckets, MSPoE, ParallelContextWindows
+from sepformer.mitigations import head_ratios, position_awareness
 from sepformer.parallel_context_windows import ParallelContextWindowsMitigation
 from sepformer.positional_maps import positions_from_mask
 
@@ -95,3 +101,49 @@ def parallel_context_windows_logits(model, input_ids, spans, attention_mask=None
         and_mask_function=windows.mask_function(attention_mask, length, input_ids.device),
     )
     return model(input_ids, attention_mask=mask, position_ids=windows.read_positions(positions)).logits
+
+
+def ms_poe_sdpa(module, query, key, value, attention_mask, ms_poe=None, position_ids=None, **kwargs):
+    """SDPA attention with MS-PoE (arXiv 2403.04797) on HF Llama: head `h` of the chosen layers sees positions `m/r_h`.
+
+    `query`/`key` arrive rotated by the model's rotary at positions `m`. Rotations of the same planes compose, so
+    rotating again by `angle(m/r_h) - angle(m)` gives exactly the rotation at `m/r_h`. The ratios come from the
+    package's `position_awareness` and `head_ratios` (most position-aware head gets `r_min`), scored on the last
+    query's attention row with the original positions. Full forward passes only (no cache): this example evaluates
+    Llama at the answer position with one forward of the whole prompt, positions `arange` (no padding).
+    """
+    option = MSPoE.parse(ms_poe)
+    num_layers = module.config.num_hidden_layers
+    layers = option.layers if option is not None and option.layers is not None else range(min(2, num_layers // 2),
+                                                                                          num_layers)
+    if option is None or module.layer_idx not in layers:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if key.shape[2] != query.shape[2]:
+        raise ValueError("ms_poe_sdpa handles full forward passes only (no cache)")
+    if module.num_key_value_groups != 1:
+        raise ValueError("ms_poe_sdpa: this example's Llama has as many key-value heads as heads (ratios are per head)")
+    batch, heads, length, head_dim = query.shape
+    scaling = kwargs.get("scaling") or module.scaling
+
+    # the last query's attention row, as the model computes it
+    valid = torch.ones(batch, 1, length, dtype=torch.bool, device=query.device)
+    if attention_mask is not None:  # a bool mask (True = attend) or an additive one
+        last = attention_mask[:, :, -1, -length:]
+        valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    scores = (query[:, :, -1:] @ key.transpose(-1, -2)).squeeze(2) * scaling
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+    ratios = head_ratios(option, position_awareness(probs, valid)).to(query.dtype)  # (b, H)
+
+    if position_ids is None:
+        position_ids = torch.arange(length, device=query.device).expand(batch, length)
+    rope = module.config.rope_parameters
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    shift = position_ids[:, None, :, None].float() * (1 / ratios - 1)[:, :, None, None]  # m/r - m: (b, H, n, 1)
+    angles = torch.cat([shift * inv_freq, shift * inv_freq], -1).to(query.dtype)  # Llama's layout: halves
+    cos, sin = angles.cos(), angles.sin()
+    query = query * cos + rotate_half(query) * sin
+    key = key * cos + rotate_half(key) * sin
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("ms_poe_sdpa", ms_poe_sdpa)

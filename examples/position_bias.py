@@ -5,96 +5,73 @@ The synthetic task of "Lost in the Middle" (arXiv 2307.03172), scaled down to si
     <bos> k1 v1 k2 v2 ... kn vn <sep> k_gold  ->  v_gold
 
 Training is multi-query associative recall (Zoology's MQAR): after the list every key is queried once, in random
-order, and every answer is supervised. A single query per sequence learns nothing in this budget, and neither does
-MQAR at 8 pairs from the start: a curriculum on the number of pairs (uniform in [1, c], c growing to
-`--num-pairs` over the first `--curriculum` fraction of the steps) is what makes the association click. Evaluation
-asks one query right after the list (the first query of a training sequence, so in distribution) with the gold pair
-at every slot, `--eval-per-slot` lists per slot, at the training number of pairs and at twice as many.
+order, and every answer is supervised. Each step's batch has one number of pairs, drawn uniformly from
+[`--min-pairs`, c], c growing from `--min-pairs` to `--num-pairs` over the first `--curriculum` fraction of the
+steps. Evaluation asks one query right after the list (the first query of a training sequence, so in distribution)
+with the gold pair at every slot, `--eval-per-slot` prompts per slot, at the training number of pairs.
 
-Models, same data, width, depth, heads, steps and seed:
+Models, same data, width, depth, heads, steps, optimiser and seed:
 
-- SepFormer (learned positional table of L = 4n + 2 rows, the training length). Twice the pairs is one token longer
-  than L: SepFormer is evaluated with `position_extrapolation="interpolate"`, the identity up to L, which compresses
-  the 4n + 3 positions into the trained table (no untrained row, no extrapolation guess);
-- SepFormer trained with StableMask (config `stable_mask={"gamma": ...}`), when the installed sepformer has it;
-- Hugging Face's `LlamaForCausalLM` (rotary), with MS-PoE implemented here as a registered attention function.
+- SepFormer (learned positional table of L = 4n + 2 rows, the training length);
+- Hugging Face's `LlamaForCausalLM` (rotary) with biases on q, k, v and o (`attention_bias=True`): without them a
+  layer has no content-independent query or key, and the previous-token head that binds each value to its key forms
+  far more slowly (at chance after 3000 steps here, where the biased model is learning);
+- Hugging Face's `GPT2LMHeadModel` (learned absolute positions added to the tokens: SepFormer's nearest relative).
 
-Each SepFormer is evaluated with no mitigation and with each mitigation of `sepformer.mitigations` over a small
-sweep of its main parameter (`MITIGATIONS` below); Llama with none and MS-PoE. Exact match of the greedy next token
-(values are one token) is scored by the package's `accuracy_by_position` evaluate metric. Also the last token's
-attention to each group of key positions, `A_G = (1/|G|) Σ_{j∈G} a_{l,j}` (groups: <bos>, each key-value slot, the
-<sep> and the query), per layer and head, averaged over the evaluation prompts.
+Mitigations, each over a small sweep of its main parameter, on every model where it applies: StableMask, MS-PoE,
+attention calibration, positional scaling, Attention Buckets and Parallel Context Windows on SepFormer (its
+`forward` options); MS-PoE, positional scaling, Attention Buckets and Parallel Context Windows on Llama, positional
+scaling and Parallel Context Windows on GPT-2 (`llama_mitigations.py` and `sepformer.positional_search`). Positional
+scaling also runs at the setting its search picks (`search_positional_scaling`: lowest loss averaged over gold slots
+on validation prompts that are not the test prompts). Exact match of the greedy next token is scored by the
+package's `accuracy_by_position` metric. Also the last token's attention to each group of key positions,
+`A_G = (1/|G|) Σ_{j∈G} a_{l,j}` (groups: <bos>, each key-value slot, the <sep> and the query), per layer and head.
 
-Writes under `--output-dir`: `results.csv` (one row per model, mitigation, setting, seed, number of pairs and gold
-slot), `results.md` (the tables, printed too), `position_bias.png` (the U-curves), `attention.csv` and
-`attention_by_position.png` (the A_G heatmaps).
+Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting, seed, num_pairs, slot, accuracy`,
+then the run's details), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
+intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps).
 
-    python examples/position_bias.py                     # default preset, seeds 0 and 1 (about 12 min on 2 CPU cores)
-    python examples/position_bias.py --quick             # one seed, SepFormer and Llama (a few minutes)
-    python examples/position_bias.py --tiny              # a smoke run in seconds: learns nothing (what the test runs)
-    python examples/position_bias.py --seeds 0 1 --mitigations none ms_poe
+    python examples/position_bias.py                    # default preset: seeds 0, 1, 2 (about 25 min on 2 CPU cores)
+    python examples/position_bias.py --quick            # one seed, fewer prompts (about 8 min)
+    python examples/position_bias.py --tiny             # a smoke run in seconds: learns nothing (what the test runs)
+    python examples/position_bias.py --num-pairs 16 --mitigations none --seeds 0 1 2
 """
 
 import argparse
 import csv
+import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
 import evaluate
 import torch
 import transformers
+from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.llama.modeling_llama import rotate_half
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM
 from sepformer.metrics import metric_path
-from sepformer.mitigations import MSPoE, head_ratios, position_awareness
+from sepformer.positional_search import scale_attention_input, search_positional_scaling
 
 PRESETS = {
-    # about 12 minutes on 2 CPU cores (6 per seed)
-    "default": dict(num_pairs=8, num_keys=64, num_values=64, hidden_size=128, num_layers=2, num_heads=4,
-                    batch_size=64, max_steps=2000, learning_rate=3e-3, curriculum=0.5, eval_per_slot=100,
-                    train_gamma=0.05, seeds=[0, 1]),
-    # a few minutes: the default's task, models and training (SepFormer learns it), one seed, no StableMask-trained
-    # model, half the evaluation prompts
-    "quick": dict(num_pairs=8, num_keys=64, num_values=64, hidden_size=128, num_layers=2, num_heads=4,
-                  batch_size=64, max_steps=2000, learning_rate=3e-3, curriculum=0.5, eval_per_slot=50,
-                  train_gamma=0.0, seeds=[0]),
+    # about 25 minutes on 2 CPU cores (8 per seed)
+    "default": dict(num_pairs=8, min_pairs=2, num_keys=64, num_values=64, hidden_size=128, num_layers=2, num_heads=4,
+                    batch_size=64, max_steps=3000, learning_rate=3e-3, weight_decay=0.0, curriculum=0.3,
+                    eval_per_slot=100, validation_per_slot=25, seeds=[0, 1, 2]),
+    # about 8 minutes: the default's task and training, one seed, half the evaluation prompts
+    "quick": dict(num_pairs=8, min_pairs=2, num_keys=64, num_values=64, hidden_size=128, num_layers=2, num_heads=4,
+                  batch_size=64, max_steps=3000, learning_rate=3e-3, weight_decay=0.0, curriculum=0.3,
+                  eval_per_slot=50, validation_per_slot=25, seeds=[0]),
     # seconds: checks the plumbing, learns nothing (the test and CI run this)
-    "tiny": dict(num_pairs=4, num_keys=16, num_values=16, hidden_size=32, num_layers=2, num_heads=2,
-                 batch_size=16, max_steps=20, learning_rate=3e-3, curriculum=0.5, eval_per_slot=6,
-                 train_gamma=0.05, seeds=[0]),
+    "tiny": dict(num_pairs=4, min_pairs=1, num_keys=16, num_values=16, hidden_size=32, num_layers=2, num_heads=2,
+                 batch_size=16, max_steps=20, learning_rate=3e-3, weight_decay=0.0, curriculum=0.5,
+                 eval_per_slot=6, validation_per_slot=4, seeds=[0]),
 }
-
-
-@dataclass
-class Mitigation:
-    """A forward/generate keyword of SepFormerForCausalLM and the sweep of its main parameter.
-
-    `option(value, spans, dummy)` is the keyword's value: a dict of the option's dataclass fields, which the model
-    accepts as well as the dataclass. `spans` are the documents' token spans of the prompts (every prompt has the same
-    layout), `dummy` a content-free document's token ids."""
-
-    keyword: str
-    parameter: str
-    values: tuple
-    option: Callable
-
-
-MITIGATIONS = [
-    Mitigation("stable_mask", "gamma", (0.02, 0.05, 0.2), lambda v, spans, dummy: {"gamma": v}),
-    Mitigation("ms_poe", "r_max", (1.5, 1.8, 2.4), lambda v, spans, dummy: {"r_min": 1.2, "r_max": v}),
-    Mitigation("attention_calibration", "temperature", (5e-5, 1e-3, 1e-2),
-               lambda v, spans, dummy: {"spans": spans, "temperature": v, "dummy_document": dummy}),
-    Mitigation("positional_scaling", "factor", (0.5, 0.0, -0.5, -1.0), lambda v, spans, dummy: {"factor": v}),
-]
-LLAMA_MITIGATIONS = [m for m in MITIGATIONS if m.keyword == "ms_poe"]  # implemented below for HF Llama
 NONE = "none"
 
 
@@ -154,33 +131,50 @@ def training_examples(generator: torch.Generator, count: int, num_pairs: int, vo
 
 
 def curriculum_pairs(step: int, args) -> int:
-    """The largest number of pairs at `step`: 2 at first, `num_pairs` from `curriculum · max_steps` on."""
+    """The largest number of pairs at `step`: `min_pairs` at first, `num_pairs` from `curriculum · max_steps` on."""
     ramp = min(1.0, step / max(1.0, args.curriculum * args.max_steps))
-    return min(args.num_pairs, 2 + int((args.num_pairs - 2) * ramp))
+    return args.min_pairs + round((args.num_pairs - args.min_pairs) * ramp)
 
 
 def training_set(seed: int, vocab: Vocabulary, args) -> datasets.Dataset:
     """Every step's batch, in order: a batch has one number of pairs (one length, no padding), uniform in
-    [1, curriculum_pairs(step)]."""
+    [min_pairs, curriculum_pairs(step)]."""
     generator = torch.Generator().manual_seed(seed)
     columns = {"input_ids": [], "labels": []}
     for step in range(args.max_steps):
-        num_pairs = int(torch.randint(1, curriculum_pairs(step, args) + 1, (1,), generator=generator))
+        high = curriculum_pairs(step, args)
+        num_pairs = int(torch.randint(args.min_pairs, high + 1, (1,), generator=generator))
         for name, rows in training_examples(generator, args.batch_size, num_pairs, vocab).items():
             columns[name] += rows
     return datasets.Dataset.from_dict(columns).with_format("torch")
 
 
-def evaluation_set(seed: int, num_pairs: int, vocab: Vocabulary, args) -> datasets.Dataset:
-    """`eval_per_slot` prompts per gold slot: the list, <sep>, the gold key; the answer is the gold value."""
-    generator = torch.Generator().manual_seed(10_000 + seed)  # never the training stream
+def prompts_by_slot(generator: torch.Generator, per_slot: int, num_pairs: int, vocab: Vocabulary) -> dict:
+    """`per_slot` prompts per gold slot: the list, <sep>, the gold key; the answer is the gold value."""
     columns = {"input_ids": [], "answer": [], "gold_slot": []}
     for slot in range(num_pairs):
-        prefix, keys, values = random_lists(generator, args.eval_per_slot, num_pairs, vocab)
-        columns["input_ids"] += torch.cat([prefix, keys[:, slot:slot + 1]], 1).tolist()
-        columns["answer"] += values[:, slot].tolist()
-        columns["gold_slot"] += [slot] * args.eval_per_slot
-    return datasets.Dataset.from_dict(columns).with_format("torch")
+        prefix, keys, values = random_lists(generator, per_slot, num_pairs, vocab)
+        columns["input_ids"].append(torch.cat([prefix, keys[:, slot:slot + 1]], 1))
+        columns["answer"].append(values[:, slot])
+        columns["gold_slot"].append(torch.full((per_slot,), slot))
+    return {name: torch.cat(parts) for name, parts in columns.items()}
+
+
+def evaluation_set(seed: int, num_pairs: int, vocab: Vocabulary, args) -> dict:
+    """The test prompts of a seed: {"input_ids": (N, 2n + 3), "answer": (N,), "gold_slot": (N,)}."""
+    return prompts_by_slot(torch.Generator().manual_seed(10_000 + seed), args.eval_per_slot, num_pairs, vocab)
+
+
+def validation_batches(seed: int, num_pairs: int, vocab: Vocabulary, args) -> list[dict]:
+    """Prompts for the positional-dimension search, from a stream that is neither training nor test: the prompt and
+    its answer as one sequence, only the answer labelled."""
+    prompts = prompts_by_slot(torch.Generator().manual_seed(20_000 + seed), args.validation_per_slot, num_pairs, vocab)
+    input_ids = torch.cat([prompts["input_ids"], prompts["answer"][:, None]], 1)
+    labels = torch.full_like(input_ids, -100)
+    labels[:, -1] = input_ids[:, -1]
+    return [{"input_ids": ids, "labels": lab, "gold_position": gold} for ids, lab, gold in
+            zip(input_ids.split(args.eval_batch_size), labels.split(args.eval_batch_size),
+                prompts["gold_slot"].split(args.eval_batch_size), strict=True)]
 
 
 def document_spans(num_pairs: int) -> tuple[tuple[int, int], ...]:
@@ -192,53 +186,83 @@ def train_length(num_pairs: int) -> int:
     return 4 * num_pairs + 2  # <bos>, n pairs, <sep>, n query pairs
 
 
-# ----------------------------------------------------------------------------------------------- MS-PoE for Llama
+# ------------------------------------------------------------------------------------------------- the conditions
 
 
-def ms_poe_sdpa(module, query, key, value, attention_mask, ms_poe=None, position_ids=None, **kwargs):
-    """SDPA attention with MS-PoE (arXiv 2403.04797) on HF Llama: head `h` of the chosen layers sees positions `m/r_h`.
+@dataclass
+class Condition:
+    """One evaluation of a model: `logits(model, input_ids)` gives the last token's logits (b, V)."""
 
-    `query`/`key` arrive rotated by the model's rotary at positions `m`. Rotations of the same planes compose, so
-    rotating again by `angle(m/r_h) - angle(m)` gives exactly the rotation at `m/r_h`. The ratios come from the
-    package's `position_awareness` and `head_ratios` (most position-aware head gets `r_min`), scored on the last
-    query's attention row with the original positions. Full forward passes only (no cache): this example evaluates
-    Llama at the answer position with one forward of the whole prompt, positions `arange` (no padding).
-    """
-    option = MSPoE.parse(ms_poe)
-    num_layers = module.config.num_hidden_layers
-    layers = option.layers if option is not None and option.layers is not None else range(min(2, num_layers // 2),
-                                                                                          num_layers)
-    if option is None or module.layer_idx not in layers:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if key.shape[2] != query.shape[2]:
-        raise ValueError("ms_poe_sdpa handles full forward passes only (no cache)")
-    if module.num_key_value_groups != 1:
-        raise ValueError("ms_poe_sdpa: this example's Llama has as many key-value heads as heads (ratios are per head)")
-    batch, heads, length, head_dim = query.shape
-    scaling = kwargs.get("scaling") or module.scaling
-
-    # the last query's attention row, as the model computes it
-    valid = torch.ones(batch, 1, length, dtype=torch.bool, device=query.device)
-    if attention_mask is not None:  # a bool mask (True = attend) or an additive one
-        last = attention_mask[:, :, -1, -length:]
-        valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
-    scores = (query[:, :, -1:] @ key.transpose(-1, -2)).squeeze(2) * scaling
-    probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
-    ratios = head_ratios(option, position_awareness(probs, valid)).to(query.dtype)  # (b, H)
-
-    if position_ids is None:
-        position_ids = torch.arange(length, device=query.device).expand(batch, length)
-    rope = module.config.rope_parameters
-    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    shift = position_ids[:, None, :, None].float() * (1 / ratios - 1)[:, :, None, None]  # m/r - m: (b, H, n, 1)
-    angles = torch.cat([shift * inv_freq, shift * inv_freq], -1).to(query.dtype)  # Llama's layout: halves
-    cos, sin = angles.cos(), angles.sin()
-    query = query * cos + rotate_half(query) * sin
-    key = key * cos + rotate_half(key) * sin
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    mitigation: str
+    setting: str
+    logits: Callable
 
 
-AttentionInterface.register("ms_poe_sdpa", ms_poe_sdpa)
+def plain_logits(model, input_ids, **kwargs):
+    return model(input_ids=input_ids, use_cache=False, logits_to_keep=1, **kwargs).logits[:, -1]
+
+
+def keyword(mitigation: str, setting: str, make_value: Callable) -> Condition:
+    """A SepFormer `forward` option; `make_value(batch_size)` its value for a batch."""
+    return Condition(mitigation, setting,
+                     lambda model, ids: plain_logits(model, ids, **{mitigation: make_value(len(ids))}))
+
+
+def sepformer_conditions(spans, vocab: Vocabulary) -> list[Condition]:
+    conditions = [Condition(NONE, "-", plain_logits)]
+    conditions += [keyword("stable_mask", f"gamma={g}", lambda b, g=g: {"gamma": g}) for g in (0.02, 0.05, 0.2)]
+    conditions += [keyword("ms_poe", f"r_max={r}", lambda b, r=r: {"r_min": 1.2, "r_max": r}) for r in (1.5, 1.8, 2.4)]
+    conditions += [keyword("attention_calibration", f"temperature={t}",
+                           lambda b, t=t: {"spans": [spans] * b, "temperature": t,
+                                           "dummy_document": vocab.dummy_document})
+                   for t in (5e-5, 1e-3, 1e-2)]
+    conditions += [keyword("positional_scaling", f"factor={s}", lambda b, s=s: {"factor": s})
+                   for s in (0.5, 0.0, -0.5, -1.0)]
+    conditions += [keyword("attention_buckets", f"scales={list(s)}", lambda b, s=s: {"scales": s})
+                   for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))]
+    conditions.append(keyword("parallel_context_windows", "pairs as windows", lambda b: {"spans": [spans] * b}))
+    return conditions
+
+
+def scaled(channels, factor, layers) -> Callable:
+    def logits(model, ids):
+        with scale_attention_input(model, channels, factor, layers):
+            return plain_logits(model, ids)
+    return logits
+
+
+def pcw(spans) -> Callable:
+    return lambda model, ids: parallel_context_windows_logits(model, ids, [spans] * len(ids))[:, -1]
+
+
+def llama_conditions(spans, vocab: Vocabulary) -> list[Condition]:
+    conditions = [Condition(NONE, "-", plain_logits)]
+    conditions += [Condition("ms_poe", f"r_max={r}",
+                             lambda model, ids, r=r: plain_logits(model, ids, ms_poe={"r_min": 1.2, "r_max": r}))
+                   for r in (1.5, 1.8, 2.4)]
+    conditions += [Condition("attention_buckets", f"bases={list(b)}",
+                             lambda model, ids, b=b: attention_buckets_logits(model, ids, None, b)[:, -1])
+                   for b in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
+    conditions.append(Condition("parallel_context_windows", "pairs as windows", pcw(spans)))
+    return conditions
+
+
+def gpt2_conditions(spans, vocab: Vocabulary) -> list[Condition]:
+    return [Condition(NONE, "-", plain_logits), Condition("parallel_context_windows", "pairs as windows", pcw(spans))]
+
+
+def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[Condition]:
+    """Positional scaling at the setting the dimension search picks, and (on HF models, whose channels it finds)
+    the factor sweep on the picked channels."""
+    result = search_positional_scaling(model, validation)
+    best = result.best
+    label = f"search: channels={list(best.channels)}, factor={best.factor}"
+    if is_sepformer:
+        return [keyword("positional_scaling", label, lambda b: result.option)]
+    return [Condition("positional_scaling", f"channels={list(best.channels)}, factor={factor}",
+                      scaled(best.channels, factor, best.layers)) for factor in (0.5, 0.0, -0.5, -1.0)
+            if factor != best.factor] + [Condition("positional_scaling", label,
+                                                   scaled(best.channels, best.factor, best.layers))]
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -248,35 +272,36 @@ AttentionInterface.register("ms_poe_sdpa", ms_poe_sdpa)
 class Contender:
     name: str
     build: Callable
-    mitigations: list
-    is_sepformer: bool
+    conditions: Callable  # (spans, vocab) -> [Condition]
+    is_sepformer: bool = False
+    notes: list = field(default_factory=list)
 
 
 def contenders(args, vocab: Vocabulary) -> list[Contender]:
     d, layers, heads = args.hidden_size, args.num_layers, args.num_heads
+    length = train_length(args.num_pairs)
     special = dict(pad_token_id=vocab.pad, bos_token_id=vocab.bos, eos_token_id=vocab.sep, tie_word_embeddings=False)
 
-    def sepformer(**overrides):
+    def sepformer():
         return SepFormerForCausalLM(SepFormerConfig(
             vocab_size=len(vocab), hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-            max_position_embeddings=train_length(args.num_pairs), **special, **overrides))
+            max_position_embeddings=length, **special))
 
     def llama():
-        config = LlamaConfig(vocab_size=len(vocab), hidden_size=d, intermediate_size=round(8 * d / 3),
-                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                             max_position_embeddings=train_length(2 * args.num_pairs), **special)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(vocab), hidden_size=d, intermediate_size=round(8 * d / 3), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length,
+            attention_bias=True, **special))
         model.set_attn_implementation("ms_poe_sdpa")  # plain sdpa unless an `ms_poe=` keyword reaches it
         return model
 
-    sepformer_mitigations = [m for m in MITIGATIONS if m.keyword in args.mitigations]
-    every = [Contender("SepFormer", sepformer, sepformer_mitigations, True)]
-    if args.train_gamma:
-        every.append(Contender(f"SepFormer, StableMask training (γ={args.train_gamma})",
-                               lambda: sepformer(stable_mask={"gamma": args.train_gamma}), sepformer_mitigations,
-                               True))
-    every.append(Contender("Llama (rotary)", llama,
-                           [m for m in LLAMA_MITIGATIONS if m.keyword in args.mitigations], False))
+    def gpt2():
+        return GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=d, n_layer=layers, n_head=heads,
+                                          n_positions=length, **special))
+
+    every = [Contender("SepFormer", sepformer, sepformer_conditions, is_sepformer=True),
+             Contender("Llama (rotary)", llama, llama_conditions),
+             Contender("GPT-2 (learned absolute)", gpt2, gpt2_conditions)]
     chosen = [c for c in every if any(w.lower() in c.name.lower() for w in args.models)] if args.models else every
     if not chosen:
         raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)}")
@@ -289,7 +314,8 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
 def train(model, data: datasets.Dataset, args, description: str) -> float:
     """AdamW, warm-up then cosine decay, clipping at 1; returns the mean loss of the last 10% of the steps."""
     model.to(args.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay)
     schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.max_steps // 20), args.max_steps)
     losses = []
     bar = tqdm(range(args.max_steps), desc=description, leave=False, dynamic_ncols=True)
@@ -303,68 +329,40 @@ def train(model, data: datasets.Dataset, args, description: str) -> float:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}", pairs=batch["input_ids"].shape[1] // 4)
+    model.eval()
     tail = losses[-max(1, len(losses) // 10):]
     return sum(tail) / len(tail)
 
 
 @torch.no_grad()
-def predict(model, prompts: torch.Tensor, args, make_kwargs: Callable) -> torch.Tensor:
-    """The greedy next token after every prompt (the value: one token), `make_kwargs(batch_size)` the extra forward
-    keywords of a batch. One forward of the whole prompt, no cache: exact for every model here."""
-    model.eval()
-    predictions = []
-    for batch in prompts.split(args.eval_batch_size):
-        batch = batch.to(args.device)
-        logits = model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False, logits_to_keep=1,
-                       **make_kwargs(len(batch))).logits[:, -1]
-        predictions.append(logits.argmax(-1).cpu())
-    return torch.cat(predictions)
+def predict(model, prompts: torch.Tensor, condition: Condition, args) -> torch.Tensor:
+    """The greedy next token after every prompt (the value: one token). One forward of the whole prompt, no cache."""
+    return torch.cat([condition.logits(model, batch.to(args.device)).argmax(-1).cpu()
+                      for batch in prompts.split(args.eval_batch_size)])
 
 
-def conditions(contender: Contender) -> list[tuple[str, str, object, Mitigation | None]]:
-    """(mitigation, parameter, value, its Mitigation) for every evaluation of a model: none first, then the sweeps."""
-    rows = [(NONE, "-", "-", None)]
-    for mitigation in contender.mitigations:
-        rows += [(mitigation.keyword, mitigation.parameter, value, mitigation) for value in mitigation.values]
-    return rows
-
-
-def evaluate_model(model, contender: Contender, evaluation: dict[int, dict], vocab: Vocabulary, metric,
-                   args) -> list[dict]:
-    """One row per condition, number of pairs and gold slot."""
+def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: int, metric, args,
+                   contender: Contender) -> list[dict]:
+    """One row per condition and gold slot."""
     rows = []
-    cells = [(pairs, condition) for pairs in evaluation for condition in conditions(contender)]
-    for pairs, (keyword, parameter, value, mitigation) in tqdm(cells, desc=f"  evaluate {contender.name}",
-                                                              leave=False, dynamic_ncols=True):
-        data = evaluation[pairs]
-        spans = document_spans(pairs)
-
-        def make_kwargs(batch_size, mitigation=mitigation, value=value, spans=spans):
-            kwargs = {}
-            if contender.is_sepformer:  # 2n pairs is one token past L: interpolate (the identity up to L)
-                kwargs["position_extrapolation"] = "interpolate"
-            if mitigation is not None:
-                kwargs[mitigation.keyword] = mitigation.option(value, [spans] * batch_size, vocab.dummy_document)
-            return kwargs
-
+    for condition in tqdm(conditions, desc=f"  evaluate {contender.name}", leave=False, dynamic_ncols=True):
         status = "ok"
         try:
-            predictions = predict(model, data["input_ids"], args, make_kwargs)
+            predictions = predict(model, data["input_ids"], condition, args)
             result = metric.compute(predictions=predictions.tolist(), references=data["answer"].tolist(),
                                     positions=data["gold_slot"].tolist())
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
-        except ValueError as error:  # a combination the model refuses (calibration on a StableMask-trained model)
+        except ValueError as error:  # a combination the model refuses
             status = f"refused: {str(error).splitlines()[0][:200]}"
-            by_slot, counts = {slot: float("nan") for slot in range(pairs)}, {slot: 0 for slot in range(pairs)}
-        for slot in range(pairs):
-            rows.append(dict(model=contender.name, mitigation=keyword, parameter=parameter, value=value,
-                             eval_pairs=pairs, gold_slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
-                             status=status))
+            by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
+        rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
+                      num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
+                      status=status) for slot in range(num_pairs)]
     return rows
 
 
 @torch.no_grad()
-def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args, **kwargs) -> tuple[list[str], torch.Tensor]:
+def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args) -> tuple[list[str], torch.Tensor]:
     """A_G = (1/|G|) Σ_{j∈G} a_{l,j}: the last token's attention to each group of key positions, per layer and head,
     averaged over up to `eval_batch_size` prompts spread evenly over the gold slots. Groups: <bos>, each slot's key and
     value, <sep> with the query. (layers, heads, groups).
@@ -373,10 +371,9 @@ def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args, **kwa
     groups.append(("<sep> query", (1 + 2 * num_pairs, 3 + 2 * num_pairs)))
     implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the only implementation that returns the probabilities
-    model.eval()
     try:
         batch = prompts[::max(1, len(prompts) // args.eval_batch_size)][:args.eval_batch_size].to(args.device)
-        attentions = model(input_ids=batch, use_cache=False, output_attentions=True, **kwargs).attentions
+        attentions = model(input_ids=batch, use_cache=False, output_attentions=True).attentions
     finally:
         model.set_attn_implementation(implementation)
     last = torch.stack([layer[:, :, -1].float() for layer in attentions], 1).mean(0)  # (layers, heads, keys)
@@ -385,8 +382,9 @@ def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args, **kwa
 
 def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], list[dict]]:
     data = training_set(seed, vocab, args)
-    # columns as tensors: {pairs: {"input_ids": (N, 2 pairs + 3), "answer": (N,), "gold_slot": (N,)}}
-    evaluation = {pairs: evaluation_set(seed, pairs, vocab, args)[:] for pairs in (args.num_pairs, 2 * args.num_pairs)}
+    evaluation = {pairs: evaluation_set(seed, pairs, vocab, args) for pairs in args.eval_pairs}
+    validation = validation_batches(seed, args.num_pairs, vocab, args)
+    spans = {pairs: document_spans(pairs) for pairs in args.eval_pairs}
     rows, attention_rows = [], []
     for contender in contenders(args, vocab):
         torch.manual_seed(seed)
@@ -394,19 +392,22 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
         started = time.time()
         train_loss = train(model, data, args, f"seed {seed} · train {contender.name}")
         train_seconds = time.time() - started
-        new_rows = evaluate_model(model, contender, evaluation, vocab, metric, args)
+        new_rows = []
+        for pairs in args.eval_pairs:
+            conditions = [c for c in contender.conditions(spans[pairs], vocab) if c.mitigation in args.mitigations]
+            if "positional_scaling" in args.mitigations and pairs == args.num_pairs:
+                conditions += searched_scaling(model, contender.is_sepformer, validation)
+            new_rows += evaluate_model(model, conditions, evaluation[pairs], pairs, metric, args, contender)
         for row in new_rows:
             row.update(seed=seed, train_pairs=args.num_pairs, parameters=model.num_parameters(),
                        train_steps=args.max_steps, train_loss=round(train_loss, 4), train_seconds=round(train_seconds))
-        at_n = [r["accuracy"] for r in new_rows if r["mitigation"] == NONE and r["eval_pairs"] == args.num_pairs]
-        tqdm.write(f"seed {seed} · {contender.name:40s} {model.num_parameters() / 1e6:.3f}M params, trained in "
+        at_n = [r["accuracy"] for r in new_rows if r["mitigation"] == NONE and r["num_pairs"] == args.num_pairs]
+        tqdm.write(f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
                    f"{train_seconds:5.1f} s to loss {train_loss:.3f}; accuracy at {args.num_pairs} pairs "
                    f"{statistics.fmean(at_n):.3f}, by slot " + " ".join(f"{a:.2f}" for a in at_n))
         rows += new_rows
 
-        extra = {"position_extrapolation": "interpolate"} if contender.is_sepformer else {}
-        names, groups = attention_by_group(model, evaluation[args.num_pairs]["input_ids"], args.num_pairs, args,
-                                           **extra)
+        names, groups = attention_by_group(model, evaluation[args.num_pairs]["input_ids"], args.num_pairs, args)
         for layer in range(groups.shape[0]):
             for head in range(groups.shape[1]):
                 attention_rows += [dict(model=contender.name, seed=seed, layer=layer, head=head, group=name,
@@ -416,48 +417,93 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
 
 # --------------------------------------------------------------------------------------------------------- report
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (the interval of a mean over a few seeds)
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         15: 2.131, 20: 2.086, 30: 2.042}
 
-def setting(row) -> str:
-    """The condition as one label: `none`, `ms_poe r_max=1.8`, ..."""
-    return NONE if row["mitigation"] == NONE else f"{row['mitigation']} {row['parameter']}={row['value']}"
+
+def interval95(values: list[float]) -> float:
+    """Half-width of the 95% interval of the mean of `values` (t over seeds; 0 for one value)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    t = T_975[max(df for df in T_975 if df <= n - 1)]  # the next smaller tabulated df: a slightly wider interval
+    return t * statistics.stdev(values) / math.sqrt(n)
 
 
-def summarise(rows: list[dict]) -> dict:
-    """{(model, setting, eval_pairs): (per-slot mean accuracy over seeds, status)}, in run order."""
+@dataclass
+class Curve:
+    """A (model, mitigation, setting, num_pairs) cell over seeds: per-slot mean and 95% half-width, and summaries."""
+
+    model: str
+    mitigation: str
+    setting: str
+    num_pairs: int
+    status: str
+    per_seed: dict  # {seed: [accuracy by slot]}
+
+    @property
+    def mean_by_slot(self) -> list[float]:
+        return [statistics.fmean(slot) for slot in zip(*self.per_seed.values(), strict=True)]
+
+    @property
+    def interval_by_slot(self) -> list[float]:
+        return [interval95(list(slot)) for slot in zip(*self.per_seed.values(), strict=True)]
+
+    @property
+    def seed_means(self) -> list[float]:
+        return [statistics.fmean(curve) for curve in self.per_seed.values()]
+
+    @property
+    def worst_over_best(self) -> float:
+        means = self.mean_by_slot
+        return min(means) / max(means) if max(means) > 0 else float("nan")
+
+
+def curves(rows: list[dict]) -> list[Curve]:
     cells = {}
     for row in rows:
-        key = (row["model"], setting(row), row["eval_pairs"])
-        slots, status = cells.setdefault(key, ({}, row["status"]))
-        slots.setdefault(row["gold_slot"], []).append(row["accuracy"])
-    return {key: ([statistics.fmean(v) for _, v in sorted(slots.items())], status)
-            for key, (slots, status) in cells.items()}
+        key = (row["model"], row["mitigation"], row["setting"], row["num_pairs"])
+        cell = cells.setdefault(key, Curve(*key, row["status"], {}))
+        cell.per_seed.setdefault(row["seed"], []).append(row["accuracy"])  # rows come slot by slot
+    return list(cells.values())
 
 
 def markdown_table(rows: list[dict], args) -> str:
-    cells = summarise(rows)
+    every = curves(rows)
     seeds = sorted({r["seed"] for r in rows})
     lines = []
-    for pairs in (args.num_pairs, 2 * args.num_pairs):
-        header = ["model", "mitigation", "mean"] + [str(slot) for slot in range(1, pairs + 1)]
-        title = "training length" if pairs == args.num_pairs else "twice the training pairs"
-        lines += [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot", "",
-                  "| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (pairs + 1)]
-        for (model, label, n), (accuracy, status) in cells.items():
-            if n != pairs:
+    for pairs in args.eval_pairs:
+        header = ["model", "mitigation", "setting", "mean ± 95%", "worst slot", "worst/best", "Δ mean"]
+        header += [str(slot) for slot in range(1, pairs + 1)]
+        title = "the training length" if pairs == args.num_pairs else f"trained at {args.num_pairs}"
+        lines += [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds", "",
+                  "| " + " | ".join(header) + " |", "|---|---|---|---:|---:|---:|---:|" + "---:|" * pairs]
+        baseline = {c.model: statistics.fmean(c.mean_by_slot) for c in every
+                    if c.num_pairs == pairs and c.mitigation == NONE}
+        for curve in every:
+            if curve.num_pairs != pairs:
                 continue
-            if status != "ok":
-                lines.append(f"| {model} | {label} | {status} |" + " |" * pairs)
+            if curve.status != "ok":
+                lines.append(f"| {curve.model} | {curve.mitigation} | {curve.setting} | {curve.status} |"
+                             + " |" * (pairs + 3))
                 continue
-            lines.append(f"| {model} | {label} | **{statistics.fmean(accuracy):.3f}** | "
-                         + " | ".join(f"{a:.2f}" for a in accuracy) + " |")
+            means, seed_means = curve.mean_by_slot, curve.seed_means
+            mean = statistics.fmean(seed_means)
+            worst = min(range(pairs), key=means.__getitem__)
+            delta = "" if curve.mitigation == NONE else f"{mean - baseline.get(curve.model, float('nan')):+.3f}"
+            lines.append(f"| {curve.model} | {curve.mitigation} | {curve.setting} | "
+                         f"**{mean:.3f}** ± {interval95(seed_means):.3f} | {means[worst]:.2f} (slot {worst + 1}) | "
+                         f"{curve.worst_over_best:.2f} | {delta} | " + " | ".join(f"{a:.2f}" for a in means) + " |")
         lines.append("")
     lines.append(
-        f"Trained on MQAR with {args.num_pairs} pairs ({args.num_keys} keys, {args.num_values} values; curriculum "
-        f"over the first {args.curriculum:.0%} of {args.max_steps} steps of {args.batch_size}); "
-        f"{args.eval_per_slot} prompts per gold slot; "
-        + (f"mean over seeds {seeds}. " if len(seeds) > 1 else f"seed {seeds[0]}. ")
-        + f"SepFormer (L = {train_length(args.num_pairs)}) runs {2 * args.num_pairs} pairs "
-        f"({train_length(args.num_pairs) + 1} tokens with the query) with position_extrapolation='interpolate'.")
+        f"Trained on MQAR with {args.num_pairs} pairs ({args.num_keys} keys, {args.num_values} values; pairs per "
+        f"batch uniform in [{args.min_pairs}, c], c growing to {args.num_pairs} over the first "
+        f"{args.curriculum:.0%} of {args.max_steps} steps of {args.batch_size}); {args.eval_per_slot} test prompts "
+        "per gold slot; "
+        + (f"mean over seeds {seeds}, ± the 95% interval of the mean over seeds. " if len(seeds) > 1
+           else f"seed {seeds[0]}. ")
+        + "Δ mean: against the same model with no mitigation.")
     return "\n".join(lines)
 
 
@@ -470,49 +516,49 @@ def write_csv(rows: list[dict], path: Path, fields: list[str]) -> None:
                              for k, v in row.items() if k in fields})
 
 
-RESULT_FIELDS = ["model", "mitigation", "parameter", "value", "seed", "train_pairs", "eval_pairs", "gold_slot",
-                 "accuracy", "examples", "status", "parameters", "train_steps", "train_loss", "train_seconds"]
+RESULT_FIELDS = ["model", "mitigation", "setting", "seed", "num_pairs", "slot", "accuracy", "examples", "status",
+                 "train_pairs", "parameters", "train_steps", "train_loss", "train_seconds"]
+COLOURS = {NONE: "black", "stable_mask": "tab:blue", "ms_poe": "tab:orange", "attention_calibration": "tab:green",
+           "positional_scaling": "tab:red", "attention_buckets": "tab:purple", "parallel_context_windows": "tab:brown"}
 
 
 def plot_curves(rows: list[dict], args, path: Path) -> None:
+    """One panel per model at the training length: no mitigation and each mitigation's setting with the highest mean
+    accuracy, each with its 95% band over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = summarise(rows)
-    models = list(dict.fromkeys(model for model, _, _ in cells))
-    pairs_list = (args.num_pairs, 2 * args.num_pairs)
-    colours = {NONE: "black", "stable_mask": "tab:blue", "ms_poe": "tab:orange",
-               "attention_calibration": "tab:green", "positional_scaling": "tab:red"}
-    figure, axes = plt.subplots(len(pairs_list), len(models), figsize=(5.5 * len(models), 4.2 * len(pairs_list)),
-                                squeeze=False, sharey=True)
-    for column, model in enumerate(models):
-        for row_index, pairs in enumerate(pairs_list):
-            axis = axes[row_index][column]
-            labels = [label for m, label, n in cells if m == model and n == pairs]
-            shade = {}
-            for label in labels:
-                accuracy, status = cells[model, label, pairs]
-                if status != "ok":
-                    continue
-                keyword = label.split(" ")[0]
-                shade[keyword] = shade.get(keyword, 0) + 1
-                axis.plot(range(1, pairs + 1), accuracy, marker="o", markersize=3, label=label,
-                          color=colours.get(keyword, "grey"), linewidth=2.5 if keyword == NONE else 1.2,
-                          alpha=1.0 if keyword == NONE else 1.0 - 0.22 * (shade[keyword] - 1))
-            axis.set_title(f"{model}\n{pairs} pairs" + (" (2x training)" if pairs != args.num_pairs else ""),
-                           fontsize=9)
-            axis.set_xlabel("gold slot")
-            axis.set_xticks(range(1, pairs + 1))
-            axis.set_ylim(-0.02, 1.02)
-            axis.grid(True, alpha=0.3)
-            if column == 0:
-                axis.set_ylabel("exact-match accuracy")
-    # one legend for all panels (a setting has the same colour everywhere), from the panel with the most lines
-    handles, labels = max((axis.get_legend_handles_labels() for axis in axes.flat), key=lambda hl: len(hl[1]))
-    figure.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    figure.suptitle("Key-value retrieval accuracy by the gold pair's position")
+    every = [c for c in curves(rows) if c.num_pairs == args.num_pairs and c.status == "ok"]
+    models = list(dict.fromkeys(c.model for c in every))
+    figure, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False, sharey=True)
+    slots = range(1, args.num_pairs + 1)
+    for axis, model in zip(axes[0], models, strict=True):
+        mine = [c for c in every if c.model == model]
+        best = {}
+        for curve in mine:
+            if curve.mitigation not in best or statistics.fmean(curve.mean_by_slot) > statistics.fmean(
+                    best[curve.mitigation].mean_by_slot):
+                best[curve.mitigation] = curve
+        for mitigation, curve in best.items():
+            means, half = torch.tensor(curve.mean_by_slot), torch.tensor(curve.interval_by_slot)
+            colour = COLOURS.get(mitigation, "grey")
+            label = NONE if mitigation == NONE else f"{mitigation} {curve.setting}"
+            axis.plot(slots, means, marker="o", markersize=3, color=colour, label=label,
+                      linewidth=2.5 if mitigation == NONE else 1.2)
+            axis.fill_between(slots, (means - half).clamp(min=0), (means + half).clamp(max=1), color=colour,
+                              alpha=0.15)
+        axis.set_title(f"{model}, {args.num_pairs} pairs", fontsize=9)
+        axis.set_xlabel("gold slot")
+        axis.set_xticks(list(slots))
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=6, loc="lower left")
+    axes[0][0].set_ylabel("exact-match accuracy")
+    seeds = sorted({r["seed"] for r in rows})
+    figure.suptitle(f"Key-value retrieval accuracy by the gold pair's position (seeds {seeds}, 95% bands; "
+                    "each mitigation at its best setting)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
@@ -547,17 +593,23 @@ def plot_attention(attention_rows: list[dict], path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------------------- main
 
+MITIGATION_NAMES = (NONE, "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
+                    "parallel_context_windows")
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the quick preset (a few minutes)")
+    preset.add_argument("--quick", action="store_true", help="the quick preset (about 8 minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1)")
-    parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama")
-    parser.add_argument("--mitigations", nargs="+", choices=[m.keyword for m in MITIGATIONS] + [NONE],
+    parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1 2)")
+    parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama gpt")
+    parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES,
                         help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
-    parser.add_argument("--num-pairs", type=int, help="key-value pairs per training list (evaluated at n and 2n)")
+    parser.add_argument("--num-pairs", type=int, help="key-value pairs per training list")
+    parser.add_argument("--eval-pairs", type=int, nargs="+",
+                        help="numbers of pairs evaluated (default: the training's)")
+    parser.add_argument("--min-pairs", type=int, help="fewest pairs in a training batch")
     parser.add_argument("--num-keys", type=int)
     parser.add_argument("--num-values", type=int)
     parser.add_argument("--hidden-size", type=int)
@@ -566,9 +618,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--curriculum", type=float, help="fraction of the steps over which the pairs grow to n")
-    parser.add_argument("--train-gamma", type=float, help="StableMask γ of the third model; 0: no such model")
-    parser.add_argument("--eval-per-slot", type=int, help="evaluation prompts per gold slot")
+    parser.add_argument("--eval-per-slot", type=int, help="test prompts per gold slot")
+    parser.add_argument("--validation-per-slot", type=int, help="validation prompts per gold slot (the search's)")
     parser.add_argument("--eval-batch-size", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", default="outputs/position_bias")
@@ -576,9 +629,14 @@ def parse_args(argv=None):
     for name, value in PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"].items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
-    args.mitigations = tuple(args.mitigations or [m.keyword for m in MITIGATIONS])
-    if 2 * args.num_pairs > args.num_keys:
-        raise SystemExit(f"--num-keys {args.num_keys}: twice {args.num_pairs} distinct keys are evaluated")
+    args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
+    args.eval_pairs = tuple(dict.fromkeys(args.eval_pairs or [args.num_pairs]))
+    if not 1 <= args.min_pairs <= args.num_pairs:
+        raise SystemExit(f"--min-pairs {args.min_pairs}: must be between 1 and --num-pairs {args.num_pairs}")
+    if max(args.eval_pairs) > args.num_keys:
+        raise SystemExit(f"--num-keys {args.num_keys}: {max(args.eval_pairs)} distinct keys are evaluated")
+    if max(args.eval_pairs) > args.num_pairs and args.num_pairs not in args.eval_pairs:
+        args.eval_pairs = (args.num_pairs, *args.eval_pairs)  # the search and the summaries need the training length
     return args
 
 
@@ -593,8 +651,8 @@ def main(argv=None):
 
     vocab = Vocabulary(args.num_keys, args.num_values)
     metric = evaluate.load(metric_path("accuracy_by_position"))
-    print(f"task: {args.num_pairs} pairs (evaluated at {args.num_pairs} and {2 * args.num_pairs}), {args.num_keys} "
-          f"keys, {args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
+    print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
+          f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
           f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
     rows, attention_rows = [], []
     for seed in args.seeds:

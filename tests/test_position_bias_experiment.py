@@ -22,45 +22,76 @@ def run(tmp_path_factory):
     return stdout, rows, output_dir
 
 
+EXPECTED_MITIGATIONS = {
+    "SepFormer": {"none", "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
+                  "parallel_context_windows"},
+    "Llama (rotary)": {"none", "ms_poe", "positional_scaling", "attention_buckets", "parallel_context_windows"},
+    "GPT-2 (learned absolute)": {"none", "positional_scaling", "parallel_context_windows"},
+}
+
+
 def test_every_slot_of_every_setting_has_a_row(run):
     _, rows, _ = run
-    pairs = position_bias.PRESETS["tiny"]["num_pairs"]  # evaluated at n and 2n
-    models = {row["model"] for row in rows}
-    assert "SepFormer" in models and "Llama (rotary)" in models
-    for model in models:
-        settings = {(r["mitigation"], r["value"]) for r in rows if r["model"] == model}
-        assert ("none", "-") in settings
-        for mitigation, value in settings:
-            for eval_pairs in (pairs, 2 * pairs):
-                slots = [int(r["gold_slot"]) for r in rows if (r["model"], r["mitigation"], r["value"],
-                                                               r["eval_pairs"]) == (model, mitigation, value,
-                                                                                    str(eval_pairs))]
-                assert sorted(slots) == list(range(1, eval_pairs + 1)), (model, mitigation, value, eval_pairs)
-    llama = {r["mitigation"] for r in rows if r["model"] == "Llama (rotary)"}
-    assert llama == {"none", "ms_poe"}
+    pairs = position_bias.PRESETS["tiny"]["num_pairs"]
+    assert list(rows[0])[:7] == ["model", "mitigation", "setting", "seed", "num_pairs", "slot", "accuracy"]
+    assert {row["model"]: None for row in rows}.keys() == EXPECTED_MITIGATIONS.keys()
+    for model, expected in EXPECTED_MITIGATIONS.items():
+        mine = [r for r in rows if r["model"] == model]
+        assert {r["mitigation"] for r in mine} == expected, model
+        for setting in {(r["mitigation"], r["setting"]) for r in mine}:
+            slots = [int(r["slot"]) for r in mine if (r["mitigation"], r["setting"]) == setting]
+            assert sorted(slots) == list(range(1, pairs + 1)), (model, setting)
+        searched = [r["setting"] for r in mine if r["mitigation"] == "positional_scaling"]
+        assert any(setting.startswith("search: channels=") for setting in searched), model
 
 
-def test_accuracy_is_a_fraction_or_the_combination_is_refused(run):
+def test_accuracy_is_a_fraction_and_every_condition_runs(run):
     _, rows, _ = run
     for row in rows:
-        if row["status"] == "ok":
-            assert 0.0 <= float(row["accuracy"]) <= 1.0, row
-            assert int(row["examples"]) == position_bias.PRESETS["tiny"]["eval_per_slot"]
-        else:
-            assert row["status"].startswith("refused: stable_mask and attention_calibration cannot be combined"), row
-            assert math.isnan(float(row["accuracy"]))
-    assert all(row["status"] == "ok" for row in rows if row["mitigation"] == "none")
+        assert row["status"] == "ok", row
+        assert 0.0 <= float(row["accuracy"]) <= 1.0, row
+        assert int(row["examples"]) == position_bias.PRESETS["tiny"]["eval_per_slot"]
 
 
 def test_tables_and_plots(run):
     stdout, _, output_dir = run
-    assert "| model | mitigation | mean | 1 | 2 | 3 | 4 |" in stdout
+    assert "| model | mitigation | setting | mean ± 95% | worst slot | worst/best | Δ mean | 1 | 2 | 3 | 4 |" in stdout
     assert (output_dir / "results.md").read_text().strip() in stdout
     for name in ("position_bias.png", "attention_by_position.png"):
         assert (output_dir / name).read_bytes()[:8] == PNG
     attention = (output_dir / "attention.csv").read_text().splitlines()
     assert attention[0] == "model,seed,layer,head,group,attention"
     assert any(",slot 1," in line for line in attention)
+
+
+def test_interval_is_students_t_over_seeds():
+    assert position_bias.interval95([0.5]) == 0.0
+    # n = 2: t(1) = 12.706, stdev([0, 1]) = 1/sqrt(2), so 12.706 * (1/sqrt(2)) / sqrt(2) = 6.353
+    assert position_bias.interval95([0.0, 1.0]) == pytest.approx(6.353)
+    # n = 3: t(2) = 4.303, stdev([0.8, 0.9, 1.0]) = 0.1
+    assert position_bias.interval95([0.8, 0.9, 1.0]) == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+
+
+def test_curves_summarise_per_slot_over_seeds():
+    rows = [dict(model="m", mitigation="none", setting="-", num_pairs=2, slot=slot, seed=seed, accuracy=accuracy,
+                 status="ok") for seed, curve in ((0, (1.0, 0.5)), (1, (0.8, 0.3))) for slot, accuracy in
+            zip((1, 2), curve, strict=True)]
+    (curve,) = position_bias.curves(rows)
+    assert curve.mean_by_slot == pytest.approx([0.9, 0.4])
+    assert curve.seed_means == pytest.approx([0.75, 0.55])
+    assert curve.worst_over_best == pytest.approx(0.4 / 0.9)
+
+
+def test_curriculum_grows_from_the_fewest_pairs():
+    args = position_bias.parse_args(["--tiny", "--num-pairs", "8", "--min-pairs", "2", "--max-steps", "100",
+                                     "--curriculum", "0.5"])
+    assert position_bias.curriculum_pairs(0, args) == 2
+    assert position_bias.curriculum_pairs(25, args) == 5
+    assert position_bias.curriculum_pairs(50, args) == position_bias.curriculum_pairs(99, args) == 8
+    lengths = {len(ids) for ids in position_bias.training_set(0, position_bias.Vocabulary(16, 16), args)["input_ids"]}
+    assert min(lengths) >= position_bias.train_length(2) and max(lengths) <= position_bias.train_length(8)
+    with pytest.raises(SystemExit):
+        position_bias.parse_args(["--tiny", "--min-pairs", "9", "--num-pairs", "8"])
 
 
 def test_training_data_is_mqar_with_every_answer_labelled():
@@ -79,7 +110,7 @@ def test_training_data_is_mqar_with_every_answer_labelled():
 def test_evaluation_prompts_end_with_the_gold_key():
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
-    data = position_bias.evaluation_set(0, 4, vocab, args)[:]
+    data = position_bias.evaluation_set(0, 4, vocab, args)
     for ids, answer, slot in zip(data["input_ids"], data["answer"], data["gold_slot"], strict=True):
         assert ids[-1] == ids[1 + 2 * slot] and answer == ids[2 + 2 * slot]
 
@@ -90,7 +121,7 @@ def test_llama_ms_poe_with_ratios_one_is_the_model_and_otherwise_acts():
     llama = next(c for c in position_bias.contenders(args, vocab) if c.name.startswith("Llama"))
     torch.manual_seed(0)
     model = llama.build().eval()
-    ids = position_bias.evaluation_set(0, 4, vocab, args)[:]["input_ids"][:5]
+    ids = position_bias.evaluation_set(0, 4, vocab, args)["input_ids"][:5]
     with torch.no_grad():
         base = model(input_ids=ids).logits
         same = model(input_ids=ids, ms_poe={"r_min": 1.0, "r_max": 1.0}).logits
@@ -100,11 +131,11 @@ def test_llama_ms_poe_with_ratios_one_is_the_model_and_otherwise_acts():
 
 
 def test_presets_mean_what_they_say():
-    """`--quick` is the default run reduced (one seed, fewer models and prompts) with the training that learns the task;
+    """`--quick` is the default run reduced (one seed, fewer prompts) with the default's task and training;
     `--tiny` is the smoke run; the two cannot be combined."""
     default, quick, tiny = (position_bias.PRESETS[name] for name in ("default", "quick", "tiny"))
-    learning = ("num_pairs", "num_keys", "num_values", "hidden_size", "num_layers", "num_heads", "batch_size",
-                "max_steps", "learning_rate", "curriculum")
+    learning = ("num_pairs", "min_pairs", "num_keys", "num_values", "hidden_size", "num_layers", "num_heads",
+                "batch_size", "max_steps", "learning_rate", "weight_decay", "curriculum")
     assert {key: quick[key] for key in learning} == {key: default[key] for key in learning}
     assert len(quick["seeds"]) == 1 and quick["eval_per_slot"] < default["eval_per_slot"]
     assert tiny["max_steps"] < quick["max_steps"] // 10
@@ -112,3 +143,20 @@ def test_presets_mean_what_they_say():
     assert position_bias.parse_args(["--tiny"]).max_steps == tiny["max_steps"]
     with pytest.raises(SystemExit):
         position_bias.parse_args(["--quick", "--tiny"])
+
+
+def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
+    args = position_bias.parse_args(["--tiny"])
+    vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
+    test = position_bias.evaluation_set(0, 4, vocab, args)
+    batches = position_bias.validation_batches(0, 4, vocab, args)
+    ids = torch.cat([batch["input_ids"] for batch in batches])
+    assert len(ids) == 4 * args.validation_per_slot
+    assert not {tuple(row[:-1].tolist()) for row in ids} & {tuple(row.tolist()) for row in test["input_ids"]}
+    for batch in batches:
+        labelled = batch["labels"] != -100
+        assert labelled[:, -1].all() and labelled.sum() == len(batch["labels"])
+        slots = batch["gold_position"]
+        keys = batch["input_ids"][:, -2]
+        assert torch.equal(keys, batch["input_ids"][torch.arange(len(keys)), 1 + 2 * slots])
+        assert torch.equal(batch["labels"][:, -1], batch["input_ids"][torch.arange(len(keys)), 2 + 2 * slots])
