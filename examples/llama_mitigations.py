@@ -26,7 +26,7 @@ import copy
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.models.llama.modeling_llama import rotate_half
 
 from sepformer.attention_buckets import mix_by_confidence
@@ -137,7 +137,7 @@ def ms_poe_sdpa(module, query, key, value, attention_mask, ms_poe=None, position
     if position_ids is None:
         position_ids = torch.arange(length, device=query.device).expand(batch, length)
     rope = module.config.rope_parameters
-    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=query.device) / head_dim))
     shift = position_ids[:, None, :, None].float() * (1 / ratios - 1)[:, :, None, None]  # m/r - m: (b, H, n, 1)
     angles = torch.cat([shift * inv_freq, shift * inv_freq], -1).to(query.dtype)  # Llama's layout: halves
     cos, sin = angles.cos(), angles.sin()
@@ -147,3 +147,5 @@ def ms_poe_sdpa(module, query, key, value, attention_mask, ms_poe=None, position
 
 
 AttentionInterface.register("ms_poe_sdpa", ms_poe_sdpa)
+# the mask SDPA takes: an implementation that transformers does not know the mask of gets no mask at all
+ALL_MASK_ATTENTION_FUNCTIONS.register("ms_poe_sdpa", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

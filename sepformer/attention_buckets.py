@@ -100,17 +100,23 @@ class AttentionBucketsMitigation(Mitigation):
             caches = [cache, *cache.bucket_caches]
         labels = inputs.pop("labels")
         inputs = {key: value for key, value in inputs.items() if key not in ("past_key_values", "use_cache")}
-        logits = torch.stack(
-            [
-                model(
-                    **inputs,
-                    **{**options_of_call, options.name: options.bucket(index)},
-                    past_key_values=bucket_cache,
-                    use_cache=use_cache,
-                ).logits
-                for index, bucket_cache in enumerate(caches)
-            ]
-        )  # (B, b, seq, V)
+        if cache is not None:
+            cache.running_buckets = True
+        try:
+            logits = torch.stack(
+                [
+                    model(
+                        **inputs,
+                        **{**options_of_call, options.name: options.bucket(index)},
+                        past_key_values=bucket_cache,
+                        use_cache=use_cache,
+                    ).logits
+                    for index, bucket_cache in enumerate(caches)
+                ]
+            )  # (B, b, seq, V)
+        finally:
+            if cache is not None:
+                cache.running_buckets = False
         logits = mix_by_confidence(logits)
         loss = None
         if labels is not None:

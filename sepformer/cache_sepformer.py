@@ -23,6 +23,8 @@ class SepFormerCache(DynamicCache):
             per-block projections). Weights, not rows: batch operations leave them alone.
         buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.
         bucket_caches: the caches of buckets 1.., each a `SepFormerCache`; batch operations apply to them too.
+        running_buckets: whether a forward with several buckets is running them (bucket 0's own pass then reads this
+            cache with its one bucket, which a caller may not do).
     """
 
     def __init__(self, *args, **kwargs):
@@ -34,6 +36,7 @@ class SepFormerCache(DynamicCache):
         self.fused_projections: dict[int, Any] = {}
         self.buckets: Any = None
         self.bucket_caches: list[SepFormerCache] = []
+        self.running_buckets = False
 
     def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch operation to every per-row tensor of the state."""

@@ -107,11 +107,13 @@ def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], Mitigatio
         if mitigation.wraps_causal_lm(value):
             return mitigation, value
     buckets = getattr(cache, "buckets", None)
-    if buckets is not None and options.get(buckets.name) is None and cache.get_seq_length() > 0:
-        raise ValueError(
-            f"this cache keeps one cache per attention bucket from its prefill ({buckets}): continue it with the same "
-            "attention_buckets."
-        )
+    if buckets is not None and cache.get_seq_length() > 0 and not cache.running_buckets:
+        given = options.get(buckets.name)
+        if given in (None, False) or type(buckets).parse(given) != buckets:
+            raise ValueError(
+                f"this cache keeps one cache per attention bucket from its prefill ({buckets}): continue it with the "
+                f"same attention_buckets; got {given!r}."
+            )
     return None
 
 
@@ -148,9 +150,21 @@ def check_prefill_state(name: str, options: MitigationOptions, call: CallContext
         )
 
 
+def check_prefill_options_kept(call: CallContext, parsed: dict[str, MitigationOptions]) -> None:
+    """A cache continued without an option whose state its prefill fixed would decode with half a method."""
+    fixed = getattr(call.cache, "prefill_options", None) if call.continuing else None
+    dropped = sorted(set(fixed or ()) - set(parsed))
+    if dropped:
+        raise ValueError(
+            f"this cache was prefilled with {', '.join(f'{name}={fixed[name]}' for name in dropped)}: continue it "
+            "with the same options, or start a new cache."
+        )
+
+
 def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     """The call's options resolved against the model and the call, checked, in one plan; `None` when all are off."""
     parsed = parse_options(call.model.config, options)
+    check_prefill_options_kept(call, parsed)
     if not parsed:
         return None
     num_layers = call.model.config.num_hidden_layers

@@ -356,3 +356,23 @@ def test_windows_refuse_a_4d_mask_calibration_and_a_cache_started_without_them()
         model(ids, past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="parallel_context_windows encodes the windows at prefill"):
             model(ids[:, :1], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+
+
+def test_a_cache_prefilled_with_windows_or_buckets_cannot_be_continued_without_them():
+    model = tiny_model(rotary_dim=4)
+    ids = random_ids(1, 12)
+    windows = ParallelContextWindows(spans=(((0, 4), (4, 8)),))
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        with pytest.raises(ValueError, match="this cache was prefilled with parallel_context_windows="):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        model(ids[:, :1], past_key_values=cache, use_cache=True, parallel_context_windows=windows)  # the same: fine
+
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        for other in (None, {"bases": [BUCKETS["bases"][0]]}):  # no buckets, or bucket 0 alone
+            with pytest.raises(ValueError, match="one cache per attention bucket from its prefill"):
+                model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets=other)
+        model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)  # the same: fine

@@ -160,3 +160,33 @@ def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
         keys = batch["input_ids"][:, -2]
         assert torch.equal(keys, batch["input_ids"][torch.arange(len(keys)), 1 + 2 * slots])
         assert torch.equal(batch["labels"][:, -1], batch["input_ids"][torch.arange(len(keys)), 2 + 2 * slots])
+
+
+def test_every_condition_acts_on_its_model():
+    """Each mitigation row changes the model's logits (an option that silently did nothing would not), and PCW on the
+    experiment's Llama applies its window mask, not only its positions."""
+    args = position_bias.parse_args(["--tiny"])
+    vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
+    ids = position_bias.evaluation_set(0, 4, vocab, args)["input_ids"][::4]
+    spans = position_bias.document_spans(4)
+    validation = position_bias.validation_batches(0, 4, vocab, args)
+    for contender in position_bias.contenders(args, vocab):
+        torch.manual_seed(0)
+        model = contender.build().eval()
+        with torch.no_grad():
+            conditions = contender.conditions(spans, vocab) + position_bias.searched_scaling(
+                model, contender.is_sepformer, validation)
+            base = position_bias.plain_logits(model, ids)
+            for condition in conditions[1:]:
+                assert not torch.allclose(condition.logits(model, ids), base, atol=1e-6), (contender.name, condition)
+            if contender.name.startswith("Llama"):
+                windows = next(c for c in conditions if c.mitigation == "parallel_context_windows")
+                positions = torch.tensor([[0, 1, 2, 1, 2, 1, 2, 1, 2, 3, 4]])  # windows from 1, the task from 3
+                positions_only = model(ids, position_ids=positions.expand(len(ids), -1)).logits[:, -1]
+                assert not torch.allclose(windows.logits(model, ids), positions_only, atol=1e-6)
+
+
+def test_evaluated_pairs_stay_within_the_training_length():
+    with pytest.raises(SystemExit):
+        position_bias.parse_args(["--tiny", "--eval-pairs", "8"])
+    assert position_bias.parse_args(["--tiny", "--eval-pairs", "2"]).eval_pairs == (4, 2)
