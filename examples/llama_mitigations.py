@@ -137,7 +137,8 @@ def ms_poe_sdpa(module, query, key, value, attention_mask, ms_poe=None, position
     if position_ids is None:
         position_ids = torch.arange(length, device=query.device).expand(batch, length)
     rope = module.config.rope_parameters
-    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=query.device) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=query.device) / head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
     shift = position_ids[:, None, :, None].float() * (1 / ratios - 1)[:, :, None, None]  # m/r - m: (b, H, n, 1)
     angles = torch.cat([shift * inv_freq, shift * inv_freq], -1).to(query.dtype)  # Llama's layout: halves
     cos, sin = angles.cos(), angles.sin()
