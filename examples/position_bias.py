@@ -561,7 +561,7 @@ def plot_curves(rows: list[dict], args, path: Path) -> None:
         axis.set_xticks(list(slots))
         axis.set_ylim(-0.02, 1.02)
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=6, loc="lower left")
+        axis.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15))  # below: the curves stay visible
     axes[0][0].set_ylabel("exact-match accuracy")
     seeds = sorted({r["seed"] for r in rows})
     figure.suptitle(f"Key-value retrieval accuracy by the gold pair's position (seeds {seeds}, 95% bands; "
