@@ -123,6 +123,11 @@ def contenders(args) -> list[Contender]:
         Contender(f"SepFormer B-spline (n={args.spline_control_points})", sepformer_model(**spline)),
         Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions (8L)",
                   sepformer_model(**randomized_spline)),
+        # Each sequence draws its own range first: gaps from none (as at inference) to 8L / L.
+        Contender("SepFormer sinusoidal, randomized positions, range per sequence (8L)",
+                  sepformer_model(positional_map="sinusoidal", randomized_range="per_sequence", **randomized)),
+        Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions, range per "
+                  "sequence (8L)", sepformer_model(randomized_range="per_sequence", **randomized_spline)),
         Contender("SepFormer d_pos=0", sepformer_model(position_size=0)),
         Contender("GPT-2 (learned, additive)", lambda v: GPT2LMHeadModel(GPT2Config(
             vocab_size=v, n_embd=d, n_layer=layers, n_head=heads, n_positions=args.block_size,

@@ -31,6 +31,7 @@ from .positional_maps import POSITIONAL_MAP_CLASSES, SPLINE_EXTENSIONS, Position
 POSITIONAL_MAPS = tuple(POSITIONAL_MAP_CLASSES)
 NORM_TYPES = ("rmsnorm", "layernorm")
 LM_HEAD_INPUTS = ("semantic", "all")
+RANDOMIZED_RANGES = ("fixed", "per_sequence")
 
 # Sizes that `None` derives from other fields, and what it means (for the messages).
 DERIVED_SIZES = {
@@ -150,6 +151,9 @@ class SepFormerConfig(PreTrainedConfig):
             of a `position_table_size > max_position_embeddings` table is trained (learned table only).
         randomized_positions: in training, give each sequence a sorted random subset of distinct positions from
             `[0, position_table_size)` (Ruoss et al. 2023); at inference positions are `0..n-1`. Any map.
+        randomized_range: `"fixed"` draws every sequence's positions from `[0, position_table_size)`;
+            `"per_sequence"` first draws each sequence's own range `[0, M')`, `M'` uniform between its length and
+            `position_table_size`, so that gaps run from none (the positions of inference) to the widest.
         spline_control_points: `n`, the B-spline's learned control points (`positional_map="bspline"`).
         spline_degree: `k`, the B-spline's degree (3: cubic).
         spline_extension: the B-spline past its last knot: `"clamp"` (the last control point) or `"linear"` (the
@@ -191,6 +195,7 @@ class SepFormerConfig(PreTrainedConfig):
     position_table_size: int | None = None
     random_position_offsets: bool = False
     randomized_positions: bool = False
+    randomized_range: str = "fixed"
     spline_control_points: int = 16
     spline_degree: int = 3
     spline_extension: str = "clamp"
@@ -307,6 +312,11 @@ class SepFormerConfig(PreTrainedConfig):
                 "randomized_positions=True needs a positional map (position_size > 0) and a range of positions "
                 f"position_table_size > max_position_embeddings={self.max_position_embeddings} to draw from; got "
                 f"position_size={self.position_size}, position_table_size={self.position_table_size}."
+            )
+        if self.randomized_range != "fixed" and not self.randomized_positions:
+            raise ValueError(
+                f"randomized_range={self.randomized_range!r} is read only with randomized_positions=True (it would be "
+                "ignored): set randomized_positions=True or leave randomized_range='fixed'."
             )
         if self.spline_degree >= self.spline_control_points:
             raise ValueError(
@@ -513,6 +523,7 @@ FIELD_CHECKS = {
     "spline_control_points": _spline_control_points,
     "spline_degree": _spline_degree,
     "spline_extension": _choice(SPLINE_EXTENSIONS),
+    "randomized_range": _choice(RANDOMIZED_RANGES),
     "norm_eps": _finite(0.0, inclusive=False),
     "rope_theta": _finite(0.0, inclusive=False),
     "initializer_range": _finite(0.0, inclusive=True),

@@ -170,6 +170,7 @@ class TrainingPositions:
     def setup_training_positions(self, config) -> None:
         self.random_offsets = config.random_position_offsets
         self.randomized = config.randomized_positions
+        self.per_sequence_range = config.randomized_range == "per_sequence"
         self.position_range = config.position_table_size  # M: training positions lie in [0, M)
 
     def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
@@ -184,7 +185,9 @@ class TrainingPositions:
             )
         if self.random_offsets:
             return self.offset_positions(position_ids, batch, highest)
-        return randomized_positions(position_ids.expand(batch, -1), highest + 1, self.position_range)
+        return randomized_positions(
+            position_ids.expand(batch, -1), highest + 1, self.position_range, self.per_sequence_range
+        )
 
     def offset_positions(self, position_ids: torch.LongTensor, batch: int, highest: int) -> torch.LongTensor:
         """Half the rows shifted by a random offset so that every row of the table gets trained. The other half keep
@@ -195,12 +198,21 @@ class TrainingPositions:
         return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
 
 
-def randomized_positions(position_ids: torch.LongTensor, needed: int, position_range: int) -> torch.LongTensor:
+def randomized_positions(
+    position_ids: torch.LongTensor, needed: int, position_range: int, per_sequence_range: bool = False
+) -> torch.LongTensor:
     """Randomized positions (Ruoss et al., arXiv 2305.16843): each row's `i`-th position becomes the `i`-th smallest
     of `needed` distinct positions drawn uniformly from `[0, position_range)`. Every position up to the range gets
-    trained, in order, with gaps that carry no meaning; padding slots (position 0) read the row's first one."""
+    trained, in order, with gaps that carry no meaning; padding slots (position 0) read the row's first one.
+
+    With `per_sequence_range` each row first draws its own range `[0, M')`, `M'` uniform in `[needed, position_range]`:
+    the gaps then run from none (`M' = needed`, the positions of inference) to `position_range / needed` on average,
+    so the positions read at inference are among those trained at every length up to the range."""
     batch = position_ids.shape[0]
     scores = torch.rand(batch, position_range, device=position_ids.device)
+    if per_sequence_range:
+        row_range = torch.randint(needed, position_range + 1, (batch, 1), device=position_ids.device)  # M'
+        scores = scores.masked_fill(torch.arange(position_range, device=position_ids.device) >= row_range, -1.0)
     chosen = scores.topk(needed, dim=-1).indices.sort(dim=-1).values  # (b, needed): a sorted uniform subset
     return chosen.gather(-1, position_ids)  # (b, seq)
 

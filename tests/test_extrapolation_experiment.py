@@ -22,6 +22,8 @@ MODELS = {"SepFormer learned": tuple(sepformer.EXTRAPOLATION_METHODS),
           "SepFormer sinusoidal, randomized positions (8L)": ("-",),
           "SepFormer B-spline (n=16)": ("-",),
           "SepFormer B-spline (n=32), randomized positions (8L)": ("-",),
+          "SepFormer sinusoidal, randomized positions, range per sequence (8L)": ("-",),
+          "SepFormer B-spline (n=32), randomized positions, range per sequence (8L)": ("-",),
           "SepFormer d_pos=0": ("-",), "GPT-2 (learned, additive)": ("-",), "Llama (rotary)": ("-",),
           "Bloom (ALiBi)": ("-",)}
 

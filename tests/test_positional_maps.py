@@ -204,6 +204,18 @@ def test_randomized_positions_are_sorted_distinct_subsets_that_reach_every_posit
     assert reached.all()
 
 
+def test_a_range_per_sequence_gives_gaps_from_none_to_the_widest():
+    """Fixed range: 16 positions from [0, 128) nearly always reach past 64. Per sequence: the range M' is uniform in
+    [16, 128], so about half the rows stay below 64, and some are contiguous (M' = 16: the positions of inference)."""
+    M, n = 8 * L, L
+    fixed = randomized_positions(torch.arange(n).expand(4000, -1), n, M)
+    varied = randomized_positions(torch.arange(n).expand(4000, -1), n, M, per_sequence_range=True)
+    assert (varied.diff(dim=-1) > 0).all() and varied.min() >= 0 and varied.max() < M
+    assert (fixed.amax(-1) < M // 2).float().mean() < 0.01
+    assert 0.3 < (varied.amax(-1) < M // 2).float().mean() < 0.6
+    assert (varied.amax(-1) == n - 1).any() and torch.equal(torch.unique(varied), torch.arange(M))
+
+
 @pytest.mark.parametrize("positional_map", ["learned", "bspline"])
 def test_randomized_positions_train_every_row_up_to_M(positional_map):
     """Every output scored (each position has a target, as with L + 1-token blocks): every row of an 8L table, and
@@ -256,6 +268,8 @@ def test_randomized_positions_refuse_a_sequence_longer_than_the_range():
         ({"randomized_positions": True, "random_position_offsets": True, "position_table_size": 32}, ValueError,
          "choose one"),
         ({"position_table_size": 32, "positional_map": "sinusoidal"}, ValueError, "or randomized_positions=True"),
+        ({"randomized_range": "per_sequence"}, ValueError, "randomized_range='per_sequence' is read only with"),
+        ({"randomized_range": "adaptive"}, ValueError, "randomized_range='adaptive' is not allowed: choose one of"),
     ],
 )
 def test_invalid_spline_and_randomized_configs(overrides, error, message):
