@@ -7,7 +7,8 @@ and seed:
   (`none` cannot run past L: it is reported as such), and the same trained without a target for position L-1
   (whose table row then never trains), evaluated with `clamp`;
 - SepFormer with a learned table of 8L rows trained by random offsets or by randomized positions;
-- SepFormer with a sinusoidal map and with a B-spline map, each also trained with randomized positions from [0, 8L);
+- SepFormer with a sinusoidal map and with a B-spline map, each also trained with randomized positions from [0, 8L),
+  with one range for every sequence and with a range drawn per sequence;
 - SepFormer with `d_pos = 0` (no positions at all);
 - Hugging Face's own `GPT2LMHeadModel` (learned additive positions: cannot run past `n_positions = L`),
   `LlamaForCausalLM` (rotary) and `BloomForCausalLM` (ALiBi), built from configs.
@@ -66,10 +67,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import byte_blocks, stdlib_sources  # noqa: E402
 
 PRESETS = {
-    # three seeds of twelve models: about 15 minutes on 2 idle CPU cores
+    # three seeds of fourteen models: about 10 minutes on 2 idle CPU cores (18 CPU-minutes)
     "default": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=1000,
                     learning_rate=3e-3, eval_tokens=8192, max_bytes=1_000_000, seeds=[0, 1, 2]),
-    # one seed, 400 steps, half the validation tokens: about 3 minutes
+    # one seed, 400 steps, half the validation tokens: about 2 CPU-minutes
     "quick": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=400,
                   learning_rate=3e-3, eval_tokens=4096, max_bytes=1_000_000, seeds=[0]),
     # seconds: checks the plumbing, learns nothing (the test and CI run this)
