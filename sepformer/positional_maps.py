@@ -206,8 +206,8 @@ def randomized_positions(
     trained, in order, with gaps that carry no meaning; padding slots (position 0) read the row's first one.
 
     With `per_sequence_range` each row first draws its own range `[0, M')`, `M'` uniform in `[needed, position_range]`:
-    the gaps then run from none (`M' = needed`, the positions of inference) to `position_range / needed` on average,
-    so the positions read at inference are among those trained at every length up to the range."""
+    gaps then run from none (`M' = needed`, as at inference) to `position_range / needed` on average, so the small gaps
+    that inference reads are trained as well as the wide ones."""
     batch = position_ids.shape[0]
     scores = torch.rand(batch, position_range, device=position_ids.device)
     if per_sequence_range:
