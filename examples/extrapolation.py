@@ -418,7 +418,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
     keys, cells = summarise(rows, args)
     lengths = [args.block_size * m for m in MULTIPLIERS]
     figure, axes = plt.subplots(figsize=(11, 5.5))
-    for model, method in keys:
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers tell apart rows that share one
+    for index, (model, method) in enumerate(keys):
         points = [(n, *cells[model, method, n][:2]) for n in lengths if cells[model, method, n][2] is None]
         label = model if method == NATIVE else f"{model} / {method}"
         if len(points) < len(lengths):
@@ -427,8 +428,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
             continue
         x, mean, std = zip(*points, strict=True)
         style = "-" if model.startswith("SepFormer") else "--"
-        axes.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], fmt=style + "o", capsize=3,
-                      markersize=4, label=label)
+        axes.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], fmt=style + "osD^v"[index // 20 % 5],
+                      color=colors[index % 20], capsize=3, markersize=4, label=label)
     axes.axvline(args.block_size, color="grey", linestyle=":", linewidth=1)
     axes.set_xscale("log", base=2)
     axes.set_xticks(lengths, [f"{args.block_size * m}\n({m}L)" for m in MULTIPLIERS])
