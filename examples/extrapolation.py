@@ -4,19 +4,28 @@ Every model gets the same data, byte-level tokenizer, width, depth, heads, steps
 and seed:
 
 - SepFormer with a learned positional table, evaluated with every method of `sepformer.EXTRAPOLATION_METHODS`
-  (`none` cannot run past L: it is reported as such);
-- SepFormer with a sinusoidal positional map, and SepFormer with `d_pos = 0` (no positions at all);
+  (`none` cannot run past L: it is reported as such), and the same trained without a target for position L-1
+  (whose table row then never trains), evaluated with `clamp`;
+- SepFormer with a learned table of 8L rows trained by random offsets or by randomized positions;
+- SepFormer with a sinusoidal map and with a B-spline map, each also trained with randomized positions from [0, 8L),
+  with one range for every sequence and with a range drawn per sequence;
+- SepFormer with `d_pos = 0` (no positions at all);
 - Hugging Face's own `GPT2LMHeadModel` (learned additive positions: cannot run past `n_positions = L`),
   `LlamaForCausalLM` (rotary) and `BloomForCausalLM` (ALiBi), built from configs.
+
+Training blocks have L + 1 tokens: the model reads the first L and predicts the last L, so that every position,
+L-1 included, has a target.
 
 The score is bits per byte (the tokenizer is byte-level) on held-out text, cut into windows of n tokens for each
 evaluation length n: the same validation tokens at every length, every token after the first of each window scored.
 Prints a markdown table (mean ± std over seeds) and writes `results.csv`, `results.md` and `extrapolation.png`
 under `--output-dir`. No downloads: the default text is the Python standard library's own source, split by file
-into train and validation.
+into train and validation; `--text docs` takes the Python documentation's topics instead (English prose from
+`pydoc_data.topics`, shipped with every Python), split by topic.
 
-    python examples/extrapolation.py                      # default preset, seeds 0 and 1 (about 24 min, 2 CPU cores)
-    python examples/extrapolation.py --quick              # one seed of smaller models (about 3 min)
+    python examples/extrapolation.py                      # default preset, seeds 0, 1, 2
+    python examples/extrapolation.py --text docs          # the same on documentation prose
+    python examples/extrapolation.py --quick              # one seed of smaller models (a few minutes)
     python examples/extrapolation.py --tiny               # a smoke run in seconds (what the test runs)
     python examples/extrapolation.py --quick --max-steps 3 --models sepformer llama --methods clamp fourier
     python examples/extrapolation.py --train-file a.txt --validation-file b.txt --seeds 0 1 2
@@ -29,6 +38,7 @@ import math
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +67,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import byte_blocks, stdlib_sources  # noqa: E402
 
 PRESETS = {
-    # two seeds of seven models: about 24 minutes on 2 CPU cores
-    "default": dict(block_size=64, hidden_size=128, num_layers=3, num_heads=4, batch_size=32, max_steps=600,
-                    learning_rate=2e-3, eval_tokens=16384, max_bytes=3_000_000, seeds=[0, 1]),
-    # one seed: about 3 minutes
-    "quick": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=1000,
-                  learning_rate=3e-3, eval_tokens=8192, max_bytes=1_000_000, seeds=[0]),
+    # three seeds of fourteen models: about 10 minutes on 2 idle CPU cores (18 CPU-minutes)
+    "default": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=1000,
+                    learning_rate=3e-3, eval_tokens=8192, max_bytes=1_000_000, seeds=[0, 1, 2]),
+    # one seed, 400 steps, half the validation tokens: about 2 CPU-minutes
+    "quick": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=400,
+                  learning_rate=3e-3, eval_tokens=4096, max_bytes=1_000_000, seeds=[0]),
     # seconds: checks the plumbing, learns nothing (the test and CI run this)
     "tiny": dict(block_size=16, hidden_size=32, num_layers=1, num_heads=2, batch_size=4, max_steps=3,
                  learning_rate=3e-3, eval_tokens=1024, max_bytes=300_000, seeds=[0]),
@@ -79,6 +89,7 @@ class Contender:
     build: Callable
     methods: tuple[str, ...] = (NATIVE,)
     max_length: int | None = None  # longer inputs are not even tried (GPT-2: an index error, a device assert on GPU)
+    last_position_target: bool = True  # False: position L-1 has no target, as when training on blocks of L tokens
 
 
 def sepformer_config(args, vocab_size: int, **overrides) -> SepFormerConfig:
@@ -92,15 +103,33 @@ SPECIAL_TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_
 def contenders(args) -> list[Contender]:
     """The models. Peers get GPT-2's 4·d_model MLP (Llama's gated MLP 8/3·d_model: as many weights)."""
     d, layers, heads = args.hidden_size, args.num_layers, args.num_heads
+    longest = MULTIPLIERS[-1] * args.block_size  # 8L: every position evaluated is trained by the 8L rows
+
+    def sepformer_model(**overrides):
+        return lambda v: SepFormerForCausalLM(sepformer_config(args, v, **overrides))
+
+    randomized = dict(position_table_size=longest, randomized_positions=True)
+    spline = dict(positional_map="bspline", spline_control_points=args.spline_control_points)
+    randomized_spline = dict(spline, spline_control_points=args.spline_randomized_control_points, **randomized)
     every = [
-        Contender("SepFormer learned", lambda v: SepFormerForCausalLM(sepformer_config(args, v)), args.methods),
-        # Half the training sequences shifted by a random offset, so the table's 8L rows are all
-        # trained and no extrapolation is needed up to 8L.
-        Contender("SepFormer learned, random offsets (8L table)", lambda v: SepFormerForCausalLM(sepformer_config(
-            args, v, position_table_size=MULTIPLIERS[-1] * args.block_size, random_position_offsets=True))),
-        Contender("SepFormer sinusoidal",
-                  lambda v: SepFormerForCausalLM(sepformer_config(args, v, positional_map="sinusoidal"))),
-        Contender("SepFormer d_pos=0", lambda v: SepFormerForCausalLM(sepformer_config(args, v, position_size=0))),
+        Contender("SepFormer learned", sepformer_model(), args.methods),
+        Contender("SepFormer learned, last row untrained", sepformer_model(), ("clamp",), last_position_target=False),
+        # Half the training sequences shifted by a random offset: all 8L rows trained, no extrapolation up to 8L.
+        Contender("SepFormer learned, random offsets (8L table)",
+                  sepformer_model(position_table_size=longest, random_position_offsets=True)),
+        Contender("SepFormer learned, randomized positions (8L table)", sepformer_model(**randomized)),
+        Contender("SepFormer sinusoidal", sepformer_model(positional_map="sinusoidal")),
+        Contender("SepFormer sinusoidal, randomized positions (8L)",
+                  sepformer_model(positional_map="sinusoidal", **randomized)),
+        Contender(f"SepFormer B-spline (n={args.spline_control_points})", sepformer_model(**spline)),
+        Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions (8L)",
+                  sepformer_model(**randomized_spline)),
+        # Each sequence draws its own range first: gaps from none (as at inference) to 8L / L.
+        Contender("SepFormer sinusoidal, randomized positions, range per sequence (8L)",
+                  sepformer_model(positional_map="sinusoidal", randomized_range="per_sequence", **randomized)),
+        Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions, range per "
+                  "sequence (8L)", sepformer_model(randomized_range="per_sequence", **randomized_spline)),
+        Contender("SepFormer d_pos=0", sepformer_model(position_size=0)),
         Contender("GPT-2 (learned, additive)", lambda v: GPT2LMHeadModel(GPT2Config(
             vocab_size=v, n_embd=d, n_layer=layers, n_head=heads, n_positions=args.block_size,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SPECIAL_TOKENS)),
@@ -142,7 +171,24 @@ def load_texts(args) -> tuple[list[str], list[str]]:
             return first_bytes(dataset[split][args.text_column], args.max_bytes)
 
         return take("train"), take(validation_split)
+    if args.text == "docs":
+        return documentation_topics(args.max_bytes, validation_fraction=0.1)
     return stdlib_sources(args.max_bytes, validation_fraction=0.05)
+
+
+def documentation_topics(max_bytes: int, validation_fraction: float) -> tuple[list[str], list[str]]:
+    """The Python documentation's topics (`pydoc_data.topics`: the language reference's prose, about 0.5 MB, shipped
+    with every Python for `help()`), assigned to train or validation by a hash of the topic's name."""
+    from pydoc_data.topics import topics
+
+    train, validation, total = [], [], 0
+    for name in sorted(topics):
+        bucket = zlib.crc32(name.encode()) % 1000
+        (validation if bucket < validation_fraction * 1000 else train).append(topics[name])
+        total += len(topics[name])
+        if total >= max_bytes:
+            break
+    return train, validation
 
 
 def first_bytes(texts, max_bytes: int) -> list[str]:
@@ -157,10 +203,12 @@ def first_bytes(texts, max_bytes: int) -> list[str]:
 
 
 def token_data(args, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training blocks (n, L), and the validation tokens: windows of the longest length, evenly spread over the
-    validation text, concatenated (so that every shorter length cuts the very same tokens into shorter windows)."""
+    """Training blocks (n, L + 1): the model reads the first L tokens and predicts the last L, so that position L-1
+    has a target too (blocks of L tokens would leave its output, and its row of a learned table, untrained). And the
+    validation tokens: windows of the longest length, evenly spread over the validation text, concatenated (so that
+    every shorter length cuts the very same tokens into shorter windows)."""
     train_texts, validation_texts = load_texts(args)
-    train = torch.tensor(byte_blocks(train_texts, tokenizer, args.block_size)["input_ids"])
+    train = torch.tensor(byte_blocks(train_texts, tokenizer, args.block_size + 1)["input_ids"])
     longest = args.block_size * max(MULTIPLIERS)
     windows = torch.tensor(byte_blocks(validation_texts, tokenizer, longest)["input_ids"])  # (n, longest)
     count = min(args.eval_tokens // longest, len(windows))
@@ -170,7 +218,7 @@ def token_data(args, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     if len(train) < args.batch_size:
         raise SystemExit(f"training text makes {len(train)} blocks of {args.block_size}: fewer than one batch")
     stream = windows[torch.linspace(0, len(windows) - 1, count).long()].flatten()
-    print(f"data: {len(train_texts)} train documents -> {len(train)} blocks of {args.block_size} tokens; "
+    print(f"data: {len(train_texts)} train documents -> {len(train)} blocks of {args.block_size + 1} tokens; "
           f"{len(validation_texts)} validation documents -> {len(stream)} tokens scored at each length")
     return train, stream
 
@@ -186,8 +234,12 @@ def batch_order(num_blocks: int, args, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ train, evaluate
 
 
-def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: str) -> float:
-    """AdamW, linear warm-up then cosine decay, gradient clipping at 1; returns the mean loss of the last 10% steps."""
+def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: str,
+          last_position_target: bool = True) -> float:
+    """AdamW, linear warm-up then cosine decay, gradient clipping at 1; returns the mean loss of the last 10% steps.
+
+    Each block of L + 1 tokens gives L inputs and their L next tokens; without `last_position_target` the target of
+    position L-1 is dropped, which is exactly training on blocks of L tokens."""
     model.to(args.device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.max_steps // 20), args.max_steps)
@@ -195,7 +247,11 @@ def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: s
     bar = tqdm(order, desc=description, leave=False, dynamic_ncols=True)
     for indices in bar:
         batch = blocks[indices].to(args.device)
-        loss = model(input_ids=batch, labels=batch).loss
+        targets = batch[:, 1:].clone()
+        if not last_position_target:
+            targets[:, -1] = -100  # ignored by cross_entropy
+        logits = model(input_ids=batch[:, :-1]).logits  # (b, L, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -253,7 +309,8 @@ def run_seed(seed: int, train_blocks: torch.Tensor, stream: torch.Tensor, vocab_
         torch.manual_seed(seed)
         model = contender.build(vocab_size)
         started = time.time()
-        train_bpb = train(model, train_blocks, order, args, f"seed {seed} · train {contender.name}")
+        train_bpb = train(model, train_blocks, order, args, f"seed {seed} · train {contender.name}",
+                          contender.last_position_target)
         train_seconds = time.time() - started
         new_rows = evaluate(model, contender, stream, args)
         for row in new_rows:
@@ -330,6 +387,28 @@ def write_csv(rows: list[dict], path: Path) -> None:
                              for k, v in row.items() if k in fields})
 
 
+def read_csv(paths: list[str], args) -> list[dict]:
+    """The rows of earlier runs' `results.csv` (e.g. one run per seed, run side by side), typed as a run makes them.
+    The preset's flags must be those of the runs: the table's caption and lengths come from them."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as handle:
+            for row in csv.DictReader(handle):
+                for name in ("seed", "train_length", "length", "tokens_scored", "parameters", "train_steps"):
+                    row[name] = int(row[name])
+                for name in ("bits_per_byte", "bits_per_byte_beyond_L"):
+                    row[name] = float(row[name])
+                rows.append(row)
+    if {row["train_length"] for row in rows} != {args.block_size} or {row["train_steps"] for row in rows} != {
+            args.max_steps}:
+        raise SystemExit(f"--from-csv rows were trained at L={sorted({r['train_length'] for r in rows})} for "
+                         f"{sorted({r['train_steps'] for r in rows})} steps; give the runs' preset flags "
+                         f"(now L={args.block_size}, {args.max_steps} steps)")
+    first = next(row for row in rows if row["length"] == args.block_size)
+    args.eval_tokens_used = first["tokens_scored"] * args.block_size // (args.block_size - 1)
+    return rows
+
+
 def plot(rows: list[dict], args, path: Path) -> None:
     import matplotlib
 
@@ -339,7 +418,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
     keys, cells = summarise(rows, args)
     lengths = [args.block_size * m for m in MULTIPLIERS]
     figure, axes = plt.subplots(figsize=(11, 5.5))
-    for model, method in keys:
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers tell apart rows that share one
+    for index, (model, method) in enumerate(keys):
         points = [(n, *cells[model, method, n][:2]) for n in lengths if cells[model, method, n][2] is None]
         label = model if method == NATIVE else f"{model} / {method}"
         if len(points) < len(lengths):
@@ -348,8 +428,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
             continue
         x, mean, std = zip(*points, strict=True)
         style = "-" if model.startswith("SepFormer") else "--"
-        axes.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], fmt=style + "o", capsize=3,
-                      markersize=4, label=label)
+        axes.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], fmt=style + "osD^v"[index // 20 % 5],
+                      color=colors[index % 20], capsize=3, markersize=4, label=label)
     axes.axvline(args.block_size, color="grey", linestyle=":", linewidth=1)
     axes.set_xscale("log", base=2)
     axes.set_xticks(lengths, [f"{args.block_size * m}\n({m}L)" for m in MULTIPLIERS])
@@ -388,11 +468,21 @@ def parse_args(argv=None):
     parser.add_argument("--eval-tokens", type=int, help="validation tokens scored at each length")
     parser.add_argument("--eval-batch-size", type=int, default=8)
     parser.add_argument("--max-bytes", type=int, help="how much text to read (train and validation)")
+    parser.add_argument("--spline-control-points", type=int, default=16,
+                        help="control points of the B-spline map over [0, L)")
+    parser.add_argument("--spline-randomized-control-points", type=int, default=32,
+                        help="control points of the B-spline map over [0, 8L) trained with randomized positions")
+    parser.add_argument("--text", choices=("source", "docs"), default="source",
+                        help="the text to train and evaluate on: the standard library's source (split by file) or "
+                             "the Python documentation's topics (pydoc_data, split by topic)")
     parser.add_argument("--train-file", nargs="+", help="text files, one document each")
     parser.add_argument("--validation-file", nargs="+")
     parser.add_argument("--dataset-name", help="a Hub data set with train and validation (or test) splits")
     parser.add_argument("--dataset-config")
     parser.add_argument("--text-column", default="text")
+    parser.add_argument("--from-csv", nargs="+", metavar="RESULTS_CSV",
+                        help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
+                             "seed, side by side), with the preset flags those runs had")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", default="outputs/extrapolation")
     args = parser.parse_args(argv)
@@ -412,14 +502,18 @@ def main(argv=None):
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    tokenizer = SepFormerTokenizer()
-    train_blocks, stream = token_data(args, tokenizer)
-    args.eval_tokens_used = len(stream)
-    print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, L={args.block_size}; "
-          f"{args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; SepFormer methods {list(args.methods)}")
-    rows = []
-    for seed in args.seeds:
-        rows += run_seed(seed, train_blocks, stream, len(tokenizer), args)
+    if args.from_csv:
+        rows = read_csv(args.from_csv, args)
+    else:
+        tokenizer = SepFormerTokenizer()
+        train_blocks, stream = token_data(args, tokenizer)
+        args.eval_tokens_used = len(stream)
+        print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
+              f"L={args.block_size}; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; "
+              f"SepFormer methods {list(args.methods)}")
+        rows = []
+        for seed in args.seeds:
+            rows += run_seed(seed, train_blocks, stream, len(tokenizer), args)
 
     table = markdown_table(rows, args)
     print("\n" + table + "\n")

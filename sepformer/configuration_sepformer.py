@@ -26,11 +26,12 @@ from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 
 from .mitigation_options import StableMask
-from .positional_maps import POSITIONAL_MAP_CLASSES, PositionExtrapolation
+from .positional_maps import POSITIONAL_MAP_CLASSES, SPLINE_EXTENSIONS, PositionExtrapolation
 
 POSITIONAL_MAPS = tuple(POSITIONAL_MAP_CLASSES)
 NORM_TYPES = ("rmsnorm", "layernorm")
 LM_HEAD_INPUTS = ("semantic", "all")
+RANDOMIZED_RANGES = ("fixed", "per_sequence")
 
 # Sizes that `None` derives from other fields, and what it means (for the messages).
 DERIVED_SIZES = {
@@ -137,15 +138,26 @@ class SepFormerConfig(PreTrainedConfig):
             4x the block's width (following later changes of the block's width).
         hidden_act: activation of both MLPs (any name of `transformers.activations.ACT2FN`).
         max_position_embeddings: `L`, the training length (rows of the learned positional table).
-        positional_map: `"learned"` (a table of `L` rows) or `"sinusoidal"` (fixed, over `d_pos` dimensions).
+        positional_map: `"learned"` (a table of `L` rows), `"sinusoidal"` (fixed, over `d_pos` dimensions) or
+            `"bspline"` (`p(t) = Σ_i N_{i,k}(t) c_i`, learned control points, knots over `[0, position_table_size-1]`).
         position_extrapolation: how a learned table answers positions past its rows: `"none"` (an error),
             `"clamp"`, `"sinusoidal"`, `"fourier"` or `"interpolate"`. Overridable per call.
         fourier_components: `K` of the `"fourier"` method.
         interpolation_length: the length `"interpolate"` compresses positions for; `None` is the current length.
-        position_table_size: rows of the learned table; `None` means `max_position_embeddings` (following later
-            assignments of it). A larger table with `random_position_offsets` is trained past `L`.
+        position_table_size: `M`, the positions a map is trained on: rows of the learned table, the end of the
+            B-spline's knots, the range of randomized positions. `None` means `max_position_embeddings` (following
+            later assignments of it). Larger than `L` it needs `random_position_offsets` or `randomized_positions`.
         random_position_offsets: in training, shift each sequence's positions by a random offset so that every row
-            of a `position_table_size > max_position_embeddings` table is trained.
+            of a `position_table_size > max_position_embeddings` table is trained (learned table only).
+        randomized_positions: in training, give each sequence a sorted random subset of distinct positions from
+            `[0, position_table_size)` (Ruoss et al. 2023); at inference positions are `0..n-1`. Any map.
+        randomized_range: `"fixed"` draws every sequence's positions from `[0, position_table_size)`;
+            `"per_sequence"` first draws each sequence's own range `[0, M')`, `M'` uniform between its length and
+            `position_table_size`, so that gaps run from none (the positions of inference) to the widest.
+        spline_control_points: `n`, the B-spline's learned control points (`positional_map="bspline"`).
+        spline_degree: `k`, the B-spline's degree (3: cubic).
+        spline_extension: the B-spline past its last knot: `"clamp"` (the last control point) or `"linear"` (the
+            end's tangent continued).
         norm_type: `"rmsnorm"` or `"layernorm"`; each subspace is normalised on its own.
         norm_eps: epsilon of the norms.
         lm_head_input: which block the LM head reads, `"semantic"` or `"all"`.
@@ -182,6 +194,11 @@ class SepFormerConfig(PreTrainedConfig):
     interpolation_length: int | None = None
     position_table_size: int | None = None
     random_position_offsets: bool = False
+    randomized_positions: bool = False
+    randomized_range: str = "fixed"
+    spline_control_points: int = 16
+    spline_degree: int = 3
+    spline_extension: str = "clamp"
     norm_type: str = "rmsnorm"
     norm_eps: float | int = 1e-6
     lm_head_input: str = "semantic"
@@ -275,11 +292,42 @@ class SepFormerConfig(PreTrainedConfig):
                 f"position_table_size={self.position_table_size} must be >= max_position_embeddings="
                 f"{self.max_position_embeddings}."
             )
-        if self.position_table_size > self.max_position_embeddings and not self.random_position_offsets:
+        if self.position_table_size > self.max_position_embeddings and not (
+            self.random_position_offsets or self.randomized_positions
+        ):
             raise ValueError(
                 f"position_table_size={self.position_table_size} > max_position_embeddings="
-                f"{self.max_position_embeddings} needs random_position_offsets=True: otherwise the rows past "
-                "max_position_embeddings are never trained."
+                f"{self.max_position_embeddings} needs random_position_offsets=True or randomized_positions=True: "
+                "otherwise the positions past max_position_embeddings are never trained."
+            )
+        if self.random_position_offsets and self.randomized_positions:
+            raise ValueError(
+                "random_position_offsets=True and randomized_positions=True are two ways of choosing the training "
+                "positions: choose one."
+            )
+        if self.randomized_positions and not (
+            self.position_size > 0 and self.position_table_size > self.max_position_embeddings
+        ):
+            raise ValueError(
+                "randomized_positions=True needs a positional map (position_size > 0) and a range of positions "
+                f"position_table_size > max_position_embeddings={self.max_position_embeddings} to draw from; got "
+                f"position_size={self.position_size}, position_table_size={self.position_table_size}."
+            )
+        if self.randomized_range != "fixed" and not self.randomized_positions:
+            raise ValueError(
+                f"randomized_range={self.randomized_range!r} is read only with randomized_positions=True (it would be "
+                "ignored): set randomized_positions=True or leave randomized_range='fixed'."
+            )
+        if self.spline_degree >= self.spline_control_points:
+            raise ValueError(
+                f"spline_degree={self.spline_degree} needs more control points than that: spline_control_points="
+                f"{self.spline_control_points} must be > spline_degree (a B-spline of degree k has k + 1 control "
+                "points per segment)."
+            )
+        if self.positional_map == "bspline" and self.position_table_size < 2:
+            raise ValueError(
+                f"positional_map='bspline' spreads its knots over [0, position_table_size - 1]: position_table_size="
+                f"{self.position_table_size} must be >= 2."
             )
         if self.random_position_offsets and not (has_table and self.position_table_size > self.max_position_embeddings):
             raise ValueError(
@@ -325,8 +373,8 @@ class SepFormerConfig(PreTrainedConfig):
             raise ValueError(
                 f"position_extrapolation={extrapolation.method!r} needs a learned positional table (it applies to a "
                 f"learned positional table only); this model has positional_map={self.positional_map!r}, "
-                f"position_size={self.position_size} (a sinusoid is defined at every position, position_size=0 has "
-                "none): use 'none'."
+                f"position_size={self.position_size} (a sinusoid is defined at every position, a B-spline has its "
+                "spline_extension, position_size=0 has no positions): use 'none'."
             )
         if extrapolation.length is not None and extrapolation.length <= self.position_table_size:
             raise ValueError(
@@ -411,6 +459,18 @@ def _interpolation_length(name, value):
         )
 
 
+def _spline_degree(name, value):
+    if value < 1:
+        raise ValueError(
+            f"{name}={value} is not allowed: it must be a positive integer (3: cubic) < spline_control_points."
+        )
+
+
+def _spline_control_points(name, value):
+    if value < 2:
+        raise ValueError(f"{name}={value} is not allowed: it must be an integer >= 2, larger than spline_degree.")
+
+
 def _rotary_dim(name, value):
     if value < 0 or value % 2 == 1:
         raise ValueError(
@@ -460,6 +520,10 @@ FIELD_CHECKS = {
     "position_extrapolation": _extrapolation_method,
     "fourier_components": _fourier_components,
     "interpolation_length": _interpolation_length,
+    "spline_control_points": _spline_control_points,
+    "spline_degree": _spline_degree,
+    "spline_extension": _choice(SPLINE_EXTENSIONS),
+    "randomized_range": _choice(RANDOMIZED_RANGES),
     "norm_eps": _finite(0.0, inclusive=False),
     "rope_theta": _finite(0.0, inclusive=False),
     "initializer_range": _finite(0.0, inclusive=True),

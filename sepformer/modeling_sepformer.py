@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
@@ -27,7 +28,13 @@ from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .mitigation_base import NO_HOOKS, CallContext, LayerRun, MitigationPlan, QueryKeyProjection, cached_constant
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
-from .positional_maps import POSITIONAL_MAP_CLASSES, apply_partial_rotary, call_extrapolation, positions_from_mask
+from .positional_maps import (
+    POSITIONAL_MAP_CLASSES,
+    BSplinePositions,
+    apply_partial_rotary,
+    call_extrapolation,
+    positions_from_mask,
+)
 
 
 class BlockDiagonal(nn.Module):
@@ -377,6 +384,8 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         # Non-persistent buffers are not loaded: recompute them, or `from_pretrained` leaves meta-device garbage.
         if isinstance(module, SepFormerRotaryEmbedding):
             module.inv_freq.copy_(module.compute_inv_freq())
+        if isinstance(module, BSplinePositions):
+            init.normal_(module.control_points, mean=0.0, std=self.config.initializer_range)
 
 
 def default_position_ids(

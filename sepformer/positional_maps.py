@@ -1,7 +1,9 @@
 """Positional maps `p(i)`, the only part of a SepFormer that depends on position, and their extrapolation.
 
-Each map takes `position_ids` of shape (batch or 1, seq), integer or fractional, and returns rows of shape
-(batch or 1, seq, d_pos). Past the `L` rows of a learned table, rows come from an extrapolation method:
+Three maps: a learned table (`LearnedPositions`), the fixed sinusoid (`SinusoidalPositions`) and a B-spline with learned
+control points (`BSplinePositions`). Each map takes `position_ids` of shape (batch or 1, seq), integer or fractional,
+and returns rows of shape (batch or 1, seq, d_pos). Past the `L` rows of a learned table, rows come from an
+extrapolation method:
 
 | method        | `p(i)` for `i >= L`                                                                      |
 |---------------|------------------------------------------------------------------------------------------|
@@ -106,9 +108,14 @@ def fourier_rows(table: torch.Tensor, positions: torch.Tensor, components: int) 
     return (basis_real @ spectrum.real - basis_imag @ spectrum.imag).to(table.dtype)  # (n, d)
 
 
-def interpolation_scale(length: int, needed):
-    """`(L-1)/(n-1)`: positions of a sequence of `n > L` tokens compressed into a table of `L` rows."""
-    return (length - 1) / (needed - 1)
+def compress_positions(positions: torch.Tensor, length: int, needed) -> torch.Tensor:
+    """`i · (L-1)/(n-1)`: positions of a sequence of `n > L` tokens compressed into a table of `L` rows.
+
+    Computed as the integer product `i · (L-1)` divided once by `n-1`: one correctly rounded division, so the last
+    position lands exactly on row `L-1`. Multiplying by a rounded scale can overshoot it (float32 `19 · (15/19)` is
+    `15.000001`), and a reader that takes the ceiling then asks for a row past the table.
+    """
+    return positions * (length - 1) / (needed - 1)
 
 
 def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -127,29 +134,99 @@ def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
     return low, high
 
 
-class LearnedPositions(nn.Embedding):
+def capacity_for(needed: int, length: int) -> int:
+    """`length · 2^m`, the smallest such at least `needed`: rows made for it serve every shorter call."""
+    return length * 2 ** max(0, math.ceil(math.log2(needed / length)))
+
+
+class RowCache:
+    """Rows that depend on one parameter's state only, computed once per state and reused until it changes.
+
+    Rows are made for a capacity (`capacity_for`), and rows made for a larger capacity serve a smaller one. The state
+    is the parameter's version counter (moved by every in-place update: optimiser steps, loading), data pointer (a
+    move) and dtype; writes through `.data` bypass the counter (`clear()` forgets the rows). Under autograd with a
+    trainable parameter nothing is kept: the rows are rebuilt, with gradients, in every call.
+    """
+
+    def __init__(self):
+        self.entry = None  # (key, capacity, rows) of the last rows made without autograd
+
+    def get(self, parameter: torch.Tensor, key, capacity: int, make) -> torch.Tensor:
+        """The rows for `key` at `capacity` or more; `make(capacity)` computes them."""
+        key = (key, parameter._version, parameter.data_ptr(), parameter.dtype)
+        cacheable = not (torch.is_grad_enabled() and parameter.requires_grad)
+        if cacheable and self.entry is not None and self.entry[0] == key and self.entry[1] >= capacity:
+            return self.entry[2]
+        rows = make(capacity)
+        if cacheable:
+            self.entry = (key, capacity, rows)
+        return rows
+
+    def clear(self) -> None:
+        self.entry = None
+
+
+class TrainingPositions:
+    """Where a map is read in training: the positions themselves, shifted by random offsets (a learned table only),
+    or randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
+
+    def setup_training_positions(self, config) -> None:
+        self.random_offsets = config.random_position_offsets
+        self.randomized = config.randomized_positions
+        self.per_sequence_range = config.randomized_range == "per_sequence"
+        self.position_range = config.position_table_size  # M: training positions lie in [0, M)
+
+    def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
+        if not (self.random_offsets or self.randomized):
+            return position_ids
+        highest = int(position_ids.max())
+        if highest >= self.position_range:
+            option = "random_position_offsets" if self.random_offsets else "randomized_positions"
+            raise ValueError(
+                f"{option}: a training sequence reaches position {highest}, past the table of "
+                f"position_table_size={self.position_range} rows; train on shorter sequences."
+            )
+        if self.random_offsets:
+            return self.offset_positions(position_ids, batch, highest)
+        return randomized_positions(
+            position_ids.expand(batch, -1), highest + 1, self.position_range, self.per_sequence_range
+        )
+
+    def offset_positions(self, position_ids: torch.LongTensor, batch: int, highest: int) -> torch.LongTensor:
+        """Half the rows shifted by a random offset so that every row of the table gets trained. The other half keep
+        their positions: inference starts at 0, and with uniform offsets alone row 0 would be trained by one sequence
+        in `position_table_size - seq` only."""
+        offsets = torch.randint(0, self.position_range - highest, (batch, 1), device=position_ids.device)
+        keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
+        return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
+
+
+def randomized_positions(
+    position_ids: torch.LongTensor, needed: int, position_range: int, per_sequence_range: bool = False
+) -> torch.LongTensor:
+    """Randomized positions (Ruoss et al., arXiv 2305.16843): each row's `i`-th position becomes the `i`-th smallest
+    of `needed` distinct positions drawn uniformly from `[0, position_range)`. Every position up to the range gets
+    trained, in order, with gaps that carry no meaning; padding slots (position 0) read the row's first one.
+
+    With `per_sequence_range` each row first draws its own range `[0, M')`, `M'` uniform in `[needed, position_range]`:
+    gaps then run from none (`M' = needed`, as at inference) to `position_range / needed` on average, so the small gaps
+    that inference reads are trained as well as the wide ones."""
+    batch = position_ids.shape[0]
+    scores = torch.rand(batch, position_range, device=position_ids.device)
+    if per_sequence_range:
+        row_range = torch.randint(needed, position_range + 1, (batch, 1), device=position_ids.device)  # M'
+        scores = scores.masked_fill(torch.arange(position_range, device=position_ids.device) >= row_range, -1.0)
+    chosen = scores.topk(needed, dim=-1).indices.sort(dim=-1).values  # (b, needed): a sorted uniform subset
+    return chosen.gather(-1, position_ids)  # (b, seq)
+
+
+class LearnedPositions(nn.Embedding, TrainingPositions):
     """A table of learned rows (the default map), extended past its end by a `PositionExtrapolation`."""
 
     def __init__(self, config):
         super().__init__(config.position_table_size, config.position_size)
-        self.random_offsets = config.random_position_offsets
-        self._cache = None  # (key, rows past the table) of the last extension made without autograd
-
-    def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
-        """With `random_position_offsets`, half the rows shifted by a random offset so that every row of the table
-        gets trained. The other half keep their positions: inference starts at 0, and with uniform offsets alone row
-        0 would be trained by one sequence in `position_table_size - seq` only."""
-        if not self.random_offsets:
-            return position_ids
-        room = self.num_embeddings - int(position_ids.max())  # offsets in [0, room)
-        if room < 1:
-            raise ValueError(
-                f"random_position_offsets: a training sequence reaches position {int(position_ids.max())}, past the "
-                f"table of position_table_size={self.num_embeddings} rows; train on shorter sequences."
-            )
-        offsets = torch.randint(0, room, (batch, 1), device=position_ids.device)
-        keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
-        return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
+        self.setup_training_positions(config)
+        self.extension = RowCache()  # rows past the table, per method and capacity
 
     def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         if position_ids.is_floating_point():
@@ -190,8 +267,8 @@ class LearnedPositions(nn.Embedding):
                     "needs the final sequence length: position_extrapolation={'method': 'interpolate', 'length': N}."
                 )
             row_needed = torch.full_like(row_needed, extrapolation.length)
-        scale = torch.where(row_needed > length, interpolation_scale(length, row_needed.clamp(min=2)), 1.0)
-        return position_ids * scale  # identity for rows of at most L positions
+        compressed = compress_positions(position_ids, length, row_needed.clamp(min=2))
+        return torch.where(row_needed > length, compressed, position_ids)  # identity for rows of at most L positions
 
     def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
@@ -205,9 +282,8 @@ class LearnedPositions(nn.Embedding):
         """Extrapolated rows `L, L+1, ...`, at least up to row `needed - 1`.
 
         Rows depend on the position only, so they are computed for a capacity rounded up to `L · 2^m` and reused by
-        every call and decoding step that fits, until the table's weights change (their version counter moves with
-        every in-place update: optimiser steps, loading; writes through `.data` bypass it: call `clear_cache()`).
-        Under autograd they are rebuilt, once per call.
+        every call and decoding step that fits, until the table's weights change (`RowCache`; after a write through
+        `.data` call `clear_cache()`). Under autograd they are rebuilt, once per call.
         """
         length, method = self.num_embeddings, extrapolation.method
         if method in ("none", "interpolate"):
@@ -219,18 +295,15 @@ class LearnedPositions(nn.Embedding):
                 + (", 'interpolate'" if method == "none" else "")
                 + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."
             )
-        capacity = length * 2 ** math.ceil(math.log2(needed / length))
-        key = (extrapolation, capacity, self.weight._version, self.weight.data_ptr(), self.weight.dtype)
-        cacheable = not (torch.is_grad_enabled() and self.weight.requires_grad)
-        if cacheable and self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
-        rows = self.method_rows(torch.arange(length, capacity, device=self.weight.device), extrapolation)
-        if cacheable:
-            self._cache = (key, rows)
-        return rows
+        return self.extension.get(
+            self.weight,
+            extrapolation,
+            capacity_for(needed, length),
+            lambda capacity: self.method_rows(torch.arange(length, capacity, device=self.weight.device), extrapolation),
+        )
 
     def clear_cache(self) -> None:
-        self._cache = None
+        self.extension.clear()
 
     def method_rows(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """`p(i)` of `clamp`, `sinusoidal` or `fourier` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
@@ -249,7 +322,7 @@ class LearnedPositions(nn.Embedding):
         if method == "interpolate":
             if extrapolation.length is None or extrapolation.length <= length:
                 return super().forward(position_ids)
-            return interpolate_rows(self.weight, position_ids * interpolation_scale(length, extrapolation.length))
+            return interpolate_rows(self.weight, compress_positions(position_ids, length, extrapolation.length))
         if method == "none":
             return super().forward(position_ids)
         inside = super().forward(position_ids.clamp(max=length - 1))
@@ -257,15 +330,13 @@ class LearnedPositions(nn.Embedding):
         return torch.where((position_ids >= length).unsqueeze(-1), past, inside)
 
 
-class SinusoidalPositions(nn.Module):
+class SinusoidalPositions(nn.Module, TrainingPositions):
     """The fixed sinusoid of "Attention Is All You Need" over `d_pos` dimensions, defined at every position."""
 
     def __init__(self, config):
         super().__init__()
         self.dim = config.position_size
-
-    def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
-        return position_ids
+        self.setup_training_positions(config)
 
     def forward(
         self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, base: float = SINUSOID_BASE
@@ -280,7 +351,112 @@ class SinusoidalPositions(nn.Module):
         return f"dim={self.dim}"
 
 
-POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
+SPLINE_EXTENSIONS = ("clamp", "linear")
+
+
+def bspline_knots(control_points: int, degree: int, end: float) -> torch.Tensor:
+    """The clamped uniform knot vector over `[0, end]`: `degree + 1` knots at each end, `control_points - degree`
+    equal segments between them (float64, `control_points + degree + 1` knots)."""
+    breakpoints = torch.linspace(0.0, end, control_points - degree + 1, dtype=torch.float64)
+    return torch.cat((breakpoints[:1].repeat(degree), breakpoints, breakpoints[-1:].repeat(degree)))
+
+
+def bspline_basis(positions: torch.Tensor, knots: torch.Tensor, degree: int, extension: str) -> torch.Tensor:
+    """`N_{i,k}(t)` for every control point `i` at real `positions` (...): (..., n), float64, by Cox–de Boor.
+
+    On `[0, end]` (the knots' span) the rows sum to 1. Past `end`, `clamp` keeps the end's basis (`p(t) = c_{n-1}`)
+    and `linear` continues along the end's tangent: `p(end) + (t - end) p'(end)`, `p'(end) = k (c_{n-1} - c_{n-2}) / h`
+    for the last segment's length `h` (the clamped knots make only the last two control points reach the end).
+    """
+    end = knots[-1]
+    inside = positions.double().clamp(max=end)[..., None]  # (..., 1)
+    # degree 0: indicators of the half-open spans [t_i, t_{i+1}); `end` itself belongs to the last non-empty one
+    basis = ((knots[:-1] <= inside) & (inside < knots[1:])).double()  # (..., n + k)
+    last_span = len(knots) - degree - 2
+    basis[..., last_span] = torch.where(inside[..., 0] == end, 1.0, basis[..., last_span])
+    for d in range(1, degree + 1):
+        width = basis.shape[-1] - 1  # functions of degree d
+        left, right = knots[:width], knots[d + 1 : d + 1 + width]  # t_i, t_{i+d+1}
+        rise = span_ratio(inside - left, knots[d : d + width] - left)  # (t - t_i) / (t_{i+d} - t_i)
+        fall = span_ratio(right - inside, right - knots[1 : 1 + width])  # (t_{i+d+1} - t) / (t_{i+d+1} - t_{i+1})
+        basis = rise * basis[..., :-1] + fall * basis[..., 1:]  # (..., n + k - d)
+    if extension == "linear":
+        slope = degree / (end - knots[-degree - 2])  # k / h
+        beyond = (positions.double() - end).clamp(min=0)[..., None] * slope  # (..., 1)
+        basis = torch.cat((basis[..., :-2], basis[..., -2:-1] - beyond, basis[..., -1:] + beyond), -1)
+    return basis
+
+
+def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """`numerator / denominator`, 0 where the span is empty (repeated knots: Cox–de Boor's `0/0 = 0`)."""
+    return torch.where(denominator > 0, numerator / denominator.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+
+
+class BSplinePositions(nn.Module, TrainingPositions):
+    """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`spline_control_points`, `n ≪ L`) and the
+    B-spline basis of degree `k` (`spline_degree`) on clamped uniform knots over `[0, T-1]`, `T` the
+    `position_table_size` (`L`, or the range of randomized positions). Defined at every real position; past `T-1`
+    `spline_extension` decides (`clamp`: the last control point; `linear`: the end's tangent continued).
+
+    Integer positions read rows computed once per state of the control points, for `0 .. T·2^m - 1` (`RowCache`), as
+    the learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.degree, self.extension = config.spline_degree, config.spline_extension
+        self.length = config.position_table_size
+        self.control_points = nn.Parameter(torch.empty(config.spline_control_points, config.position_size))
+        self.setup_training_positions(config)
+        self.integer_rows = RowCache()
+        self._knots = None  # float64 knots on the control points' device
+
+    def knots(self) -> torch.Tensor:
+        device = self.control_points.device
+        if self._knots is None or self._knots.device != device:
+            self._knots = bspline_knots(self.control_points.shape[0], self.degree, float(self.length - 1)).to(device)
+        return self._knots
+
+    def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        if torch.compiler.is_compiling() or position_ids.numel() == 0:
+            return self.rows_at(position_ids)
+        _, high = position_range(position_ids)  # refuses a negative position
+        if position_ids.is_floating_point():
+            return self.rows_at(position_ids)
+        rows = self.integer_rows.get(
+            self.control_points,
+            None,
+            capacity_for(high + 1, self.length),
+            lambda capacity: self.rows_at(torch.arange(capacity, device=position_ids.device)),
+        )
+        return nn.functional.embedding(position_ids, rows)  # (b or 1, seq, d_pos)
+
+    def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """`Σ_i N_i(t) c_i` at real `positions` (...): (..., d_pos). Summed control point by control point, in the
+        same order for every position: a position's row is the same bit for bit whatever else the call reads (MS-PoE's
+        identity compares the rows at `m / 1` with those at `m`)."""
+        weight = self.control_points
+        with torch.autocast(weight.device.type, enabled=False):
+            basis = bspline_basis(positions, self.knots(), self.degree, self.extension).to(weight.dtype)
+            rows = basis[..., :1] * weight[0]
+            for i in range(1, weight.shape[0]):
+                rows = rows + basis[..., i : i + 1] * weight[i]
+            return rows
+
+    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        return position_ids  # defined everywhere: nothing is compressed
+
+    def clear_cache(self) -> None:
+        self.integer_rows.clear()
+
+    def extra_repr(self):
+        return (
+            f"control_points={tuple(self.control_points.shape)}, degree={self.degree}, knots=[0, "
+            f"{self.length - 1}], extension={self.extension!r}"
+        )
+
+
+POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
 
 
 def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:

@@ -364,3 +364,20 @@ def test_sinusoidal_map_runs_past_L_as_is():
     angle = torch.arange(3 * L, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, 8, 2) / 8)
     expected = torch.stack((angle.sin(), angle.cos()), -1).flatten(1)  # PE_2k = sin, PE_2k+1 = cos, interleaved
     torch.testing.assert_close(out.hidden_states[0][0, :, :8], expected)
+
+
+@pytest.mark.parametrize("n", [20, 24, 28, 29, 39])
+def test_ms_poe_identity_under_interpolate_is_the_base_model_at_every_length(n):
+    """At these lengths float32 `(n-1) · (15/(n-1))` is `15.000001`: the last position must still land on row 15."""
+    from sepformer import MSPoE
+
+    model = model_with_table()
+    ids = torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(n))
+    identity = MSPoE(r_min=1.0, r_max=1.0, layers=(0, 1), head_order=(0, 1, 2, 3))
+    for extrapolation in ("interpolate", {"method": "interpolate", "length": n}):
+        with torch.no_grad():
+            base = model(ids, position_extrapolation=extrapolation).logits
+            assert torch.equal(model(ids, position_extrapolation=extrapolation, ms_poe=identity).logits, base)
+    table = model.model.embed_positions
+    coordinates = table.table_coordinates(torch.arange(n)[None], PositionExtrapolation("interpolate"))
+    assert coordinates[0, -1].item() == L - 1

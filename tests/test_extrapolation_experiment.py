@@ -14,9 +14,18 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import extrapolation  # noqa: E402  (after the path)
 
-MODELS = ["SepFormer learned", "SepFormer learned, random offsets (8L table)",
-          "SepFormer sinusoidal", "SepFormer d_pos=0", "GPT-2 (learned, additive)",
-          "Llama (rotary)", "Bloom (ALiBi)"]
+MODELS = {"SepFormer learned": tuple(sepformer.EXTRAPOLATION_METHODS),
+          "SepFormer learned, last row untrained": ("clamp",),
+          "SepFormer learned, random offsets (8L table)": ("-",),
+          "SepFormer learned, randomized positions (8L table)": ("-",),
+          "SepFormer sinusoidal": ("-",),
+          "SepFormer sinusoidal, randomized positions (8L)": ("-",),
+          "SepFormer B-spline (n=16)": ("-",),
+          "SepFormer B-spline (n=32), randomized positions (8L)": ("-",),
+          "SepFormer sinusoidal, randomized positions, range per sequence (8L)": ("-",),
+          "SepFormer B-spline (n=32), randomized positions, range per sequence (8L)": ("-",),
+          "SepFormer d_pos=0": ("-",), "GPT-2 (learned, additive)": ("-",), "Llama (rotary)": ("-",),
+          "Bloom (ALiBi)": ("-",)}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +41,7 @@ def test_every_model_method_seed_and_length_has_a_row(run):
     _, rows, _ = run
     lengths = {str(16 * m) for m in (1, 2, 4, 8)}
     expected = {(model, method, seed, length)
-                for model in MODELS
-                for method in (sepformer.EXTRAPOLATION_METHODS if model == "SepFormer learned" else ["-"])
+                for model, methods in MODELS.items() for method in methods
                 for seed in ("0", "1") for length in lengths}
     assert {(r["model"], r["method"], r["seed"], r["length"]) for r in rows} == expected
     assert len(rows) == len(expected)
@@ -67,6 +75,46 @@ def test_table_and_plot(run):
     assert " ± " in stdout  # two seeds: mean ± std
     assert (output_dir / "results.md").read_text().strip() in stdout
     assert (output_dir / "extrapolation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_and_plot_from_the_csv_of_runs_made_side_by_side(run, tmp_path):
+    """`--from-csv` trains nothing and gives the table of the runs it reads."""
+    stdout, _, output_dir = run
+    again, rows = run_script(EXAMPLES / "extrapolation.py", "--tiny", "--from-csv", str(output_dir / "results.csv"),
+                             output_dir=tmp_path, csv_name="results.csv")
+    assert (tmp_path / "results.md").read_text() == (output_dir / "results.md").read_text()
+    assert len(rows) == len(list(csv_rows(output_dir / "results.csv")))
+    assert (tmp_path / "extrapolation.png").exists()
+
+
+def csv_rows(path):
+    import csv
+
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_training_blocks_give_position_L_minus_1_a_target(tmp_path):
+    """Blocks of L + 1 tokens; the row trained without that target sees exactly what blocks of L tokens give."""
+    args = extrapolation.parse_args(["--tiny"])
+    blocks, _ = extrapolation.token_data(args, sepformer.SepFormerTokenizer())
+    assert blocks.shape[1] == args.block_size + 1
+    torch.manual_seed(0)
+    model = sepformer.SepFormerForCausalLM(extrapolation.sepformer_config(args, 259))
+    last_row_gradients = []
+    model.model.embed_positions.weight.register_hook(lambda grad: last_row_gradients.append(grad[-1].clone()))
+    order = torch.arange(4)[None]
+    args.max_steps = 1
+    extrapolation.train(model, blocks, order, args, "untrained", last_position_target=False)
+    extrapolation.train(model, blocks, order, args, "trained")
+    untrained, trained = last_row_gradients
+    assert torch.equal(untrained, torch.zeros_like(untrained)) and trained.abs().sum() > 0
+
+
+def test_documentation_text_is_split_by_topic():
+    train, validation = extrapolation.documentation_topics(10**7, validation_fraction=0.1)
+    assert train and validation and not set(train) & set(validation)
+    assert sum(map(len, validation)) > 8 * 64 * 4  # enough for the default preset's 8L windows
 
 
 def test_bits_per_byte_is_the_model_loss():

@@ -493,7 +493,7 @@ def test_ms_poe_reads_the_table_on_the_scale_of_interpolate_past_the_table():
     one = strong_positions(tiny_model(num_hidden_layers=1))
     option = MSPoE(r_min=2.0, r_max=2.0, layers=(0,), head_order=(0, 1, 2, 3))
     table = one.model.embed_positions.weight
-    compressed = torch.arange(70) * (63 / 69)
+    compressed = torch.arange(70) * 63 / 69
     with torch.no_grad():
         ours = one(ids, position_extrapolation="interpolate", ms_poe=option, output_hidden_states=True)
         position_rows = torch.lerp(

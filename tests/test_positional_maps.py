@@ -1,0 +1,279 @@
+"""The B-spline positional map against Cox–de Boor written out here, and randomized positions in training."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from sepformer import MSPoE, PositionExtrapolation
+from sepformer.positional_maps import bspline_basis, bspline_knots, randomized_positions
+
+L = 16
+D_POS = 8  # tiny_model: hidden_size 32, 4 heads
+
+
+def reference_knots(n, k, end):
+    """Clamped uniform knots: k + 1 at each end, n - k equal segments in between."""
+    return [0.0] * (k + 1) + [end * j / (n - k) for j in range(1, n - k)] + [end] * (k + 1)
+
+
+def cox_de_boor(i, k, t, knots):
+    """`N_{i,k}(t)` by the recursion, spans half-open except the last non-empty one, which also holds the end."""
+    if k == 0:
+        if knots[i] <= t < knots[i + 1]:
+            return 1.0
+        return 1.0 if t == knots[-1] and knots[i] < knots[i + 1] == knots[-1] else 0.0
+    value = 0.0
+    if knots[i + k] > knots[i]:
+        value += (t - knots[i]) / (knots[i + k] - knots[i]) * cox_de_boor(i, k - 1, t, knots)
+    if knots[i + k + 1] > knots[i + 1]:
+        value += (knots[i + k + 1] - t) / (knots[i + k + 1] - knots[i + 1]) * cox_de_boor(i + 1, k - 1, t, knots)
+    return value
+
+
+def reference_rows(control_points, k, positions, end, extension):
+    """`p(t) = Σ_i N_{i,k}(t) c_i` on `[0, end]`; past it the last control point (`clamp`) or the tangent at the end,
+    taken here as a one-sided finite difference (`linear`)."""
+    c = control_points.double()
+    n = c.shape[0]
+    knots = reference_knots(n, k, end)
+
+    def p(t):
+        return sum(cox_de_boor(i, k, t, knots) * c[i] for i in range(n))
+
+    rows = []
+    for t in positions:
+        if t <= end:
+            rows.append(p(t))
+        elif extension == "clamp":
+            rows.append(c[-1])
+        else:
+            step = 1e-6
+            rows.append(p(end) + (t - end) * (p(end) - p(end - step)) / step)
+    return torch.stack(rows)
+
+
+def spline_model(seed=0, **overrides):
+    """A tiny model with a B-spline map whose control points are large enough to matter."""
+    values = dict(max_position_embeddings=L, positional_map="bspline", spline_control_points=6)
+    values.update(overrides)
+    model = tiny_model(seed=seed, **values)
+    with torch.no_grad():
+        model.model.embed_positions.control_points.normal_(0, 1)
+    return model
+
+
+def map_rows(model, positions):
+    with torch.no_grad():
+        return model.model.embed_positions(positions, PositionExtrapolation())
+
+
+POSITIONS = [0.0, 0.5, 1.0, 2.9, 3.0, 7.25, 11.0, 14.999, 15.0]
+
+
+@pytest.mark.parametrize("n, k", [(6, 3), (5, 1), (8, 2), (4, 3), (7, 4)])
+def test_basis_equals_cox_de_boor(n, k):
+    knots = bspline_knots(n, k, float(L - 1))
+    torch.testing.assert_close(knots, torch.tensor(reference_knots(n, k, L - 1.0), dtype=torch.float64))
+    got = bspline_basis(torch.tensor(POSITIONS, dtype=torch.float64), knots, k, "clamp")
+    knot_list = reference_knots(n, k, L - 1.0)
+    expected = torch.tensor([[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS]).double()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("extension", ["clamp", "linear"])
+@pytest.mark.parametrize("n, k", [(6, 3), (16, 3), (5, 1)])
+def test_partition_of_unity(n, k, extension):
+    knots = bspline_knots(n, k, float(L - 1))
+    inside = bspline_basis(torch.linspace(0, L - 1, 1001), knots, k, extension)
+    assert (inside >= 0).all()
+    torch.testing.assert_close(inside.sum(-1), torch.ones(1001, dtype=torch.float64), rtol=0, atol=1e-12)
+    # past the last knot the rows stay affine combinations of the control points (clamp: the last one alone)
+    beyond = bspline_basis(torch.tensor([16.0, 40.0, 1000.0]), knots, k, extension)
+    torch.testing.assert_close(beyond.sum(-1), torch.ones(3, dtype=torch.float64), rtol=0, atol=1e-9)
+    if extension == "clamp":
+        assert torch.equal(beyond, torch.nn.functional.one_hot(torch.tensor([n - 1] * 3), n).double())
+
+
+@pytest.mark.parametrize("extension", ["clamp", "linear"])
+def test_rows_at_integer_and_fractional_positions_equal_the_reference(extension):
+    model = spline_model(spline_extension=extension)
+    control_points = model.model.embed_positions.control_points.detach()
+    integers = list(range(3 * L))  # past the last knot (15) as well
+    with torch.no_grad():
+        hidden = model(torch.zeros(1, 3 * L, dtype=torch.long), output_hidden_states=True).hidden_states[0]
+    expected = reference_rows(control_points, 3, integers, L - 1.0, extension).float()
+    torch.testing.assert_close(hidden[0, :, :D_POS], expected, rtol=1e-4, atol=1e-4)
+    fractional = [0.25, 7.5, 14.75, 15.5, 20.125]
+    torch.testing.assert_close(map_rows(model, torch.tensor([fractional]))[0],
+                               reference_rows(control_points, 3, fractional, L - 1.0, extension).float(),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_ends_are_the_end_control_points():
+    model = spline_model()
+    control_points = model.model.embed_positions.control_points
+    rows = map_rows(model, torch.tensor([[0, L - 1, 4 * L]]))[0]
+    torch.testing.assert_close(rows, control_points[[0, -1, -1]], rtol=1e-6, atol=1e-6)
+
+
+def decode_step_by_step(model, ids, prefill):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("extension", ["clamp", "linear"])
+def test_cached_decoding_past_L_equals_the_full_forward(extension):
+    model = spline_model(spline_extension=extension)
+    ids = torch.randint(0, 256, (2, 3 * L), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+    torch.testing.assert_close(decode_step_by_step(model, ids, 10), full, rtol=1e-5, atol=1e-5)
+    kwargs = dict(max_new_tokens=2 * L, do_sample=False, pad_token_id=256)
+    prompt = ids[:, :6]
+    cached, uncached = (model.generate(prompt, use_cache=use_cache, **kwargs) for use_cache in (True, False))
+    assert torch.equal(cached, uncached)
+
+
+def test_rows_are_computed_once_per_state_of_the_control_points():
+    model = spline_model()
+    spline = model.model.embed_positions
+    ids = torch.randint(0, 256, (1, 3 * L))
+    with torch.no_grad():
+        model(ids)
+        first = spline.integer_rows.entry[2]
+        assert first.shape[0] == 4 * L  # capacity L · 2^m covering 3L
+        model(ids[:, :5])
+        assert spline.integer_rows.entry[2] is first  # same state: reused
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.train()
+    model(ids[:, :L], labels=ids[:, :L]).loss.backward()
+    assert spline.control_points.grad.abs().sum() > 0  # training reaches the control points
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+        assert spline.integer_rows.entry[2] is not first
+        torch.testing.assert_close(spline.integer_rows.entry[2], spline.rows_at(torch.arange(4 * L)))
+
+
+def test_ms_poe_identity_is_the_base_model_bit_for_bit():
+    model = spline_model()
+    ids = torch.randint(0, 256, (2, 2 * L + 3))
+    identity = MSPoE(r_min=1.0, r_max=1.0, layers=(0, 1), head_order=(0, 1, 2, 3))
+    with torch.no_grad():
+        assert torch.equal(model(ids, ms_poe=identity).logits, model(ids).logits)
+
+
+def test_compiled_forward_past_L_equals_eager():
+    model = spline_model(spline_extension="linear")
+    ids = torch.randint(0, 256, (2, 3 * L))
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_save_and_reload(tmp_folder):
+    model = spline_model(spline_control_points=5, spline_degree=2, spline_extension="linear")
+    model.save_pretrained(tmp_folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
+    config = reloaded.config
+    assert (config.positional_map, config.spline_control_points, config.spline_degree, config.spline_extension) == (
+        "bspline", 5, 2, "linear")
+    assert torch.equal(reloaded.model.embed_positions.control_points, model.model.embed_positions.control_points)
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+# --------------------------------------------------------------------------------------------- randomized positions
+
+
+def test_randomized_positions_are_sorted_distinct_subsets_that_reach_every_position():
+    M = 8 * L
+    reached = torch.zeros(M, dtype=torch.bool)
+    for _ in range(50):
+        drawn = randomized_positions(torch.arange(L).expand(4, -1), L, M)
+        assert drawn.shape == (4, L)
+        assert (drawn.diff(dim=-1) > 0).all() and drawn.min() >= 0 and drawn.max() < M
+        reached[drawn.flatten()] = True
+    assert reached.all()
+
+
+def test_a_range_per_sequence_gives_gaps_from_none_to_the_widest():
+    """Fixed range: 16 positions from [0, 128) nearly always reach past 64. Per sequence: the range M' is uniform in
+    [16, 128], so about half the rows stay below 64, and some are contiguous (M' = 16: the positions of inference)."""
+    M, n = 8 * L, L
+    fixed = randomized_positions(torch.arange(n).expand(4000, -1), n, M)
+    varied = randomized_positions(torch.arange(n).expand(4000, -1), n, M, per_sequence_range=True)
+    assert (varied.diff(dim=-1) > 0).all() and varied.min() >= 0 and varied.max() < M
+    assert (fixed.amax(-1) < M // 2).float().mean() < 0.01
+    assert 0.3 < (varied.amax(-1) < M // 2).float().mean() < 0.6
+    assert (varied.amax(-1) == n - 1).any() and torch.equal(torch.unique(varied), torch.arange(M))
+
+
+@pytest.mark.parametrize("positional_map", ["learned", "bspline"])
+def test_randomized_positions_train_every_row_up_to_M(positional_map):
+    """Every output scored (each position has a target, as with L + 1-token blocks): every row of an 8L table, and
+    every control point of a spline over [0, 8L), gets a gradient."""
+    M = 8 * L
+    model = tiny_model(max_position_embeddings=L, position_table_size=M, randomized_positions=True,
+                       positional_map=positional_map, spline_control_points=12).train()
+    parameter = next(model.model.embed_positions.parameters())
+    reached = torch.zeros(parameter.shape[0], dtype=torch.bool)
+    for _ in range(30):
+        model.zero_grad()
+        blocks = torch.randint(0, 256, (8, L + 1))
+        model(blocks[:, :-1], labels=blocks[:, :-1], shift_labels=blocks[:, 1:].contiguous()).loss.backward()
+        reached |= parameter.grad.abs().sum(-1) > 0
+    assert reached.all()
+
+
+@pytest.mark.parametrize("positional_map", ["learned", "sinusoidal", "bspline"])
+def test_randomized_positions_only_in_training_and_inference_reads_0_to_n(positional_map):
+    model = tiny_model(max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True,
+                       positional_map=positional_map)
+    ids = torch.randint(0, 256, (3, L))
+    with torch.no_grad():
+        evaluated = model(ids).logits
+        assert torch.equal(evaluated, model(ids, position_ids=torch.arange(L)[None]).logits)
+        assert model(torch.randint(0, 256, (1, 8 * L))).logits.shape == (1, 8 * L, 259)  # 8L: no extrapolation
+        model.train()
+        assert not torch.allclose(model(ids).logits, evaluated)  # training reads other positions
+
+
+def test_randomized_positions_refuse_a_sequence_longer_than_the_range():
+    model = tiny_model(max_position_embeddings=L, position_table_size=2 * L, randomized_positions=True).train()
+    with pytest.raises(ValueError, match=r"randomized_positions: a training sequence reaches position 32, past"):
+        model(torch.randint(0, 256, (1, 2 * L + 1)), position_extrapolation="clamp")
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        ({"positional_map": "bspline", "spline_degree": 0}, ValueError, "spline_degree=0 is not allowed"),
+        ({"positional_map": "bspline", "spline_control_points": 1}, ValueError, "spline_control_points=1 is not"),
+        ({"spline_control_points": 4, "spline_degree": 4}, ValueError, "spline_control_points=4 must be > spline"),
+        ({"spline_extension": "cubic"}, ValueError, r"spline_extension='cubic' is not allowed: choose"),
+        ({"spline_degree": 2.5}, TypeError, "spline_degree=2.5 is not allowed: it must be an integer"),
+        ({"positional_map": "bspline", "position_extrapolation": "clamp"}, ValueError, "a B-spline has its spline_ext"),
+        ({"positional_map": "bspline", "max_position_embeddings": 1}, ValueError, "position_table_size=1 must be >= 2"),
+        ({"randomized_positions": True}, ValueError, "randomized_positions=True needs a positional map"),
+        ({"randomized_positions": True, "position_size": 0, "position_table_size": 32}, ValueError,
+         "randomized_positions=True needs a positional map"),
+        ({"randomized_positions": True, "random_position_offsets": True, "position_table_size": 32}, ValueError,
+         "choose one"),
+        ({"position_table_size": 32, "positional_map": "sinusoidal"}, ValueError, "or randomized_positions=True"),
+        ({"randomized_range": "per_sequence"}, ValueError, "randomized_range='per_sequence' is read only with"),
+        ({"randomized_range": "adaptive"}, ValueError, "randomized_range='adaptive' is not allowed: choose one of"),
+    ],
+)
+def test_invalid_spline_and_randomized_configs(overrides, error, message):
+    values = dict(max_position_embeddings=L)
+    values.update(overrides)
+    with pytest.raises(error, match=message):
+        tiny_model(**values)
