@@ -2,9 +2,11 @@
 folder, in a process that cannot import sepformer), merging, tied embeddings, and the fused decoding projections."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +181,28 @@ def test_lm_head_adapter_merges_on_untied_model():
     assert hasattr(peft_model.get_base_model().lm_head, "lora_A")
     adapted = logits(peft_model)
     torch.testing.assert_close(logits(peft_model.merge_and_unload()), adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_ms_poe_refuses_adapted_projections_and_runs_after_merging():
+    # MS-PoE multiplies by q_proj.weight and k_proj.weight, which on a LoRA layer are the base weights only.
+    peft_model = lora(tiny_model(seed=0)).eval()
+    message = r"ms_poe .*layers\.1\.self_attn\.q_proj.: .peft\.tuners\.lora.*merge_and_unload"
+    with pytest.raises(ValueError, match=message):
+        peft_model(input_ids=IDS, ms_poe={"r_min": 1.2, "r_max": 1.8})
+    merged = peft_model.merge_and_unload().eval()
+    with torch.no_grad():
+        merged(input_ids=IDS, ms_poe={"r_min": 1.2, "r_max": 1.8})
+    peft_model = lora(tiny_model(seed=0), target_modules=["v_proj.semantic", "up_proj"]).eval()
+    with torch.no_grad():  # adapters elsewhere do not concern it
+        peft_model(input_ids=IDS, ms_poe={"r_min": 1.2, "r_max": 1.8})
+
+
+def test_readme_lora_example_runs(tmp_path, monkeypatch):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    example = next(block for block in blocks if "get_peft_model" in block)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(example, "README.md LoRA", "exec"), namespace)
+    assert type(namespace["merged"]).__name__ == "SepFormerForCausalLM"
+    assert (tmp_path / "outputs/lora/adapter/adapter_model.safetensors").exists()
