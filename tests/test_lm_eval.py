@@ -87,7 +87,7 @@ def test_cli_past_L_with_interpolation(checkpoint, tmp_path):
         "--output_path", str(tmp_path / "results"),
     ]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
     got = json.loads(results_file.read_text())["results"][TASK]["bits_per_byte,none"]

@@ -181,7 +181,7 @@ def test_data_parallel_trains_saves_and_reloads(tmp_path, launcher):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
     command = [*LAUNCHERS[launcher], os.path.join(TESTS_DIR, "ddp_train_script.py"), str(output_dir)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
     reference = torch.load(output_dir / "reference.pt")
