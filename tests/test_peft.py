@@ -138,7 +138,7 @@ def test_adapter_on_custom_code_folder_without_sepformer(tmp_path):
         """
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REMOTE-PEFT-OK" in result.stdout
 
