@@ -33,7 +33,7 @@ test: install
 # `make test-bounds`: the test suite in one venv per bound of the supported version ranges (.venv-<bound>).
 # `make test-bound-transformers-lower` runs one. torch-upper installs torch from PyPI: a CUDA build of several GB.
 BOUNDS ?= transformers-lower transformers-upper torch-upper
-PINS_transformers-lower := torch==2.13.0 transformers==5.10.4
+PINS_transformers-lower := torch==2.13.0 transformers==5.5.4
 PINS_transformers-upper := torch==2.13.0 transformers==5.23.0
 PINS_torch-upper := torch==2.15.0 transformers==5.23.0
 
