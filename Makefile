@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean extrapolation position-bias
+.PHONY: demo test install clean extrapolation position-bias test-bounds
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,20 @@ position-bias: install
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
+# `make test-bounds`: the test suite in one venv per bound of the supported version ranges (.venv-<bound>).
+# `make test-bound-transformers-lower` runs one. torch-upper installs torch from PyPI: a CUDA build of several GB.
+BOUNDS ?= transformers-lower transformers-upper torch-upper
+PINS_transformers-lower := torch==2.13.0 transformers==5.5.4
+PINS_transformers-upper := torch==2.13.0 transformers==5.23.0
+PINS_torch-upper := torch==2.15.0 transformers==5.23.0
+
+test-bounds: $(addprefix test-bound-,$(BOUNDS))
+
+test-bound-%:
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/pip install -q $(filter torch==%,$(PINS_$*))
+	.venv-$*/bin/pip install -q -e '.[test]' $(PINS_$*)
+	.venv-$*/bin/python -m pytest -n 2 --dist loadgroup tests
+
 clean:
-	rm -rf $(VENV) outputs .cache
+	rm -rf $(VENV) .venv-*-lower .venv-*-upper outputs .cache

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
+from .lora import LORA_TARGET_MODULES
 from .mitigation_options import (
     AttentionBuckets,
     AttentionCalibration,
@@ -29,6 +30,7 @@ AutoTokenizer.register(SepFormerConfig, tokenizer_class=SepFormerTokenizer, exis
 __version__ = "0.1.0"
 __all__ = [
     "EXTRAPOLATION_METHODS",
+    "LORA_TARGET_MODULES",
     "AttentionBuckets",
     "AttentionCalibration",
     "MSPoE",

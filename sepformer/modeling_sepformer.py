@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -634,7 +634,9 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state
         if self.config.lm_head_input == "semantic":
             hidden_states = hidden_states[..., self.config.position_size :]
-        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        # An int keeps the last `logits_to_keep` positions (0: all), a tensor the positions it lists, as in Llama.
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, kept])
 
         loss = None
         if labels is not None:

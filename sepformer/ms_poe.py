@@ -95,6 +95,19 @@ class MSPoEMitigation(Mitigation):
         if config.position_size == 0 and config.rotary_dim == 0:
             raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
         layers = options.layer_set(config.num_hidden_layers)
+        if config.position_size > 0:  # `position_query_key` multiplies by `q_proj.weight`, `k_proj.weight` directly
+            wrapped = {
+                f"layers.{layer}.self_attn.{name}": f"{type(projection).__module__}.{type(projection).__qualname__}"
+                for layer in sorted(layers)
+                for name in ("q_proj", "k_proj")
+                if type(projection := getattr(call.model.layers[layer].self_attn, name)) is not nn.Linear
+            }
+            if wrapped:
+                raise ValueError(
+                    f"ms_poe multiplies by the weights of q_proj and k_proj, which would leave out what these modules "
+                    f"add to them: {wrapped}. Merge adapters first (PEFT's merge_and_unload()), or leave ms_poe's "
+                    "layers without them."
+                )
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None]
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed)

@@ -1,5 +1,6 @@
 """Training: `Trainer` lowers the loss, gradient accumulation with `num_items_in_batch` equals one big batch,
-activation checkpointing leaves the gradients unchanged, and torchrun data parallel trains, saves and reloads."""
+activation checkpointing leaves the gradients unchanged, and data parallel (torchrun, accelerate launch) trains, saves
+and reloads."""
 
 import os
 import subprocess
@@ -161,20 +162,26 @@ def test_trainer_activation_checkpointing_same_step(tmp_folder):
     torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=0)
 
 
-# --- 4. Data parallel with torchrun -------------------------------------------------------------------------------
+# --- 4. Data parallel: torchrun, accelerate launch --------------------------------------------------------------
+
+
+ACCELERATE_CONFIG = os.path.join(os.path.dirname(TESTS_DIR), "examples", "accelerate", "cpu_2_processes.yaml")
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+    # the README's command, with the config file shipped in examples/accelerate
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIG],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("torchrun")
-def test_torchrun_data_parallel_trains_saves_and_reloads(tmp_path):
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_data_parallel_trains_saves_and_reloads(tmp_path, launcher):
     output_dir = tmp_path / "ddp"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        os.path.join(TESTS_DIR, "ddp_train_script.py"), str(output_dir),
-    ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    command = [*LAUNCHERS[launcher], os.path.join(TESTS_DIR, "ddp_train_script.py"), str(output_dir)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
     reference = torch.load(output_dir / "reference.pt")
