@@ -77,7 +77,7 @@ def test_basis_equals_cox_de_boor(n, k):
     torch.testing.assert_close(knots, torch.tensor(reference_knots(n, k, L - 1.0), dtype=torch.float64))
     got = bspline_basis(torch.tensor(POSITIONS, dtype=torch.float64), knots, k, "clamp")
     knot_list = reference_knots(n, k, L - 1.0)
-    expected = torch.tensor([[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS]).double()
+    expected = torch.tensor([[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS], dtype=torch.float64)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
