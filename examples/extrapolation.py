@@ -178,7 +178,8 @@ def load_texts(args) -> tuple[list[str], list[str]]:
 
 def documentation_topics(max_bytes: int, validation_fraction: float) -> tuple[list[str], list[str]]:
     """The Python documentation's topics (`pydoc_data.topics`: the language reference's prose, about 0.5 MB, shipped
-    with every Python for `help()`), assigned to train or validation by a hash of the topic's name."""
+    with every Python for `help()`), assigned to train or validation by a hash of the topic's name; validation without
+    the paragraphs that a training topic also has."""
     from pydoc_data.topics import topics
 
     train, validation, total = [], [], 0
@@ -188,7 +189,10 @@ def documentation_topics(max_bytes: int, validation_fraction: float) -> tuple[li
         total += len(topics[name])
         if total >= max_bytes:
             break
-    return train, validation
+    # topics repeat one another (`augassign` is inside `assignment`): validation keeps the paragraphs training lacks
+    seen = {paragraph for text in train for paragraph in text.split("\n\n")}
+    validation = ["\n\n".join(p for p in text.split("\n\n") if p not in seen) for text in validation]
+    return train, [text for text in validation if text.strip()]
 
 
 def first_bytes(texts, max_bytes: int) -> list[str]:

@@ -318,6 +318,17 @@ class SepFormerConfig(PreTrainedConfig):
                 f"randomized_range={self.randomized_range!r} is read only with randomized_positions=True (it would be "
                 "ignored): set randomized_positions=True or leave randomized_range='fixed'."
             )
+        spline_fields = {"spline_control_points": 16, "spline_degree": 3, "spline_extension": "clamp"}
+        changed = [
+            f"{name}={getattr(self, name)!r}"
+            for name, default in spline_fields.items()
+            if getattr(self, name) != default
+        ]
+        if changed and self.positional_map != "bspline":
+            raise ValueError(
+                f"{', '.join(changed)} shape the B-spline map only (it would be ignored): set positional_map='bspline' "
+                f"or leave them at their defaults; positional_map is {self.positional_map!r}."
+            )
         if self.spline_degree >= self.spline_control_points:
             raise ValueError(
                 f"spline_degree={self.spline_degree} needs more control points than that: spline_control_points="
@@ -328,6 +339,11 @@ class SepFormerConfig(PreTrainedConfig):
             raise ValueError(
                 f"positional_map='bspline' spreads its knots over [0, position_table_size - 1]: position_table_size="
                 f"{self.position_table_size} must be >= 2."
+            )
+        if self.positional_map == "bspline" and self.spline_control_points > self.position_table_size:
+            raise ValueError(
+                f"spline_control_points={self.spline_control_points} is more than the position_table_size="
+                f"{self.position_table_size} positions it spans: use at most that many."
             )
         if self.random_position_offsets and not (has_table and self.position_table_size > self.max_position_embeddings):
             raise ValueError(

@@ -542,7 +542,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         hidden_states = inputs_embeds  # (b, seq, d_sem)
         table_positions, position_rows = read_positions, None
         if self.embed_positions is not None:
-            if self.training:
+            if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
                 table_positions = self.embed_positions.training_positions(read_positions, batch)
             map_reading = {} if map_base is None else {"base": map_base}
             # (b or 1, seq, d_pos)

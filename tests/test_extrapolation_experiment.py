@@ -114,6 +114,8 @@ def test_training_blocks_give_position_L_minus_1_a_target(tmp_path):
 def test_documentation_text_is_split_by_topic():
     train, validation = extrapolation.documentation_topics(10**7, validation_fraction=0.1)
     assert train and validation and not set(train) & set(validation)
+    seen = {paragraph for text in train for paragraph in text.split("\n\n")}
+    assert not any(paragraph in seen for text in validation for paragraph in text.split("\n\n"))
     assert sum(map(len, validation)) > 8 * 64 * 4  # enough for the default preset's 8L windows
 
 

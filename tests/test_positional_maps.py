@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from sepformer import MSPoE, PositionExtrapolation
+from sepformer import MSPoE, PositionExtrapolation, SepFormerCache
 from sepformer.positional_maps import bspline_basis, bspline_knots, randomized_positions
 
 L = 16
@@ -77,7 +77,8 @@ def test_basis_equals_cox_de_boor(n, k):
     torch.testing.assert_close(knots, torch.tensor(reference_knots(n, k, L - 1.0), dtype=torch.float64))
     got = bspline_basis(torch.tensor(POSITIONS, dtype=torch.float64), knots, k, "clamp")
     knot_list = reference_knots(n, k, L - 1.0)
-    expected = torch.tensor([[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS], dtype=torch.float64)
+    expected = torch.tensor([[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS],
+                            dtype=torch.float64)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
@@ -221,8 +222,9 @@ def test_randomized_positions_train_every_row_up_to_M(positional_map):
     """Every output scored (each position has a target, as with L + 1-token blocks): every row of an 8L table, and
     every control point of a spline over [0, 8L), gets a gradient."""
     M = 8 * L
+    spline = {"spline_control_points": 12} if positional_map == "bspline" else {}
     model = tiny_model(max_position_embeddings=L, position_table_size=M, randomized_positions=True,
-                       positional_map=positional_map, spline_control_points=12).train()
+                       positional_map=positional_map, **spline).train()
     parameter = next(model.model.embed_positions.parameters())
     reached = torch.zeros(parameter.shape[0], dtype=torch.bool)
     for _ in range(30):
@@ -257,7 +259,11 @@ def test_randomized_positions_refuse_a_sequence_longer_than_the_range():
     [
         ({"positional_map": "bspline", "spline_degree": 0}, ValueError, "spline_degree=0 is not allowed"),
         ({"positional_map": "bspline", "spline_control_points": 1}, ValueError, "spline_control_points=1 is not"),
-        ({"spline_control_points": 4, "spline_degree": 4}, ValueError, "spline_control_points=4 must be > spline"),
+        ({"positional_map": "bspline", "spline_control_points": 4, "spline_degree": 4}, ValueError,
+         "spline_control_points=4 must be > spline"),
+        ({"spline_degree": 2}, ValueError, "spline_degree=2 shape the B-spline map only"),
+        ({"positional_map": "bspline", "max_position_embeddings": 8}, ValueError,
+         "spline_control_points=16 is more than the position_table_size=8"),
         ({"spline_extension": "cubic"}, ValueError, r"spline_extension='cubic' is not allowed: choose"),
         ({"spline_degree": 2.5}, TypeError, "spline_degree=2.5 is not allowed: it must be an integer"),
         ({"positional_map": "bspline", "position_extrapolation": "clamp"}, ValueError, "a B-spline has its spline_ext"),
@@ -277,3 +283,18 @@ def test_invalid_spline_and_randomized_configs(overrides, error, message):
     values.update(overrides)
     with pytest.raises(error, match=message):
         tiny_model(**values)
+
+
+def test_a_call_continuing_a_cache_in_training_mode_reads_plain_positions():
+    """Randomized positions are drawn for a whole sequence: a cached step is not given a fresh random position."""
+    model = tiny_model(max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        cache = SepFormerCache(config=model.config)
+        with torch.no_grad():
+            model.eval()(ids[:, :8], past_key_values=cache, use_cache=True)
+            getattr(model, mode)()
+            steps[mode] = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(steps["train"], steps["eval"], rtol=0, atol=0)
