@@ -32,8 +32,8 @@ Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting,
 then the run's details), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
 intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps).
 
-    python examples/position_bias.py                    # default preset: seeds 0, 1, 2 (about 25 min on 2 CPU cores)
-    python examples/position_bias.py --quick            # one seed, fewer prompts (about 8 min)
+    python examples/position_bias.py                    # default preset: seeds 0, 1, 2 (about 10 min a seed)
+    python examples/position_bias.py --quick            # one seed, fewer prompts (10 min on 2 shared cores)
     python examples/position_bias.py --tiny             # a smoke run in seconds: learns nothing (what the test runs)
     python examples/position_bias.py --num-pairs 16 --mitigations none --seeds 0 1 2
 """
@@ -60,11 +60,11 @@ from sepformer.metrics import metric_path
 from sepformer.positional_search import scale_attention_input, search_positional_scaling
 
 PRESETS = {
-    # about 25 minutes on 2 CPU cores (8 per seed)
+    # about 10 minutes a seed on 2 CPU cores (the quick run, one seed: 10.0 min on 2 shared cores)
     "default": dict(num_pairs=8, min_pairs=2, num_keys=64, num_values=64, hidden_size=128, num_layers=2, num_heads=4,
                     batch_size=64, max_steps=3000, learning_rate=3e-3, weight_decay=0.0, curriculum=0.3,
                     eval_per_slot=100, validation_per_slot=25, seeds=[0, 1, 2]),
-    # about 8 minutes: the default's task and training, one seed, half the evaluation prompts
+    # about 10 minutes: the default's task and training, one seed, half the evaluation prompts
     "quick": dict(num_pairs=8, min_pairs=2, num_keys=64, num_values=64, hidden_size=128, num_layers=2, num_heads=4,
                   batch_size=64, max_steps=3000, learning_rate=3e-3, weight_decay=0.0, curriculum=0.3,
                   eval_per_slot=50, validation_per_slot=25, seeds=[0]),
@@ -607,7 +607,7 @@ MITIGATION_NAMES = (NONE, "stable_mask", "ms_poe", "attention_calibration", "pos
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the quick preset (about 8 minutes)")
+    preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
     parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1 2)")
     parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama gpt")
