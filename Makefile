@@ -31,10 +31,12 @@ test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 # `make test-bounds`: the test suite in one venv per bound of the supported version ranges (.venv-<bound>).
-# `make test-bound-transformers-lower` runs one. torch-upper installs torch from PyPI: a CUDA build of several GB.
-BOUNDS ?= transformers-lower transformers-upper torch-upper
-PINS_transformers-lower := torch==2.13.0 transformers==5.5.4
+# `make test-bound-transformers-lower` runs one. The torch bounds other than 2.13.0 (the CPU wheel on disk) install
+# torch from PyPI: a CUDA build of several GB each, which runs on the CPU too.
+BOUNDS ?= transformers-lower transformers-upper torch-lower torch-upper
+PINS_transformers-lower := torch==2.13.0 transformers==5.10.1
 PINS_transformers-upper := torch==2.13.0 transformers==5.23.0
+PINS_torch-lower := torch==2.6.0 transformers==5.23.0
 PINS_torch-upper := torch==2.15.0 transformers==5.23.0
 
 test-bounds: $(addprefix test-bound-,$(BOUNDS))

@@ -30,13 +30,13 @@ def calibrate_row(
     documents; other tokens are untouched, so the row still sums to 1.
     """
     sizes = key_documents.sum(1)[:, None]  # (b, 1, K)
-    mass = torch.einsum("bhk,bkd->bhd", probs, key_documents)  # (b, H, K): attention on each document
+    mass = torch.bmm(probs, key_documents)  # (b, H, K): attention on each document
     mean = mass / sizes  # Attn(doc_k)
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * sizes).sum(-1, keepdim=True)  # C
     factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
     outside = 1 - key_documents.sum(-1)[:, None]  # (b, 1, kv): 1 for keys in no document
-    return probs * (torch.einsum("bhd,bkd->bhk", factor, key_documents) + outside)
+    return probs * (torch.bmm(factor, key_documents.transpose(1, 2)) + outside)
 
 
 def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
@@ -194,10 +194,12 @@ class CalibrationMitigation(Mitigation):
         bias, temperature = self.state.calibration_bias[layer_idx], self.options.temperature
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
-            output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
             probs = calibrate_row(probs, self.documents, bias, temperature)
             last = torch.matmul(probs.to(value.dtype)[:, :, None], value).transpose(1, 2)  # (b, 1, H, d)
+            if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
+                return last, probs[:, :, None].to(query.dtype)
+            output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             output = torch.cat((output[:, :-1], last), 1)
             if weights is not None:
                 weights = torch.cat((weights[:, :, :-1], probs[:, :, None].to(weights.dtype)), 2)

@@ -228,8 +228,8 @@ def last_row_probs(
     kv = key.shape[2]
     scores = torch.matmul(query[:, :, -1:], key.transpose(2, 3)).squeeze(2).float() * scaling  # (b, H, kv)
     if attention_mask is None:
-        valid = torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
-    elif attention_mask.dtype == torch.bool:
+        return scores.softmax(-1), torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
+    if attention_mask.dtype == torch.bool:
         valid = attention_mask[:, :, -1, :kv]
     else:
         valid = attention_mask[:, :, -1, :kv] > torch.finfo(attention_mask.dtype).min / 2

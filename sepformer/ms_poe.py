@@ -155,8 +155,13 @@ class MSPoEMitigation(Mitigation):
             normed = norm(torch.cat((positional + shift, positional), 1))  # (b, H + 1, seq, d_pos)
             delta = normed[:, :-1] - normed[:, -1:]  # (b, H, seq, d_pos)
             for_head = (query.shape[1], attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
-            query = query + torch.matmul(delta, attention.q_proj.weight[:, :d_pos].view(for_head).transpose(1, 2))
-            key = key + torch.matmul(delta, attention.k_proj.weight[:, :d_pos].view(for_head).transpose(1, 2))
+            # W_q[h, :, pos] and W_k[h, :, pos] side by side: one matmul gives both heads' additions.
+            weights = torch.cat(
+                (attention.q_proj.weight[:, :d_pos].view(for_head), attention.k_proj.weight[:, :d_pos].view(for_head)),
+                1,
+            )  # (H, 2 · hd, d_pos)
+            query_delta, key_delta = torch.matmul(delta, weights.transpose(1, 2)).chunk(2, -1)  # (b, H, seq, hd) each
+            query, key = query + query_delta, key + key_delta
         if position_embeddings is not None:
             cos, sin = (torch.take_along_dim(table, ranks, 1) for table in self.rotary)  # (b, H, seq, rotary_dim)
             query, key = apply_partial_rotary(query, key, cos, sin)

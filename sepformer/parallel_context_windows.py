@@ -23,12 +23,16 @@ def window_positions(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     tokens) `m - (e_K - s_1) + n_max`, so the task continues from `P + n_max`.
     """
     starts, ends = spans[..., 0], spans[..., 1]  # (b, K)
-    first_start, last_end = starts[:, :1], ends[:, -1:]  # (b, 1)
-    longest = (ends - starts).amax(-1, keepdim=True)  # (b, 1)
     inside = key_documents(spans, positions)  # (b, n, K)
-    shift = torch.einsum("bnk,bk->bn", inside, (starts - first_start).float()).long()
-    after = positions >= last_end
-    return positions - shift - after * (last_end - first_start - longest)
+    shift = torch.einsum("bnk,bk->bn", inside, (starts - starts[:, :1]).float()).long()
+    after = positions >= ends[:, -1:]
+    return positions - shift - after * task_shift(spans)
+
+
+def task_shift(spans: torch.Tensor) -> torch.Tensor:
+    """(b, 1) how far the positions of tokens after the last window move back: `e_K - s_1 - n_max`."""
+    starts, ends = spans[..., 0], spans[..., 1]  # (b, K)
+    return ends[:, -1:] - starts[:, :1] - (ends - starts).amax(-1, keepdim=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +65,8 @@ class ParallelContextWindowsMitigation(Mitigation):
         return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.continuing:  # every token of a later call is a task token (the windows lie in the prefill's prompt)
+            return position_ids - task_shift(self.spans)
         return window_positions(self.spans, position_ids)
 
     def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):

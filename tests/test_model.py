@@ -176,6 +176,32 @@ def test_block_norm_keeps_float32_statistics_under_autocast(norm_type):
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
+def test_block_norm_outside_autograd_follows_its_parameters(norm_type):
+    """Outside autograd the block norm keeps its combined parameters; a change in place (an optimiser step, loading),
+    a swapped tensor or a dtype change must remake them, and autograd must still reach the parameters."""
+    norm = randomize_norms(tiny_model(position_size=12, norm_type=norm_type)).model.layers[0].input_layernorm
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 3 + 1
+
+    def reference():
+        return torch.cat((norm.position(x[..., :12]), norm.semantic(x[..., 12:])), -1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), reference(), rtol=1e-5, atol=1e-5)
+        norm.position.weight.mul_(3)  # in place
+        norm.semantic.bias.add_(1) if norm_type == "layernorm" else norm.semantic.weight.add_(1)
+        torch.testing.assert_close(norm(x), reference(), rtol=1e-5, atol=1e-5)
+    norm.semantic.weight = torch.nn.Parameter(norm.semantic.weight.detach() * -2)  # a new tensor
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), reference(), rtol=1e-5, atol=1e-5)
+    norm.double()
+    x = x.double()
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), reference(), rtol=1e-5, atol=1e-5)
+    norm(x).sum().backward()
+    assert norm.position.weight.grad is not None and norm.semantic.weight.grad.abs().sum() > 0
+
 def test_constants_first_made_under_inference_mode_train_afterwards():
     """The cached constants (block norms, StableMask's τ) made under `inference_mode` are not inference tensors."""
     model = tiny_model(norm_eps=1.25e-5, stable_mask={"gamma": 0.0625})  # values no other test caches

@@ -16,7 +16,7 @@ from ddp_train_script import (
     flat_parameters,
     training_arguments,
 )
-from transformers import AutoModelForCausalLM, Trainer, default_data_collator
+from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, default_data_collator
 
 import sepformer  # noqa: F401  (registers the Auto classes)
 from sepformer import SepFormerForCausalLM, SepFormerTokenizer
@@ -130,6 +130,12 @@ def test_trainer_gradient_accumulation_matches_big_batch(tmp_folder):
 # --- 3. Activation checkpointing ----------------------------------------------------------------------------------
 
 
+# transformers 5.23 renamed gradient checkpointing to activation checkpointing (the old names still work there, with a
+# warning); earlier 5.x minors have only the old names.
+RENAMED = hasattr(PreTrainedModel, "activation_checkpointing_enable")
+CHECKPOINTING = "activation_checkpointing" if RENAMED else "gradient_checkpointing"
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_same_gradients(use_reentrant):
     batch = batch_of(build_dataset())
@@ -137,8 +143,8 @@ def test_activation_checkpointing_same_gradients(use_reentrant):
     expected = gradients(model, **batch)
 
     model.zero_grad()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    assert model.is_activation_checkpointing
+    getattr(model, f"{CHECKPOINTING}_enable")(**{f"{CHECKPOINTING}_kwargs": {"use_reentrant": use_reentrant}})
+    assert getattr(model, f"is_{CHECKPOINTING}")
     calls = []
     # A pre-hook: non-reentrant recomputation stops early once the saved tensors are rebuilt, so post-hooks may not run.
     hooks = [layer.self_attn.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model.model.layers]
@@ -151,13 +157,13 @@ def test_activation_checkpointing_same_gradients(use_reentrant):
     checkpointed = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
     assert_gradients_close(checkpointed, expected)
-    model.activation_checkpointing_disable()
-    assert not model.is_activation_checkpointing
+    getattr(model, f"{CHECKPOINTING}_disable")()
+    assert not getattr(model, f"is_{CHECKPOINTING}")
 
 
 def test_trainer_activation_checkpointing_same_step(tmp_folder):
     before, plain = train_one_sgd_step(tmp_folder, per_device_train_batch_size=4)
-    _, checkpointed = train_one_sgd_step(tmp_folder, per_device_train_batch_size=4, activation_checkpointing=True)
+    _, checkpointed = train_one_sgd_step(tmp_folder, per_device_train_batch_size=4, **{CHECKPOINTING: True})
     assert (plain - before).abs().max() > 1e-3
     torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=0)
 
