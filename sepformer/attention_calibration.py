@@ -198,7 +198,9 @@ class CalibrationMitigation(Mitigation):
             probs = calibrate_row(probs, self.documents, bias, temperature)
             last = torch.matmul(probs.to(value.dtype)[:, :, None], value).transpose(1, 2)  # (b, 1, H, d)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
-                return last, probs[:, :, None].to(query.dtype)
+                # weights as the layer's implementation gives them: eager returns them, the others do not
+                eager = module.config._attn_implementation == "eager"
+                return last, probs[:, :, None].to(query.dtype) if eager else None
             output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             output = torch.cat((output[:, :-1], last), 1)
             if weights is not None:

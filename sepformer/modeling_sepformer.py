@@ -128,7 +128,13 @@ class BlockNorm(BlockDiagonal):
             weights = indicator * torch.cat(sources[:2]).float()
             return weights, torch.cat(sources[2:]).float() if centred else None
 
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        # Only plain parameters are kept: a parametrised, functional (`functional_call`, `vmap`) or otherwise
+        # substituted weight is a new tensor at each call, whose version and address say nothing about its values.
+        if (
+            torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not all(type(source) is nn.Parameter for source in sources)
+        ):
             return make()
         versions = versions_of(sources)
         if self.kept_parameters is None or self.kept_parameters[0] != versions:

@@ -65,7 +65,9 @@ class ParallelContextWindowsMitigation(Mitigation):
         return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.continuing:  # every token of a later call is a task token (the windows lie in the prefill's prompt)
+        # Every token of a later call is a task token: the windows lie in the prefill's prompt, as `mask_function`
+        # also assumes (a cache cropped back into a window is not supported).
+        if self.continuing:
             return position_ids - task_shift(self.spans)
         return window_positions(self.spans, position_ids)
 

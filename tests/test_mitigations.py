@@ -535,3 +535,25 @@ def test_layers_and_channels_accept_any_sequence_of_integers():
     assert PositionalScaling(0.5, channels=range(3)).channels == (0, 1, 2)
     with pytest.raises(ValueError, match="must be a sequence of integers"):
         MSPoE(layers=2)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_calibrated_decoding_step_returns_attentions_as_its_implementation_does(implementation):
+    """A decoding step runs only the calibrated row: eager still returns it as the step's attention (equal to the last
+    row of a full pass), sdpa returns none, as without calibration."""
+    model = strong_positions(tiny_model(num_hidden_layers=3))
+    model.set_attn_implementation(implementation)
+    ids = random_ids(1, 14)
+    option = AttentionCalibration(spans=(SPANS,), temperature=0.01)
+    with torch.no_grad():
+        prefill = model(ids[:, :13], attention_calibration=option, use_cache=True)
+        step = model(ids[:, 13:], past_key_values=prefill.past_key_values, attention_calibration=option,
+                     output_attentions=True)
+    if implementation == "sdpa":
+        assert step.attentions is None or all(weights is None for weights in step.attentions)
+        return
+    with torch.no_grad():
+        model(ids[:, :13], attention_calibration=option)  # the same bias(k): measured on the same prompt
+    for layer in (1, 2):
+        assert step.attentions[layer].shape == (1, 4, 1, 14)
+        torch.testing.assert_close(step.attentions[layer].sum(-1), torch.ones(1, 4, 1))

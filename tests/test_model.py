@@ -202,6 +202,24 @@ def test_block_norm_outside_autograd_follows_its_parameters(norm_type):
     norm(x).sum().backward()
     assert norm.position.weight.grad is not None and norm.semantic.weight.grad.abs().sum() > 0
 
+
+class Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def test_block_norm_does_not_keep_a_parametrised_weight():
+    """A parametrised weight is a new tensor at every access (version 0, maybe the freed address): never kept."""
+    norm = randomize_norms(tiny_model(position_size=12, norm_type="layernorm")).model.layers[0].input_layernorm
+    torch.nn.utils.parametrize.register_parametrization(norm.semantic, "weight", Doubled())
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    with torch.no_grad():
+        for _ in range(3):
+            reference = torch.cat((norm.position(x[..., :12]), norm.semantic(x[..., 12:])), -1)
+            torch.testing.assert_close(norm(x), reference, rtol=1e-5, atol=1e-5)
+            assert norm.kept_parameters is None  # whether a stale one would be found depends on the allocator
+            norm.semantic.parametrizations.weight.original.add_(1.0)
+
 def test_constants_first_made_under_inference_mode_train_afterwards():
     """The cached constants (block norms, StableMask's τ) made under `inference_mode` are not inference tensors."""
     model = tiny_model(norm_eps=1.25e-5, stable_mask={"gamma": 0.0625})  # values no other test caches
