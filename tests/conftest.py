@@ -21,6 +21,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one core per xdist worker
 
 
+def random_ids(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> torch.LongTensor:
+    """Token ids below `vocab` (bytes by default), the same for a given seed."""
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The model's logits for `ids`, without autograd."""
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
 def tiny_config(**overrides) -> SepFormerConfig:
     """A model small enough for exact comparisons in milliseconds; `head_dim = d_pos = 8`."""
     values = dict(

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import logits, random_ids, tiny_config, tiny_model
 
 from sepformer import (
     AttentionBuckets,
@@ -14,10 +14,6 @@ from sepformer import (
     SepFormerForCausalLM,
     SepFormerTokenizer,
 )
-
-
-def random_ids(batch, seq, seed=0):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def strong_positions(model):
@@ -30,11 +26,6 @@ def strong_positions(model):
             layer.self_attn.q_proj.weight.mul_(8)
             layer.self_attn.k_proj.weight.mul_(8)
     return model
-
-
-def logits(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def cached_logits(model, ids, prefill, **kwargs):

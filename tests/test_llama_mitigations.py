@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_buckets_and_windows import mixed_by_hand, random_ids
+from conftest import logits, random_ids
+from test_buckets_and_windows import mixed_by_hand
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -51,11 +52,6 @@ def tiny_gpt2(attn="sdpa"):
     return model
 
 
-def plain(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
-
-
 # ------------------------------------------------------------------------------------------------ Attention Buckets
 
 
@@ -63,9 +59,9 @@ def plain(model, ids, **kwargs):
 def test_one_bucket_with_llamas_own_base_is_plain_llama_bit_for_bit(attn):
     model = tiny_llama(attn, rope_theta=500.0)
     ids = random_ids(2, 16)
-    assert torch.equal(attention_buckets_logits(model, ids, None, [500.0]), plain(model, ids))
+    assert torch.equal(attention_buckets_logits(model, ids, None, [500.0]), logits(model, ids))
     mask = torch.ones_like(ids)
-    assert torch.equal(attention_buckets_logits(model, ids, mask, [500.0]), plain(model, ids, attention_mask=mask))
+    assert torch.equal(attention_buckets_logits(model, ids, mask, [500.0]), logits(model, ids, attention_mask=mask))
     assert torch.equal(model.model.rotary_emb.inv_freq, tiny_llama(attn, rope_theta=500.0).model.rotary_emb.inv_freq)
 
 
@@ -77,7 +73,7 @@ def test_llama_buckets_equal_llamas_built_with_each_base_mixed_by_confidence():
     for base in bases:
         other = tiny_llama(rope_theta=base)
         other.load_state_dict(model.state_dict())
-        per_bucket.append(plain(other, ids))
+        per_bucket.append(logits(other, ids))
     assert (per_bucket[2] - per_bucket[0]).abs().max() > 1e-3
     torch.testing.assert_close(
         attention_buckets_logits(model, ids, None, bases), mixed_by_hand(per_bucket), rtol=1e-5, atol=1e-5
@@ -140,7 +136,7 @@ def test_windows_equal_windows_encoded_separately_with_caches_concatenated(kind,
     ids = random_ids(1, 21)
     windows = parallel_context_windows_logits(model, ids, [WINDOWS])
     torch.testing.assert_close(windows, windows_encoded_separately(model, ids, WINDOWS), rtol=1e-5, atol=1e-5)
-    assert (windows - plain(model, ids)).abs().max() > 1e-3
+    assert (windows - logits(model, ids)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -150,9 +146,9 @@ def test_one_window_is_the_plain_model_bit_for_bit(kind, attn):
     ids = random_ids(2, 16)
     mask = torch.ones_like(ids)
     for span in [(0, 16), (1, 12)]:
-        assert torch.equal(parallel_context_windows_logits(model, ids, [[span]] * 2), plain(model, ids))
+        assert torch.equal(parallel_context_windows_logits(model, ids, [[span]] * 2), logits(model, ids))
         windows = parallel_context_windows_logits(model, ids, [[span]] * 2, attention_mask=mask)
-        assert torch.equal(windows, plain(model, ids, attention_mask=mask))
+        assert torch.equal(windows, logits(model, ids, attention_mask=mask))
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))

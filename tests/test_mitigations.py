@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import logits, random_ids, tiny_model
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import rotate_half
@@ -38,20 +38,11 @@ def paper_ratios(option, num_heads):
     return torch.tensor([option.r_min + i * step for i in range(num_heads)], dtype=torch.float64)
 
 
-def random_ids(batch, seq, seed=0):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
 def strong_positions(model):
     """A fresh table has rows of std 0.02, too small to move anything: make positions matter."""
     with torch.no_grad():
         model.model.embed_positions.weight.normal_(0, 1)
     return model
-
-
-def logits(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 # ------------------------------------------------------------------------------------------------------- StableMask

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_model
+from conftest import random_ids, tiny_config, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -22,10 +22,6 @@ VARIANTS = {
     "head_reads_all": {"lm_head_input": "all"},
     "tied": {"tie_word_embeddings": True},
 }
-
-
-def random_ids(batch, seq, seed=0, vocab=256):
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def randomize_norms(model):

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import logits, random_ids, tiny_model
 
 from sepformer import AttentionCalibration, MSPoE, PositionalScaling, SepFormerCache, StableMask
 from sepformer.mitigations import calibrate_row
@@ -39,15 +39,6 @@ def strong_model(seed=0, query_key_std=0.35, **overrides):
                         parameter.normal_(0, std)
         model.lm_head.weight.normal_(0, 0.5)
     return model
-
-
-def random_ids(batch, seq, seed=0):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, **kwargs).logits
 
 
 def eager(model):
