@@ -42,7 +42,9 @@ def test_every_slot_of_every_setting_has_a_row(run):
             slots = [int(r["slot"]) for r in mine if (r["mitigation"], r["setting"]) == setting]
             assert sorted(slots) == list(range(1, pairs + 1)), (model, setting)
         searched = [r["setting"] for r in mine if r["mitigation"] == "positional_scaling"]
-        assert any(setting.startswith("search: channels=") for setting in searched), model
+        assert "search's pick" in searched, model
+        picks = {r["details"] for r in mine if r["setting"] == "search's pick"}
+        assert len(picks) == 1 and next(iter(picks)).startswith("channels="), (model, picks)
 
 
 def test_accuracy_is_a_fraction_and_every_condition_runs(run):
@@ -82,37 +84,52 @@ def test_curves_summarise_per_slot_over_seeds():
     assert curve.worst_over_best == pytest.approx(0.4 / 0.9)
 
 
-def test_curriculum_grows_from_the_fewest_pairs():
-    args = position_bias.parse_args(["--tiny", "--num-pairs", "8", "--min-pairs", "2", "--max-steps", "100",
-                                     "--curriculum", "0.5"])
-    assert position_bias.curriculum_pairs(0, args) == 2
-    assert position_bias.curriculum_pairs(25, args) == 5
-    assert position_bias.curriculum_pairs(50, args) == position_bias.curriculum_pairs(99, args) == 8
-    lengths = {len(ids) for ids in position_bias.training_set(0, position_bias.Vocabulary(16, 16), args)["input_ids"]}
-    assert min(lengths) >= position_bias.train_length(2) and max(lengths) <= position_bias.train_length(8)
-    with pytest.raises(SystemExit):
-        position_bias.parse_args(["--tiny", "--min-pairs", "9", "--num-pairs", "8"])
+def test_training_answers_sit_at_the_ends_with_the_given_probability():
+    args = position_bias.parse_args(["--tiny", "--num-pairs", "8", "--num-keys", "8", "--end-slots", "2"])
+    generator = torch.Generator().manual_seed(0)
+    slots = position_bias.training_slots(generator, (200, 8), 8, args)  # gold_at_ends = 1
+    assert set(slots.unique().tolist()) == {0, 1, 6, 7}
+    args.gold_at_ends = 0.0
+    assert set(position_bias.training_slots(generator, (200, 8), 8, args).unique().tolist()) == set(range(8))
+    args.gold_at_ends = 0.5
+    middle = ((slots := position_bias.training_slots(generator, (400, 8), 8, args)) >= 2) & (slots < 6)
+    assert middle.float().mean().item() == pytest.approx(0.5 * 4 / 8, abs=0.03)  # the uniform half lands in the middle
+    for bad in (["--end-slots", "3"], ["--end-slots", "0"], ["--gold-at-ends", "1.5"]):
+        with pytest.raises(SystemExit):
+            position_bias.parse_args(["--tiny", *bad])
 
 
-def test_training_data_is_mqar_with_every_answer_labelled():
-    args = position_bias.parse_args(["--tiny"])
+def test_training_data_queries_the_list_and_labels_every_answer():
+    args = position_bias.parse_args(["--tiny", "--gold-at-ends", "0"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
-    example = position_bias.training_examples(torch.Generator().manual_seed(0), 1, 3, vocab)
+    example = position_bias.training_examples(torch.Generator().manual_seed(0), 1, vocab, args)
     ids, labels = example["input_ids"][0], example["labels"][0]
-    assert ids[0] == vocab.bos and ids[7] == vocab.sep and len(ids) == position_bias.train_length(3)
-    stored = dict(zip(ids[1:7:2], ids[2:7:2], strict=True))
-    queries = ids[8::2]
-    assert sorted(queries) == sorted(stored)  # every key queried once
-    assert ids[9::2] == [stored[key] for key in queries]  # followed by its value
-    assert [label for label in labels if label != -100] == ids[9::2]  # only the answers are labelled
+    n = args.num_pairs
+    assert ids[0] == vocab.bos and ids[n + 1] == vocab.sep and len(ids) == position_bias.train_length(n)
+    stored = {}
+    for document in ids[1:n + 1]:
+        key, value = divmod(document, vocab.num_values)
+        assert vocab.document(key, value) == document
+        stored[vocab.query(key)] = vocab.value(value)
+    queries = ids[n + 2::2]
+    assert len(queries) == n and set(queries) <= set(stored)  # n queries of the list's keys
+    assert ids[n + 3::2] == [stored[query] for query in queries]  # each followed by its value
+    assert [label for label in labels if label != -100] == ids[n + 3::2]  # only the answers are labelled
 
 
-def test_evaluation_prompts_end_with_the_gold_key():
+def test_evaluation_prompts_end_with_the_gold_query():
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
     data = position_bias.evaluation_set(0, 4, vocab, args)
-    for ids, answer, slot in zip(data["input_ids"], data["answer"], data["gold_slot"], strict=True):
-        assert ids[-1] == ids[1 + 2 * slot] and answer == ids[2 + 2 * slot]
+    for ids, answer, slot in zip(data["input_ids"].tolist(), data["answer"].tolist(), data["gold_slot"].tolist(),
+                                 strict=True):
+        key, value = divmod(ids[1 + slot], vocab.num_values)
+        assert ids[-1] == vocab.query(key) and answer == vocab.value(value)
+    assert set(data["gold_slot"].tolist()) == set(range(4))
+    ids = data["input_ids"]
+    specials = {vocab.bos, vocab.sep, vocab.pad, *vocab.dummy_document}
+    assert len(specials) == 4 and max(specials) == len(vocab) - 1
+    assert not specials & set(ids[:, 1:-2].flatten().tolist())  # documents are never special
 
 
 def test_llama_ms_poe_with_ratios_one_is_the_model_and_otherwise_acts():
@@ -134,8 +151,8 @@ def test_presets_mean_what_they_say():
     """`--quick` is the default run reduced (one seed, fewer prompts) with the default's task and training;
     `--tiny` is the smoke run; the two cannot be combined."""
     default, quick, tiny = (position_bias.PRESETS[name] for name in ("default", "quick", "tiny"))
-    learning = ("num_pairs", "min_pairs", "num_keys", "num_values", "hidden_size", "num_layers", "num_heads",
-                "batch_size", "max_steps", "learning_rate", "weight_decay", "curriculum")
+    learning = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_at_ends", "hidden_size", "num_layers",
+                "num_heads", "batch_size", "max_steps", "learning_rate", "weight_decay")
     assert {key: quick[key] for key in learning} == {key: default[key] for key in learning}
     assert len(quick["seeds"]) == 1 and quick["eval_per_slot"] < default["eval_per_slot"]
     assert tiny["max_steps"] < quick["max_steps"] // 10
@@ -156,10 +173,10 @@ def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
     for batch in batches:
         labelled = batch["labels"] != -100
         assert labelled[:, -1].all() and labelled.sum() == len(batch["labels"])
-        slots = batch["gold_position"]
-        keys = batch["input_ids"][:, -2]
-        assert torch.equal(keys, batch["input_ids"][torch.arange(len(keys)), 1 + 2 * slots])
-        assert torch.equal(batch["labels"][:, -1], batch["input_ids"][torch.arange(len(keys)), 2 + 2 * slots])
+        documents = batch["input_ids"][torch.arange(len(batch["input_ids"])), 1 + batch["gold_position"]]
+        keys, values = documents // vocab.num_values, documents % vocab.num_values
+        assert torch.equal(batch["input_ids"][:, -2], vocab.query(keys))
+        assert torch.equal(batch["labels"][:, -1], vocab.value(values))
 
 
 def test_every_condition_acts_on_its_model():
@@ -181,7 +198,7 @@ def test_every_condition_acts_on_its_model():
                 assert not torch.allclose(condition.logits(model, ids), base, atol=1e-6), (contender.name, condition)
             if contender.name.startswith("Llama"):
                 windows = next(c for c in conditions if c.mitigation == "parallel_context_windows")
-                positions = torch.tensor([[0, 1, 2, 1, 2, 1, 2, 1, 2, 3, 4]])  # windows from 1, the task from 3
+                positions = torch.tensor([[0, 1, 1, 1, 1, 2, 3]])  # one-token windows at 1, the task from 2
                 positions_only = model(ids, position_ids=positions.expand(len(ids), -1)).logits[:, -1]
                 assert not torch.allclose(windows.logits(model, ids), positions_only, atol=1e-6)
 
