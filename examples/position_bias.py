@@ -9,7 +9,7 @@ value token:
 Why one token per document: with two-token documents (`k v`) the model must first bind each value to the key before
 it (a previous-token head, then an induction head), and Llama and GPT-2 of this size sat on that plateau for
 thousands of steps (loss at the value-elimination shortcut, first-query accuracy near chance); one-token documents
-need only a content lookup, which all three models learn in a few hundred steps.
+need only a content lookup, which all three models learned (1.00 at every slot, 8 documents) in 2000 steps.
 
 Where position bias comes from here: in training, the answer sits in the first or last `--end-slots` slots with
 probability `--gold-at-ends` (default: always), as in text the relevant passage is mostly at the top or next to
