@@ -80,6 +80,7 @@ PRESETS = {
                  eval_per_slot=6, validation_per_slot=4, seeds=[0]),
 }
 NONE = "none"
+SEARCH_PICK = "search's pick"  # the setting of positional scaling at the search's channels and factor
 
 
 # ----------------------------------------------------------------------------------------------------------- task
@@ -276,11 +277,11 @@ def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[
     details = (f"channels={list(best.channels)}, factor={best.factor} (validation loss {best.loss:.3f}, "
                f"unscaled {result.base.loss:.3f})")
     if is_sepformer:
-        return [keyword("positional_scaling", "search's pick", lambda b: result.option, details)]
+        return [keyword("positional_scaling", SEARCH_PICK, lambda b: result.option, details)]
     sweep = [Condition("positional_scaling", f"searched channels, factor={factor}",
                        scaled(best.channels, factor, best.layers), f"channels={list(best.channels)}")
              for factor in (0.5, 0.0, -0.5, -1.0)]
-    return sweep + [Condition("positional_scaling", "search's pick", scaled(best.channels, best.factor, best.layers),
+    return sweep + [Condition("positional_scaling", SEARCH_PICK, scaled(best.channels, best.factor, best.layers),
                               details)]
 
 
@@ -517,7 +518,7 @@ def markdown_table(rows: list[dict], args) -> str:
                          f"{curve.worst_over_best:.2f} | {delta} | " + " | ".join(f"{a:.2f}" for a in means) + " |")
         lines.append("")
     picks = [f"{r['model']}, seed {r['seed']}: {r['details']}" for r in rows
-             if r["setting"] == "search's pick" and r["slot"] == 1 and r["num_pairs"] == args.num_pairs]
+             if r["setting"] == SEARCH_PICK and r["slot"] == 1 and r["num_pairs"] == args.num_pairs]
     if picks:
         lines += ["The positional-dimension search's pick (on validation prompts):", ""]
         lines += [f"- {pick}" for pick in picks] + [""]
@@ -562,9 +563,9 @@ def plot_curves(rows: list[dict], args, path: Path) -> None:
         mine = [c for c in every if c.model == model]
         best = {}
         for curve in mine:
-            if curve.setting == "search's pick":  # the search's pick, not one picked on the test prompts
+            if curve.setting == SEARCH_PICK:  # the search's pick, not one picked on the test prompts
                 best[curve.mitigation] = curve
-            elif best.get(curve.mitigation, curve).setting != "search's pick" and (
+            elif best.get(curve.mitigation, curve).setting != SEARCH_PICK and (
                     curve.mitigation not in best or statistics.fmean(curve.mean_by_slot) > statistics.fmean(
                         best[curve.mitigation].mean_by_slot)):
                 best[curve.mitigation] = curve

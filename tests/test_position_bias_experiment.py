@@ -42,8 +42,8 @@ def test_every_slot_of_every_setting_has_a_row(run):
             slots = [int(r["slot"]) for r in mine if (r["mitigation"], r["setting"]) == setting]
             assert sorted(slots) == list(range(1, pairs + 1)), (model, setting)
         searched = [r["setting"] for r in mine if r["mitigation"] == "positional_scaling"]
-        assert "search's pick" in searched, model
-        picks = {r["details"] for r in mine if r["setting"] == "search's pick"}
+        assert position_bias.SEARCH_PICK in searched, model
+        picks = {r["details"] for r in mine if r["setting"] == position_bias.SEARCH_PICK}
         assert len(picks) == 1 and next(iter(picks)).startswith("channels="), (model, picks)
 
 
@@ -64,6 +64,7 @@ def test_tables_and_plots(run):
     attention = (output_dir / "attention.csv").read_text().splitlines()
     assert attention[0] == "model,seed,layer,head,group,attention"
     assert any(",slot 1," in line for line in attention)
+    assert all(math.isfinite(float(line.rsplit(",", 1)[1])) for line in attention[1:])  # no group's span is empty
 
 
 def test_interval_is_students_t_over_seeds():
@@ -121,9 +122,12 @@ def test_evaluation_prompts_end_with_the_gold_query():
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
     data = position_bias.evaluation_set(0, 4, vocab, args)
+    spans = position_bias.document_spans(4)
+    assert [position for start, end in spans for position in range(start, end)] == [1, 2, 3, 4]  # the documents
     for ids, answer, slot in zip(data["input_ids"].tolist(), data["answer"].tolist(), data["gold_slot"].tolist(),
                                  strict=True):
-        key, value = divmod(ids[1 + slot], vocab.num_values)
+        (document,) = ids[slice(*spans[slot])]  # the gold slot's span holds the gold document
+        key, value = divmod(document, vocab.num_values)
         assert ids[-1] == vocab.query(key) and answer == vocab.value(value)
     assert set(data["gold_slot"].tolist()) == set(range(4))
     ids = data["input_ids"]
