@@ -61,7 +61,7 @@ from llama_mitigations import attention_buckets_logits, parallel_context_windows
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
-from sepformer import SepFormerConfig, SepFormerForCausalLM
+from sepformer import SepFormerCache, SepFormerConfig, SepFormerForCausalLM
 from sepformer.metrics import metric_path
 from sepformer.positional_search import scale_attention_input, search_positional_scaling
 
@@ -229,7 +229,7 @@ def sepformer_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     conditions = [Condition(NONE, "-", plain_logits)]
     conditions += [keyword("stable_mask", f"gamma={g}", lambda b, g=g: {"gamma": g}) for g in (0.02, 0.05, 0.2)]
     conditions += [keyword("ms_poe", f"r_max={r}", lambda b, r=r: {"r_min": 1.2, "r_max": r}) for r in (1.5, 1.8, 2.4)]
-    conditions += [keyword("attention_calibration", f"temperature={t}",
+    conditions += [keyword("attention_calibration", f"temperature={t}, dummy passes",
                            lambda b, t=t: {"spans": [spans] * b, "temperature": t,
                                            "dummy_document": vocab.dummy_document})
                    for t in (5e-5, 1e-3, 1e-2)]
@@ -283,6 +283,35 @@ def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[
              for factor in (0.5, 0.0, -0.5, -1.0)]
     return sweep + [Condition("positional_scaling", SEARCH_PICK, scaled(best.channels, best.factor, best.layers),
                               details)]
+
+
+@torch.no_grad()
+def calibration_bias(model, prompts: torch.Tensor, options: dict) -> torch.Tensor:
+    """`bias(k)` as attention calibration measures it at prefill: (prompts, calibrated layers, heads, documents)."""
+    cache = SepFormerCache(config=model.config)
+    model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, attention_calibration=options)
+    return torch.stack([cache.calibration_bias[layer] for layer in sorted(cache.calibration_bias)], 1).cpu()
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson's r along the last dimension."""
+    x, y = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)
+    return (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1))
+
+
+def calibration_without_dummy_passes(model, prompts: torch.Tensor, spans, vocab: Vocabulary) -> list[Condition]:
+    """Calibration with `bias(k)` read off the positional block (no dummy passes), with how closely that estimate
+    tracks the dummy passes' on these prompts: Pearson's r over the documents, per prompt, layer and head, and for the
+    mean over prompts, per layer and head."""
+    prompts = prompts[::max(1, len(prompts) // 64)]  # spread over the gold slots
+    documents = {"spans": [spans] * len(prompts)}
+    dummy = calibration_bias(model, prompts, {**documents, "dummy_document": vocab.dummy_document})
+    positional = calibration_bias(model, prompts, {**documents, "bias_estimate": "positional"})
+    details = (f"bias(k) vs the dummy passes': Pearson r {pearson(positional, dummy).nanmean():.2f} per prompt, "
+               f"{pearson(positional.mean(0), dummy.mean(0)).nanmean():.2f} for the mean over prompts")
+    return [keyword("attention_calibration", f"temperature={t}, positional bias(k)",
+                    lambda b, t=t: {"spans": [spans] * b, "temperature": t, "bias_estimate": "positional"}, details)
+            for t in (5e-5, 1e-3, 1e-2)]
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -416,6 +445,9 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
             conditions = [c for c in contender.conditions(spans[pairs], vocab) if c.mitigation in args.mitigations]
             if "positional_scaling" in args.mitigations and pairs == args.num_pairs:
                 conditions += searched_scaling(model, contender.is_sepformer, validation)
+            if "attention_calibration" in args.mitigations and contender.is_sepformer:
+                conditions += calibration_without_dummy_passes(model, evaluation[pairs]["input_ids"], spans[pairs],
+                                                               vocab)
             new_rows += evaluate_model(model, conditions, evaluation[pairs], pairs, metric, args, contender)
         for row in new_rows:
             row.update(seed=seed, train_pairs=args.num_pairs, parameters=model.num_parameters(),

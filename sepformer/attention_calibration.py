@@ -12,8 +12,10 @@ from .mitigation_base import (
     LayerRun,
     Mitigation,
     MitigationPlan,
+    QueryKeyProjection,
     check_spans_in_prompt,
     last_row_probs,
+    last_row_scores,
 )
 from .mitigation_options import AttentionCalibration
 from .positional_maps import positions_from_mask
@@ -37,6 +39,21 @@ def calibrate_row(
     factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
     outside = 1 - key_documents.sum(-1)[:, None]  # (b, 1, kv): 1 for keys in no document
     return probs * (torch.bmm(factor, key_documents.transpose(1, 2)) + outside)
+
+
+def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
+    """`bias(k)` without dummy passes: the mean attention on document `k` if its keys alone were the dummy's.
+
+    `scores` (b, H, kv) the last query's logits, -inf where it may not attend; `dummy_scores` the same against the
+    dummy keys; `key_documents` (b, kv, K). With `E = exp(scores)` and `D = exp(dummy_scores)`, swapping document
+    `k`'s keys for the dummy's leaves every other logit as it is, so
+    `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_j E_j - Σ_{j∈k} E_j + Σ_{j∈k} D_j)`. Returns (b, H, K).
+    """
+    top = torch.maximum(scores.amax(-1, keepdim=True), dummy_scores.amax(-1, keepdim=True))
+    real, dummy = (scores - top).exp(), (dummy_scores - top).exp()  # (b, H, kv); 0 where the query may not attend
+    on_documents, dummy_on_documents = torch.bmm(real, key_documents), torch.bmm(dummy, key_documents)  # (b, H, K)
+    total = real.sum(-1, keepdim=True)
+    return dummy_on_documents / key_documents.sum(1)[:, None] / (total - on_documents + dummy_on_documents)
 
 
 def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
@@ -130,9 +147,18 @@ class CalibrationMitigation(Mitigation):
                 f"{call.attention_mask.dim()}D attention_mask."
             )
         check_spans_in_prompt(options, call)
-        if not call.continuing:
+        layers = options.layer_set(config.num_hidden_layers)
+        if options.bias_estimate == "positional":
+            if config.position_size == 0:
+                raise ValueError(
+                    "attention_calibration bias_estimate='positional' reads the positional block, but this model has "
+                    "position_size=0: use bias_estimate='dummy_passes'."
+                )
+            if not call.continuing:
+                return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
+        elif not call.continuing:
             cls.check_dummy_passes(options, call)
-        return cls(options, options.layer_set(config.num_hidden_layers), call.state)
+        return cls(options, layers, call.state)
 
     @staticmethod
     def check_dummy_passes(options: AttentionCalibration, call: CallContext) -> None:
@@ -155,6 +181,9 @@ class CalibrationMitigation(Mitigation):
         if call.continuing:
             return
         options, config = self.options, call.model.config
+        if options.bias_estimate == "positional":  # measured in the call's own layers
+            call.state.calibration_spans = torch.tensor(options.spans, device=call.model.device)  # (b, K, 2)
+            return
         ids, padding, probe = dummy_batch(options, call)
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(
@@ -191,11 +220,11 @@ class CalibrationMitigation(Mitigation):
         return self.replace(documents=key_documents(self.state.calibration_spans, positions))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
-        bias, temperature = self.state.calibration_bias[layer_idx], self.options.temperature
+        temperature = self.options.temperature
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
-            probs = calibrate_row(probs, self.documents, bias, temperature)
+            probs = calibrate_row(probs, self.documents, self.state.calibration_bias[layer_idx], temperature)
             last = torch.matmul(probs.to(value.dtype)[:, :, None], value).transpose(1, 2)  # (b, 1, H, d)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 # weights as the layer's implementation gives them: eager returns them, the others do not
@@ -208,3 +237,42 @@ class CalibrationMitigation(Mitigation):
             return output, weights
 
         return calibrated
+
+
+@dataclass(frozen=True, eq=False)
+class PositionalBiasCalibration(CalibrationMitigation):
+    """The prefill of calibration with `bias_estimate="positional"`: in each of its layers, `bias(k)` is measured on
+    the prompt's own pass, just before that layer's row is calibrated, then kept for the decoding steps.
+
+    The dummy document is the documents' mean: SepFormer's attention input is `[positional ‖ semantic]`, and a dummy
+    key at position `j` is `k_proj` (and the layer's positions) of `[positional_j ‖ mean semantic over the documents'
+    tokens]`, the mean content at document `j`'s place. Unlike the dummy passes, the layer's inputs are those of the
+    calibrated pass (earlier calibrated layers included), and nothing after the layer is re-run with the dummy."""
+
+    position_size: int = 0
+    key_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, seq, d_model): what k_proj read
+
+    def query_key_inputs(self, layer_idx, query_input, key_input):
+        self.key_inputs[layer_idx] = key_input  # the keys' input, other mitigations' rewrites included
+        return query_input, key_input
+
+    def dummy_keys(self, layer_idx: int, projection: QueryKeyProjection) -> torch.Tensor:
+        """(b, H, kv, head_dim): the keys of the mean document at every key's position."""
+        key_input, d_pos = self.key_inputs.pop(layer_idx), self.position_size
+        in_documents = self.documents.sum(-1)[..., None].to(key_input.dtype)  # (b, kv, 1)
+        semantic = key_input[..., d_pos:]  # (b, kv, d_sem)
+        mean = (semantic * in_documents).sum(1, keepdim=True) / in_documents.sum(1, keepdim=True)  # (b, 1, d_sem)
+        dummy_input = torch.cat((key_input[..., :d_pos], mean.expand_as(semantic)), -1)  # (b, kv, d_model)
+        return projection.project(projection.attention_input, dummy_input)[1]
+
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+        calibrated = super().wrap_attention(layer_idx, function)
+
+        def measured_then_calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
+            scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
+            dummy_key = self.dummy_keys(layer_idx, kwargs["query_key_projection"])
+            dummy_scores, _ = last_row_scores(query, dummy_key, attention_mask, scaling)
+            self.state.calibration_bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
+            return calibrated(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+        return measured_then_calibrated

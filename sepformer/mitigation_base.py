@@ -217,10 +217,11 @@ def check_spans_in_prompt(options, call: CallContext) -> None:
                 )
 
 
-def last_row_probs(
+def last_row_scores(
     query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last query's attention row, written out: probs (b, H, kv) and the keys it may attend (b, 1, kv).
+    """The last query's attention logits in float32, written out: scores (b, H, kv), -inf on the keys it may not
+    attend, and the keys it may attend (b, 1, kv).
 
     `query` (b, H, seq, d), `key` (b, H, kv, d); `attention_mask` as the attention functions get it (`None`, boolean
     with True = attend, or additive float), already causal, so the last row's slice is all that matters.
@@ -228,12 +229,20 @@ def last_row_probs(
     kv = key.shape[2]
     scores = torch.matmul(query[:, :, -1:], key.transpose(2, 3)).squeeze(2).float() * scaling  # (b, H, kv)
     if attention_mask is None:
-        return scores.softmax(-1), torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
+        return scores, torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
     if attention_mask.dtype == torch.bool:
         valid = attention_mask[:, :, -1, :kv]
     else:
         valid = attention_mask[:, :, -1, :kv] > torch.finfo(attention_mask.dtype).min / 2
-    return scores.masked_fill(~valid, float("-inf")).softmax(-1), valid
+    return scores.masked_fill(~valid, float("-inf")), valid
+
+
+def last_row_probs(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last query's attention row, written out: probs (b, H, kv) and the keys it may attend (b, 1, kv)."""
+    scores, valid = last_row_scores(query, key, attention_mask, scaling)
+    return scores.softmax(-1), valid
 
 
 @dataclass(frozen=True, eq=False)

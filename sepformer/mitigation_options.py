@@ -215,13 +215,19 @@ class AttentionCalibration(SpanOptions):
         layers: layer indices; `None` is the last half of the layers (the paper's choice).
         dummy_document: token ids of the dummy document that measures `bias(k)` when it replaces document `k`;
             `None` is `pad_token_id` repeated to document `k`'s length (a document with no content).
+        bias_estimate: how `bias(k)` is measured. `"dummy_passes"` (the paper's): one extra forward pass per
+            document, the dummy document in its place. `"positional"` (SepFormer only): no extra pass; in each
+            layer, the attention document `k` would get if every one of its tokens kept its positional coordinates
+            and took the documents' mean semantic coordinates, all other keys as they are.
     """
 
     spans: tuple[tuple[tuple[int, int], ...], ...]
     temperature: float = 5e-5
     layers: tuple[int, ...] | None = None
     dummy_document: tuple[int, ...] | None = None
+    bias_estimate: str = "dummy_passes"
     name: ClassVar[str] = "attention_calibration"
+    bias_estimates: ClassVar[tuple[str, ...]] = ("dummy_passes", "positional")
 
     def __post_init__(self):
         _check_number(self.name, "temperature", self.temperature, low=0.0)
@@ -229,6 +235,15 @@ class AttentionCalibration(SpanOptions):
         object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
         if self.dummy_document is not None and len(self.dummy_document) == 0:
             raise ValueError("attention_calibration dummy_document must have at least one token.")
+        if self.bias_estimate not in self.bias_estimates:
+            raise ValueError(
+                f"attention_calibration bias_estimate={self.bias_estimate!r} is not one of {list(self.bias_estimates)}."
+            )
+        if self.bias_estimate == "positional" and self.dummy_document is not None:
+            raise ValueError(
+                "attention_calibration dummy_document is only read by bias_estimate='dummy_passes'; "
+                "bias_estimate='positional' runs no dummy document."
+            )
         object.__setattr__(self, "spans", _as_spans(self.name, self.spans))
 
     def default_layers(self, num_layers: int) -> range:

@@ -25,6 +25,11 @@ OPTIONS = {
     "calibration": lambda rows: {
         "attention_calibration": AttentionCalibration(spans=(SPANS,) * rows, temperature=1e-2, layers=(0, 1))
     },
+    "calibration_positional": lambda rows: {
+        "attention_calibration": AttentionCalibration(
+            spans=(SPANS,) * rows, temperature=1e-2, layers=(0, 1), bias_estimate="positional"
+        )
+    },
 }
 
 

@@ -1,5 +1,6 @@
 """Position-bias mitigations, checked against formulas written from the papers, independently of the code."""
 
+import dataclasses
 import math
 
 import pytest
@@ -28,6 +29,11 @@ OPTIONS = {
     "ms_poe": {"ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1))},
     "ms_poe_fixed": {"ms_poe": MSPoE(layers=(1,), head_order=(2, 0, 3, 1))},
     "calibration": {"attention_calibration": AttentionCalibration(spans=(SPANS,), temperature=1e-2, layers=(0, 1))},
+    "calibration_positional": {
+        "attention_calibration": AttentionCalibration(
+            spans=(SPANS,), temperature=1e-2, layers=(0, 1), bias_estimate="positional"
+        )
+    },
     "scaling": {"positional_scaling": PositionalScaling(factor=-1.0, layers=(0, 1))},
 }
 
@@ -329,6 +335,74 @@ def test_calibration_bias_is_the_dummy_documents_attention():
             torch.testing.assert_close(bias[0, :, k], row[:, start : start + len(dummy)].mean(-1))
 
 
+def mean_document_reference(model, ids, layer, spans):
+    """`bias(k)` of the positional estimate, from its definition: a pass in which `k_proj` of `layer` reads, for the
+    tokens of document `k` only, their positional coordinates and the documents' mean semantic coordinates; the
+    attention of the last query on document `k` there. (K, H)"""
+    d_pos, (start_of_all, end_of_all) = model.config.position_size, (spans[0][0], spans[-1][1])
+    rows = []
+    for start, end in spans:
+
+        def mean_document(module, args, start=start, end=end):
+            (key_input,) = args
+            mean = key_input[:, start_of_all:end_of_all, d_pos:].mean(1, keepdim=True)
+            key_input = key_input.clone()
+            key_input[:, start:end, d_pos:] = mean
+            return (key_input,)
+
+        handle = model.model.layers[layer].self_attn.k_proj.register_forward_pre_hook(mean_document)
+        try:
+            attention = model(ids, output_attentions=True).attentions[layer][0, :, -1]  # (H, kv)
+        finally:
+            handle.remove()
+        rows.append(attention[:, start:end].mean(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 4])
+def test_positional_bias_estimate_is_the_mean_documents_attention(rotary_dim):
+    """Written from the definition (a k_proj input swapped per document), on a row alone and left-padded."""
+    model = strong_positions(tiny_model(rotary_dim=rotary_dim))
+    model.set_attn_implementation("eager")
+    ids = random_ids(2, 12)
+    option = AttentionCalibration(spans=(SPANS,) * 2, layers=(1,), bias_estimate="positional")
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # row 1: two pads, then its own 10 tokens
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, attention_calibration=option)
+        bias = cache.calibration_bias[1]  # (2, H, K)
+        assert set(cache.calibration_bias) == {1}
+        torch.testing.assert_close(bias[0], mean_document_reference(model, ids[:1], 1, SPANS).T)
+        torch.testing.assert_close(bias[1], mean_document_reference(model, ids[1:, 2:], 1, SPANS).T)
+    attention = model(ids[:1], output_attentions=True).attentions[1][0, :, -1]
+    assert not torch.allclose(bias[0], torch.stack([attention[:, a:b].mean(-1) for a, b in SPANS], -1))
+
+
+def test_bias_estimates_agree_when_every_document_is_the_dummy():
+    """Documents made of the dummy's own token: a dummy pass re-runs the prompt unchanged and the mean document is
+    every document, so both estimates are each document's own attention, in every layer."""
+    model = strong_positions(tiny_model(num_hidden_layers=3))
+    model.set_attn_implementation("eager")
+    ids = random_ids(1, 12)
+    ids[:, :9] = 7
+    estimates = []
+    for option in (
+        AttentionCalibration(spans=(SPANS,), layers=(0, 1, 2), dummy_document=(7, 7, 7)),
+        AttentionCalibration(spans=(SPANS,), layers=(0,), bias_estimate="positional"),
+    ):
+        cache = SepFormerCache(config=model.config)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
+        estimates.append(cache.calibration_bias)
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions
+    for layer in (0, 1, 2):
+        own = torch.stack([attentions[layer][0, :, -1, a:b].mean(-1) for a, b in SPANS], -1)
+        torch.testing.assert_close(estimates[0][layer][0], own)
+    torch.testing.assert_close(estimates[1][0][0], estimates[0][0][0])
+
+
 # ------------------------------------------------------------------------------------------------ positional scaling
 
 
@@ -396,15 +470,16 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn
     prompts = ["def f(x): return", "import os, sys", "a longer prompt, with more bytes"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id, **OPTIONS[name])
-    if name == "calibration":
-        kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,) * 3, temperature=1e-2, layers=(0, 1))
+    calibration = OPTIONS[name].get("attention_calibration")
+    if calibration is not None:
+        kwargs["attention_calibration"] = dataclasses.replace(calibration, spans=(SPANS,) * 3)
     together = model.generate(**batch, **kwargs)[:, batch.input_ids.shape[1] :]
     options = {key: value for key, value in kwargs.items() if key in OPTIONS[name]}
     changed = logits(model, batch.input_ids, attention_mask=batch.attention_mask, **options)[:, -1]
     assert (changed - logits(model, batch.input_ids, attention_mask=batch.attention_mask)[:, -1]).abs().max() > 1e-5
     for row, prompt in enumerate(prompts):
-        if name == "calibration":
-            kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,), temperature=1e-2, layers=(0, 1))
+        if calibration is not None:
+            kwargs["attention_calibration"] = calibration
         alone = model.generate(**tokenizer([prompt], return_tensors="pt"), **kwargs)
         assert torch.equal(together[row], alone[0, -8:]), prompt
 
@@ -432,6 +507,11 @@ BAD = [
     ({"attention_calibration": {"spans": (((0, 3),), ((0, 3),))}}, "spans for 2 rows; the batch has 1"),
     ({"attention_calibration": {"spans": (((0, 3),), ((0, 3), (3, 5)))}}, "the same number"),
     ({"attention_calibration": {"spans": (SPANS,), "temperature": 0}}, "temperature=0 must be > 0"),
+    ({"attention_calibration": {"spans": (SPANS,), "bias_estimate": "mean"}}, "bias_estimate='mean' is not one of"),
+    (
+        {"attention_calibration": {"spans": (SPANS,), "bias_estimate": "positional", "dummy_document": (5,)}},
+        "dummy_document is only read by bias_estimate='dummy_passes'",
+    ),
     ({"attention_calibration": {"spans": (SPANS,)}, "stable_mask": {"gamma": 0.1}}, "cannot be combined"),
 ]
 
@@ -461,6 +541,10 @@ def test_options_that_need_something_the_model_lacks_are_refused():
     no_pad = tiny_model(pad_token_id=None)
     with pytest.raises(ValueError, match="no pad_token_id: give dummy_document"):
         no_pad(ids, attention_calibration=AttentionCalibration(spans=(SPANS,)))
+    no_positions = tiny_model(position_size=0)
+    with pytest.raises(ValueError, match="bias_estimate='positional' reads the positional block, .* position_size=0"):
+        no_positions(ids, attention_calibration=AttentionCalibration(spans=(SPANS,), bias_estimate="positional"))
+    no_pad(ids, attention_calibration=AttentionCalibration(spans=(SPANS,), bias_estimate="positional"))  # no dummy
 
 
 @pytest.mark.parametrize("positional_map", ["learned", "sinusoidal"])
@@ -468,8 +552,8 @@ def test_options_that_need_something_the_model_lacks_are_refused():
 def test_every_option_generates_in_bfloat16(name, positional_map):
     model = tiny_model(rotary_dim=4, positional_map=positional_map).to(torch.bfloat16)
     kwargs = dict(OPTIONS[name])
-    if name == "calibration":
-        kwargs["attention_calibration"] = AttentionCalibration(spans=(SPANS,) * 3, layers=(0, 1))
+    if "attention_calibration" in kwargs:
+        kwargs["attention_calibration"] = dataclasses.replace(kwargs["attention_calibration"], spans=(SPANS,) * 3)
     out = model.generate(random_ids(3, 12), max_new_tokens=3, do_sample=False, **kwargs)
     assert out.shape == (3, 15)
 

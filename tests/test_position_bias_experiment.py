@@ -45,6 +45,18 @@ def test_every_slot_of_every_setting_has_a_row(run):
         assert position_bias.SEARCH_PICK in searched, model
         picks = {r["details"] for r in mine if r["setting"] == position_bias.SEARCH_PICK}
         assert len(picks) == 1 and next(iter(picks)).startswith("channels="), (model, picks)
+    calibrations = {r["setting"]: r["details"] for r in rows if r["mitigation"] == "attention_calibration"}
+    assert len(calibrations) == 6 and sum(", positional bias(k)" in setting for setting in calibrations) == 3
+    assert all(details.startswith("bias(k) vs the dummy passes': Pearson r ")
+               for setting, details in calibrations.items() if "positional" in setting)
+
+
+def test_pearson_r_is_the_textbook_one():
+    x, y = torch.tensor([[1.0, 2.0, 3.0, 5.0]]), torch.tensor([[2.0, 1.0, 4.0, 4.0]])
+    mx, my = x.mean(), y.mean()
+    textbook = ((x - mx) * (y - my)).sum() / math.sqrt(((x - mx) ** 2).sum() * ((y - my) ** 2).sum())
+    torch.testing.assert_close(position_bias.pearson(x, y), textbook[None])
+    torch.testing.assert_close(position_bias.pearson(x, -2 * x + 1), torch.tensor([-1.0]))
 
 
 def test_accuracy_is_a_fraction_and_every_condition_runs(run):
