@@ -89,11 +89,11 @@ MODELS = ("SepFormer", "GPT-2", "Llama")
 PEERS = ("GPT-2", "Llama")
 
 
-def calibration_over_quarters(batch: int, prompt: int) -> dict:
-    """Calibration over four equal documents covering the prompt (it adds four dummy passes per row at prefill)."""
+def calibration_over_quarters(batch: int, prompt: int, bias_estimate: str = "dummy_passes") -> dict:
+    """Calibration over four equal documents covering the prompt (with dummy passes: four more per row at prefill)."""
     quarter = prompt // 4
     spans = tuple((k * quarter, (k + 1) * quarter) for k in range(4))
-    return {"attention_calibration": AttentionCalibration(spans=(spans,) * batch)}
+    return {"attention_calibration": AttentionCalibration(spans=(spans,) * batch, bias_estimate=bias_estimate)}
 
 
 def windows_over_quarters(batch: int, prompt: int) -> dict:
@@ -112,6 +112,7 @@ MITIGATIONS: dict[str, Callable[[int, int], dict]] = {
     "ms_poe": lambda batch, prompt: {"ms_poe": MSPoE()},
     "positional_scaling": lambda batch, prompt: {"positional_scaling": PositionalScaling(factor=0.0)},
     "attention_calibration": calibration_over_quarters,
+    "attention_calibration_positional": lambda batch, prompt: calibration_over_quarters(batch, prompt, "positional"),
     "parallel_context_windows": windows_over_quarters,
     # one bucket (the model's own reading: what the machinery costs), then three reading the learned table at three
     # scales: a pass of the model per bucket by design

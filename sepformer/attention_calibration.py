@@ -45,15 +45,16 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, key_do
     """`bias(k)` without dummy passes: the mean attention on document `k` if its keys alone were the dummy's.
 
     `scores` (b, H, kv) the last query's logits, -inf where it may not attend; `dummy_scores` the same against the
-    dummy keys; `key_documents` (b, kv, K). With `E = exp(scores)` and `D = exp(dummy_scores)`, swapping document
-    `k`'s keys for the dummy's leaves every other logit as it is, so
-    `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_j E_j - Σ_{j∈k} E_j + Σ_{j∈k} D_j)`. Returns (b, H, K).
+    dummy keys; `key_documents` (b, kv, K). Swapping document `k`'s keys for the dummy's leaves every other logit as it
+    is, so with `E = exp(scores)` and `D = exp(dummy_scores)`:
+    `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_{j∉k} E_j + Σ_{j∈k} D_j)`, computed in log space (a peaked row neither
+    cancels nor overflows). Returns (b, H, K).
     """
-    top = torch.maximum(scores.amax(-1, keepdim=True), dummy_scores.amax(-1, keepdim=True))
-    real, dummy = (scores - top).exp(), (dummy_scores - top).exp()  # (b, H, kv); 0 where the query may not attend
-    on_documents, dummy_on_documents = torch.bmm(real, key_documents), torch.bmm(dummy, key_documents)  # (b, H, K)
-    total = real.sum(-1, keepdim=True)
-    return dummy_on_documents / key_documents.sum(1)[:, None] / (total - on_documents + dummy_on_documents)
+    in_document = key_documents.transpose(1, 2)[:, None].bool()  # (b, 1, K, kv)
+    dummy_on_k = dummy_scores[:, :, None].masked_fill(~in_document, float("-inf")).logsumexp(-1)  # (b, H, K)
+    rest = scores[:, :, None].masked_fill(in_document, float("-inf")).logsumexp(-1)  # (b, H, K): every key but k's
+    sizes = key_documents.sum(1)[:, None]  # (b, 1, K)
+    return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / sizes
 
 
 def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
@@ -244,10 +245,12 @@ class PositionalBiasCalibration(CalibrationMitigation):
     """The prefill of calibration with `bias_estimate="positional"`: in each of its layers, `bias(k)` is measured on
     the prompt's own pass, just before that layer's row is calibrated, then kept for the decoding steps.
 
-    The dummy document is the documents' mean: SepFormer's attention input is `[positional ‖ semantic]`, and a dummy
-    key at position `j` is `k_proj` (and the layer's positions) of `[positional_j ‖ mean semantic over the documents'
-    tokens]`, the mean content at document `j`'s place. Unlike the dummy passes, the layer's inputs are those of the
-    calibrated pass (earlier calibrated layers included), and nothing after the layer is re-run with the dummy."""
+    The dummy document is the documents' mean: SepFormer's attention input is `[positional ‖ semantic]` (each block
+    normed on its own), and a dummy key at position `j` is `k_proj` (and the layer's positions) of `[positional_j ‖
+    the mean of the normed semantic blocks over the documents' tokens]`, the mean content at document `j`'s place (not
+    normed again: a mean of unit-scale vectors is shorter than each). Unlike the dummy passes, the layer's inputs are
+    those of the calibrated pass (earlier calibrated layers included), and nothing after the layer is re-run with the
+    dummy."""
 
     position_size: int = 0
     key_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, seq, d_model): what k_proj read
@@ -259,20 +262,21 @@ class PositionalBiasCalibration(CalibrationMitigation):
     def dummy_keys(self, layer_idx: int, projection: QueryKeyProjection) -> torch.Tensor:
         """(b, H, kv, head_dim): the keys of the mean document at every key's position."""
         key_input, d_pos = self.key_inputs.pop(layer_idx), self.position_size
-        in_documents = self.documents.sum(-1)[..., None].to(key_input.dtype)  # (b, kv, 1)
-        semantic = key_input[..., d_pos:]  # (b, kv, d_sem)
-        mean = (semantic * in_documents).sum(1, keepdim=True) / in_documents.sum(1, keepdim=True)  # (b, 1, d_sem)
-        dummy_input = torch.cat((key_input[..., :d_pos], mean.expand_as(semantic)), -1)  # (b, kv, d_model)
+        in_documents = self.documents.sum(-1)[..., None]  # (b, kv, 1), float32
+        semantic = key_input[..., d_pos:]  # (b, kv, d_sem): the normed semantic block, as k_proj reads it
+        mean = (semantic.float() * in_documents).sum(1, keepdim=True) / in_documents.sum(1, keepdim=True)
+        dummy_input = torch.cat((key_input[..., :d_pos], mean.to(key_input.dtype).expand_as(semantic)), -1)
         return projection.project(projection.attention_input, dummy_input)[1]
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
         calibrated = super().wrap_attention(layer_idx, function)
 
         def measured_then_calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
-            scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
-            dummy_key = self.dummy_keys(layer_idx, kwargs["query_key_projection"])
-            dummy_scores, _ = last_row_scores(query, dummy_key, attention_mask, scaling)
-            self.state.calibration_bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
+            with torch.no_grad():  # a measurement, as the dummy passes are: no gradient, no graph kept on the cache
+                scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
+                dummy_key = self.dummy_keys(layer_idx, kwargs["query_key_projection"])
+                dummy_scores, _ = last_row_scores(query, dummy_key, attention_mask, scaling)
+                self.state.calibration_bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
             return calibrated(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
         return measured_then_calibrated

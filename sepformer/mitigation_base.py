@@ -6,7 +6,9 @@ unless the subclass overrides it:
 
 | hook                 | slot                                                                  | used by            |
 |----------------------|-----------------------------------------------------------------------|--------------------|
-| `query_key_inputs`   | the attention input (after the norm) that `q_proj` and `k_proj` read  | positional scaling |
+| `query_key_inputs`   | the attention input (after the norm) that `q_proj` and `k_proj` read  | positional scaling,|
+|                      |                                                                       | calibration's      |
+|                      |                                                                       | positional bias(k) |
 | `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
 | `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
 |                      |                                                                       | positional scaling |
@@ -255,7 +257,7 @@ class LayerHooks:
 
     @property
     def rewrites_inputs(self) -> bool:
-        """Whether `q_proj` and `k_proj` read something else than the values do (no fused projections then)."""
+        """Whether a hook reads or rewrites the inputs of `q_proj` and `k_proj` (no fused projections then)."""
         return bool(self.input_hooks)
 
     def query_key_inputs(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

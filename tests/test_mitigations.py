@@ -20,6 +20,7 @@ from sepformer import (
     SepFormerTokenizer,
     StableMask,
 )
+from sepformer.attention_calibration import bias_from_positions
 from sepformer.mitigations import calibrate_row, fixed_head_ranks, head_ratios, position_awareness
 from sepformer.stable_mask import StableMaskMitigation, sink_logits
 
@@ -335,48 +336,99 @@ def test_calibration_bias_is_the_dummy_documents_attention():
             torch.testing.assert_close(bias[0, :, k], row[:, start : start + len(dummy)].mean(-1))
 
 
-def mean_document_reference(model, ids, layer, spans):
-    """`bias(k)` of the positional estimate, from its definition: a pass in which `k_proj` of `layer` reads, for the
-    tokens of document `k` only, their positional coordinates and the documents' mean semantic coordinates; the
-    attention of the last query on document `k` there. (K, H)"""
-    d_pos, (start_of_all, end_of_all) = model.config.position_size, (spans[0][0], spans[-1][1])
+def mean_document_reference(model, ids, layer, spans, **options):
+    """`bias(k)` of the positional estimate, from its definition: a pass (with `options` on) in which `k_proj` of
+    `layer` reads, for the tokens of document `k` only, their positional coordinates and the mean semantic
+    coordinates of the documents' tokens; the attention of the last query on document `k` there. (K, H)"""
+    d_pos = model.config.position_size
+    in_documents = torch.zeros(ids.shape[1], dtype=torch.bool)
+    for start, end in spans:
+        in_documents[start:end] = True
     rows = []
     for start, end in spans:
 
         def mean_document(module, args, start=start, end=end):
             (key_input,) = args
-            mean = key_input[:, start_of_all:end_of_all, d_pos:].mean(1, keepdim=True)
+            mean = key_input[:, in_documents, d_pos:].mean(1, keepdim=True)
             key_input = key_input.clone()
             key_input[:, start:end, d_pos:] = mean
             return (key_input,)
 
         handle = model.model.layers[layer].self_attn.k_proj.register_forward_pre_hook(mean_document)
         try:
-            attention = model(ids, output_attentions=True).attentions[layer][0, :, -1]  # (H, kv)
+            attention = model(ids, output_attentions=True, **options).attentions[layer][0, :, -1]  # (H, kv)
         finally:
             handle.remove()
         rows.append(attention[:, start:end].mean(-1))
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("rotary_dim", [0, 4])
-def test_positional_bias_estimate_is_the_mean_documents_attention(rotary_dim):
-    """Written from the definition (a k_proj input swapped per document), on a row alone and left-padded."""
-    model = strong_positions(tiny_model(rotary_dim=rotary_dim))
+def sharp_attention(model):
+    """Strong positions and large query/key weights: peaked rows, where a wrong formula shows."""
+    strong_positions(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.5)
+            layer.self_attn.k_proj.weight.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize(
+    "rotary_dim, other",
+    [
+        (0, {}),
+        (4, {}),
+        (4, {"ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(1,), head_order=(2, 0, 3, 1))}),
+        (0, {"positional_scaling": PositionalScaling(0.5, channels=(1, 2, 20, 30), layers=(1,), skip_first=1)}),
+    ],
+)
+def test_positional_bias_estimate_is_the_mean_documents_attention(rotary_dim, other):
+    """Written from the definition (a k_proj input swapped per document), with the layer's other mitigations, on a
+    row alone and left-padded, documents with a gap between them."""
+    model = sharp_attention(tiny_model(rotary_dim=rotary_dim))
     model.set_attn_implementation("eager")
     ids = random_ids(2, 12)
-    option = AttentionCalibration(spans=(SPANS,) * 2, layers=(1,), bias_estimate="positional")
+    spans = ((1, 3), (4, 7), (7, 9))
+    option = AttentionCalibration(spans=(spans,) * 2, layers=(1,), bias_estimate="positional")
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # row 1: two pads, then its own 10 tokens
     cache = SepFormerCache(config=model.config)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, attention_calibration=option)
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, attention_calibration=option, **other)
         bias = cache.calibration_bias[1]  # (2, H, K)
         assert set(cache.calibration_bias) == {1}
-        torch.testing.assert_close(bias[0], mean_document_reference(model, ids[:1], 1, SPANS).T)
-        torch.testing.assert_close(bias[1], mean_document_reference(model, ids[1:, 2:], 1, SPANS).T)
-    attention = model(ids[:1], output_attentions=True).attentions[1][0, :, -1]
-    assert not torch.allclose(bias[0], torch.stack([attention[:, a:b].mean(-1) for a, b in SPANS], -1))
+        torch.testing.assert_close(bias[0], mean_document_reference(model, ids[:1], 1, spans, **other).T)
+        torch.testing.assert_close(bias[1], mean_document_reference(model, ids[1:, 2:], 1, spans, **other).T)
+        attention = model(ids[:1], output_attentions=True, **other).attentions[1][0, :, -1]
+    own = torch.stack([attention[:, a:b].mean(-1) for a, b in spans], -1)
+    assert (bias[0] - own).abs().max() > 1e-2  # the estimate is not the documents' own attention
+
+
+def test_positional_bias_closed_form_holds_on_peaked_rows():
+    """One document far above the rest (logits 25 higher): the formula against float64, written out per document."""
+    generator = torch.Generator().manual_seed(0)
+    scores, dummy = torch.randn(1, 2, 12, generator=generator), torch.randn(1, 2, 12, generator=generator)
+    scores[..., 3:6] += 25.0
+    scores[..., 0] = float("-inf")  # a key the query may not attend (padding)
+    dummy[..., 0] = 1e4  # whatever the dummy scores there, the key stays out
+    documents = torch.zeros(1, 12, 3)
+    documents[0, 1:3, 0], documents[0, 3:6, 1], documents[0, 8:11, 2] = 1, 1, 1
+    got = bias_from_positions(scores, dummy.masked_fill(scores == float("-inf"), float("-inf")), documents)
+    real, fake = scores.double().exp(), dummy.double().exp()
+    for k in range(3):
+        inside = documents[0, :, k].bool()
+        expected = fake[..., inside].mean(-1) / (real[..., ~inside].sum(-1) + fake[..., inside].sum(-1))
+        torch.testing.assert_close(got[..., k].double(), expected, rtol=1e-5, atol=0)
+
+
+def test_positional_bias_is_measured_without_a_graph():
+    model = tiny_model()
+    option = AttentionCalibration(spans=(SPANS,), layers=(1,), bias_estimate="positional")
+    cache = SepFormerCache(config=model.config)
+    loss = model(random_ids(1, 12), past_key_values=cache, use_cache=True, attention_calibration=option).logits.sum()
+    assert cache.calibration_bias[1].grad_fn is None
+    loss.backward()  # the calibrated row still carries gradients to the weights
+    assert model.model.layers[1].self_attn.q_proj.weight.grad is not None
 
 
 def test_bias_estimates_agree_when_every_document_is_the_dummy():
