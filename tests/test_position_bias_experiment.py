@@ -178,6 +178,17 @@ def test_presets_mean_what_they_say():
         position_bias.parse_args(["--quick", "--tiny"])
 
 
+def test_steps_scale_with_the_pairs_unless_given():
+    """Twice the documents train twice as long (the same steps per pair); an explicit --max-steps is kept."""
+    default = position_bias.PRESETS["default"]
+    twice = ["--num-pairs", str(2 * default["num_pairs"]), "--num-keys", str(4 * default["num_pairs"])]
+    assert position_bias.parse_args(twice).max_steps == 2 * default["max_steps"]
+    assert position_bias.parse_args([*twice, "--max-steps", "700"]).max_steps == 700
+    assert position_bias.parse_args(["--num-pairs", str(default["num_pairs"])]).max_steps == default["max_steps"]
+    assert position_bias.PRESETS["tiny"]["max_steps"] == 20
+    assert position_bias.parse_args(["--tiny", "--num-pairs", "8", "--num-keys", "8"]).max_steps == 40
+
+
 def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
