@@ -273,8 +273,15 @@ def gpt2_conditions(spans, vocab: Vocabulary) -> list[Condition]:
 
 def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[Condition]:
     """Positional scaling at the setting the dimension search picks, and (on HF models, whose channels it finds)
-    the factor sweep on the picked channels."""
-    result = search_positional_scaling(model, validation)
+    the factor sweep on the picked channels. Where the search finds no candidate (the paper's filter can keep no
+    channel of a model), the search's pick is a row that says so."""
+    try:
+        result = search_positional_scaling(model, validation)
+    except ValueError as error:
+        def no_candidate(model, input_ids, error=error):
+            raise error
+
+        return [Condition("positional_scaling", SEARCH_PICK, no_candidate)]
     best = result.best
     details = (f"channels={list(best.channels)}, factor={best.factor} (validation loss {best.loss:.3f}, "
                f"unscaled {result.base.loss:.3f})")
@@ -402,8 +409,8 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
             result = metric.compute(predictions=predictions.tolist(), references=data["answer"].tolist(),
                                     positions=data["gold_slot"].tolist())
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
-        except ValueError as error:  # a combination the model refuses
-            status = f"refused: {str(error).splitlines()[0][:200]}"
+        except ValueError as error:  # a combination the model refuses, or a search that found no candidate
+            status = f"not evaluated: {str(error).splitlines()[0][:200]}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
         rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
                       num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
@@ -518,7 +525,7 @@ def curves(rows: list[dict]) -> list[Curve]:
     for row in rows:
         key = (row["model"], row["mitigation"], row["setting"], row["num_pairs"])
         cell = cells.setdefault(key, Curve(*key, row["status"], {}))
-        if row["status"] != "ok":  # refused on any seed: the cell is refused
+        if row["status"] != "ok":  # not evaluated on one seed: the cell says why
             cell.status = row["status"]
         cell.per_seed.setdefault(row["seed"], []).append(row["accuracy"])  # rows come slot by slot
     return list(cells.values())
@@ -693,8 +700,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
-        # A longer list has more slots to learn and fewer answers per slot (the answers stay at the ends): at the
-        # preset's budget Llama does not learn twice the documents, at the same steps per pair it does.
+        # At the preset's budget Llama does not learn twice the documents; at the same steps per pair it does.
         args.max_steps = preset["max_steps"] * args.num_pairs // preset["num_pairs"]
     for name, value in preset.items():
         if getattr(args, name, None) is None:
@@ -735,6 +741,7 @@ def main(argv=None):
         new_rows, new_attention = run_seed(seed, vocab, metric, args)
         rows += new_rows
         attention_rows += new_attention
+        write_csv(rows, output_dir / "results.csv", RESULT_FIELDS)  # after each seed: a long run keeps what it did
 
     table = markdown_table(rows, args)
     print("\n" + table + "\n")

@@ -51,6 +51,24 @@ def test_every_slot_of_every_setting_has_a_row(run):
                for setting, details in calibrations.items() if "positional" in setting)
 
 
+def test_a_search_without_candidates_is_a_row_that_says_why(monkeypatch, tmp_path, capsys):
+    """The paper's filter may keep no channel of a trained model (Llama, seed 1, at 32 pairs): the run goes on, and
+    the search's pick is a row saying why it was not evaluated."""
+    reason = "no channel of the attention input is monotone in position: give channel_sets."
+
+    def no_candidate(model, batches):
+        raise ValueError(reason)
+
+    monkeypatch.setattr(position_bias, "search_positional_scaling", no_candidate)
+    rows = position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling",
+                               "--output-dir", str(tmp_path)])
+    statuses = {(r["mitigation"], r["setting"]): r["status"] for r in rows}
+    pick = ("positional_scaling", position_bias.SEARCH_PICK)
+    assert statuses == {("none", "-"): "ok", pick: f"not evaluated: {reason}"}
+    assert f"| {position_bias.SEARCH_PICK} | not evaluated: {reason} |" in capsys.readouterr().out
+    assert (tmp_path / "results.csv").read_text().count(reason) == position_bias.PRESETS["tiny"]["num_pairs"]
+
+
 def test_pearson_r_is_the_textbook_one():
     x, y = torch.tensor([[1.0, 2.0, 3.0, 5.0]]), torch.tensor([[2.0, 1.0, 4.0, 4.0]])
     mx, my = x.mean(), y.mean()
