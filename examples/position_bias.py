@@ -745,7 +745,6 @@ def main(argv=None):
 
     table = markdown_table(rows, args)
     print("\n" + table + "\n")
-    write_csv(rows, output_dir / "results.csv", RESULT_FIELDS)
     (output_dir / "results.md").write_text(table + "\n")
     write_csv(attention_rows, output_dir / "attention.csv", ["model", "seed", "layer", "head", "group", "attention"])
     plot_curves(rows, args, output_dir / "position_bias.png")

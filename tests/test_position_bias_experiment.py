@@ -1,5 +1,6 @@
 """`examples/position_bias.py`: the lost-in-the-middle experiment, run end to end at its tiny preset."""
 
+import csv
 import math
 import sys
 from pathlib import Path
@@ -67,6 +68,24 @@ def test_a_search_without_candidates_is_a_row_that_says_why(monkeypatch, tmp_pat
     assert statuses == {("none", "-"): "ok", pick: f"not evaluated: {reason}"}
     assert f"| {position_bias.SEARCH_PICK} | not evaluated: {reason} |" in capsys.readouterr().out
     assert (tmp_path / "results.csv").read_text().count(reason) == position_bias.PRESETS["tiny"]["num_pairs"]
+
+
+def test_finished_seeds_are_written_before_the_next_starts(monkeypatch, tmp_path):
+    """A long run that stops at seed 1 keeps seed 0's rows in results.csv."""
+    run_seed = position_bias.run_seed
+
+    def crash_at_seed_1(seed, *args):
+        if seed == 1:
+            raise RuntimeError("stopped")
+        return run_seed(seed, *args)
+
+    monkeypatch.setattr(position_bias, "run_seed", crash_at_seed_1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "--seeds", "0", "1",
+                            "--output-dir", str(tmp_path)])
+    with open(tmp_path / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["seed"] for row in rows} == {"0"} and len(rows) == position_bias.PRESETS["tiny"]["num_pairs"]
 
 
 def test_pearson_r_is_the_textbook_one():
@@ -203,8 +222,9 @@ def test_steps_scale_with_the_pairs_unless_given():
     assert position_bias.parse_args(twice).max_steps == 2 * default["max_steps"]
     assert position_bias.parse_args([*twice, "--max-steps", "700"]).max_steps == 700
     assert position_bias.parse_args(["--num-pairs", str(default["num_pairs"])]).max_steps == default["max_steps"]
-    assert position_bias.PRESETS["tiny"]["max_steps"] == 20
-    assert position_bias.parse_args(["--tiny", "--num-pairs", "8", "--num-keys", "8"]).max_steps == 40
+    tiny = position_bias.PRESETS["tiny"]
+    three_times = ["--tiny", "--num-pairs", str(3 * tiny["num_pairs"]), "--num-keys", str(3 * tiny["num_pairs"])]
+    assert position_bias.parse_args(three_times).max_steps == 3 * tiny["max_steps"]  # the chosen preset's rate
 
 
 def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
