@@ -65,7 +65,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from sepformer import SepFormerCache, SepFormerConfig, SepFormerForCausalLM
 from sepformer.metrics import metric_path
-from sepformer.positional_search import scale_attention_input, search_positional_scaling
+from sepformer.positional_search import NoPositionalChannelError, scale_attention_input, search_positional_scaling
 
 PRESETS = {
     # 12.5 minutes for the three seeds on 2 CPU cores
@@ -277,7 +277,7 @@ def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[
     channel of a model), the search's pick is a row that says so."""
     try:
         result = search_positional_scaling(model, validation)
-    except ValueError as error:
+    except NoPositionalChannelError as error:
         def no_candidate(model, input_ids, error=error):
             raise error
 

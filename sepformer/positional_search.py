@@ -30,6 +30,11 @@ from .mitigation_options import PositionalScaling
 DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
 
 
+class NoPositionalChannelError(ValueError):
+    """The paper's filter keeps no channel of a model's attention input, so the search has no candidate: a property
+    of the trained model (not a bad argument), which callers sweeping many models may report and go on."""
+
+
 @dataclass(frozen=True)
 class ScalingCandidate:
     """One evaluated setting: `loss` is the mean over gold positions of `position_losses` (gold position -> the mean
@@ -330,7 +335,8 @@ def search_positional_scaling(
             ignoring the first `skip` positions) and all of them together, the curves read on the first batch
             (which must then be unpadded), averaged over its examples and the scaled layers.
 
-    Returns the best candidate, the base model's losses and the table of every candidate.
+    Returns the best candidate, the base model's losses and the table of every candidate. Raises
+    `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and the filter keeps no channel.
     """
     batches = list(batches)
     if not batches:
@@ -358,7 +364,9 @@ def search_positional_scaling(
             curves = attention_input_curves(model, first, layers)
             chosen = positional_channel_candidates(curves, top_k=top_k, skip=skip)
             if not chosen:
-                raise ValueError("no channel of the attention input is monotone in position: give channel_sets.")
+                raise NoPositionalChannelError(
+                    "no channel of the attention input is monotone in position: give channel_sets."
+                )
             channel_sets = [(channel,) for channel in chosen] + ([tuple(chosen)] if len(chosen) > 1 else [])
     base = candidate((), layers, 1.0, *example_losses(model, batches, None))
     candidates = tuple(
@@ -370,6 +378,7 @@ def search_positional_scaling(
 
 
 __all__ = [
+    "NoPositionalChannelError",
     "PositionalSearchResult",
     "ScalingCandidate",
     "attention_input_curves",

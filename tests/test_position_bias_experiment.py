@@ -13,6 +13,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import position_bias  # noqa: E402  (after the path)
 
+from sepformer.positional_search import NoPositionalChannelError  # noqa: E402
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -58,7 +60,7 @@ def test_a_search_without_candidates_is_a_row_that_says_why(monkeypatch, tmp_pat
     reason = "no channel of the attention input is monotone in position: give channel_sets."
 
     def no_candidate(model, batches):
-        raise ValueError(reason)
+        raise NoPositionalChannelError(reason)
 
     monkeypatch.setattr(position_bias, "search_positional_scaling", no_candidate)
     rows = position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling",
@@ -68,6 +70,18 @@ def test_a_search_without_candidates_is_a_row_that_says_why(monkeypatch, tmp_pat
     assert statuses == {("none", "-"): "ok", pick: f"not evaluated: {reason}"}
     assert f"| {position_bias.SEARCH_PICK} | not evaluated: {reason} |" in capsys.readouterr().out
     assert (tmp_path / "results.csv").read_text().count(reason) == position_bias.PRESETS["tiny"]["num_pairs"]
+
+
+def test_a_search_given_bad_arguments_stops_the_run(monkeypatch, tmp_path):
+    """Only a model without a positional channel becomes a row; a search called wrongly is the experiment's bug."""
+
+    def called_wrongly(model, batches):
+        raise ValueError("factors must be numbers < 1 (1 is the unscaled model); got [1.0].")
+
+    monkeypatch.setattr(position_bias, "search_positional_scaling", called_wrongly)
+    with pytest.raises(ValueError, match="factors must be numbers < 1"):
+        position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling",
+                            "--output-dir", str(tmp_path)])
 
 
 def test_finished_seeds_are_written_before_the_next_starts(monkeypatch, tmp_path):

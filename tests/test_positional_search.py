@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sepformer import PositionalScaling
 from sepformer.positional_search import (
+    NoPositionalChannelError,
     attention_input_curves,
     positional_channel_candidates,
     query_key_inputs_scaled,
@@ -244,6 +245,26 @@ def test_the_filter_finds_a_planted_channel_of_gpt2_and_the_search_runs_on_it():
     result = search_positional_scaling(model, batches, factors=(0.0,), top_k=1)
     assert [candidate.channels for candidate in result.candidates] == [(9,)]
     assert result.best.layers == (1,)
+
+
+def test_a_model_without_a_positional_channel_raises_its_own_error():
+    """No position in the input (one token repeated, no position table) and no attention in the first block: every
+    channel of the scaled layer's input is constant in position, so the filter keeps none and the search says so."""
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.transformer.wpe.weight.zero_()
+        model.transformer.h[0].attn.c_proj.weight.zero_()
+        model.transformer.h[0].attn.c_proj.bias.zero_()
+    ids = torch.full((4, 12), 7)
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = 7
+    batches = [{"input_ids": ids, "labels": labels, "gold_position": torch.arange(4)}]
+    assert positional_channel_candidates(attention_input_curves(model, ids, layers=(1,))) == []
+    with pytest.raises(NoPositionalChannelError, match="no channel of the attention input is monotone"):
+        search_positional_scaling(model, batches)
+    assert issubclass(NoPositionalChannelError, ValueError)
+    channel_sets = search_positional_scaling(model, batches, factors=(0.0,), channel_sets=[(3,)]).candidates
+    assert [candidate.channels for candidate in channel_sets] == [(3,)]
 
 
 # --------------------------------------------------------------------------------------------------- bad inputs
