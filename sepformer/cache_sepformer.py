@@ -16,7 +16,7 @@ class SepFormerCache(DynamicCache):
 
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
-        ms_poe_ranks: per MS-PoE layer, (b, H) head ranks from the prefill's last query (0 = most position-aware).
+        ms_poe_ranks: per MS-PoE layer, (b, H, 1, 1) head ranks from the prefill's last query (0 = most position-aware).
         calibration_bias: per calibrated layer, (b, H, K) `bias(k)`, the attention on a dummy document at slot `k`.
         calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
         fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer keeps its

@@ -26,7 +26,16 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
-from .mitigation_base import NO_HOOKS, CallContext, LayerRun, MitigationPlan, QueryKeyProjection, cached_constant
+from .mitigation_base import (
+    NO_HOOKS,
+    CallContext,
+    LayerRun,
+    MitigationPlan,
+    QueryKeyProjection,
+    cached_constant,
+    kept_while_unchanged,
+    versions_of,
+)
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
     POSITIONAL_MAP_CLASSES,
@@ -91,7 +100,7 @@ class BlockNorm(BlockDiagonal):
 
     def __init__(self, position: nn.Module | None, semantic: nn.Module, position_size: int):
         super().__init__(position, semantic, position_size)
-        self.kept_parameters = None  # (versions of the norms' parameters, what `block_parameters` made from them)
+        self.kept = {}  # what `block_parameters` made, with the versions of the norms' parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.position is None:
@@ -128,18 +137,7 @@ class BlockNorm(BlockDiagonal):
             weights = indicator * torch.cat(sources[:2]).float()
             return weights, torch.cat(sources[2:]).float() if centred else None
 
-        # Only plain parameters are kept: a parametrised, functional (`functional_call`, `vmap`) or otherwise
-        # substituted weight is a new tensor at each call, whose version and address say nothing about its values.
-        if (
-            torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or not all(type(source) is nn.Parameter for source in sources)
-        ):
-            return make()
-        versions = versions_of(sources)
-        if self.kept_parameters is None or self.kept_parameters[0] != versions:
-            self.kept_parameters = (versions, make())
-        return self.kept_parameters[1]
+        return kept_while_unchanged(self.kept, "parameters", sources, make)
 
 
 class SepFormerMLP(nn.Module):
@@ -218,10 +216,6 @@ class FusedProjections:
     def is_current(self) -> bool:
         """Whether the source parameters are unchanged: in place (optimiser steps, loading) or moved (`.to`)."""
         return versions_of(self.sources) == self.versions
-
-
-def versions_of(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple((tensor._version, tensor.data_ptr()) for tensor in tensors)
 
 
 def is_plain_module(module: nn.Module) -> bool:

@@ -1,11 +1,12 @@
 """MS-PoE (arXiv 2403.04797): head `h` of the chosen layers sees positions `m / r_h`."""
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, last_row_probs
+from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, kept_while_unchanged, last_row_probs
 from .mitigation_options import MSPoE
 from .positional_maps import apply_partial_rotary
 
@@ -19,8 +20,31 @@ def ms_poe_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
 
 @cached_constant(maxsize=16)
 def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Tensor:
-    """(H, 1) float32 ratios by rank on `device`, made once per option rather than at every decoding step."""
-    return ms_poe_ratios(option, num_heads).float().to(device)[:, None]
+    """(H, 1, 1) float32 ratios by rank on `device`, made once per option rather than at every decoding step."""
+    return ms_poe_ratios(option, num_heads).float().to(device)[:, None, None]
+
+
+KEPT_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def positional_query_key_weights(attention: nn.Module) -> torch.Tensor:
+    """(H, d_pos, 2 · hd): head `h`'s `W_q[h, :, pos]ᵀ` and `W_k[h, :, pos]ᵀ` side by side, so that one batched matmul
+    gives both of a head's additions; kept while the weights are unchanged."""
+    q_weight, k_weight = attention.q_proj.weight, attention.k_proj.weight
+    d_pos = attention.config.position_size
+    for_head = (-1, attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
+
+    def make():
+        return torch.cat((q_weight[:, :d_pos].view(for_head), k_weight[:, :d_pos].view(for_head)), 1).mT.contiguous()
+
+    return kept_while_unchanged(KEPT_WEIGHTS, attention, (q_weight, k_weight), make)
+
+
+def by_head(by_rank: torch.Tensor, head_ranks: torch.Tensor) -> torch.Tensor:
+    """Each head's row of a table by rank: `by_rank` (H, b or 1, seq, x), `head_ranks` (H, b or 1, 1, 1) ->
+    (H, b, seq, x)."""
+    shape = (by_rank.shape[0], max(by_rank.shape[1], head_ranks.shape[1]), *by_rank.shape[2:])
+    return torch.gather(by_rank.expand(shape), 0, head_ranks.expand(shape))
 
 
 def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -79,11 +103,13 @@ class MSPoEMitigation(Mitigation):
     )
     model: nn.Module | None = None  # the SepFormerModel: its positional map, rotary and input norms
     extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
-    fixed_ranks: torch.Tensor | None = None  # (1, H) from `head_order`
-    ranks: dict[int, torch.Tensor] | None = None  # per layer, (b, H) ranks made at prefill (on the cache)
+    # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
+    fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
+    ranks: dict[int, torch.Tensor] | None = None  # per layer, (b, H, 1, 1) ranks made at prefill (on the cache)
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
-    position_shift: torch.Tensor | None = None  # (b or 1, H, seq, d_pos): p(m / r_i) - p(m) for rank i
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (b or 1, H, seq, rotary_dim) of m / r_i
+    # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
+    position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (H, b or 1, seq, rotary_dim) of m / r_i
 
     @classmethod
     def fixes_state_at_prefill(cls, options: MSPoE) -> bool:
@@ -109,7 +135,7 @@ class MSPoEMitigation(Mitigation):
                     "layers without them."
                 )
         if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None]
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed)
         if config._attn_implementation == "flex_attention":
             raise ValueError(
@@ -120,20 +146,20 @@ class MSPoEMitigation(Mitigation):
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
         model, config = self.model, self.model.config
-        ratios = rank_ratios(self.options, config.num_attention_heads, run.device)  # (H, 1)
+        ratios = rank_ratios(self.options, config.num_attention_heads, run.device)  # (H, 1, 1)
         position_shift = rotary = None
         if run.position_rows is not None:
             coordinates = model.embed_positions.table_coordinates(run.table_positions, self.extrapolation)
-            rows = model.embed_positions(coordinates[:, None] / ratios, self.extrapolation).to(run.dtype)  # p(m / r_i)
-            position_shift = rows - run.position_rows[:, None]
+            rows = model.embed_positions(coordinates / ratios, self.extrapolation).to(run.dtype)  # p(m / r_i)
+            position_shift = rows - run.position_rows
         if model.rotary_emb is not None:
-            angles = (run.position_ids[:, None] / ratios)[..., None] * model.rotary_emb.inv_freq  # (b|1, H, seq, rd/2)
+            angles = (run.position_ids / ratios)[..., None] * model.rotary_emb.inv_freq  # (H, b|1, seq, rd/2)
             angles = torch.cat((angles, angles), -1)
             rotary = angles.cos().to(run.dtype), angles.sin().to(run.dtype)
         return self.replace(position_shift=position_shift, rotary=rotary)
 
     def layer_ranks(self, attention, query, key, position_embeddings, attention_mask) -> torch.Tensor:
-        """(b or 1, H) ranks of one layer's heads: fixed, kept from prefill, or made now from the last query's
+        """(b or 1, H, 1, 1) ranks of one layer's heads: fixed, kept from prefill, or made now from the last query's
         attention row with the base positions (a prefill)."""
         if self.fixed_ranks is not None:
             return self.fixed_ranks
@@ -141,28 +167,23 @@ class MSPoEMitigation(Mitigation):
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
             probs, valid = last_row_probs(query, key, attention_mask, attention.scaling)
-            self.ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))
+            self.ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
         return self.ranks[attention.layer_idx]
 
     def position_query_key(self, attention, query, key, position_embeddings, residual, attention_mask):
-        ranks = self.layer_ranks(attention, query, key, position_embeddings, attention_mask)[..., None, None]
+        ranks = self.layer_ranks(attention, query, key, position_embeddings, attention_mask).transpose(0, 1)
         if self.position_shift is not None:
             norm = self.model.layers[attention.layer_idx].input_layernorm.position
-            d_pos = self.position_shift.shape[-1]
-            positional = residual[:, None, :, :d_pos]  # (b, 1, seq, d_pos)
-            shift = torch.take_along_dim(self.position_shift, ranks, 1)  # p(m / r_h) - p(m): (b, H, seq, d_pos)
+            positional = residual[..., : self.position_shift.shape[-1]]  # (b, seq, d_pos)
+            shift = by_head(self.position_shift, ranks)  # p(m / r_h) - p(m): (H, b, seq, d_pos)
             # Shifted and unshifted rows through one norm call: fewer calls, and a ratio of 1 adds exactly 0.
-            normed = norm(torch.cat((positional + shift, positional), 1))  # (b, H + 1, seq, d_pos)
-            delta = normed[:, :-1] - normed[:, -1:]  # (b, H, seq, d_pos)
-            for_head = (query.shape[1], attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
-            # W_q[h, :, pos] and W_k[h, :, pos] side by side: one matmul gives both heads' additions.
-            weights = torch.cat(
-                (attention.q_proj.weight[:, :d_pos].view(for_head), attention.k_proj.weight[:, :d_pos].view(for_head)),
-                1,
-            )  # (H, 2 · hd, d_pos)
-            query_delta, key_delta = torch.matmul(delta, weights.transpose(1, 2)).chunk(2, -1)  # (b, H, seq, hd) each
+            normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
+            delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
+            heads, batch, seq, d_pos = delta.shape
+            deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), positional_query_key_weights(attention))
+            query_delta, key_delta = deltas.view(heads, batch, seq, -1).transpose(0, 1).chunk(2, -1)  # (b, H, seq, hd)
             query, key = query + query_delta, key + key_delta
         if position_embeddings is not None:
-            cos, sin = (torch.take_along_dim(table, ranks, 1) for table in self.rotary)  # (b, H, seq, rotary_dim)
+            cos, sin = (by_head(table, ranks).transpose(0, 1) for table in self.rotary)  # (b, H, seq, rotary_dim)
             query, key = apply_partial_rotary(query, key, cos, sin)
         return query, key

@@ -72,7 +72,7 @@ def test_batch_operations_carry_the_state_row_by_row():
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, **options)
     ranks, bias, spans = cache.ms_poe_ranks[0].clone(), cache.calibration_bias[1].clone(), cache.calibration_spans
-    assert ranks.shape == (3, 4) and bias.shape == (3, 4, 3) and spans.shape == (3, 3, 2)
+    assert ranks.shape == (3, 4, 1, 1) and bias.shape == (3, 4, 3) and spans.shape == (3, 3, 2)
     assert not torch.equal(ranks[0], ranks[1]) or not torch.equal(ranks[1], ranks[2])  # rows differ: order matters
 
     cache.reorder_cache(torch.tensor([2, 0, 0]))

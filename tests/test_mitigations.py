@@ -256,6 +256,21 @@ def test_ms_poe_equals_a_head_by_head_reference(overrides):
     assert (ours - logits(model, ids)).abs().max() > 1e-4  # the ratios did something
 
 
+def test_ms_poe_follows_weights_changed_in_place():
+    """The positional columns of W_q and W_k that MS-PoE multiplies by are kept between calls without autograd: a
+    weight changed in place (an optimiser step, loading) is read anew."""
+    model = strong_positions(tiny_model())
+    ids = random_ids(2, 12)
+    option = MSPoE(layers=(1,))
+    with torch.no_grad():
+        before = model(ids, ms_poe=option).logits
+        model.model.layers[1].self_attn.k_proj.weight.mul_(3.0)
+        after = model(ids, ms_poe=option).logits
+    made_anew = model(ids, ms_poe=option).logits  # with autograd nothing is kept
+    assert torch.equal(after, made_anew.detach())
+    assert not torch.equal(after, before)
+
+
 def test_ms_poe_ranking_is_made_at_prefill_and_kept():
     model = strong_positions(tiny_model(rotary_dim=4))
     ids = random_ids(2, 12)
@@ -266,7 +281,8 @@ def test_ms_poe_ranking_is_made_at_prefill_and_kept():
         ranked = cache.ms_poe_ranks[1].clone()
         model(ids[:, :1], past_key_values=cache, use_cache=True, ms_poe=option)
     assert torch.equal(cache.ms_poe_ranks[1], ranked)
-    assert ranked.shape == (2, 4)
+    assert ranked.shape == (2, 4, 1, 1)
+    ranked = ranked[..., 0, 0]
     assert torch.equal(ranked.sort(-1).values, torch.arange(4).expand(2, 4))  # a permutation of the ranks per row
     later = SepFormerCache(config=model.config)
     with torch.no_grad():
