@@ -283,9 +283,7 @@ class PositionalScaling(MitigationOptions):
         for field, low in (("skip_first", 0), ("last_recompute_tokens", 1)):
             value = _as_int(getattr(self, field))
             if value is None or value < low:
-                raise ValueError(
-                    f"positional_scaling {field}={getattr(self, field)!r} must be an integer >= {low}."
-                )
+                raise ValueError(f"positional_scaling {field}={getattr(self, field)!r} must be an integer >= {low}.")
             object.__setattr__(self, field, value)
 
     def default_layers(self, num_layers: int) -> range:

@@ -163,9 +163,7 @@ def scale_attention_input(
     scale = torch.ones(width, device=model.device)
     scale[list(options.channels)] = factor
     hook = functools.partial(recompute_last_rows, scale, last_recompute_tokens)
-    handles = [
-        attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True) for layer in layers
-    ]
+    handles = [attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True) for layer in layers]
     try:
         yield
     finally:
