@@ -21,40 +21,47 @@ from .mitigation_options import AttentionCalibration
 from .positional_maps import positions_from_mask
 
 
-def calibrate_row(
-    probs: torch.Tensor, key_documents: torch.Tensor, bias: torch.Tensor, temperature: float
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class KeyDocuments:
+    """Which document each key lies in, for one run of the layers, with the sums every calibrated layer needs."""
+
+    membership: torch.Tensor  # (b, kv, K) one-hot, all zero outside documents (float32: rows of probabilities)
+    sizes: torch.Tensor  # (b, 1, K) keys per document
+    outside: torch.Tensor  # (b, 1, kv): 1 for keys in no document
+
+    @classmethod
+    def of(cls, membership: torch.Tensor) -> "KeyDocuments":
+        return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None])
+
+
+def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float) -> torch.Tensor:
     """Re-weight one attention row over `K` documents.
 
-    `probs` (b, H, kv) the row; `key_documents` (b, kv, K) one-hot document membership of each key (all zero outside
-    documents); `bias` (b, H, K) the attention a dummy document gets at slot `k`. Every token of document `k` is
-    scaled by `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total attention on
-    documents; other tokens are untouched, so the row still sums to 1.
+    `probs` (b, H, kv) the row; `documents` each key's document; `bias` (b, H, K) the attention a dummy document gets
+    at slot `k`. Every token of document `k` is scaled by `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) /
+    t)`, `C` keeping the total attention on documents; other tokens are untouched, so the row still sums to 1.
     """
-    sizes = key_documents.sum(1)[:, None]  # (b, 1, K)
-    mass = torch.bmm(probs, key_documents)  # (b, H, K): attention on each document
-    mean = mass / sizes  # Attn(doc_k)
+    mass = torch.bmm(probs, documents.membership)  # (b, H, K): attention on each document
+    mean = mass / documents.sizes  # Attn(doc_k)
     alpha = ((mean - bias) / temperature).softmax(-1)
-    keep_total = mass.sum(-1, keepdim=True) / (alpha * sizes).sum(-1, keepdim=True)  # C
+    keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
     factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
-    outside = 1 - key_documents.sum(-1)[:, None]  # (b, 1, kv): 1 for keys in no document
-    return probs * (torch.bmm(factor, key_documents.transpose(1, 2)) + outside)
+    return probs * (torch.bmm(factor, documents.membership.mT) + documents.outside)
 
 
-def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
+def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, documents: KeyDocuments) -> torch.Tensor:
     """`bias(k)` without dummy passes: the mean attention on document `k` if its keys alone were the dummy's.
 
     `scores` (b, H, kv) the last query's logits, -inf where it may not attend; `dummy_scores` the same against the
-    dummy keys; `key_documents` (b, kv, K). Swapping document `k`'s keys for the dummy's leaves every other logit as it
-    is, so with `E = exp(scores)` and `D = exp(dummy_scores)`:
+    dummy keys; `documents` each key's document. Swapping document `k`'s keys for the dummy's leaves every other logit
+    as it is, so with `E = exp(scores)` and `D = exp(dummy_scores)`:
     `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_{j∉k} E_j + Σ_{j∈k} D_j)`, computed in log space (a peaked row neither
     cancels nor overflows). Returns (b, H, K).
     """
-    in_document = key_documents.transpose(1, 2)[:, None].bool()  # (b, 1, K, kv)
+    in_document = documents.membership.mT[:, None].bool()  # (b, 1, K, kv)
     dummy_on_k = dummy_scores[:, :, None].masked_fill(~in_document, float("-inf")).logsumexp(-1)  # (b, H, K)
     rest = scores[:, :, None].masked_fill(in_document, float("-inf")).logsumexp(-1)  # (b, H, K): every key but k's
-    sizes = key_documents.sum(1)[:, None]  # (b, 1, K)
-    return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / sizes
+    return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / documents.sizes
 
 
 def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
@@ -128,7 +135,7 @@ class CalibrationMitigation(Mitigation):
         "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
     )
     state: object = None  # the SepFormerCache holding `bias(k)` and the spans
-    documents: torch.Tensor | None = None  # (b, kv, K): each key's document, for one run
+    documents: KeyDocuments | None = None  # each key's document, for one run
 
     @classmethod
     def fixes_state_at_prefill(cls, options: AttentionCalibration) -> bool:
@@ -218,7 +225,7 @@ class CalibrationMitigation(Mitigation):
     def start(self, run: LayerRun) -> "CalibrationMitigation":
         kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
         positions = key_positions(run.padding_mask, kv, run.device)
-        return self.replace(documents=key_documents(self.state.calibration_spans, positions))
+        return self.replace(documents=KeyDocuments.of(key_documents(self.state.calibration_spans, positions)))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
         temperature = self.options.temperature
@@ -226,7 +233,9 @@ class CalibrationMitigation(Mitigation):
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
             probs = calibrate_row(probs, self.documents, self.state.calibration_bias[layer_idx], temperature)
-            last = torch.matmul(probs.to(value.dtype)[:, :, None], value).transpose(1, 2)  # (b, 1, H, d)
+            batch, heads, kv, head_dim = value.shape
+            last = torch.bmm(probs.to(value.dtype).view(-1, 1, kv), value.reshape(-1, kv, head_dim))  # (b · H, 1, d)
+            last = last.view(batch, 1, heads, head_dim)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 # weights as the layer's implementation gives them: eager returns them, the others do not
                 eager = module.config._attn_implementation == "eager"
@@ -262,7 +271,7 @@ class PositionalBiasCalibration(CalibrationMitigation):
     def dummy_keys(self, layer_idx: int, projection: QueryKeyProjection) -> torch.Tensor:
         """(b, H, kv, head_dim): the keys of the mean document at every key's position."""
         key_input, d_pos = self.key_inputs.pop(layer_idx), self.position_size
-        in_documents = self.documents.sum(-1)[..., None]  # (b, kv, 1), float32
+        in_documents = 1 - self.documents.outside.mT  # (b, kv, 1), float32
         semantic = key_input[..., d_pos:]  # (b, kv, d_sem): the normed semantic block, as k_proj reads it
         mean = (semantic.float() * in_documents).sum(1, keepdim=True) / in_documents.sum(1, keepdim=True)
         dummy_input = torch.cat((key_input[..., :d_pos], mean.to(key_input.dtype).expand_as(semantic)), -1)

@@ -252,8 +252,10 @@ def last_row_scores(
     `query` (b, H, seq, d), `key` (b, H, kv, d); `attention_mask` as the attention functions get it (`None`, boolean
     with True = attend, or additive float), already causal, so the last row's slice is all that matters.
     """
-    kv = key.shape[2]
-    scores = torch.matmul(query[:, :, -1:], key.transpose(2, 3)).squeeze(2).float() * scaling  # (b, H, kv)
+    batch, heads, kv, head_dim = key.shape
+    # keys times the query, one bmm over (b · H): the cache's keys are read in place (a transposed key is copied)
+    scores = torch.bmm(key.reshape(-1, kv, head_dim), query[:, :, -1].reshape(-1, head_dim, 1))  # (b · H, kv, 1)
+    scores = scores.view(batch, heads, kv).float() * scaling
     if attention_mask is None:
         return scores, torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
     if attention_mask.dtype == torch.bool:

@@ -18,7 +18,7 @@ import dataclasses
 import inspect
 
 from .attention_buckets import AttentionBucketsMitigation
-from .attention_calibration import CalibrationMitigation, calibrate_row
+from .attention_calibration import CalibrationMitigation, KeyDocuments, calibrate_row
 from .cache_sepformer import SepFormerCache
 from .mitigation_base import CallContext, Mitigation, MitigationPlan
 from .mitigation_options import (
@@ -221,6 +221,7 @@ __all__ = [
     "ParallelContextWindows",
     "PositionalScaling",
     "StableMask",
+    "KeyDocuments",
     "calibrate_row",
     "fixed_head_ranks",
     "head_ratios",

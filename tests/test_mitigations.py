@@ -21,7 +21,7 @@ from sepformer import (
     StableMask,
 )
 from sepformer.attention_calibration import bias_from_positions
-from sepformer.mitigations import calibrate_row, fixed_head_ranks, head_ratios, position_awareness
+from sepformer.mitigations import KeyDocuments, calibrate_row, fixed_head_ranks, head_ratios, position_awareness
 from sepformer.stable_mask import StableMaskMitigation, sink_logits
 
 SPANS = ((0, 3), (3, 6), (6, 9))
@@ -300,7 +300,7 @@ def test_calibrated_row_keeps_the_row_and_the_document_total():
     documents = torch.zeros(2, 12, 3)
     documents[:, 1:4, 0], documents[:, 4:6, 1], documents[:, 8:11, 2] = 1, 1, 1
     bias = torch.rand(2, 3, 3, generator=generator) * 0.1
-    calibrated = calibrate_row(probs, documents, bias, temperature=0.05)
+    calibrated = calibrate_row(probs, KeyDocuments.of(documents), bias, temperature=0.05)
     torch.testing.assert_close(calibrated.sum(-1), torch.ones(2, 3))
     outside = documents.sum(-1)[:, None].expand_as(probs) == 0
     assert torch.equal(calibrated[outside], probs[outside])
@@ -310,7 +310,8 @@ def test_calibrated_row_keeps_the_row_and_the_document_total():
     means = mass(calibrated) / documents.sum(1)[:, None]
     rel = mass(probs) / documents.sum(1)[:, None] - bias
     torch.testing.assert_close(means / means.sum(-1, keepdim=True), (rel / 0.05).softmax(-1))
-    flat = calibrate_row(probs, documents, bias, temperature=1e9)  # t -> ∞: every document's mean is equal
+    # t -> ∞: every document's mean is equal
+    flat = calibrate_row(probs, KeyDocuments.of(documents), bias, temperature=1e9)
     flat_means = mass(flat) / documents.sum(1)[:, None]
     torch.testing.assert_close(flat_means, flat_means[..., :1].expand_as(flat_means))
 
@@ -429,7 +430,8 @@ def test_positional_bias_closed_form_holds_on_peaked_rows():
     dummy[..., 0] = 1e4  # whatever the dummy scores there, the key stays out
     documents = torch.zeros(1, 12, 3)
     documents[0, 1:3, 0], documents[0, 3:6, 1], documents[0, 8:11, 2] = 1, 1, 1
-    got = bias_from_positions(scores, dummy.masked_fill(scores == float("-inf"), float("-inf")), documents)
+    dummy = dummy.masked_fill(scores == float("-inf"), float("-inf"))
+    got = bias_from_positions(scores, dummy, KeyDocuments.of(documents))
     real, fake = scores.double().exp(), dummy.double().exp()
     for k in range(3):
         inside = documents[0, :, k].bool()

@@ -12,7 +12,7 @@ import torch
 from conftest import logits, random_ids, tiny_model
 
 from sepformer import AttentionCalibration, MSPoE, PositionalScaling, SepFormerCache, StableMask
-from sepformer.mitigations import calibrate_row
+from sepformer.mitigations import KeyDocuments, calibrate_row
 from sepformer.positional_maps import fourier_rows
 
 PAD = 256  # the tiny config's pad_token_id
@@ -270,9 +270,8 @@ def calibrated_last_logits(model, ids, spans, bias, temperature, **options):
         hidden = output.hidden_states[-2]  # the last layer's input
         values = layer.self_attn.v_proj(layer.input_layernorm(hidden))
         values = values.view(*ids.shape, model.config.num_attention_heads, -1)  # (1, kv, H, head_dim)
-        row = calibrate_row(
-            output.attentions[-1][:, :, -1], document_membership(ids.shape[1], spans), bias, temperature
-        )
+        documents = KeyDocuments.of(document_membership(ids.shape[1], spans))
+        row = calibrate_row(output.attentions[-1][:, :, -1], documents, bias, temperature)
         attended = torch.einsum("bhk,bkhd->bhd", row, values).flatten(1)
         last = hidden[:, -1] + layer.self_attn.o_proj(attended)
         last = last + layer.mlp(layer.post_attention_layernorm(last))
