@@ -21,7 +21,6 @@ class SepFormerCache(DynamicCache):
         calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
         fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer keeps its
             per-block projections). Weights, not rows: batch operations leave them alone.
-        fused_mlps: per layer, the `FusedMLP` of its decoding steps, likewise.
         buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.
         bucket_caches: the caches of buckets 1.., each a `SepFormerCache`; batch operations apply to them too.
         running_buckets: whether a forward with several buckets is running them (bucket 0's own pass then reads this
@@ -35,7 +34,6 @@ class SepFormerCache(DynamicCache):
         self.calibration_bias: dict[int, torch.Tensor] = {}
         self.calibration_spans: torch.Tensor | None = None
         self.fused_projections: dict[int, Any] = {}
-        self.fused_mlps: dict[int, Any] = {}
         self.buckets: Any = None
         self.bucket_caches: list[SepFormerCache] = []
         self.running_buckets = False

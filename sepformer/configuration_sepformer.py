@@ -170,9 +170,8 @@ class SepFormerConfig(PreTrainedConfig):
         stable_mask: StableMask's fields as a dict (`{"gamma": 0.05}`), on in training and inference; `None` is off.
             A call's `stable_mask=` overrides it.
         fuse_decoding_projections: decoding steps run each layer's q/k/v and o projections as two dense matmuls
-            and its two MLPs as one, kept on the KV cache (faster where kernel count dominates; `4 d²` more memory
-            per layer for the attention while the cache lives, `2 d · (i_pos + i_sem)` for the MLP). `False` keeps
-            the per-block modules everywhere.
+            kept on the KV cache (faster where kernel count dominates; `4 d²` more memory per layer while the cache
+            lives). `False` keeps the per-block projections everywhere.
         pad_token_id, bos_token_id, eos_token_id: ids inside the vocabulary (`0 <= id < vocab_size`) or `None`;
             `eos_token_id` may be a list of ids.
     """

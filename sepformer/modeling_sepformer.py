@@ -218,61 +218,11 @@ class FusedProjections:
         return versions_of(self.sources) == self.versions
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class FusedMLP:
-    """One layer's two MLPs as one, for decoding steps: the positional and semantic `up_proj` as one matmul with their
-    block-diagonal matrix written dense, one activation, and the same for `down_proj` (four matmuls, two activations,
-    a split and a cat become two matmuls and one activation). Same function; ~1e-7 apart in float32. Memory: the dense
-    matrices, `2 d · (i_pos + i_sem)` per layer while the cache lives, 1.6x the MLP weights at `d_pos = d / 4`.
-    """
-
-    up_weight: torch.Tensor  # (i_pos + i_sem, d_model)
-    up_bias: torch.Tensor | None
-    down_weight: torch.Tensor  # (d_model, i_pos + i_sem)
-    down_bias: torch.Tensor | None
-    act_fn: nn.Module
-    sources: tuple[torch.Tensor, ...]
-    versions: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, mlp: BlockDiagonal) -> "FusedMLP | None":
-        """The fused matrices of a layer's MLPs, or `None` without a positional block (nothing to fuse) or unless every
-        module `is_plain_module` and the two MLPs share their activation."""
-        if mlp.position is None:
-            return None
-        blocks = (mlp.position, mlp.semantic)
-        ups, downs = tuple(block.up_proj for block in blocks), tuple(block.down_proj for block in blocks)
-        plain = all(is_plain_module(module) for module in (mlp, *blocks, *ups, *downs))
-        if not plain or type(blocks[0].act_fn) is not type(blocks[1].act_fn):
-            return None
-        sources = tuple(parameter for linear in (*ups, *downs) for parameter in linear.parameters())
-        up_bias = down_bias = None
-        if ups[0].bias is not None:
-            up_bias, down_bias = torch.cat([up.bias for up in ups]), torch.cat([down.bias for down in downs])
-        return cls(
-            torch.block_diag(*(up.weight for up in ups)),
-            up_bias,
-            torch.block_diag(*(down.weight for down in downs)),
-            down_bias,
-            blocks[1].act_fn,
-            sources,
-            versions_of(sources),
-        )
-
-    def is_current(self) -> bool:
-        return versions_of(self.sources) == self.versions
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.act_fn(nn.functional.linear(x, self.up_weight, self.up_bias))  # (..., i_pos + i_sem)
-        return nn.functional.linear(hidden, self.down_weight, self.down_bias)
-
-
 def is_plain_module(module: nn.Module) -> bool:
-    """An `nn.Linear`, `BlockDiagonal` or `SepFormerMLP` (not a subclass) with dense parameters (no quantised,
-    distributed or other tensor subclass), whose forward is its class's and runs no hooks: what the fused matrices can
-    stand in for."""
+    """An `nn.Linear` or `BlockDiagonal` (not a subclass) with dense parameters (no quantised, distributed or other
+    tensor subclass), whose forward is its class's and runs no hooks: what the fused matrices can stand in for."""
     return (
-        type(module) in (nn.Linear, BlockDiagonal, SepFormerMLP)
+        type(module) in (nn.Linear, BlockDiagonal)
         and all(type(parameter) is nn.Parameter for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
         and not (module._forward_hooks or module._forward_pre_hooks)
@@ -365,44 +315,38 @@ class SepFormerAttention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
     def decoding_projections(self, past_key_values: Cache | None) -> FusedProjections | None:
-        return fused_for_decoding(self, past_key_values, "fused_projections", FusedProjections.of)
+        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd).
 
-
-def fused_for_decoding(module: nn.Module, past_key_values: Cache | None, field: str, make: Callable):
-    """The layer's fused matrices (`FusedProjections` of its attention, `FusedMLP` of its MLPs) for a decoding step
-    (a call continuing a grown cache, without autograd), kept in the `SepFormerCache` field `field` by layer.
-
-    Made by `make(module)` at the first decoding step and kept on the cache, so they live as long as the generation;
-    remade when a source parameter changed in place or moved. `None` (the per-block modules run) with
-    `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with another kind of
-    cache, at prefill, or when a module is not plain (`is_plain_module`) at the first decoding step (PEFT adapters,
-    quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass. Not seen within one cache:
-    modules or hooks replaced or added later, and in-place writes through `.data` (they bypass the version counter; a
-    `.data = tensor` swap moves the data pointer and is seen).
-    """
-    if (
-        not isinstance(past_key_values, SepFormerCache)
-        or torch.is_grad_enabled()
-        or module.training
-        or torch.compiler.is_compiling()
-        or not module.config.fuse_decoding_projections
-    ):
-        return None
-    per_layer, layer_idx = getattr(past_key_values, field), module.layer_idx
-    if layer_idx in per_layer:
-        fused = per_layer[layer_idx]
-        if fused is None or fused.is_current():
-            return fused
-    elif past_key_values.get_seq_length(layer_idx) == 0:
-        return None
-    per_layer[layer_idx] = make(module)
-    return per_layer[layer_idx]
+        Made at the first decoding step and kept on the `SepFormerCache`, so they live as long as the generation;
+        remade when a source parameter changed in place or moved. `None` (the per-block modules run) with
+        `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with another kind of
+        cache, at prefill, or when a projection is not a plain `nn.Linear` called as such at the first decoding step
+        (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass. Not
+        seen within one cache: modules or hooks replaced or added later, and in-place writes through `.data` (they
+        bypass the version counter; a `.data = tensor` swap moves the data pointer and is seen).
+        """
+        if (
+            not isinstance(past_key_values, SepFormerCache)
+            or torch.is_grad_enabled()
+            or self.training
+            or torch.compiler.is_compiling()
+            or not self.config.fuse_decoding_projections
+        ):
+            return None
+        per_layer = past_key_values.fused_projections
+        if self.layer_idx in per_layer:
+            fused = per_layer[self.layer_idx]
+            if fused is None or fused.is_current():
+                return fused
+        elif past_key_values.get_seq_length(self.layer_idx) == 0:
+            return None
+        per_layer[self.layer_idx] = FusedProjections.of(self)
+        return per_layer[self.layer_idx]
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SepFormerConfig, layer_idx: int):
         super().__init__()
-        self.config, self.layer_idx = config, layer_idx
         self.self_attn = SepFormerAttention(config, layer_idx)
         self.mlp = BlockDiagonal(
             SepFormerMLP(config, config.position_size, config.position_intermediate_size)
@@ -424,8 +368,6 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         mitigation_plan: MitigationPlan | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        # looked up before the attention grows the cache: a prefill finds it empty and keeps the per-block MLPs
-        fused_mlp = fused_for_decoding(self, past_key_values, "fused_mlps", lambda layer: FusedMLP.of(layer.mlp))
         attn_output, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -437,7 +379,7 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         )
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
-        mlp_output = (fused_mlp or self.mlp)(self.post_attention_layernorm(hidden_states))
+        mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + (self.dropout(mlp_output) if dropout else mlp_output)
 
 

@@ -339,18 +339,16 @@ def decode_steps(model, ids, prefill, **options):
     ],
 )
 def test_decoding_steps_with_fused_projections_equal_the_block_projections(variant, options):
-    """Without autograd, decoding steps use one `[W_q; W_k; W_V]`, one dense `W_O` and one MLP of dense block-diagonal
-    matrices per layer (kept on the cache); with autograd the per-block modules run. Both give the same logits."""
+    """Without autograd, decoding steps use one `[W_q; W_k; W_V]` and one dense `W_O` per layer (kept on the
+    cache); with autograd the per-block modules run. Both give the same logits."""
     model = randomize_norms(tiny_model(**VARIANTS[variant]))
     ids = random_ids(2, 20)
     with torch.no_grad():
         fused, cache = decode_steps(model, ids, 8, **options)
     fused_layers = {i for i, p in cache.fused_projections.items() if p is not None}
     assert fused_layers == ({0} if "positional_scaling" in options else {0, 1})  # a scaled layer keeps its blocks
-    fused_mlps = {i for i, mlp in cache.fused_mlps.items() if mlp is not None}
-    assert fused_mlps == ({0, 1} if model.config.position_size else set())  # one MLP alone: nothing to fuse
     blocks, block_cache = decode_steps(model, ids, 8, **options)  # autograd on
-    assert block_cache.fused_projections == {} and block_cache.fused_mlps == {}
+    assert block_cache.fused_projections == {}
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
@@ -372,14 +370,6 @@ def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced(
         _, cache = decode_steps(model, ids, 4)
     assert len(calls) == 1 + 8  # the prefill and every decoding step
     assert cache.fused_projections[0] is None and cache.fused_projections[1] is not None
-    assert all(mlp is not None for mlp in cache.fused_mlps.values())
-
-    mlp_calls = []
-    model.model.layers[1].mlp.position.up_proj.register_forward_hook(lambda *args: mlp_calls.append(1))
-    with torch.no_grad():
-        _, cache = decode_steps(model, ids, 4)
-    assert len(mlp_calls) == 1 + 8
-    assert cache.fused_mlps[0] is not None and cache.fused_mlps[1] is None
 
     o_proj = model.model.layers[1].self_attn.o_proj
     replaced = ShiftedLinear(o_proj.semantic.in_features, o_proj.semantic.out_features, bias=False)
@@ -396,26 +386,24 @@ def test_fused_projections_can_be_switched_off():
     model = tiny_model(fuse_decoding_projections=False)
     with torch.no_grad():
         _, cache = decode_steps(model, random_ids(1, 8), 4)
-    assert cache.fused_projections == {} and cache.fused_mlps == {}
+    assert cache.fused_projections == {}
 
 
 def test_fused_projections_follow_the_weights_changed_in_place_or_moved():
     """A weight changed in place (optimiser, loading) or moved between steps of one cache remakes them."""
-    model = tiny_model(attention_bias=True, mlp_bias=True)
+    model = tiny_model(attention_bias=True)
     ids = random_ids(2, 12)
     with torch.no_grad():
         _, cache = decode_steps(model, ids[:, :10], 6)
-        made, made_mlp = cache.fused_projections[0], cache.fused_mlps[0]
+        made = cache.fused_projections[0]
         for layer in model.model.layers:
             layer.self_attn.v_proj.semantic.weight.mul_(-2)
             layer.self_attn.o_proj.position.bias.add_(1)
-            layer.mlp.semantic.down_proj.bias.add_(1)
-            layer.mlp.position.up_proj.weight.mul_(-2)
         model.model.layers[1].self_attn.q_proj.weight.data = model.model.layers[1].self_attn.q_proj.weight * 3
         block_cache = copy.deepcopy(cache)
         fused_step = model(ids[:, 10:11], past_key_values=cache, use_cache=True).logits
     block_step = model(ids[:, 10:11], past_key_values=block_cache, use_cache=True).logits  # autograd on: blocks
-    assert cache.fused_projections[0] is not made and cache.fused_mlps[0] is not made_mlp
+    assert cache.fused_projections[0] is not made
     torch.testing.assert_close(fused_step, block_step.detach(), rtol=1e-5, atol=1e-5)
 
 

@@ -16,7 +16,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Trainer, default_data_collator
 
 from sepformer import LORA_TARGET_MODULES, SepFormerCache, SepFormerTokenizer, prepare_for_hub
-from sepformer.modeling_sepformer import FusedMLP, FusedProjections
+from sepformer.modeling_sepformer import FusedProjections
 
 IDS = torch.tensor([[257, 116, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]])  # "<s>the cat sat"
 LAYER_TARGETS = [
@@ -143,11 +143,11 @@ def test_adapter_on_custom_code_folder_without_sepformer(tmp_path):
     assert "REMOTE-PEFT-OK" in result.stdout
 
 
-def fused_projections_of_generation(model) -> tuple[torch.Tensor, dict]:
-    """Greedy `generate` with a cache of our own: which layers decoded with fused projections and MLPs."""
+def fused_projections_of_generation(model) -> dict:
+    """Greedy `generate` with a cache of our own: which layers decoded with fused projections."""
     cache = SepFormerCache(config=model.config)
     tokens = model.generate(input_ids=IDS, max_new_tokens=5, do_sample=False, past_key_values=cache)
-    return tokens, {layer: (cache.fused_projections[layer], cache.fused_mlps[layer]) for layer in cache.fused_mlps}
+    return tokens, cache.fused_projections
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])
@@ -157,15 +157,13 @@ def test_merge_and_unload_equals_adapter_and_fuses_again(tmp_path, overrides):
     assert not torch.allclose(adapted, logits(tiny_model(seed=0, **overrides)))
     tokens, fused = fused_projections_of_generation(peft_model)
     # Adapters active: the LoRA layers are not plain nn.Linear, so every layer keeps its per-block modules.
-    assert set(fused) == {0, 1} and all(value == (None, None) for value in fused.values())
+    assert set(fused) == {0, 1} and all(value is None for value in fused.values())
 
     merged = peft_model.merge_and_unload().eval()
     assert adapted_modules(merged) == []
     torch.testing.assert_close(logits(merged), adapted, atol=1e-5, rtol=1e-5)
     merged_tokens, fused = fused_projections_of_generation(merged)
-    assert set(fused) == {0, 1}
-    assert all(isinstance(attention, FusedProjections) for attention, _ in fused.values())
-    assert all(isinstance(mlp, FusedMLP) for _, mlp in fused.values())
+    assert set(fused) == {0, 1} and all(isinstance(value, FusedProjections) for value in fused.values())
     assert torch.equal(merged_tokens, tokens)
 
     if overrides.get("tie_word_embeddings"):  # peft#2777: the default targets leave the tied weight alone
