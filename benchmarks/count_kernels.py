@@ -39,8 +39,11 @@ def calls_per_step(model, batch: int, prompt: int, tokens: int, **options) -> co
         with AtenCalls() as mode:
             generate(model, batch, prompt, new_tokens, 0, **options)
         counts.append(mode.calls)
-    difference = counts[1] - counts[0]
-    return collections.Counter({name: count / tokens for name, count in difference.items()})
+    difference = counts[1].copy()
+    difference.subtract(counts[0])
+    fewer = {name: count for name, count in difference.items() if count < 0}
+    assert not fewer, f"more steps made fewer calls of {fewer}: the steps are not alike"
+    return collections.Counter({name: count / tokens for name, count in difference.items() if count})
 
 
 def main(argv=None) -> list[dict]:

@@ -21,7 +21,7 @@ from .mitigation_options import AttentionCalibration
 from .positional_maps import positions_from_mask
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KeyDocuments:
     """Which document each key lies in, for one run of the layers, with the sums every calibrated layer needs."""
 

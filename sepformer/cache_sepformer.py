@@ -21,6 +21,8 @@ class SepFormerCache(DynamicCache):
         calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
         fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer keeps its
             per-block projections). Weights, not rows: batch operations leave them alone.
+        ms_poe_weights: per MS-PoE layer, its `W_q`, `W_k` positional columns laid out per head (versions, tensor),
+            likewise weights; remade when a weight changes in place or moves (not on writes through `.data`).
         buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.
         bucket_caches: the caches of buckets 1.., each a `SepFormerCache`; batch operations apply to them too.
         running_buckets: whether a forward with several buckets is running them (bucket 0's own pass then reads this
@@ -34,6 +36,7 @@ class SepFormerCache(DynamicCache):
         self.calibration_bias: dict[int, torch.Tensor] = {}
         self.calibration_spans: torch.Tensor | None = None
         self.fused_projections: dict[int, Any] = {}
+        self.ms_poe_weights: dict[int, Any] = {}
         self.buckets: Any = None
         self.bucket_caches: list[SepFormerCache] = []
         self.running_buckets = False

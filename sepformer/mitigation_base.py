@@ -74,12 +74,13 @@ def kept_while_unchanged(kept: MutableMapping, key: Any, sources: tuple[torch.Te
     A decoding step's time goes by kernel count, and tensors made from the weights cost kernels at every step unless
     kept. Only plain parameters outside autograd are kept: a parametrised, functional (`functional_call`, `vmap`) or
     otherwise substituted weight is a new tensor at each call, whose version and address say nothing about its values.
+    Writes through `.data` (PEFT's merge) change neither: keep in a store that lives no longer than a generation.
     """
     if (
         torch.is_grad_enabled()
         or torch.compiler.is_compiling()
-        or not all(type(source) is nn.Parameter for source in sources)
-    ):
+        or not all(type(source) is nn.Parameter and not source.is_inference() for source in sources)
+    ):  # inference tensors have no version counter
         return make()
     versions = versions_of(sources)
     if key not in kept or kept[key][0] != versions:

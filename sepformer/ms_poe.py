@@ -1,6 +1,5 @@
 """MS-PoE (arXiv 2403.04797): head `h` of the chosen layers sees positions `m / r_h`."""
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +23,9 @@ def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Te
     return ms_poe_ratios(option, num_heads).float().to(device)[:, None, None]
 
 
-KEPT_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def positional_query_key_weights(attention: nn.Module) -> torch.Tensor:
+def positional_query_key_weights(attention: nn.Module, kept: dict) -> torch.Tensor:
     """(H, d_pos, 2 · hd): head `h`'s `W_q[h, :, pos]ᵀ` and `W_k[h, :, pos]ᵀ` side by side, so that one batched matmul
-    gives both of a head's additions; kept while the weights are unchanged."""
+    gives both of a head's additions; kept in `kept` (the generation's cache) while the weights are unchanged."""
     q_weight, k_weight = attention.q_proj.weight, attention.k_proj.weight
     d_pos = attention.config.position_size
     for_head = (-1, attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
@@ -37,7 +33,7 @@ def positional_query_key_weights(attention: nn.Module) -> torch.Tensor:
     def make():
         return torch.cat((q_weight[:, :d_pos].view(for_head), k_weight[:, :d_pos].view(for_head)), 1).mT.contiguous()
 
-    return kept_while_unchanged(KEPT_WEIGHTS, attention, (q_weight, k_weight), make)
+    return kept_while_unchanged(kept, attention.layer_idx, (q_weight, k_weight), make)
 
 
 def by_head(by_rank: torch.Tensor, head_ranks: torch.Tensor) -> torch.Tensor:
@@ -106,6 +102,7 @@ class MSPoEMitigation(Mitigation):
     # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
     ranks: dict[int, torch.Tensor] | None = None  # per layer, (b, H, 1, 1) ranks made at prefill (on the cache)
+    kept_weights: dict | None = None  # per layer, `positional_query_key_weights` (on the cache)
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
     position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
@@ -136,13 +133,21 @@ class MSPoEMitigation(Mitigation):
                 )
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
-            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed)
+            kept = call.state.ms_poe_weights
+            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, kept_weights=kept)
         if config._attn_implementation == "flex_attention":
             raise ValueError(
                 "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
                 "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
             )
-        return cls(options, layers, call.model, call.extrapolation, ranks=call.state.ms_poe_ranks)
+        return cls(
+            options,
+            layers,
+            call.model,
+            call.extrapolation,
+            ranks=call.state.ms_poe_ranks,
+            kept_weights=call.state.ms_poe_weights,
+        )
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
         model, config = self.model, self.model.config
@@ -180,7 +185,8 @@ class MSPoEMitigation(Mitigation):
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
             delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
             heads, batch, seq, d_pos = delta.shape
-            deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), positional_query_key_weights(attention))
+            weights = positional_query_key_weights(attention, self.kept_weights)  # (H, d_pos, 2 · hd)
+            deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), weights)  # (H, b · seq, 2 · hd)
             query_delta, key_delta = deltas.view(heads, batch, seq, -1).transpose(0, 1).chunk(2, -1)  # (b, H, seq, hd)
             query, key = query + query_delta, key + key_delta
         if position_embeddings is not None:

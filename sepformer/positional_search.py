@@ -31,8 +31,9 @@ DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
 
 
 class NoPositionalChannelError(ValueError):
-    """The paper's filter keeps no channel of a model's attention input, so the search has no candidate: a property
-    of the trained model (not a bad argument), which callers sweeping many models may report and go on."""
+    """The search has no candidate channel: the paper's filter keeps none of a model's attention input, or a SepFormer
+    has no positional block. A property of the model (not a bad argument), which callers sweeping many models may
+    report and go on."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,9 @@ def positional_channel_candidates(curves: torch.Tensor, top_k: int = 8, skip: in
 def sepformer_channel_sets(position_size: int) -> list[tuple[int, ...]]:
     """Each positional channel, aligned contiguous groups of 2, 4, ... channels, and the whole block."""
     if position_size == 0:
-        raise ValueError("this SepFormer has no positional block (position_size=0): give channel_sets explicitly.")
+        raise NoPositionalChannelError(
+            "this SepFormer has no positional block (position_size=0): give channel_sets explicitly."
+        )
     sets = [(channel,) for channel in range(position_size)]
     size = 2
     while size < position_size:
@@ -334,7 +337,7 @@ def search_positional_scaling(
             (which must then be unpadded), averaged over its examples and the scaled layers.
 
     Returns the best candidate, the base model's losses and the table of every candidate. Raises
-    `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and the filter keeps no channel.
+    `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and there is no candidate.
     """
     batches = list(batches)
     if not batches:

@@ -1,5 +1,6 @@
 """Position-bias mitigations, checked against formulas written from the papers, independently of the code."""
 
+import copy
 import dataclasses
 import math
 
@@ -257,17 +258,26 @@ def test_ms_poe_equals_a_head_by_head_reference(overrides):
 
 
 def test_ms_poe_follows_weights_changed_in_place():
-    """The positional columns of W_q and W_k that MS-PoE multiplies by are kept between calls without autograd: a
-    weight changed in place (an optimiser step, loading) is read anew."""
+    """The positional columns of W_q and W_k that MS-PoE multiplies by are kept on the cache between decoding steps
+    without autograd: a weight changed in place (an optimiser step, loading) is read anew, and a write through `.data`
+    (PEFT's merge), which a cache does not see, is read by the next generation."""
     model = strong_positions(tiny_model())
     ids = random_ids(2, 12)
     option = MSPoE(layers=(1,))
+    attention = model.model.layers[1].self_attn
+    with torch.no_grad():
+        cache = SepFormerCache(config=model.config)
+        model(ids[:, :10], past_key_values=cache, use_cache=True, ms_poe=option)
+        attention.k_proj.weight.mul_(3.0)
+        made_anew = copy.deepcopy(cache)
+        step = model(ids[:, 10:11], past_key_values=cache, use_cache=True, ms_poe=option).logits
+    reference = model(ids[:, 10:11], past_key_values=made_anew, use_cache=True, ms_poe=option).logits  # autograd
+    assert torch.equal(step, reference.detach())
     with torch.no_grad():
         before = model(ids, ms_poe=option).logits
-        model.model.layers[1].self_attn.k_proj.weight.mul_(3.0)
+        attention.q_proj.weight.data.mul_(2.0)
         after = model(ids, ms_poe=option).logits
-    made_anew = model(ids, ms_poe=option).logits  # with autograd nothing is kept
-    assert torch.equal(after, made_anew.detach())
+    assert torch.equal(after, model(ids, ms_poe=option).logits.detach())
     assert not torch.equal(after, before)
 
 

@@ -382,6 +382,17 @@ def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced(
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_made_under_inference_mode_generates():
+    """Inference tensors have no version counter: nothing made from them is kept (fused projections, the block norms'
+    and MS-PoE's layouts), and generation runs."""
+    with torch.inference_mode():
+        model = tiny_model().eval()
+        ids = random_ids(2, 6)
+        plain = model.generate(ids, max_new_tokens=3, do_sample=False)
+        with_ms_poe = model.generate(ids, max_new_tokens=3, do_sample=False, ms_poe={"layers": (1,)})
+    assert plain.shape == with_ms_poe.shape == (2, 9)
+
+
 def test_fused_projections_can_be_switched_off():
     model = tiny_model(fuse_decoding_projections=False)
     with torch.no_grad():
