@@ -133,7 +133,7 @@ class MSPoEMitigation(Mitigation):
                 )
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
-            kept = call.state.ms_poe_weights
+            kept = call.state.ms_poe_weights if call.state is not None else {}  # another cache class: this call's
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, kept_weights=kept)
         if config._attn_implementation == "flex_attention":
             raise ValueError(
