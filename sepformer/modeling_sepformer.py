@@ -33,6 +33,7 @@ from .mitigation_base import (
     MitigationPlan,
     QueryKeyProjection,
     cached_constant,
+    is_watchable,
     kept_while_unchanged,
     versions_of,
 )
@@ -223,10 +224,7 @@ def is_plain_module(module: nn.Module) -> bool:
     tensor subclass), whose forward is its class's and runs no hooks: what the fused matrices can stand in for."""
     return (
         type(module) in (nn.Linear, BlockDiagonal)
-        and all(
-            type(parameter) is nn.Parameter and not parameter.is_inference()  # no version counter to watch
-            for parameter in module.parameters(recurse=False)
-        )
+        and all(is_watchable(parameter) for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
         and not (module._forward_hooks or module._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)

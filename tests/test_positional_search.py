@@ -265,6 +265,9 @@ def test_a_model_without_a_positional_channel_raises_its_own_error():
     assert issubclass(NoPositionalChannelError, ValueError)
     channel_sets = search_positional_scaling(model, batches, factors=(0.0,), channel_sets=[(3,)]).candidates
     assert [candidate.channels for candidate in channel_sets] == [(3,)]
+    without_block = tiny_model(position_size=0, rotary_dim=4).eval()
+    with pytest.raises(NoPositionalChannelError, match="no positional block"):
+        search_positional_scaling(without_block, retrieval_batches(batches=1))
 
 
 # --------------------------------------------------------------------------------------------------- bad inputs
