@@ -93,10 +93,11 @@ def block_statistics(position_size: int, semantic_size: int, eps: float, device:
 class BlockNorm(BlockDiagonal):
     """Each block normalised on its own (its own RMSNorm or LayerNorm, `position` and `semantic`).
 
-    LayerNorms run as `BlockDiagonal` does: torch's layer norm is one fused kernel per block. RMSNorms run in one pass
-    with fewer kernels than the two torch RMSNorms (ten kernels each on CPU): each block's mean square (plus `eps`)
-    is one matmul with the block-averaging matrix, and comes back to the block's coordinates, times the block's
-    weight, through one `(2, d)` matrix; no split, no cat. Statistics in float32, as the torch norms compute them.
+    LayerNorms run as `BlockDiagonal` does: torch's layer norm is one fused kernel per block. RMSNorms run in one pass,
+    ten aten calls where the two torch RMSNorms with their split and cat are fourteen (six each on CPU): each block's
+    mean square (plus `eps`) is one matmul with the block-averaging matrix, and comes back to the block's
+    coordinates, times the block's weight, through one `(2, d)` matrix. Statistics in float32, as the torch norms
+    compute them.
     """
 
     def __init__(self, position: nn.Module | None, semantic: nn.Module, position_size: int):

@@ -154,8 +154,10 @@ def test_block_norm_equals_the_two_torch_norms_and_their_gradients(norm_type, dt
         (reference_norm.position(x_reference[..., :12]), reference_norm.semantic(x_reference[..., 12:])), -1
     )
     assert out.dtype == dtype
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=4e-2)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), reference, **tolerance)
+    if dtype == torch.bfloat16 and norm_type == "layernorm":
+        tolerance["atol"] = 4e-2
     grads = torch.autograd.grad(out, [x, *norm.parameters()], grad.to(dtype))
     reference_grads = torch.autograd.grad(reference, [x_reference, *reference_norm.parameters()], grad)
     for name, got, expected in zip(["x", *dict(norm.named_parameters())], grads, reference_grads, strict=True):
