@@ -38,16 +38,21 @@ package's `accuracy_by_position` metric. Also the last token's attention to each
 
 Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting, seed, num_pairs, slot, accuracy`,
 then the run's details), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
-intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps).
+intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps),
+and each trained model under `models/<model>-seed<seed>/` (`save_pretrained`, with `training.json`: its settings,
+final loss and training time). `--reuse-models` evaluates those again without training them (other mitigations,
+more test prompts), a long run's models once trained.
 
     python examples/position_bias.py                    # default preset: seeds 0, 1, 2
     python examples/position_bias.py --quick            # one seed, fewer prompts
     python examples/position_bias.py --tiny             # a smoke run in seconds: learns nothing (what the test runs)
     python examples/position_bias.py --num-pairs 32 --num-keys 64   # twice the documents (and the steps: 3000)
+    python examples/position_bias.py --reuse-models --mitigations none ms_poe   # the saved models, evaluated again
 """
 
 import argparse
 import csv
+import json
 import math
 import statistics
 import time
@@ -60,6 +65,7 @@ import evaluate
 import torch
 import transformers
 from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
@@ -329,6 +335,7 @@ def calibration_without_dummy_passes(model, prompts: torch.Tensor, spans, vocab:
 @dataclass
 class Contender:
     name: str
+    slug: str  # its folder under `models/`
     build: Callable
     conditions: Callable  # (spans, vocab) -> [Condition]
     is_sepformer: bool = False
@@ -356,9 +363,9 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
         return GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=d, n_layer=layers, n_head=heads,
                                           n_positions=length, **special))
 
-    every = [Contender("SepFormer", sepformer, sepformer_conditions, is_sepformer=True),
-             Contender("Llama (rotary)", llama, llama_conditions),
-             Contender("GPT-2 (learned absolute)", gpt2, gpt2_conditions)]
+    every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
+             Contender("Llama (rotary)", "llama", llama, llama_conditions),
+             Contender("GPT-2 (learned absolute)", "gpt2", gpt2, gpt2_conditions)]
     chosen = [c for c in every if any(w.lower() in c.name.lower() for w in args.models)] if args.models else every
     if not chosen:
         raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)}")
@@ -389,6 +396,57 @@ def train(model, data: datasets.Dataset, args, description: str) -> float:
     model.eval()
     tail = losses[-max(1, len(losses) // 10):]
     return sum(tail) / len(tail)
+
+
+# What a trained model depends on, besides the model and the seed: a saved model is reused only under the same.
+TRAINING_SETTINGS = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_at_ends", "hidden_size", "num_layers",
+                     "num_heads", "batch_size", "max_steps", "learning_rate", "weight_decay")
+
+
+def model_dir(args, contender: Contender, seed: int) -> Path:
+    return Path(args.output_dir) / "models" / f"{contender.slug}-seed{seed}"
+
+
+def training_settings(args, seed: int) -> dict:
+    return {"seed": seed, **{name: getattr(args, name) for name in TRAINING_SETTINGS}}
+
+
+def saved_training(args, contender: Contender, seed: int) -> dict | None:
+    """The saved model's training record (settings, loss, seconds) when `--reuse-models` may load it, else `None`.
+    Refuses a saved model trained under other settings: reusing it would report another experiment."""
+    record_path = model_dir(args, contender, seed) / "training.json"
+    if not args.reuse_models or not record_path.exists():
+        return None
+    record = json.loads(record_path.read_text())
+    wanted = training_settings(args, seed)
+    differing = {name: (record["settings"].get(name), value) for name, value in wanted.items()
+                 if record["settings"].get(name) != value}
+    if differing:
+        listed = ", ".join(f"{name} {saved} there, {value} here" for name, (saved, value) in differing.items())
+        raise SystemExit(f"--reuse-models: {record_path.parent} was trained with other settings ({listed}); give "
+                         "another --output-dir or remove that folder to train again")
+    return record
+
+
+def trained_model(contender: Contender, seed: int, data: datasets.Dataset, args) -> tuple[torch.nn.Module, dict]:
+    """The contender trained on `data` (or loaded, with `--reuse-models`, from the run that trained it), and its
+    training record. A model trained here is saved under `models/` (`save_pretrained`) with its record."""
+    torch.manual_seed(seed)
+    model = contender.build()
+    record = saved_training(args, contender, seed)
+    folder = model_dir(args, contender, seed)
+    if record is not None:
+        model.load_state_dict(load_file(folder / "model.safetensors"))
+        model.to(args.device).eval()
+        tqdm.write(f"seed {seed} · {contender.name}: loaded from {folder} (trained to loss {record['train_loss']:.3f})")
+        return model, record
+    started = time.time()
+    train_loss = train(model, data, args, f"seed {seed} · train {contender.name}")
+    record = dict(settings=training_settings(args, seed), train_loss=round(train_loss, 4),
+                  train_seconds=round(time.time() - started))
+    model.save_pretrained(folder)
+    (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    return model, record
 
 
 @torch.no_grad()
@@ -444,11 +502,8 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
     spans = {pairs: document_spans(pairs) for pairs in args.eval_pairs}
     rows, attention_rows = [], []
     for contender in contenders(args, vocab):
-        torch.manual_seed(seed)
-        model = contender.build()
-        started = time.time()
-        train_loss = train(model, data, args, f"seed {seed} · train {contender.name}")
-        train_seconds = time.time() - started
+        model, record = trained_model(contender, seed, data, args)
+        train_loss, train_seconds = record["train_loss"], record["train_seconds"]
         new_rows = []
         for pairs in args.eval_pairs:
             conditions = [c for c in contender.conditions(spans[pairs], vocab) if c.mitigation in args.mitigations]
@@ -460,7 +515,7 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
             new_rows += evaluate_model(model, conditions, evaluation[pairs], pairs, metric, args, contender)
         for row in new_rows:
             row.update(seed=seed, train_pairs=args.num_pairs, parameters=model.num_parameters(),
-                       train_steps=args.max_steps, train_loss=round(train_loss, 4), train_seconds=round(train_seconds))
+                       train_steps=args.max_steps, train_loss=train_loss, train_seconds=train_seconds)
         at_n = [r["accuracy"] for r in new_rows if r["mitigation"] == NONE and r["num_pairs"] == args.num_pairs]
         tqdm.write(f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
                    f"{train_seconds:5.1f} s to loss {train_loss:.3f}; accuracy at {args.num_pairs} pairs "
@@ -697,6 +752,9 @@ def parse_args(argv=None):
     parser.add_argument("--eval-batch-size", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", default="outputs/position_bias")
+    parser.add_argument("--reuse-models", action="store_true",
+                        help="load the models an earlier run saved under OUTPUT_DIR/models instead of training them "
+                             "again; one saved with other training settings is refused, with the settings that differ")
     args = parser.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
@@ -736,6 +794,9 @@ def main(argv=None):
     print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
           f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
           f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
+    for seed in args.seeds:  # a mismatch fails now, not after hours of training the seeds before it
+        for contender in contenders(args, vocab):
+            saved_training(args, contender, seed)
     rows, attention_rows = [], []
     for seed in args.seeds:
         new_rows, new_attention = run_seed(seed, vocab, metric, args)

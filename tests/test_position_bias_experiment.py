@@ -1,6 +1,7 @@
 """`examples/position_bias.py`: the lost-in-the-middle experiment, run end to end at its tiny preset."""
 
 import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -286,3 +287,37 @@ def test_evaluated_pairs_stay_within_the_training_length():
     with pytest.raises(SystemExit):
         position_bias.parse_args(["--tiny", "--eval-pairs", "8"])
     assert position_bias.parse_args(["--tiny", "--eval-pairs", "2"]).eval_pairs == (4, 2)
+
+
+def test_saved_models_are_evaluated_again_without_training(monkeypatch, tmp_path):
+    """Each trained model is saved with its training record; `--reuse-models` loads it (no training) and evaluates
+    it to the same rows."""
+    argv = ["--tiny", "--models", "gpt", "sep", "--mitigations", "none", "parallel_context_windows",
+            "--output-dir", str(tmp_path)]
+    trained = position_bias.main(argv)
+    for slug in ("sepformer", "gpt2"):
+        folder = tmp_path / "models" / f"{slug}-seed0"
+        record = json.loads((folder / "training.json").read_text())
+        assert record["settings"]["seed"] == 0 and record["settings"]["max_steps"] == 20, record
+        assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a saved model was trained again")
+
+    monkeypatch.setattr(position_bias, "train", no_training)
+    reused = position_bias.main([*argv, "--reuse-models"])
+    assert [(r["model"], r["mitigation"], r["slot"], r["accuracy"], r["train_loss"]) for r in reused] == [
+        (r["model"], r["mitigation"], r["slot"], r["accuracy"], r["train_loss"]) for r in trained
+    ]
+
+
+def test_a_saved_model_of_other_settings_is_refused_before_any_training(monkeypatch, tmp_path):
+    argv = ["--tiny", "--models", "gpt", "--mitigations", "none", "--output-dir", str(tmp_path)]
+    position_bias.main(argv)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before the settings were checked")
+
+    monkeypatch.setattr(position_bias, "train", no_training)
+    with pytest.raises(SystemExit, match=r"gpt2-seed0 was trained with other settings \(max_steps 20 there, 21 here\)"):
+        position_bias.main([*argv, "--reuse-models", "--max-steps", "21", "--seeds", "1", "0"])
