@@ -9,6 +9,8 @@ unless the subclass overrides it:
 | `query_key_inputs`   | the attention input (after the norm) that `q_proj` and `k_proj` read  | positional scaling,|
 |                      |                                                                       | calibration's      |
 |                      |                                                                       | positional bias(k) |
+| `decoding_input_scale` | that rewrite as one factor on channels, for the fused decoding      | positional scaling |
+|                      | projections (`None`: the hook runs on the per-block projections)      |                    |
 | `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
 | `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
 |                      |                                                                       | positional scaling |
@@ -39,6 +41,8 @@ from transformers.masking_utils import and_masks
 from .mitigation_options import MitigationOptions
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+InputScale = tuple[tuple[int, ...], float]  # (channels, factor) of the query and key inputs, as one linear map
+UNSCALED: InputScale = ((), 1.0)
 
 
 def cached_constant(maxsize: int):
@@ -175,6 +179,13 @@ class Mitigation:
         on, and the attention functions ignore it."""
         return query_input, key_input
 
+    def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
+        """`(channels, factor)` when this call's `query_key_inputs` only multiplies those channels of every token's
+        query and key inputs by `factor`: the layer's fused decoding projections then carry the factor in the columns of
+        `W_Q` and `W_K`, and `query_key_inputs` is not called. `None` (the default): the layer runs its per-block
+        projections with the hook."""
+        return None
+
     def position_query_key(
         self,
         attention: torch.nn.Module,
@@ -286,8 +297,16 @@ class LayerHooks:
 
     @property
     def rewrites_inputs(self) -> bool:
-        """Whether a hook reads or rewrites the inputs of `q_proj` and `k_proj` (no fused projections then)."""
+        """Whether a hook reads or rewrites the inputs of `q_proj` and `k_proj`."""
         return bool(self.input_hooks)
+
+    def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
+        """What the input hooks do, as one `InputScale` the fused decoding projections can carry, or `None`."""
+        if not self.input_hooks:
+            return UNSCALED
+        if len(self.input_hooks) > 1:
+            return None
+        return self.input_hooks[0].decoding_input_scale(layer_idx)
 
     def query_key_inputs(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         query_input = key_input = hidden_states

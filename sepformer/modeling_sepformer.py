@@ -29,6 +29,7 @@ from .configuration_sepformer import SepFormerConfig
 from .mitigation_base import (
     NO_HOOKS,
     CallContext,
+    InputScale,
     LayerRun,
     MitigationPlan,
     QueryKeyProjection,
@@ -167,9 +168,12 @@ class FusedProjections:
     FLOPs: `q_proj`, `k_proj` and the two blocks of `v_proj` (four matmuls, a split and a cat) become one matmul with
     `[W_q; W_k; W_V]`, and `o_proj` (two matmuls, a split and a cat) one with `W_O`, the block-diagonal matrices
     written dense with their zero blocks. Same function; ~1e-7 apart in float32 (another summation order). Memory:
-    `4 d²` per layer while the cache lives, 1.23x the attention weights at `d_pos = d / 4`.
+    `4 d²` per layer while the cache lives, 1.23x the attention weights at `d_pos = d / 4`. A mitigation that scales
+    channels of the query and key inputs (positional scaling) is carried in the columns of `W_q` and `W_k`:
+    `W (s ⊙ h) = (W diag(s)) h`.
     """
 
+    input_scale: InputScale  # (channels, factor) of the query and key inputs, folded into `W_q` and `W_k`
     qkv_weight: torch.Tensor  # (3 · d_model, d_model)
     qkv_bias: torch.Tensor | None
     o_weight: torch.Tensor  # (d_model, d_model)
@@ -178,7 +182,7 @@ class FusedProjections:
     versions: tuple[tuple[int, int], ...]  # (version counter, data pointer) of each source when made
 
     @classmethod
-    def of(cls, attention: "SepFormerAttention") -> "FusedProjections | None":
+    def of(cls, attention: "SepFormerAttention", input_scale: InputScale) -> "FusedProjections | None":
         """The fused matrices of `attention`, or `None` unless every projection `is_plain_module`."""
         v_proj, o_proj = attention.v_proj, attention.o_proj
         v_blocks, o_blocks = (
@@ -190,12 +194,16 @@ class FusedProjections:
             return None
         sources = tuple(parameter for linear in linears for parameter in linear.parameters())
         dense = [torch.block_diag(*(block.weight for block in blocks)) for blocks in (v_blocks, o_blocks)]
-        qkv_weight = torch.cat((attention.q_proj.weight, attention.k_proj.weight, dense[0]))
+        query_key = torch.cat((attention.q_proj.weight, attention.k_proj.weight))  # (2 · d_model, d_model)
+        channels, factor = input_scale
+        if channels:
+            query_key[:, list(channels)] *= factor
+        qkv_weight = torch.cat((query_key, dense[0]))
         qkv_bias = o_bias = None
         if attention.q_proj.bias is not None:
             qkv_bias = torch.cat([attention.q_proj.bias, attention.k_proj.bias, *(block.bias for block in v_blocks)])
             o_bias = torch.cat([block.bias for block in o_blocks])
-        return cls(qkv_weight, qkv_bias, dense[1], o_bias, sources, versions_of(sources))
+        return cls(input_scale, qkv_weight, qkv_bias, dense[1], o_bias, sources, versions_of(sources))
 
     def is_current(self) -> bool:
         """Whether the source parameters are unchanged: in place (optimiser steps, loading) or moved (`.to`)."""
@@ -247,7 +255,8 @@ class SepFormerAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
-        fused = None if hooks.rewrites_inputs else self.decoding_projections(past_key_values)
+        input_scale = hooks.decoding_input_scale(self.layer_idx)
+        fused = None if input_scale is None else self.decoding_projections(past_key_values, input_scale)
 
         def positions_into(query_states, key_states):
             if hooks.position_hook is not None:
@@ -298,16 +307,19 @@ class SepFormerAttention(nn.Module):
             return nn.functional.linear(attn_output, fused.o_weight, fused.o_bias), attn_weights
         return self.o_proj(attn_output), attn_weights
 
-    def decoding_projections(self, past_key_values: Cache | None) -> FusedProjections | None:
-        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd).
+    def decoding_projections(self, past_key_values: Cache | None, input_scale: InputScale) -> FusedProjections | None:
+        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd),
+        with `input_scale` in the columns of `W_q` and `W_k`.
 
         Made at the first decoding step and kept on the `SepFormerCache`, so they live as long as the generation;
-        remade when a source parameter changed in place or moved. `None` (the per-block modules run) with
-        `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with another kind of
-        cache, at prefill, or when a projection is not a plain `nn.Linear` called as such at the first decoding step
-        (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the fused matrices would bypass. Not
-        seen within one cache: modules or hooks replaced or added later, and in-place writes through `.data` (they
-        bypass the version counter; a `.data = tensor` swap moves the data pointer and is seen).
+        remade when a source parameter changed in place or moved, or for another `input_scale`. Not called when a
+        mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`). `None` (the
+        per-block modules run) with `config.fuse_decoding_projections=False`, in training, under autograd or
+        `torch.compile`, with another kind of cache, at prefill, or when a projection is not a plain `nn.Linear` called
+        as such at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the
+        fused matrices would bypass. Not seen within one cache: modules or hooks replaced or added later, and in-place
+        writes through `.data` (they bypass the version counter; a `.data = tensor` swap moves the data pointer and is
+        seen).
         """
         if (
             not isinstance(past_key_values, SepFormerCache)
@@ -320,11 +332,11 @@ class SepFormerAttention(nn.Module):
         per_layer = past_key_values.fused_projections
         if self.layer_idx in per_layer:
             fused = per_layer[self.layer_idx]
-            if fused is None or fused.is_current():
+            if fused is None or (fused.input_scale == input_scale and fused.is_current()):
                 return fused
         elif past_key_values.get_seq_length(self.layer_idx) == 0:
             return None
-        per_layer[self.layer_idx] = FusedProjections.of(self)
+        per_layer[self.layer_idx] = FusedProjections.of(self, input_scale)
         return per_layer[self.layer_idx]
 
 

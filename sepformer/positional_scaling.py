@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, QueryKeyProjection
+from .mitigation_base import AttentionFunction, CallContext, InputScale, LayerRun, Mitigation, QueryKeyProjection
 from .mitigation_options import PositionalScaling
 
 
@@ -27,6 +27,7 @@ class PositionalScalingMitigation(Mitigation):
     continuing: bool = False
     key_factors: torch.Tensor | None = None  # (b or 1, seq, d_model): `s` on the channels of scaled tokens, else 1
     query_factors: torch.Tensor | None = None  # the same on the rows whose queries are scaled, 1 on the others
+    input_scale: InputScale | None = None  # a decoding step whose tokens are all scaled alike: (channels, s or 1)
 
     @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
@@ -56,7 +57,23 @@ class PositionalScalingMitigation(Mitigation):
                 key_factors.shape[1] - self.options.last_recompute_tokens
             )
             query_factors = torch.where(recomputed[:, None], key_factors, torch.ones_like(factors))
-        return self.replace(key_factors=key_factors, query_factors=query_factors)
+        return self.replace(
+            key_factors=key_factors, query_factors=query_factors, input_scale=self.uniform_scale(run.position_ids)
+        )
+
+    def uniform_scale(self, position_ids: torch.Tensor) -> InputScale | None:
+        """At a decoding step, `(channels, s)` when every new token is scaled, `(channels, 1)` when none is."""
+        if not self.continuing:
+            return None
+        if self.options.skip_first == 0:
+            return self.channels, self.options.factor
+        first, last = (position.item() for position in position_ids.aminmax())
+        if first >= self.options.skip_first:
+            return self.channels, self.options.factor
+        return (self.channels, 1.0) if last < self.options.skip_first else None
+
+    def decoding_input_scale(self, layer_idx):
+        return self.input_scale
 
     def query_key_inputs(self, layer_idx, query_input, key_input):
         return query_input * self.query_factors, key_input * self.key_factors

@@ -2,6 +2,7 @@
 independently of the model code."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from sepformer import SepFormerCache, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
+from sepformer.modeling_sepformer import FusedProjections
 
 VARIANTS = {
     "learned": {},
@@ -324,35 +326,74 @@ def test_incremental_decoding_equals_full_forward(variant):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def decode_steps(model, ids, prefill, **options):
+def decode_steps(model, ids, prefill, attention_mask=None, **options):
     """Logits of a prefill of `prefill` tokens and then one decoding step per remaining token, and the cache."""
     cache = SepFormerCache(config=model.config)
-    steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True, **options).logits]
+    mask = lambda end: None if attention_mask is None else attention_mask[:, :end]  # noqa: E731
+    steps = [model(ids[:, :prefill], attention_mask=mask(prefill), past_key_values=cache, use_cache=True, **options)]
     for t in range(prefill, ids.shape[1]):
-        steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **options).logits)
-    return torch.cat(steps, 1), cache
+        step = ids[:, t : t + 1]
+        steps.append(model(step, attention_mask=mask(t + 1), past_key_values=cache, use_cache=True, **options))
+    return torch.cat([step.logits for step in steps], 1), cache
+
+
+SCALED = (tuple(range(8)), 0.5)  # positional scaling's default channels (the positional block) at factor 0.5
 
 
 @pytest.mark.parametrize(
-    "variant, options",
-    [(variant, {}) for variant in sorted(VARIANTS)]
+    "variant, options, layer_1_scale",
+    [(variant, {}, ((), 1.0)) for variant in sorted(VARIANTS)]
     + [
-        ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,)}}),
-        ("rotary", {"ms_poe": {"head_order": (2, 0, 3, 1)}}),
+        ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,)}}, SCALED),
+        ("rotary", {"positional_scaling": {"factor": 0.5, "layers": (1,)}}, SCALED),
+        ("wide_positions", {"positional_scaling": {"factor": -1.0, "channels": (3, 20), "layers": (1,)}},
+         ((3, 20), -1.0)),
+        # steps at positions 8-11 are not scaled, then 12-19 are: the scale changes within the generation
+        ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,), "skip_first": 12}}, SCALED),
+        ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,), "skip_first": 30}}, (SCALED[0], 1.0)),
+        ("rotary", {"ms_poe": {"head_order": (2, 0, 3, 1)}}, ((), 1.0)),
     ],
 )
-def test_decoding_steps_with_fused_projections_equal_the_block_projections(variant, options):
+def test_decoding_steps_with_fused_projections_equal_the_block_projections(variant, options, layer_1_scale):
     """Without autograd, decoding steps use one `[W_q; W_k; W_V]` and one dense `W_O` per layer (kept on the
-    cache); with autograd the per-block modules run. Both give the same logits."""
+    cache), positional scaling's factor in the columns of `W_q` and `W_k`; with autograd the per-block modules run,
+    on the scaled inputs. Both give the same logits."""
     model = randomize_norms(tiny_model(**VARIANTS[variant]))
     ids = random_ids(2, 20)
     with torch.no_grad():
         fused, cache = decode_steps(model, ids, 8, **options)
-    fused_layers = {i for i, p in cache.fused_projections.items() if p is not None}
-    assert fused_layers == ({0} if "positional_scaling" in options else {0, 1})  # a scaled layer keeps its blocks
+    assert {i for i, p in cache.fused_projections.items() if p is not None} == {0, 1}
+    assert cache.fused_projections[0].input_scale == ((), 1.0)
+    assert cache.fused_projections[1].input_scale == layer_1_scale
     blocks, block_cache = decode_steps(model, ids, 8, **options)  # autograd on
     assert block_cache.fused_projections == {}
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_steps_whose_rows_scale_differently_run_the_blocks():
+    """With left padding the rows of a step sit at different positions: while `skip_first` scales one row's token
+    and not the other's, no single input scale stands for both and the layer runs its blocks; once both are scaled
+    it fuses. The same logits as the blocks at every step."""
+    model = randomize_norms(tiny_model())
+    ids = random_ids(2, 16)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # row 0's step tokens sit 3 positions before row 1's
+    options = {"positional_scaling": {"factor": 0.5, "layers": (1,), "skip_first": 10}}
+    scales = []
+    fused_projections = FusedProjections.of
+
+    def recording(attention, input_scale):
+        scales.append(input_scale)
+        return fused_projections(attention, input_scale)
+
+    with torch.no_grad(), mock.patch.object(FusedProjections, "of", recording):
+        fused, _ = decode_steps(model, ids, 8, attention_mask=mask, **options)
+    # layer 0 once; layer 1 unscaled (both rows before 10), its blocks while the rows sit at 7-9 and 10-12, then
+    # scaled (both rows from 10)
+    assert scales == [((), 1.0), (SCALED[0], 1.0), SCALED]
+    blocks, _ = decode_steps(model, ids, 8, attention_mask=mask, **options)
+    real = mask.bool()
+    torch.testing.assert_close(fused[real], blocks.detach()[real], rtol=1e-5, atol=1e-5)
 
 
 class ShiftedLinear(torch.nn.Linear):
