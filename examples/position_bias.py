@@ -39,19 +39,22 @@ package's `accuracy_by_position` metric. Also the last token's attention to each
 Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting, seed, num_pairs, slot, accuracy`,
 then the run's details), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
 intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps),
-and each trained model under `models/<model>-seed<seed>/` (`save_pretrained`, with `training.json`: its settings,
-final loss and training time). `--reuse-models` evaluates those again without training them (other mitigations,
-more test prompts), a long run's models once trained.
+and each trained model under `--models-dir` (default `models/` there), in `<model>-seed<seed>/` (`save_pretrained`,
+with `training.json`: its training settings, every config field, final loss and training time). `--reuse-models`
+evaluates those again without training them (other mitigations, more test prompts); a model saved under other
+settings or config, or whose files do not load, is refused before anything trains.
 
     python examples/position_bias.py                    # default preset: seeds 0, 1, 2
     python examples/position_bias.py --quick            # one seed, fewer prompts
     python examples/position_bias.py --tiny             # a smoke run in seconds: learns nothing (what the test runs)
     python examples/position_bias.py --num-pairs 32 --num-keys 64   # twice the documents (and the steps: 3000)
-    python examples/position_bias.py --reuse-models --mitigations none ms_poe   # the saved models, evaluated again
+    python examples/position_bias.py --reuse-models --models-dir outputs/position_bias/models \
+        --output-dir outputs/ms_poe --mitigations none ms_poe        # the default run's models, evaluated again
 """
 
 import argparse
 import csv
+import functools
 import json
 import math
 import statistics
@@ -59,12 +62,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import datasets
 import evaluate
 import torch
 import transformers
 from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
@@ -403,47 +408,78 @@ TRAINING_SETTINGS = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_a
                      "num_heads", "batch_size", "max_steps", "learning_rate", "weight_decay")
 
 
+# What a config records besides the model: the dtype and class names it was saved with, the library's version.
+UNRECORDED_CONFIG = ("dtype", "architectures", "transformers_version", "_name_or_path")
+
+
 def model_dir(args, contender: Contender, seed: int) -> Path:
-    return Path(args.output_dir) / "models" / f"{contender.slug}-seed{seed}"
+    return Path(args.models_dir) / f"{contender.slug}-seed{seed}"
 
 
 def training_settings(args, seed: int) -> dict:
     return {"seed": seed, **{name: getattr(args, name) for name in TRAINING_SETTINGS}}
 
 
-def saved_training(args, contender: Contender, seed: int) -> dict | None:
-    """The saved model's training record (settings, loss, seconds) when `--reuse-models` may load it, else `None`.
-    Refuses a saved model trained under other settings: reusing it would report another experiment."""
-    record_path = model_dir(args, contender, seed) / "training.json"
-    if not args.reuse_models or not record_path.exists():
+def full_config(model) -> dict:
+    """Every config field, defaults included: a default changed since the model was saved shows here."""
+    fields = json.loads(model.config.to_json_string(use_diff=False))
+    return {name: value for name, value in fields.items() if name not in UNRECORDED_CONFIG}
+
+
+def differences(saved: dict, wanted: dict) -> str:
+    return ", ".join(f"{name} {saved.get(name)!r} there, {value!r} here" for name, value in wanted.items()
+                     if saved.get(name) != value)
+
+
+def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module, dict] | None:
+    """With `--reuse-models`, the model a run saved for this contender and seed, loaded, and its training record;
+    `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record
+    that does not read, other training settings or config fields (reusing it would report another experiment), and
+    weights that do not load."""
+    folder = model_dir(args, contender, seed)
+    if not args.reuse_models or not (folder / "training.json").exists():
         return None
-    record = json.loads(record_path.read_text())
-    wanted = training_settings(args, seed)
-    differing = {name: (record["settings"].get(name), value) for name, value in wanted.items()
-                 if record["settings"].get(name) != value}
-    if differing:
-        listed = ", ".join(f"{name} {saved} there, {value} here" for name, (saved, value) in differing.items())
-        raise SystemExit(f"--reuse-models: {record_path.parent} was trained with other settings ({listed}); give "
-                         "another --output-dir or remove that folder to train again")
-    return record
 
+    def refuse(why: str) -> NoReturn:
+        raise SystemExit(f"--reuse-models: {folder} {why}; give another --models-dir or remove that folder to train "
+                         "again")
 
-def trained_model(contender: Contender, seed: int, data: datasets.Dataset, args) -> tuple[torch.nn.Module, dict]:
-    """The contender trained on `data` (or loaded, with `--reuse-models`, from the run that trained it), and its
-    training record. A model trained here is saved under `models/` (`save_pretrained`) with its record."""
+    try:
+        record = json.loads((folder / "training.json").read_text())
+        settings, config = record["settings"], record["config"]
+    except (ValueError, KeyError, TypeError) as error:
+        refuse(f"has a training.json that does not read ({type(error).__name__}: {error})")
+    if differing := differences(settings, training_settings(args, seed)):
+        refuse(f"was trained with other settings ({differing})")
     torch.manual_seed(seed)
     model = contender.build()
-    record = saved_training(args, contender, seed)
-    folder = model_dir(args, contender, seed)
-    if record is not None:
+    if differing := differences(config, full_config(model)):
+        refuse(f"holds a model of another config ({differing})")
+    try:
         model.load_state_dict(load_file(folder / "model.safetensors"))
-        model.to(args.device).eval()
+    except (OSError, RuntimeError, SafetensorError) as error:
+        refuse(f"has weights that do not load ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+    return model.to(args.device).eval(), record
+
+
+def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.Dataset], args
+                  ) -> tuple[torch.nn.Module, dict]:
+    """The contender trained on `data()` (or loaded, with `--reuse-models`, from the run that trained it), and its
+    training record. A model trained here is saved under `--models-dir` (`save_pretrained`) with its record, which is
+    written last: a folder left half-written by a stopped run has no record, and is trained again."""
+    if (saved := saved_model(args, contender, seed)) is not None:
+        model, record = saved
+        folder = model_dir(args, contender, seed)
         tqdm.write(f"seed {seed} · {contender.name}: loaded from {folder} (trained to loss {record['train_loss']:.3f})")
         return model, record
+    torch.manual_seed(seed)
+    model = contender.build()
     started = time.time()
-    train_loss = train(model, data, args, f"seed {seed} · train {contender.name}")
-    record = dict(settings=training_settings(args, seed), train_loss=round(train_loss, 4),
-                  train_seconds=round(time.time() - started))
+    train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}")
+    record = dict(settings=training_settings(args, seed), config=full_config(model), train_loss=round(train_loss, 4),
+                  train_seconds=round(time.time() - started, 1))
+    folder = model_dir(args, contender, seed)
+    (folder / "training.json").unlink(missing_ok=True)
     model.save_pretrained(folder)
     (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return model, record
@@ -496,7 +532,7 @@ def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args) -> tu
 
 
 def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], list[dict]]:
-    data = training_set(seed, vocab, args)
+    data = functools.cache(lambda: training_set(seed, vocab, args))  # made only if a model is trained
     evaluation = {pairs: evaluation_set(seed, pairs, vocab, args) for pairs in args.eval_pairs}
     validation = validation_batches(seed, args.num_pairs, vocab, args)
     spans = {pairs: document_spans(pairs) for pairs in args.eval_pairs}
@@ -752,9 +788,11 @@ def parse_args(argv=None):
     parser.add_argument("--eval-batch-size", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", default="outputs/position_bias")
+    parser.add_argument("--models-dir", help="where trained models are saved and, with --reuse-models, read "
+                                             "(default: OUTPUT_DIR/models)")
     parser.add_argument("--reuse-models", action="store_true",
-                        help="load the models an earlier run saved under OUTPUT_DIR/models instead of training them "
-                             "again; one saved with other training settings is refused, with the settings that differ")
+                        help="load the models an earlier run saved under --models-dir instead of training them again; "
+                             "one saved with other training settings or config is refused, with what differs")
     args = parser.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
@@ -763,6 +801,7 @@ def parse_args(argv=None):
     for name, value in preset.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
     args.eval_pairs = tuple(dict.fromkeys(args.eval_pairs or [args.num_pairs]))
     if not 1 <= 2 * args.end_slots <= args.num_pairs:
@@ -794,9 +833,9 @@ def main(argv=None):
     print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
           f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
           f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
-    for seed in args.seeds:  # a mismatch fails now, not after hours of training the seeds before it
+    for seed in args.seeds:  # a saved model that cannot be reused fails now, not after hours of training
         for contender in contenders(args, vocab):
-            saved_training(args, contender, seed)
+            saved_model(args, contender, seed)
     rows, attention_rows = [], []
     for seed in args.seeds:
         new_rows, new_attention = run_seed(seed, vocab, metric, args)

@@ -67,7 +67,7 @@ class PositionalScalingMitigation(Mitigation):
             return None
         if self.options.skip_first == 0:
             return self.channels, self.options.factor
-        first, last = (position.item() for position in position_ids.aminmax())
+        first, last = torch.stack(position_ids.aminmax()).tolist()
         if first >= self.options.skip_first:
             return self.channels, self.options.factor
         return (self.channels, 1.0) if last < self.options.skip_first else None

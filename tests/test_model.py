@@ -359,6 +359,10 @@ def test_decoding_steps_with_fused_projections_equal_the_block_projections(varia
     cache), positional scaling's factor in the columns of `W_q` and `W_k`; with autograd the per-block modules run,
     on the scaled inputs. Both give the same logits."""
     model = randomize_norms(tiny_model(**VARIANTS[variant]))
+    with torch.no_grad():  # biases start at 0: perturb them, or scaling one with the weights' columns goes unseen
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
     ids = random_ids(2, 20)
     with torch.no_grad():
         fused, cache = decode_steps(model, ids, 8, **options)

@@ -212,14 +212,19 @@ def test_positional_scaling_prefill_equals_the_formula(option, attn):
         assert torch.equal(cache.layers[layer].values[:, :, :kept], base_cache.layers[layer].values[:, :, :kept])
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "biases"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("option", SCALINGS, ids=["last_row", "four_rows", "channels_skip_first"])
-def test_positional_scaling_decoding_steps_follow_the_method_not_the_full_pass(option, attn):
+def test_positional_scaling_decoding_steps_follow_the_method_not_the_full_pass(option, attn, bias):
     """A prefill of 10 tokens then 4 decoding steps equals the written-out model in which each decoded token attends
     with its scaled query to the scaled keys of every earlier token (those of the prompt too, as the cache holds them);
     that is not the full forward pass of the final sequence, which the test shows. A continuing call of several
-    tokens gives what as many one-token steps give."""
-    model = strong_model(num_hidden_layers=3, rotary_dim=4)
+    tokens gives what as many one-token steps give. With biases, `W_Q f(h) + b_Q`: the factor never reaches `b`."""
+    model = strong_model(num_hidden_layers=3, rotary_dim=4, attention_bias=bias)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()
     model.set_attn_implementation(attn)
     ids = random_ids(2, 14, seed=1)
     ours = prefill_and_steps(model, ids, 10, positional_scaling=option)

@@ -289,35 +289,82 @@ def test_evaluated_pairs_stay_within_the_training_length():
     assert position_bias.parse_args(["--tiny", "--eval-pairs", "2"]).eval_pairs == (4, 2)
 
 
+def no_training(*args, **kwargs):
+    raise AssertionError("a model was trained")
+
+
 def test_saved_models_are_evaluated_again_without_training(monkeypatch, tmp_path):
     """Each trained model is saved with its training record; `--reuse-models` loads it (no training) and evaluates
-    it to the same rows."""
-    argv = ["--tiny", "--models", "gpt", "sep", "--mitigations", "none", "parallel_context_windows",
-            "--output-dir", str(tmp_path)]
-    trained = position_bias.main(argv)
+    it to the same rows, here into another output folder, which leaves the first run's results as they were."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    argv = ["--tiny", "--models", "gpt", "sep", "--mitigations", "none", "parallel_context_windows"]
+    trained = position_bias.main([*argv, "--output-dir", str(first)])
     for slug in ("sepformer", "gpt2"):
-        folder = tmp_path / "models" / f"{slug}-seed0"
+        folder = first / "models" / f"{slug}-seed0"
         record = json.loads((folder / "training.json").read_text())
         assert record["settings"]["seed"] == 0 and record["settings"]["max_steps"] == 20, record
+        assert record["config"]["vocab_size"] > 0 and "dtype" not in record["config"]
         assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
-
-    def no_training(*args, **kwargs):
-        raise AssertionError("a saved model was trained again")
+    first_results = (first / "results.csv").read_text()
 
     monkeypatch.setattr(position_bias, "train", no_training)
-    reused = position_bias.main([*argv, "--reuse-models"])
-    assert [(r["model"], r["mitigation"], r["slot"], r["accuracy"], r["train_loss"]) for r in reused] == [
-        (r["model"], r["mitigation"], r["slot"], r["accuracy"], r["train_loss"]) for r in trained
+    reused = position_bias.main([*argv[:-1], "--output-dir", str(second), "--models-dir", str(first / "models"),
+                                 "--reuse-models"])
+    assert [(r["model"], r["slot"], r["accuracy"], r["train_loss"]) for r in reused] == [
+        (r["model"], r["slot"], r["accuracy"], r["train_loss"]) for r in trained if r["mitigation"] == "none"
     ]
+    assert (first / "results.csv").read_text() == first_results
+    assert not (second / "models").exists()
 
 
-def test_a_saved_model_of_other_settings_is_refused_before_any_training(monkeypatch, tmp_path):
+def spoil_settings(folder):
+    record = json.loads((folder / "training.json").read_text())
+    record["settings"]["max_steps"] = 21
+    (folder / "training.json").write_text(json.dumps(record))
+
+
+def spoil_config(folder):
+    record = json.loads((folder / "training.json").read_text())
+    record["config"]["n_inner"] = 7  # as if a default had changed since
+    (folder / "training.json").write_text(json.dumps(record))
+
+
+def spoil_weights(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+def spoil_record(folder):
+    (folder / "training.json").write_text("{")
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (spoil_settings, r"was trained with other settings \(max_steps 21 there, 20 here\)"),
+        (spoil_config, r"holds a model of another config \(n_inner 7 there, None here\)"),
+        (spoil_weights, r"has weights that do not load \(SafetensorError"),
+        (spoil_record, r"has a training.json that does not read \(JSONDecodeError"),
+    ],
+)
+def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monkeypatch, tmp_path, spoil, message):
+    """Checked for every seed before the first trains: seed 1 has no saved model and would be trained first."""
     argv = ["--tiny", "--models", "gpt", "--mitigations", "none", "--output-dir", str(tmp_path)]
     position_bias.main(argv)
-
-    def no_training(*args, **kwargs):
-        raise AssertionError("trained before the settings were checked")
-
+    folder = tmp_path / "models" / "gpt2-seed0"
+    spoil(folder)
     monkeypatch.setattr(position_bias, "train", no_training)
-    with pytest.raises(SystemExit, match=r"gpt2-seed0 was trained with other settings \(max_steps 20 there, 21 here\)"):
-        position_bias.main([*argv, "--reuse-models", "--max-steps", "21", "--seeds", "1", "0"])
+    with pytest.raises(SystemExit, match=f"{folder} {message}"):
+        position_bias.main([*argv, "--reuse-models", "--seeds", "1", "0"])
+
+
+def test_a_folder_without_its_record_is_trained_again(monkeypatch, tmp_path):
+    """A run stopped while saving leaves weights without `training.json`: that model is trained again."""
+    argv = ["--tiny", "--models", "gpt", "--mitigations", "none", "--output-dir", str(tmp_path)]
+    position_bias.main(argv)
+    (tmp_path / "models" / "gpt2-seed0" / "training.json").unlink()
+    trainings = []
+    train = position_bias.train
+    monkeypatch.setattr(position_bias, "train", lambda *args: trainings.append(1) or train(*args))
+    position_bias.main([*argv, "--reuse-models"])
+    assert trainings == [1] and (tmp_path / "models" / "gpt2-seed0" / "training.json").exists()
