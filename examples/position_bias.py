@@ -412,6 +412,11 @@ TRAINING_SETTINGS = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_a
 UNRECORDED_CONFIG = ("dtype", "architectures", "transformers_version", "_name_or_path")
 
 
+def seeded_build(contender: Contender, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same initial weights for a given seed, trained here or rebuilt to load saved ones
+    return contender.build()
+
+
 def model_dir(args, contender: Contender, seed: int) -> Path:
     return Path(args.models_dir) / f"{contender.slug}-seed{seed}"
 
@@ -451,8 +456,7 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
         refuse(f"has a training.json that does not read ({type(error).__name__}: {error})")
     if differing := differences(settings, training_settings(args, seed)):
         refuse(f"was trained with other settings ({differing})")
-    torch.manual_seed(seed)
-    model = contender.build()
+    model = seeded_build(contender, seed)
     if differing := differences(config, full_config(model)):
         refuse(f"holds a model of another config ({differing})")
     try:
@@ -467,18 +471,16 @@ def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.D
     """The contender trained on `data()` (or loaded, with `--reuse-models`, from the run that trained it), and its
     training record. A model trained here is saved under `--models-dir` (`save_pretrained`) with its record, which is
     written last: a folder left half-written by a stopped run has no record, and is trained again."""
+    folder = model_dir(args, contender, seed)
     if (saved := saved_model(args, contender, seed)) is not None:
         model, record = saved
-        folder = model_dir(args, contender, seed)
         tqdm.write(f"seed {seed} · {contender.name}: loaded from {folder} (trained to loss {record['train_loss']:.3f})")
         return model, record
-    torch.manual_seed(seed)
-    model = contender.build()
+    model = seeded_build(contender, seed)
     started = time.time()
     train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}")
     record = dict(settings=training_settings(args, seed), config=full_config(model), train_loss=round(train_loss, 4),
                   train_seconds=round(time.time() - started, 1))
-    folder = model_dir(args, contender, seed)
     (folder / "training.json").unlink(missing_ok=True)
     model.save_pretrained(folder)
     (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
