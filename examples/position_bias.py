@@ -371,9 +371,11 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
              Contender("Llama (rotary)", "llama", llama, llama_conditions),
              Contender("GPT-2 (learned absolute)", "gpt2", gpt2, gpt2_conditions)]
-    chosen = [c for c in every if any(w.lower() in c.name.lower() for w in args.models)] if args.models else every
+    wanted = [w.lower() for w in args.models or ()]
+    chosen = [c for c in every if any(w in c.name.lower() or w == c.slug for w in wanted)] if wanted else every
     if not chosen:
-        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)}")
+        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)} "
+                         f"(nor the folder names {', '.join(c.slug for c in every)})")
     return chosen
 
 
@@ -765,7 +767,7 @@ def parse_args(argv=None):
     preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
     parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1 2)")
-    parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama gpt")
+    parser.add_argument("--models", nargs="+", help="models to keep: substrings of their names or their folder names (sepformer, llama, gpt2)")
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES,
                         help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
     parser.add_argument("--num-pairs", type=int, help="key-value pairs per training list")

@@ -200,6 +200,20 @@ def test_evaluation_prompts_end_with_the_gold_query():
     assert not specials & set(ids[:, 1:-2].flatten().tolist())  # documents are never special
 
 
+@pytest.mark.parametrize("models, kept", [(["gpt2"], ["gpt2"]), (["GPT", "sep"], ["sepformer", "gpt2"]),
+                                           (["rotary"], ["llama"]), (None, ["sepformer", "llama", "gpt2"])])
+def test_models_are_chosen_by_name_or_folder_name(models, kept):
+    args = position_bias.parse_args(["--tiny", *(["--models", *models] if models else [])])
+    vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
+    assert [c.slug for c in position_bias.contenders(args, vocab)] == kept
+
+
+def test_models_that_match_nothing_stop_the_run():
+    args = position_bias.parse_args(["--tiny", "--models", "mamba"])
+    with pytest.raises(SystemExit, match="mamba.*SepFormer.*folder names sepformer, llama, gpt2"):
+        position_bias.contenders(args, position_bias.Vocabulary(args.num_keys, args.num_values))
+
+
 def test_llama_ms_poe_with_ratios_one_is_the_model_and_otherwise_acts():
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
