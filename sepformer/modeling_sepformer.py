@@ -63,6 +63,11 @@ class BlockDiagonal(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.position is None:
             return self.semantic(x)
+        # (..., d) -> (rows, d): a linear layer on 2D rows is one matmul call, on more dimensions a matmul and two
+        # reshapes, and decoding steps go by call count.
+        return self.each_block(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+    def each_block(self, x: torch.Tensor) -> torch.Tensor:
         # One split rather than two slices: its backward is one cat, where each slice's backward fills a zero tensor
         # of the full width and the two are summed.
         position, semantic = x.split_with_sizes((self.position_size, x.shape[-1] - self.position_size), -1)
@@ -85,20 +90,21 @@ def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
 
 @cached_constant(maxsize=8)
 def block_statistics(position_size: int, semantic_size: int, eps: float, device: torch.device):
-    """float32 constants of an RMS `BlockNorm`: the `(2, d)` block-averaging matrix, `eps` per block, the 0/1
+    """float32 constants of an RMS `BlockNorm`: the `(d, 2)` block-averaging matrix, `eps` per block, the `(2, d)` 0/1
     indicator."""
     indicator = torch.block_diag(torch.ones(1, position_size), torch.ones(1, semantic_size)).to(device)
-    return indicator / indicator.sum(-1, keepdim=True), torch.full((2,), eps, device=device), indicator
+    averaging = (indicator / indicator.sum(-1, keepdim=True)).t().contiguous()
+    return averaging, torch.full((2,), eps, device=device), indicator
 
 
 class BlockNorm(BlockDiagonal):
     """Each block normalised on its own (its own RMSNorm or LayerNorm, `position` and `semantic`).
 
-    LayerNorms run as `BlockDiagonal` does: torch's layer norm is one fused kernel per block. RMSNorms run in one pass,
-    ten aten calls where the two torch RMSNorms with their split and cat are fourteen (six each on CPU): each block's
-    mean square (plus `eps`) is one matmul with the block-averaging matrix, and comes back to the block's
-    coordinates, times the block's weight, through one `(2, d)` matrix. Statistics in float32, as the torch norms
-    compute them.
+    LayerNorms run as `BlockDiagonal`'s blocks do: torch's layer norm is one fused kernel per block. RMSNorms run in
+    one pass over the rows, seven aten calls where the two torch RMSNorms with their split and cat are fourteen (six
+    each on CPU): each block's mean square (plus `eps`) is one matmul with the block-averaging matrix, and comes back
+    to the block's coordinates, times the block's weight, through one `(2, d)` matrix. Statistics in float32, as the
+    torch norms compute them.
     """
 
     def __init__(self, position: nn.Module | None, semantic: nn.Module, position_size: int):
@@ -106,17 +112,19 @@ class BlockNorm(BlockDiagonal):
         self.kept = {}  # what `block_weights` made, with the versions of the norms' weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.position is None or not isinstance(self.semantic, nn.RMSNorm):
-            return super().forward(x)
+        if self.position is None:
+            return self.semantic(x)
+        if not isinstance(self.semantic, nn.RMSNorm):  # layer norms work on any shape: no reshapes
+            return self.each_block(x)
         if torch.is_autocast_enabled(x.device.type):  # the matmuls below would run in half precision
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x)
         averaging, eps, indicator = block_statistics(
             self.position_size, x.shape[-1] - self.position_size, self.semantic.eps, x.device
         )
-        h = x.float()
-        inverse_rms = nn.functional.linear(h * h, averaging, eps).rsqrt_()  # (..., 2): one per block
-        return (h * (inverse_rms @ self.block_weights(indicator))).to(x.dtype)
+        h = x.float().reshape(-1, x.shape[-1])  # (rows, d): 2D matmuls, no reshapes around each
+        inverse_rms = torch.addmm(eps, h * h, averaging).rsqrt_()  # (rows, 2): one per block
+        return (h * (inverse_rms @ self.block_weights(indicator))).view(x.shape).to(x.dtype)
 
     def block_weights(self, indicator: torch.Tensor) -> torch.Tensor:
         """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere. Outside autograd they
