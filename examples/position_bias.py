@@ -250,8 +250,20 @@ def sepformer_conditions(spans, vocab: Vocabulary) -> list[Condition]:
                    for s in (0.5, 0.0, -0.5, -1.0)]
     conditions += [keyword("attention_buckets", f"scales={list(s)}", lambda b, s=s: {"scales": s})
                    for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))]
-    conditions.append(keyword("parallel_context_windows", "documents as windows", lambda b: {"spans": [spans] * b}))
+    conditions += [keyword("parallel_context_windows", setting, lambda b, w=windows: {"spans": [w] * b})
+                   for setting, windows in window_settings(spans)]
     return conditions
+
+
+def window_settings(spans) -> list[tuple[str, list]]:
+    """PCW's sweep: each document its own window, then windows of 4 documents and two windows (half the list each)."""
+    settings = [("documents as windows", spans)]
+    for per_window in sorted({4, len(spans) // 2}):
+        if 1 < per_window < len(spans):
+            windows = [(spans[i][0], spans[min(i + per_window, len(spans)) - 1][1])
+                       for i in range(0, len(spans), per_window)]
+            settings.append((f"{len(windows)} windows of {per_window} documents", windows))
+    return settings
 
 
 def scaled(channels, factor, layers) -> Callable:
@@ -261,8 +273,10 @@ def scaled(channels, factor, layers) -> Callable:
     return logits
 
 
-def pcw(spans) -> Callable:
-    return lambda model, ids: parallel_context_windows_logits(model, ids, [spans] * len(ids))[:, -1]
+def pcw(spans) -> list[Condition]:
+    return [Condition("parallel_context_windows", setting,
+                      lambda model, ids, w=windows: parallel_context_windows_logits(model, ids, [w] * len(ids))[:, -1])
+            for setting, windows in window_settings(spans)]
 
 
 def llama_conditions(spans, vocab: Vocabulary) -> list[Condition]:
@@ -273,13 +287,11 @@ def llama_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     conditions += [Condition("attention_buckets", f"bases={list(b)}",
                              lambda model, ids, b=b: attention_buckets_logits(model, ids, None, b)[:, -1])
                    for b in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
-    conditions.append(Condition("parallel_context_windows", "documents as windows", pcw(spans)))
-    return conditions
+    return conditions + pcw(spans)
 
 
 def gpt2_conditions(spans, vocab: Vocabulary) -> list[Condition]:
-    return [Condition(NONE, "-", plain_logits),
-            Condition("parallel_context_windows", "documents as windows", pcw(spans))]
+    return [Condition(NONE, "-", plain_logits), *pcw(spans)]
 
 
 def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[Condition]:
@@ -507,7 +519,7 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
             result = metric.compute(predictions=predictions.tolist(), references=data["answer"].tolist(),
                                     positions=data["gold_slot"].tolist())
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
-        except ValueError as error:  # a combination the model refuses, or a search that found no candidate
+        except NoPositionalChannelError as error:  # the search's pick where the search found no candidate
             status = f"not evaluated: {str(error).splitlines()[0][:200]}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
         rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
@@ -767,7 +779,8 @@ def parse_args(argv=None):
     preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
     parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1 2)")
-    parser.add_argument("--models", nargs="+", help="models to keep: substrings of their names or their folder names (sepformer, llama, gpt2)")
+    parser.add_argument("--models", nargs="+",
+                        help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES,
                         help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
     parser.add_argument("--num-pairs", type=int, help="key-value pairs per training list")

@@ -26,6 +26,10 @@ class AttentionBucketsMitigation(Mitigation):
     the whole model as one bucket, with its own cache, and their logits are mixed."""
 
     options_class = AttentionBuckets
+    prefill_requirement = (
+        "attention_buckets reads positions its own way from the prefill on (the cached keys were made with that "
+        "reading): it must be on from the first (prefill) call of a cached generation."
+    )
     rotary_base: float | None = None
     map_base: float | None = None
     scale: float = 1.0
@@ -57,6 +61,10 @@ class AttentionBucketsMitigation(Mitigation):
             )
         scale = options.scales[0] if options.scales is not None else 1.0
         return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale)
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:
+        return True  # the cached keys were read with the bucket's positions: later calls need the same reading
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         return position_ids if self.scale == 1.0 else position_ids * self.scale

@@ -145,8 +145,8 @@ def check_prefill_state(name: str, options: MitigationOptions, call: CallContext
         raise ValueError(MITIGATIONS[name].prefill_requirement)
     if fixed[name] != options:
         raise ValueError(
-            f"{name} fixed its state at prefill (head ranking, bias(k) per span): continuing a cache needs the same "
-            "options as its prefill; start a new cache for new options or spans."
+            f"{name} fixed state at prefill that decoding steps reuse: continuing a cache needs the options of its "
+            f"prefill ({fixed[name]}); got {options}. Start a new cache for new options."
         )
 
 

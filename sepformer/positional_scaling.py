@@ -22,12 +22,20 @@ class PositionalScalingMitigation(Mitigation):
     """
 
     options_class = PositionalScaling
+    prefill_requirement = (
+        "positional_scaling puts scaled keys into the cache at prefill: it must be on from the first (prefill) call "
+        "of a cached generation."
+    )
     hidden_size: int = 0
     channels: tuple[int, ...] = ()
     continuing: bool = False
     key_factors: torch.Tensor | None = None  # (b or 1, seq, d_model): `s` on the channels of scaled tokens, else 1
     query_factors: torch.Tensor | None = None  # the same on the rows whose queries are scaled, 1 on the others
     input_scale: InputScale | None = None  # a decoding step whose tokens are all scaled alike: (channels, s or 1)
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options: PositionalScaling) -> bool:
+        return True  # the cache holds keys scaled with these options: decoding steps must scale alike
 
     @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":

@@ -21,6 +21,7 @@ import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 from torch import nn
@@ -343,16 +344,26 @@ def search_positional_scaling(
     if not batches:
         raise ValueError("search_positional_scaling needs at least one validation batch.")
     factors = tuple(factors)
-    bad = [
-        factor for factor in factors if isinstance(factor, bool) or not isinstance(factor, int | float) or factor >= 1
-    ]
+    bad = [factor for factor in factors if isinstance(factor, bool) or not isinstance(factor, Real) or factor >= 1]
     if not factors or bad:
         raise ValueError(f"factors must be numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
     if model.training:
         raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
     num_layers = len(decoder_layers(model))
     layers = default_layers(num_layers) if layers is None else tuple(layers)
-    if channel_sets is None:
+    if channel_sets is not None:
+        channel_sets = [tuple(channels) for channels in channel_sets]
+        width = model.config.hidden_size
+        bad = [
+            channels
+            for channels in channel_sets
+            if not channels or not all(isinstance(c, int) and 0 <= c < width for c in channels)
+        ]
+        if not channel_sets or bad:
+            raise ValueError(
+                f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad or 'no set'}."
+            )
+    else:
         if is_sepformer(model):
             channel_sets = sepformer_channel_sets(model.config.position_size)
         else:

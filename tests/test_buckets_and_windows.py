@@ -154,7 +154,10 @@ def test_identical_buckets_follow_beams_and_return_sequences_like_the_base_model
     same = model.generate(ids, **kwargs, attention_buckets={"bases": [10000.0, 10000.0]})
     assert torch.equal(same, plain)
     differ = model.generate(ids, **kwargs, attention_buckets=BUCKETS)
-    assert differ.shape == plain.shape
+    assert differ.shape == plain.shape and not torch.equal(differ, plain)
+    alone = torch.cat([model.generate(ids[row : row + 1], **kwargs, attention_buckets=BUCKETS) for row in range(2)])
+    assert torch.equal(differ, alone)
+    assert torch.equal(model.generate(ids, **kwargs, attention_buckets=BUCKETS, use_cache=False), differ)
 
 
 def test_every_bucket_keeps_its_own_cache_and_follows_reordering():
@@ -367,3 +370,31 @@ def test_a_cache_prefilled_with_windows_or_buckets_cannot_be_continued_without_t
             with pytest.raises(ValueError, match="one cache per attention bucket from its prefill"):
                 model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets=other)
         model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)  # the same: fine
+
+
+@pytest.mark.parametrize(
+    "keyword, options, other",
+    [
+        ("attention_buckets", {"scales": [0.5]}, {"scales": [0.9]}),
+        ("attention_buckets", {"bases": [2e4]}, {"bases": [3e4]}),
+        ("positional_scaling", {"factor": -0.5}, {"factor": 0.5}),
+    ],
+)
+def test_a_cache_made_with_one_reading_of_positions_is_continued_with_the_same(keyword, options, other):
+    """One bucket's cached keys were read at its positions, positional scaling's were scaled: a continued call with
+    the option off, or with other options, would attend to keys of another model. Refused; the same options go on."""
+    model = tiny_model(rotary_dim=4)
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        cache = SepFormerCache(config=model.config)
+        model(ids[:, :9], past_key_values=cache, use_cache=True, **{keyword: options})
+        with pytest.raises(ValueError, match=f"this cache was prefilled with {keyword}="):
+            model(ids[:, 9:10], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=f"{keyword} fixed state at prefill .* needs the options of its prefill"):
+            model(ids[:, 9:10], past_key_values=cache, use_cache=True, **{keyword: other})
+        model(ids[:, 9:10], past_key_values=cache, use_cache=True, **{keyword: options})  # the same: fine
+
+        plain = SepFormerCache(config=model.config)
+        model(ids[:, :9], past_key_values=plain, use_cache=True)
+        with pytest.raises(ValueError, match=f"{keyword} .* must be on from the first \\(prefill\\) call"):
+            model(ids[:, 9:10], past_key_values=plain, use_cache=True, **{keyword: options})

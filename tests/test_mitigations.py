@@ -668,7 +668,7 @@ def test_state_fixed_at_prefill_refuses_other_options_and_static_caches():
     option = AttentionCalibration(spans=(SPANS,))
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
-        with pytest.raises(ValueError, match="continuing a cache needs the same options as its prefill"):
+        with pytest.raises(ValueError, match="continuing a cache needs the options of its prefill"):
             model(
                 ids[:, :1],
                 past_key_values=cache,

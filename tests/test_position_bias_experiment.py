@@ -85,6 +85,33 @@ def test_a_search_given_bad_arguments_stops_the_run(monkeypatch, tmp_path):
                             "--output-dir", str(tmp_path)])
 
 
+def test_window_settings_tile_the_documents():
+    spans = position_bias.document_spans(16)
+    settings = dict(position_bias.window_settings(spans))
+    assert list(settings) == ["documents as windows", "4 windows of 4 documents", "2 windows of 8 documents"]
+    assert settings["documents as windows"] == spans
+    assert settings["4 windows of 4 documents"] == [(spans[i][0], spans[i + 3][1]) for i in (0, 4, 8, 12)]
+    assert settings["2 windows of 8 documents"] == [(spans[0][0], spans[7][1]), (spans[8][0], spans[15][1])]
+    assert [setting for setting, _ in position_bias.window_settings(spans[:4])] == [
+        "documents as windows", "2 windows of 2 documents"]
+
+
+def test_a_mitigation_that_raises_stops_the_run(monkeypatch, tmp_path):
+    """Only the search's missing candidates become rows: an error of a mitigation is a bug to see, not a row."""
+    conditions = position_bias.gpt2_conditions
+
+    def failing_conditions(spans, vocab):
+        def refused(model, input_ids):
+            raise ValueError("parallel_context_windows spans overlap")
+
+        return [*conditions(spans, vocab)[:1], position_bias.Condition("parallel_context_windows", "x", refused)]
+
+    monkeypatch.setattr(position_bias, "gpt2_conditions", failing_conditions)
+    with pytest.raises(ValueError, match="spans overlap"):
+        position_bias.main(["--tiny", "--models", "gpt2", "--mitigations", "none", "parallel_context_windows",
+                            "--output-dir", str(tmp_path)])
+
+
 def test_finished_seeds_are_written_before_the_next_starts(monkeypatch, tmp_path):
     """A long run that stops at seed 1 keeps seed 0's rows in results.csv."""
     run_seed = position_bias.run_seed

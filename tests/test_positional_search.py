@@ -1,6 +1,8 @@
 """The positional-dimension search and positional scaling on Hugging Face models by hooks, against references
 written here from the paper's formulas."""
 
+import re
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -278,6 +280,11 @@ def test_bad_inputs_are_refused_with_a_clear_error():
     batches = retrieval_batches(batches=1)
     with pytest.raises(ValueError, match="factors must be numbers < 1"):
         search_positional_scaling(model, batches, factors=(0.5, 1.0))
+    width = model.config.hidden_size
+    for channel_sets, bad in (([], "no set"), ([(0,), ()], "[()]"), ([(0, width)], f"[(0, {width})]")):
+        message = f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad}"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            search_positional_scaling(model, batches, channel_sets=channel_sets)
     with pytest.raises(ValueError, match="at least one validation batch"):
         search_positional_scaling(model, [])
     with pytest.raises(ValueError, match="lacks \\['gold_position'\\]"):
