@@ -21,7 +21,7 @@ import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 from torch import nn
@@ -347,6 +347,7 @@ def search_positional_scaling(
     bad = [factor for factor in factors if isinstance(factor, bool) or not isinstance(factor, Real) or factor >= 1]
     if not factors or bad:
         raise ValueError(f"factors must be numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
+    factors = tuple(float(factor) for factor in factors)  # numpy scalars too: the options take Python numbers
     if model.training:
         raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
     num_layers = len(decoder_layers(model))
@@ -357,12 +358,13 @@ def search_positional_scaling(
         bad = [
             channels
             for channels in channel_sets
-            if not channels or not all(isinstance(c, int) and 0 <= c < width for c in channels)
+            if not channels or not all(isinstance(c, Integral) and 0 <= c < width for c in channels)
         ]
         if not channel_sets or bad:
             raise ValueError(
                 f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad or 'no set'}."
             )
+        channel_sets = [tuple(int(channel) for channel in channels) for channels in channel_sets]
     else:
         if is_sepformer(model):
             channel_sets = sepformer_channel_sets(model.config.position_size)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from conftest import logits, random_ids, tiny_config, tiny_model
+from transformers import DynamicCache
 
 from sepformer import (
     AttentionBuckets,
@@ -398,3 +399,5 @@ def test_a_cache_made_with_one_reading_of_positions_is_continued_with_the_same(k
         model(ids[:, :9], past_key_values=plain, use_cache=True)
         with pytest.raises(ValueError, match=f"{keyword} .* must be on from the first \\(prefill\\) call"):
             model(ids[:, 9:10], past_key_values=plain, use_cache=True, **{keyword: options})
+        with pytest.raises(ValueError, match=f"{keyword} keeps what it fixes at prefill on the cache"):
+            model(ids[:, :9], past_key_values=DynamicCache(), use_cache=True, **{keyword: options})

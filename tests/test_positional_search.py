@@ -3,6 +3,7 @@ written here from the paper's formulas."""
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
@@ -285,6 +286,8 @@ def test_bad_inputs_are_refused_with_a_clear_error():
         message = f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad}"
         with pytest.raises(ValueError, match=re.escape(message)):
             search_positional_scaling(model, batches, channel_sets=channel_sets)
+    numpy_typed = search_positional_scaling(model, batches, factors=(np.float32(0.5),), channel_sets=[(np.int64(5),)])
+    assert numpy_typed.best.factor == 0.5 and numpy_typed.best.channels == (5,)
     with pytest.raises(ValueError, match="at least one validation batch"):
         search_positional_scaling(model, [])
     with pytest.raises(ValueError, match="lacks \\['gold_position'\\]"):
