@@ -30,6 +30,7 @@ from .mitigation_base import (
     NO_HOOKS,
     CallContext,
     InputScale,
+    LayerHooks,
     LayerRun,
     MitigationPlan,
     QueryKeyProjection,
@@ -123,14 +124,19 @@ class BlockNorm(BlockDiagonal):
             self.position_size, x.shape[-1] - self.position_size, self.semantic.eps, x.device
         )
         h = x.float().reshape(-1, x.shape[-1])  # (rows, d): 2D matmuls, no reshapes around each
-        inverse_rms = torch.addmm(eps, h * h, averaging).rsqrt_()  # (rows, 2): one per block
-        return (h * (inverse_rms @ self.block_weights(indicator))).view(x.shape).to(x.dtype)
+        return rms_normed_rows(h, averaging, eps, self.block_weights(indicator)).view(x.shape).to(x.dtype)
 
     def block_weights(self, indicator: torch.Tensor) -> torch.Tensor:
         """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere. Outside autograd they
         are kept until a weight changes in place or moves: a decoding step then runs two kernels fewer per norm."""
         sources = (self.position.weight, self.semantic.weight)
         return kept_while_unchanged(self.kept, "weights", sources, lambda: indicator * torch.cat(sources).float())
+
+
+def rms_normed_rows(h: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 rows (rows, d), each block RMS-normed and times its weights: `block_statistics` and `block_weights`."""
+    inverse_rms = torch.addmm(eps, h * h, averaging).rsqrt_()  # (rows, 2): one per block
+    return h * (inverse_rms @ weights)
 
 
 class SepFormerMLP(nn.Module):
@@ -169,64 +175,154 @@ class SepFormerRotaryEmbedding(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FusedProjections:
-    """One attention layer's projections as two dense matmuls, for decoding steps.
+class RowLinear:
+    """`rows @ weight + bias` on 2D rows, the weight stored `(in, out)`: one `mm` or `addmm` call, no transpose."""
 
-    A decoding step multiplies a token or a few per row, and on a CPU its time goes by the number of kernels, not by
-    FLOPs: `q_proj`, `k_proj` and the two blocks of `v_proj` (four matmuls, a split and a cat) become one matmul with
-    `[W_q; W_k; W_V]`, and `o_proj` (two matmuls, a split and a cat) one with `W_O`, the block-diagonal matrices
-    written dense with their zero blocks. Same function; ~1e-7 apart in float32 (another summation order). Memory:
-    `4 d²` per layer while the cache lives, 1.23x the attention weights at `d_pos = d / 4`. A mitigation that scales
-    channels of the query and key inputs (positional scaling) is carried in the columns of `W_q` and `W_k`:
-    `W (s ⊙ h) = (W diag(s)) h`.
+    weight: torch.Tensor  # (in, out)
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "RowLinear":
+        """From an `nn.Linear`'s `(out, in)` weight."""
+        return cls(weight.t().contiguous(), bias)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.mm(rows, self.weight) if self.bias is None else torch.addmm(self.bias, rows, self.weight)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowRMSNorm:
+    """An RMS `BlockNorm` on 2D rows with its float32 constants made once: its kernels, without the module's checks."""
+
+    averaging: torch.Tensor  # (d, 2)
+    eps: torch.Tensor  # (2,)
+    weights: torch.Tensor  # (2, d)
+
+    @classmethod
+    def of(cls, norm: BlockNorm) -> "RowRMSNorm":
+        averaging, eps, indicator = block_statistics(
+            norm.position_size, norm.semantic.normalized_shape[0], norm.semantic.eps, norm.semantic.weight.device
+        )
+        return cls(averaging, eps, norm.block_weights(indicator))
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return rms_normed_rows(rows.float(), self.averaging, self.eps, self.weights).to(rows.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowMLP:
+    """A `SepFormerMLP` on 2D rows with its weights laid out `(in, out)`; the activation runs as the module's."""
+
+    up: RowLinear
+    down: RowLinear
+    act_fn: nn.Module
+
+    @classmethod
+    def of(cls, mlp: SepFormerMLP) -> "RowMLP":
+        return cls(*(RowLinear.of(linear.weight, linear.bias) for linear in (mlp.up_proj, mlp.down_proj)), mlp.act_fn)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act_fn(self.up(rows)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedProjections:
+    """One decoder layer's weights laid out for decoding steps on 2D rows.
+
+    A decoding step multiplies a token or a few per row. On a CPU its time goes by the number of kernels and by the
+    bytes of weights read, not by FLOPs, and a matrix-vector product reads a weight faster laid out `(in, out)` than
+    as `nn.Linear`'s `(out, in)`. So `q_proj`, `k_proj` and the two blocks of `v_proj` become one matmul with
+    `[W_q; W_k; W_V]` and `o_proj` one with `W_O`, the block-diagonal `W_V` and `W_O` written dense with their zero
+    blocks (small next to `W_q` and `W_k`). The MLPs, most of the layer's weights, stay one per block (dense zero
+    blocks would read 8 d² where the blocks hold 5 d²), their weights laid out `(in, out)`. RMS block norms run their
+    kernels with their constants made once (`RowRMSNorm`). Same function; ~1e-7 apart in float32 (another summation
+    order). Memory while the cache lives: `4 d²` per layer for attention and the MLPs' weights once more (`5 d²` at the
+    default widths and `d_pos = d / 4`), 1.09x the layer's weights. A mitigation that scales channels of the query and
+    key inputs (positional scaling) is carried in the columns of `W_q` and `W_k`: `W (s ⊙ h) = (W diag(s)) h`.
     """
 
     input_scale: InputScale  # (channels, factor) of the query and key inputs, folded into `W_q` and `W_k`
-    qkv_weight: torch.Tensor  # (3 · d_model, d_model)
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor  # (d_model, d_model)
-    o_bias: torch.Tensor | None
+    qkv: RowLinear  # d_model -> 3 · d_model
+    o: RowLinear  # d_model -> d_model
+    mlps: tuple[RowMLP, ...]  # the positional block's (when d_pos > 0) and the semantic block's
+    mlp_widths: tuple[int, ...]  # their input widths
+    # the layer's two norms: a `RowRMSNorm`, or the module itself (layer norms, one block, or hooked)
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
     sources: tuple[torch.Tensor, ...]  # the parameters they were made from
     versions: tuple[tuple[int, int], ...]  # (version counter, data pointer) of each source when made
 
     @classmethod
-    def of(cls, attention: "SepFormerAttention", input_scale: InputScale) -> "FusedProjections | None":
-        """The fused matrices of `attention`, or `None` unless every projection `is_plain_module`."""
-        v_proj, o_proj = attention.v_proj, attention.o_proj
-        v_blocks, o_blocks = (
-            [block for block in (projection.position, projection.semantic) if block is not None]
-            for projection in (v_proj, o_proj)
-        )
+    def of(cls, layer: "SepFormerDecoderLayer", input_scale: InputScale) -> "FusedProjections | None":
+        """The fused weights of `layer`, or `None` unless every projection and MLP `is_plain_module`."""
+        attention = layer.self_attn
+        v_blocks, o_blocks, mlps = (blocks_of(module) for module in (attention.v_proj, attention.o_proj, layer.mlp))
         linears = (attention.q_proj, attention.k_proj, *v_blocks, *o_blocks)
-        if not all(is_plain_module(module) for module in (*linears, v_proj, o_proj)):
+        linears += tuple(linear for mlp in mlps for linear in (mlp.up_proj, mlp.down_proj))
+        containers = (attention.v_proj, attention.o_proj, layer.mlp, *mlps)
+        if not all(is_plain_module(module) for module in (*linears, *containers)):
             return None
-        sources = tuple(parameter for linear in linears for parameter in linear.parameters())
-        dense = [torch.block_diag(*(block.weight for block in blocks)) for blocks in (v_blocks, o_blocks)]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        row_norms = [norm for norm in norms if is_plain_rms_block_norm(norm)]
+        sources = tuple(parameter for module in (*linears, *row_norms) for parameter in module.parameters())
         query_key = torch.cat((attention.q_proj.weight, attention.k_proj.weight))  # (2 · d_model, d_model)
         channels, factor = input_scale
         if channels:
             query_key[:, list(channels)] *= factor
-        qkv_weight = torch.cat((query_key, dense[0]))
-        qkv_bias = o_bias = None
-        if attention.q_proj.bias is not None:
-            qkv_bias = torch.cat([attention.q_proj.bias, attention.k_proj.bias, *(block.bias for block in v_blocks)])
-            o_bias = torch.cat([block.bias for block in o_blocks])
-        return cls(input_scale, qkv_weight, qkv_bias, dense[1], o_bias, sources, versions_of(sources))
+
+        def dense(weight: torch.Tensor, linears) -> RowLinear:
+            biases = [linear.bias for linear in linears]
+            return RowLinear.of(weight, None if biases[0] is None else torch.cat(biases))
+
+        value_weight = torch.block_diag(*(block.weight for block in v_blocks))
+        return cls(
+            input_scale,
+            qkv=dense(torch.cat((query_key, value_weight)), (attention.q_proj, attention.k_proj, *v_blocks)),
+            o=dense(torch.block_diag(*(block.weight for block in o_blocks)), o_blocks),
+            mlps=tuple(RowMLP.of(mlp) for mlp in mlps),
+            mlp_widths=tuple(mlp.up_proj.in_features for mlp in mlps),
+            input_norm=RowRMSNorm.of(norms[0]) if norms[0] in row_norms else norms[0],
+            post_attention_norm=RowRMSNorm.of(norms[1]) if norms[1] in row_norms else norms[1],
+            sources=sources,
+            versions=versions_of(sources),
+        )
+
+    def mlp(self, rows: torch.Tensor) -> torch.Tensor:
+        """The block-diagonal MLP of (rows, d_model)."""
+        if len(self.mlps) == 1:
+            return self.mlps[0](rows)
+        blocks = rows.split_with_sizes(self.mlp_widths, -1)
+        return torch.cat([mlp(block) for mlp, block in zip(self.mlps, blocks, strict=True)], -1)
 
     def is_current(self) -> bool:
         """Whether the source parameters are unchanged: in place (optimiser steps, loading) or moved (`.to`)."""
         return versions_of(self.sources) == self.versions
 
 
+def blocks_of(module: BlockDiagonal) -> list[nn.Module]:
+    return [block for block in (module.position, module.semantic) if block is not None]
+
+
 def is_plain_module(module: nn.Module) -> bool:
-    """An `nn.Linear` or `BlockDiagonal` (not a subclass) with dense parameters (no quantised, distributed or other
-    tensor subclass), whose forward is its class's and runs no hooks: what the fused matrices can stand in for."""
+    """An `nn.Linear`, `BlockDiagonal`, `BlockNorm`, `SepFormerMLP` or `nn.RMSNorm` (not a subclass) with dense
+    parameters (no quantised, distributed or other tensor subclass), whose forward is its class's and runs no hooks:
+    what the fused weights can stand in for."""
     return (
-        type(module) in (nn.Linear, BlockDiagonal)
+        type(module) in (nn.Linear, BlockDiagonal, BlockNorm, SepFormerMLP, nn.RMSNorm)
         and all(is_watchable(parameter) for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
         and not (module._forward_hooks or module._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    )
+
+
+def is_plain_rms_block_norm(norm: nn.Module) -> bool:
+    """A plain `BlockNorm` of two plain `nn.RMSNorm` blocks: what a `RowRMSNorm` can stand in for."""
+    blocks = blocks_of(norm)
+    return (
+        is_plain_module(norm)
+        and len(blocks) == 2
+        and all(type(block) is nn.RMSNorm and is_plain_module(block) for block in blocks)
     )
 
 
@@ -255,16 +351,16 @@ class SepFormerAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        mitigation_plan: MitigationPlan | None = None,
+        hooks: LayerHooks = NO_HOOKS,
         residual: torch.Tensor | None = None,
+        fused: FusedProjections | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`residual`: the layer's input before its norm, for mitigations that re-read positions there."""
-        input_shape = hidden_states.shape[:-1]
+        """`hidden_states`: the layer's normed input (b, seq, d_model); with `fused` (a decoding step), its rows
+        (b · seq, d_model), and the output is rows too. `residual`: the layer's input before its norm (b, seq, d_model),
+        for mitigations that re-read positions there. `hooks`: the layer's mitigation hooks."""
+        input_shape = hidden_states.shape[:-1] if fused is None else residual.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
-        input_scale = hooks.decoding_input_scale(self.layer_idx)
-        fused = None if input_scale is None else self.decoding_projections(past_key_values, input_scale)
 
         def positions_into(query_states, key_states):
             if hooks.position_hook is not None:
@@ -284,7 +380,7 @@ class SepFormerAttention(nn.Module):
         # (b, seq, d_model) -> (b, heads, seq, head_dim). Value heads may straddle the two blocks: attention
         # mixes rows (tokens), never columns, so the blocks stay apart.
         if fused is not None:
-            qkv = nn.functional.linear(hidden_states, fused.qkv_weight, fused.qkv_bias)  # (b, seq, 3 · d_model)
+            qkv = fused.qkv(hidden_states)  # (b · seq, 3 · d_model)
             qkv = qkv.view(*input_shape, 3, -1, self.head_dim).transpose(1, 3)  # (b, heads, 3, seq, head_dim)
             query_states, key_states, value_states = qkv.unbind(2)
             query_states, key_states = positions_into(query_states, key_states)
@@ -310,42 +406,10 @@ class SepFormerAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (b, seq, d_model)
         if fused is not None:
-            return nn.functional.linear(attn_output, fused.o_weight, fused.o_bias), attn_weights
+            return fused.o(attn_output.reshape(-1, hidden_states.shape[-1])), attn_weights  # (b · seq, d_model)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (b, seq, d_model)
         return self.o_proj(attn_output), attn_weights
-
-    def decoding_projections(self, past_key_values: Cache | None, input_scale: InputScale) -> FusedProjections | None:
-        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd),
-        with `input_scale` in the columns of `W_q` and `W_k`.
-
-        Made at the first decoding step and kept on the `SepFormerCache`, so they live as long as the generation;
-        remade when a source parameter changed in place or moved, or for another `input_scale`. Not called when a
-        mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`). `None` (the
-        per-block modules run) with `config.fuse_decoding_projections=False`, in training, under autograd or
-        `torch.compile`, with another kind of cache, at prefill, or when a projection is not a plain `nn.Linear` called
-        as such at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the
-        fused matrices would bypass. Not seen within one cache: modules or hooks replaced or added later, and in-place
-        writes through `.data` (they bypass the version counter; a `.data = tensor` swap moves the data pointer and is
-        seen).
-        """
-        if (
-            not isinstance(past_key_values, SepFormerCache)
-            or torch.is_grad_enabled()
-            or self.training
-            or torch.compiler.is_compiling()
-            or not self.config.fuse_decoding_projections
-        ):
-            return None
-        per_layer = past_key_values.fused_projections
-        if self.layer_idx in per_layer:
-            fused = per_layer[self.layer_idx]
-            if fused is None or (fused.input_scale == input_scale and fused.is_current()):
-                return fused
-        elif past_key_values.get_seq_length(self.layer_idx) == 0:
-            return None
-        per_layer[self.layer_idx] = FusedProjections.of(self, input_scale)
-        return per_layer[self.layer_idx]
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
@@ -362,6 +426,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
         self.post_attention_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.config = config
+        self.layer_idx = layer_idx
 
     def forward(
         self,
@@ -372,19 +438,63 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         mitigation_plan: MitigationPlan | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+        hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
+        attention_inputs = dict(
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             past_key_values=past_key_values,
-            mitigation_plan=mitigation_plan,
+            hooks=hooks,
             residual=hidden_states,
             **kwargs,
         )
+        fused = self.decoding_projections(past_key_values, hooks)
+        if fused is not None:
+            # (b, seq, d_model) -> (b · seq, d_model): the step runs on 2D rows, each projection one matmul call
+            rows = hidden_states.view(-1, hidden_states.shape[-1])
+            attn_output, _ = self.self_attn(fused.input_norm(rows), fused=fused, **attention_inputs)
+            rows = rows + attn_output
+            rows = rows + fused.mlp(fused.post_attention_norm(rows))
+            return rows.view(hidden_states.shape)
+        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states), **attention_inputs)
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + (self.dropout(mlp_output) if dropout else mlp_output)
+
+    def decoding_projections(self, past_key_values: Cache | None, hooks: LayerHooks) -> FusedProjections | None:
+        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd),
+        with the input scale of the mitigation `hooks` in the columns of `W_q` and `W_k`.
+
+        Made at the first decoding step and kept on the `SepFormerCache`, so they live as long as the generation;
+        remade when a source parameter changed in place or moved, or for another input scale. `None` (the layer runs
+        its modules) when a mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`),
+        with `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with another
+        kind of cache, at prefill, or when a projection or MLP is not a plain module called as such at the first
+        decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the fused matrices would
+        bypass. Not seen within one cache: modules or hooks replaced or added later, and in-place writes through
+        `.data` (they bypass the version counter; a `.data = tensor` swap moves the data pointer and is seen).
+        """
+        if (
+            not isinstance(past_key_values, SepFormerCache)
+            or torch.is_grad_enabled()
+            or self.training
+            or torch.compiler.is_compiling()
+            or not self.config.fuse_decoding_projections
+            or torch.is_autocast_enabled(self.self_attn.q_proj.weight.device.type)  # the norms' statistics in float32
+        ):
+            return None
+        input_scale = hooks.decoding_input_scale(self.layer_idx)
+        if input_scale is None:
+            return None
+        per_layer = past_key_values.fused_projections
+        if self.layer_idx in per_layer:
+            fused = per_layer[self.layer_idx]
+            if fused is None or (fused.input_scale == input_scale and fused.is_current()):
+                return fused
+        elif past_key_values.get_seq_length(self.layer_idx) == 0:
+            return None
+        per_layer[self.layer_idx] = FusedProjections.of(self, input_scale)
+        return per_layer[self.layer_idx]
 
 
 class SepFormerPreTrainedModel(PreTrainedModel):

@@ -272,7 +272,7 @@ def test_ms_poe_follows_weights_changed_in_place():
         made_anew = copy.deepcopy(cache)
         step = model(ids[:, 10:11], past_key_values=cache, use_cache=True, ms_poe=option).logits
     reference = model(ids[:, 10:11], past_key_values=made_anew, use_cache=True, ms_poe=option).logits  # autograd
-    assert torch.equal(step, reference.detach())
+    torch.testing.assert_close(step, reference.detach(), rtol=1e-5, atol=1e-5)  # fused vs block layers
     with torch.no_grad():
         before = model(ids, ms_poe=option).logits
         attention.q_proj.weight.data.mul_(2.0)

@@ -430,6 +430,42 @@ def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced(
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_fused_layers_run_hooked_norms_and_activations_as_modules():
+    """In a fused layer the norms and activations stay modules where hooked: a hook on one sees every decoding step
+    and the layer still fuses. A hooked MLP projection keeps its layer's modules."""
+    model = randomize_norms(tiny_model())
+    calls = []
+    first, second = model.model.layers
+    first.input_layernorm.register_forward_hook(lambda *args: calls.append("norm"))
+    first.mlp.semantic.act_fn.register_forward_hook(lambda *args: calls.append("activation"))
+    second.mlp.position.down_proj.register_forward_hook(lambda *args: calls.append("down_proj"))
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        fused, cache = decode_steps(model, ids, 8)
+    assert sorted(set(calls)) == ["activation", "down_proj", "norm"]
+    assert all(calls.count(name) == 1 + 4 for name in set(calls))  # the prefill and every decoding step
+    assert cache.fused_projections[0] is not None and cache.fused_projections[1] is None
+    assert cache.fused_projections[0].input_norm is first.input_layernorm  # hooked: the module runs
+    assert cache.fused_projections[0].post_attention_norm is not first.post_attention_layernorm
+    blocks, _ = decode_steps(model, ids, 8)  # autograd on: every module runs
+    torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layers_keep_each_mlp_its_own_activation():
+    """An activation with parameters (PReLU) differs between the two MLPs: each block runs its own."""
+    model = tiny_model(hidden_act="prelu")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.position.act_fn.weight.fill_(0.9)
+            layer.mlp.semantic.act_fn.weight.fill_(-0.4)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        fused, cache = decode_steps(model, ids, 8)
+    assert all(projections is not None for projections in cache.fused_projections.values())
+    blocks, _ = decode_steps(model, ids, 8)
+    torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_made_under_inference_mode_generates():
     """Inference tensors have no version counter: nothing made from them is kept (fused projections, the block norms'
     and MS-PoE's layouts), and generation runs."""
@@ -458,11 +494,27 @@ def test_fused_projections_follow_the_weights_changed_in_place_or_moved():
         for layer in model.model.layers:
             layer.self_attn.v_proj.semantic.weight.mul_(-2)
             layer.self_attn.o_proj.position.bias.add_(1)
+            layer.mlp.position.up_proj.weight.mul_(1.5)
         model.model.layers[1].self_attn.q_proj.weight.data = model.model.layers[1].self_attn.q_proj.weight * 3
         block_cache = copy.deepcopy(cache)
         fused_step = model(ids[:, 10:11], past_key_values=cache, use_cache=True).logits
     block_step = model(ids[:, 10:11], past_key_values=block_cache, use_cache=True).logits  # autograd on: blocks
     assert cache.fused_projections[0] is not made
+    torch.testing.assert_close(fused_step, block_step.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["input_layernorm", "post_attention_layernorm"])
+def test_fused_layers_follow_a_norm_weight_changed_in_place(norm):
+    model = randomize_norms(tiny_model())
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        _, cache = decode_steps(model, ids[:, :10], 6)
+        made = cache.fused_projections[1]
+        getattr(model.model.layers[1], norm).position.weight.add_(0.5)
+        block_cache = copy.deepcopy(cache)
+        fused_step = model(ids[:, 10:11], past_key_values=cache, use_cache=True).logits
+    block_step = model(ids[:, 10:11], past_key_values=block_cache, use_cache=True).logits  # autograd on: blocks
+    assert cache.fused_projections[1] is not made
     torch.testing.assert_close(fused_step, block_step.detach(), rtol=1e-5, atol=1e-5)
 
 

@@ -287,7 +287,10 @@ def test_invalid_spline_and_randomized_configs(overrides, error, message):
 
 def test_a_call_continuing_a_cache_in_training_mode_reads_plain_positions():
     """Randomized positions are drawn for a whole sequence: a cached step is not given a fresh random position."""
-    model = tiny_model(max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True)
+    # unfused: a training-mode step runs the layers' modules, which the fused weights match to ~1e-7, not bit for bit
+    model = tiny_model(
+        max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True, fuse_decoding_projections=False
+    )
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     steps = {}
     for mode in ("eval", "train"):
