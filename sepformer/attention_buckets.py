@@ -100,6 +100,8 @@ class AttentionBucketsMitigation(Mitigation):
             if cache.get_seq_length() == 0:
                 cache.buckets = options
                 cache.bucket_caches = [SepFormerCache(config=config) for _ in range(options.num_buckets - 1)]
+                for bucket_cache in cache.bucket_caches:  # the same weights: one fused copy serves every bucket
+                    bucket_cache.fused_projections = cache.fused_projections
             elif cache.buckets != options:
                 raise ValueError(
                     "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "

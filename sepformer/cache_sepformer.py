@@ -19,8 +19,8 @@ class SepFormerCache(DynamicCache):
         ms_poe_ranks: per MS-PoE layer, (b, H, 1, 1) head ranks from the prefill's last query (0 = most position-aware).
         calibration_bias: per calibrated layer, (b, H, K) `bias(k)`, the attention on a dummy document at slot `k`.
         calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
-        fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer keeps its
-            per-block projections). Weights, not rows: batch operations leave them alone.
+        fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer runs its
+            modules). Weights, not rows: batch operations leave them alone; the bucket caches share this one.
         ms_poe_weights: per MS-PoE layer, its `W_q`, `W_k` positional columns laid out per head (versions, tensor),
             likewise weights; remade when a weight changes in place or moves (not on writes through `.data`).
         buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.

@@ -169,9 +169,10 @@ class SepFormerConfig(PreTrainedConfig):
         initializer_range: std of the normal initialisation.
         stable_mask: StableMask's fields as a dict (`{"gamma": 0.05}`), on in training and inference; `None` is off.
             A call's `stable_mask=` overrides it.
-        fuse_decoding_projections: decoding steps run each layer's q/k/v and o projections as two dense matmuls
-            kept on the KV cache (faster where kernel count dominates; `4 d²` more memory per layer while the cache
-            lives). `False` keeps the per-block projections everywhere.
+        fuse_decoding_projections: decoding steps run each layer on weights laid out for them and kept on the KV
+            cache (`FusedProjections`: q/k/v and o as two dense matmuls, on a CPU the MLPs' weights stored
+            `(in, out)`; up to 1.09x the layer's weights more memory while the cache lives at `d_pos = d / 4`).
+            `False` keeps the modules.
         pad_token_id, bos_token_id, eos_token_id: ids inside the vocabulary (`0 <= id < vocab_size`) or `None`;
             `eos_token_id` may be a list of ids.
     """

@@ -178,13 +178,14 @@ class SepFormerRotaryEmbedding(nn.Module):
 class RowLinear:
     """`rows @ weight + bias` on 2D rows, the weight stored `(in, out)`: one `mm` or `addmm` call, no transpose."""
 
-    weight: torch.Tensor  # (in, out)
+    weight: torch.Tensor  # (in, out), or a transposed view of (out, in)
     bias: torch.Tensor | None
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "RowLinear":
-        """From an `nn.Linear`'s `(out, in)` weight."""
-        return cls(weight.t().contiguous(), bias)
+        """From an `nn.Linear`'s `(out, in)` weight: a copy laid out `(in, out)` on a CPU, where a matrix-vector product
+        reads it faster; elsewhere a transposed view (the GPU libraries take either layout), no copy."""
+        return cls(weight.t().contiguous() if weight.device.type == "cpu" else weight.t(), bias)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.mm(rows, self.weight) if self.bias is None else torch.addmm(self.bias, rows, self.weight)
@@ -234,11 +235,12 @@ class FusedProjections:
     as `nn.Linear`'s `(out, in)`. So `q_proj`, `k_proj` and the two blocks of `v_proj` become one matmul with
     `[W_q; W_k; W_V]` and `o_proj` one with `W_O`, the block-diagonal `W_V` and `W_O` written dense with their zero
     blocks (small next to `W_q` and `W_k`). The MLPs, most of the layer's weights, stay one per block (dense zero
-    blocks would read 8 d² where the blocks hold 5 d²), their weights laid out `(in, out)`. RMS block norms run their
-    kernels with their constants made once (`RowRMSNorm`). Same function; ~1e-7 apart in float32 (another summation
-    order). Memory while the cache lives: `4 d²` per layer for attention and the MLPs' weights once more (`5 d²` at the
-    default widths and `d_pos = d / 4`), 1.09x the layer's weights. A mitigation that scales channels of the query and
-    key inputs (positional scaling) is carried in the columns of `W_q` and `W_k`: `W (s ⊙ h) = (W diag(s)) h`.
+    blocks would read 8 d² where the blocks hold 5 d²), their weights laid out `(in, out)` on a CPU (`RowLinear`). RMS
+    block norms run their kernels with their constants made once (`RowRMSNorm`). Same function; ~1e-7 apart in float32
+    (another summation order). Memory while the cache lives: `4 d²` per layer for attention, and on a CPU the MLPs'
+    weights once more (`5 d²` at the default widths and `d_pos = d / 4`: in all 1.09x the layer's weights). A
+    mitigation that scales channels of the query and key inputs (positional scaling) is carried in the columns of
+    `W_q` and `W_k`: `W (s ⊙ h) = (W diag(s)) h`.
     """
 
     input_scale: InputScale  # (channels, factor) of the query and key inputs, folded into `W_q` and `W_k`
@@ -254,16 +256,14 @@ class FusedProjections:
 
     @classmethod
     def of(cls, layer: "SepFormerDecoderLayer", input_scale: InputScale) -> "FusedProjections | None":
-        """The fused weights of `layer`, or `None` unless every projection and MLP `is_plain_module`."""
-        attention = layer.self_attn
+        """The fused weights of `layer`, or `None` unless `is_fusable(layer)`."""
+        if not is_fusable(layer):
+            return None
+        attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
         v_blocks, o_blocks, mlps = (blocks_of(module) for module in (attention.v_proj, attention.o_proj, layer.mlp))
         linears = (attention.q_proj, attention.k_proj, *v_blocks, *o_blocks)
         linears += tuple(linear for mlp in mlps for linear in (mlp.up_proj, mlp.down_proj))
-        containers = (attention.v_proj, attention.o_proj, layer.mlp, *mlps)
-        if not all(is_plain_module(module) for module in (*linears, *containers)):
-            return None
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        row_norms = [norm for norm in norms if is_plain_rms_block_norm(norm)]
+        row_norms = [norm for norm in norms if len(blocks_of(norm)) == 2 and type(norm.semantic) is nn.RMSNorm]
         sources = tuple(parameter for module in (*linears, *row_norms) for parameter in module.parameters())
         query_key = torch.cat((attention.q_proj.weight, attention.k_proj.weight))  # (2 · d_model, d_model)
         channels, factor = input_scale
@@ -303,12 +303,11 @@ def blocks_of(module: BlockDiagonal) -> list[nn.Module]:
     return [block for block in (module.position, module.semantic) if block is not None]
 
 
-def is_plain_module(module: nn.Module) -> bool:
-    """An `nn.Linear`, `BlockDiagonal`, `BlockNorm`, `SepFormerMLP` or `nn.RMSNorm` (not a subclass) with dense
-    parameters (no quantised, distributed or other tensor subclass), whose forward is its class's and runs no hooks:
-    what the fused weights can stand in for."""
+def is_plain_module(module: nn.Module | None, kind: type[nn.Module]) -> bool:
+    """`module` is a `kind` (not a subclass) with dense parameters (no quantised, distributed or other tensor
+    subclass), whose forward is its class's and runs no hooks: what fused weights can stand in for."""
     return (
-        type(module) in (nn.Linear, BlockDiagonal, BlockNorm, SepFormerMLP, nn.RMSNorm)
+        type(module) is kind
         and all(is_watchable(parameter) for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
         and not (module._forward_hooks or module._forward_pre_hooks)
@@ -316,14 +315,31 @@ def is_plain_module(module: nn.Module) -> bool:
     )
 
 
-def is_plain_rms_block_norm(norm: nn.Module) -> bool:
-    """A plain `BlockNorm` of two plain `nn.RMSNorm` blocks: what a `RowRMSNorm` can stand in for."""
-    blocks = blocks_of(norm)
-    return (
-        is_plain_module(norm)
-        and len(blocks) == 2
-        and all(type(block) is nn.RMSNorm and is_plain_module(block) for block in blocks)
-    )
+def is_fusable(layer: "SepFormerDecoderLayer") -> bool:
+    """Whether the modules of `layer` are what SepFormer builds, unhooked: the attention, its projections, the MLPs and
+    their projections, and the norms with their blocks. The fused step does not call them, or calls them on rows
+    where the modules' path passes `(b, seq, ·)` (the attention, a layer norm), which a hook would see; PEFT adapters,
+    quantised layers and accelerate's hooks keep the modules. The MLPs' activations run as modules, on rows in either
+    path, hooks included."""
+    attention, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    containers = [(attention, SepFormerAttention), (mlp, BlockDiagonal)]
+    containers += [(projection, BlockDiagonal) for projection in (attention.v_proj, attention.o_proj)]
+    containers += [(norm, BlockNorm) for norm in norms]
+    if not all(is_plain_module(module, kind) for module, kind in containers):
+        return False
+    norm_kind = type(layer.input_layernorm.semantic)
+    parts = [(attention.q_proj, nn.Linear), (attention.k_proj, nn.Linear)]
+    parts += [
+        (block, nn.Linear) for projection in (attention.v_proj, attention.o_proj) for block in blocks_of(projection)
+    ]
+    parts += [(block, norm_kind) for norm in norms for block in blocks_of(norm)]
+    parts += [(block, SepFormerMLP) for block in blocks_of(mlp)]
+    if norm_kind not in (nn.RMSNorm, nn.LayerNorm) or not all(is_plain_module(module, kind) for module, kind in parts):
+        return False
+    # the activations run as modules, on rows in either path
+    parts = [(linear, nn.Linear) for block in blocks_of(mlp) for linear in (block.up_proj, block.down_proj)]
+    return all(is_plain_module(module, kind) for module, kind in parts)
 
 
 class SepFormerAttention(nn.Module):
@@ -389,7 +405,8 @@ class SepFormerAttention(nn.Module):
             query_states, key_states = project_query_key(query_input, key_input)
             value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if hooks.rewrites_inputs:  # the attention function may attend with other readings of the same input
-            kwargs["query_key_projection"] = QueryKeyProjection(hidden_states, project_query_key)
+            attention_input = hidden_states.view(*input_shape, -1)  # (b, seq, d_model), also from rows
+            kwargs["query_key_projection"] = QueryKeyProjection(attention_input, project_query_key)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -449,8 +466,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         )
         fused = self.decoding_projections(past_key_values, hooks)
         if fused is not None:
-            # (b, seq, d_model) -> (b · seq, d_model): the step runs on 2D rows, each projection one matmul call
-            rows = hidden_states.view(-1, hidden_states.shape[-1])
+            # (b, seq, d_model) -> (b · seq, d_model): the step runs on 2D rows, one matmul call per weight
+            rows = hidden_states.reshape(-1, hidden_states.shape[-1])
             attn_output, _ = self.self_attn(fused.input_norm(rows), fused=fused, **attention_inputs)
             rows = rows + attn_output
             rows = rows + fused.mlp(fused.post_attention_norm(rows))

@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from sepformer import SepFormerCache, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
-from sepformer.modeling_sepformer import FusedProjections
+from sepformer.modeling_sepformer import FusedProjections, RowLinear
 
 VARIANTS = {
     "learned": {},
@@ -386,9 +386,9 @@ def test_decoding_steps_whose_rows_scale_differently_run_the_blocks():
     scales = []
     fused_projections = FusedProjections.of
 
-    def recording(attention, input_scale):
+    def recording(layer, input_scale):
         scales.append(input_scale)
-        return fused_projections(attention, input_scale)
+        return fused_projections(layer, input_scale)
 
     with torch.no_grad(), mock.patch.object(FusedProjections, "of", recording):
         fused, _ = decode_steps(model, ids, 8, attention_mask=mask, **options)
@@ -430,25 +430,74 @@ def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced(
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_layers_run_hooked_norms_and_activations_as_modules():
-    """In a fused layer the norms and activations stay modules where hooked: a hook on one sees every decoding step
-    and the layer still fuses. A hooked MLP projection keeps its layer's modules."""
+HOOK_TARGETS = {  # a module of a layer, and the dimensions of its input in the modules' path
+    "self_attn": (lambda layer: layer.self_attn, 3),
+    "input_layernorm": (lambda layer: layer.input_layernorm, 3),
+    "mlp": (lambda layer: layer.mlp, 3),
+    "mlp_block": (lambda layer: layer.mlp.position, 2),
+    "down_proj": (lambda layer: layer.mlp.semantic.down_proj, 2),
+}
+
+
+@pytest.mark.parametrize("target", sorted(HOOK_TARGETS))
+def test_hooked_modules_see_what_they_see_without_fusing(target):
+    """A hook sees at every decoding step the tensors the layer's modules pass: a hooked attention, norm, MLP or
+    projection keeps its layer's modules. An activation sees rows in either path, so its hook runs in a fused layer."""
     model = randomize_norms(tiny_model())
-    calls = []
-    first, second = model.model.layers
-    first.input_layernorm.register_forward_hook(lambda *args: calls.append("norm"))
-    first.mlp.semantic.act_fn.register_forward_hook(lambda *args: calls.append("activation"))
-    second.mlp.position.down_proj.register_forward_hook(lambda *args: calls.append("down_proj"))
-    ids = random_ids(1, 12)
+    module_of, dims = HOOK_TARGETS[target]
+    inputs, activation_calls = [], []
+    module_of(model.model.layers[0]).register_forward_hook(lambda module, args, output: inputs.append(args[0].dim()))
+    model.model.layers[1].mlp.semantic.act_fn.register_forward_hook(lambda *args: activation_calls.append(1))
+    ids = random_ids(2, 12)
     with torch.no_grad():
         fused, cache = decode_steps(model, ids, 8)
-    assert sorted(set(calls)) == ["activation", "down_proj", "norm"]
-    assert all(calls.count(name) == 1 + 4 for name in set(calls))  # the prefill and every decoding step
-    assert cache.fused_projections[0] is not None and cache.fused_projections[1] is None
-    assert cache.fused_projections[0].input_norm is first.input_layernorm  # hooked: the module runs
-    assert cache.fused_projections[0].post_attention_norm is not first.post_attention_layernorm
+    assert cache.fused_projections[0] is None and cache.fused_projections[1] is not None
+    assert inputs == [dims] * (1 + 4)  # the prefill and every decoding step
+    assert len(activation_calls) == 1 + 4
     blocks, _ = decode_steps(model, ids, 8)  # autograd on: every module runs
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_whose_norm_or_mlp_was_replaced_runs_it():
+    """A module of another class in a norm or MLP slot is run, not fused over."""
+    model = tiny_model()
+    hidden = model.config.hidden_size
+    model.model.layers[0].input_layernorm = torch.nn.RMSNorm(hidden)
+    model.model.layers[1].mlp = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        fused, cache = decode_steps(model, ids, 8)
+    assert cache.fused_projections == {0: None, 1: None}
+    blocks, _ = decode_steps(model, ids, 8)
+    torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_under_autocast_keeps_the_modules():
+    """Under autocast the fused norms would compute their statistics in half precision: the modules run."""
+    model = randomize_norms(tiny_model())
+    ids = random_ids(2, 12)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, cache = decode_steps(model, ids, 8)
+        unfused, _ = decode_steps(model.train(), ids, 8)  # training mode: never fused
+    assert cache.fused_projections == {}
+    assert torch.equal(fused, unfused)
+
+
+def test_attention_buckets_share_one_copy_of_the_fused_weights():
+    model = tiny_model()
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        _, cache = decode_steps(model, ids, 8, attention_buckets={"scales": (1.0, 0.9, 0.8)})
+    assert cache.fused_projections[0] is not None
+    assert all(bucket.fused_projections is cache.fused_projections for bucket in cache.bucket_caches)
+
+
+def test_row_linear_copies_to_in_out_on_a_cpu_only():
+    weight = torch.randn(6, 4)
+    on_cpu = RowLinear.of(weight, None)
+    assert on_cpu.weight.is_contiguous() and torch.equal(on_cpu.weight, weight.t())
+    elsewhere = RowLinear.of(weight.to("meta"), None)
+    assert elsewhere.weight.shape == (4, 6) and not elsewhere.weight.is_contiguous()  # a view: no second copy
 
 
 def test_fused_layers_keep_each_mlp_its_own_activation():
