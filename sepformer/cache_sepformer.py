@@ -4,7 +4,72 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of buffers with room to grow, so a step writes its tokens in
+    place instead of concatenating.
+
+    `DynamicLayer.update` copies the whole cache at every decoding step (`torch.cat`): at a few hundred tokens that
+    copy costs about as much as a layer's matmuls. Here a step copies its new tokens only, and the cache is copied when
+    the room runs out, into buffers with room for `max(128, n / 8)` more tokens (at most that much memory unused).
+    `DynamicLayer`'s batch operations (beam reordering, crop, repeats, selection) leave tensors that the next update
+    takes up. With autograd on new states, under `torch.compile`, or with states of another dtype or batch than the
+    buffers', it concatenates as `DynamicLayer` does.
+    """
+
+    key_buffer: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def taking_over(cls, layer: DynamicLayer) -> "GrowingLayer":
+        """A `GrowingLayer` with `layer`'s state (its keys and values, if any)."""
+        grown = cls()
+        grown.__dict__.update(vars(layer))
+        return grown
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if (
+            torch.is_grad_enabled()
+            and (key_states.requires_grad or value_states.requires_grad)
+            or torch.compiler.is_compiling()
+        ):
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        needed = length + key_states.shape[-2]
+        if not self.has_room(key_states, value_states, needed):
+            self.make_room(key_states, value_states, length, needed)
+        self.key_buffer[:, :, length:needed] = key_states
+        self.value_buffer[:, :, length:needed] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
+        return self.keys, self.values
+
+    def has_room(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> bool:
+        """Whether the keys and values are still the buffers' leading tokens, with room for `needed`."""
+        pairs = ((self.keys, self.key_buffer, key_states), (self.values, self.value_buffer, value_states))
+        return all(
+            buffer is not None
+            and cached._base is buffer
+            and cached.data_ptr() == buffer.data_ptr()
+            and cached.shape[:2] == buffer.shape[:2] == states.shape[:2]
+            and buffer.dtype == states.dtype
+            and needed <= buffer.shape[2]
+            for cached, buffer, states in pairs
+        )
+
+    def make_room(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, needed: int) -> None:
+        capacity = needed + max(128, needed // 8)
+        buffers = []
+        for cached, states in ((self.keys, key_states), (self.values, value_states)):
+            batch, heads, _, width = states.shape
+            buffer = states.new_empty(batch, heads, capacity, width)
+            if length:
+                buffer[:, :, :length] = cached
+            buffers.append(buffer)
+        self.key_buffer, self.value_buffer = buffers
 
 
 class SepFormerCache(DynamicCache):
@@ -31,6 +96,11 @@ class SepFormerCache(DynamicCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.layers = [
+            GrowingLayer.taking_over(layer) if type(layer) is DynamicLayer else layer for layer in self.layers
+        ]
+        if self.layer_class_to_replicate is DynamicLayer:
+            self.layer_class_to_replicate = GrowingLayer
         self.prefill_options: dict[str, Any] | None = None
         self.ms_poe_ranks: dict[int, torch.Tensor] = {}
         self.calibration_bias: dict[int, torch.Tensor] = {}

@@ -118,3 +118,89 @@ def test_generate_continues_a_cache_the_caller_passes():
     continued = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert cache.get_seq_length() == 12  # 10 prompt tokens, then the first two generated tokens fed back
     assert torch.equal(continued, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+# ------------------------------------------------------------------ the growing layers: in-place appends, no aliasing
+
+
+def steps_with(model, cache, ids, prefill):
+    """Logits of a prefill and then one step per remaining token, with `cache`."""
+    with torch.no_grad():
+        logits = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, 1)
+
+
+def test_growing_layers_equal_a_dynamic_cache_across_regrowths():
+    """Keys and values appended in place, the buffers regrown past 128 + 16 tokens: the logits of a `DynamicCache`,
+    which concatenates."""
+    from transformers import DynamicCache
+
+    model = tiny_model(max_position_embeddings=256)
+    ids = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(0))
+    cache = SepFormerCache(config=model.config)
+    capacities = set()
+    with torch.no_grad():
+        model(ids[:, :16], past_key_values=cache, use_cache=True)
+        for t in range(16, 200):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            capacities.add(cache.layers[0].key_buffer.shape[2])
+    assert capacities == {16 + 128, 145 + 128}  # room made at prefill, then once when it ran out
+    assert cache.layers[0].keys._base is cache.layers[0].key_buffer
+    grown = steps_with(model, SepFormerCache(config=model.config), ids, 16)
+    torch.testing.assert_close(grown, steps_with(model, DynamicCache(config=model.config), ids, 16), rtol=0, atol=1e-6)
+
+
+def test_a_step_does_not_change_keys_handed_out_before():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        before, kept = cache.layers[0].keys, cache.layers[0].keys.clone()
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    assert torch.equal(before, kept) and cache.layers[0].keys.shape[2] == 12
+
+
+def test_growing_layers_after_batch_operations_and_copies():
+    """A crop, a beam reordering or a copy leaves tensors the next step takes up; a copy grows on its own."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(2))
+    caches = {"growing": SepFormerCache(config=model.config), "dynamic": DynamicCache(config=model.config)}
+    logits = {}
+    for name, cache in caches.items():
+        with torch.no_grad():
+            model(ids[:, :10], past_key_values=cache, use_cache=True)
+            cache.crop(-2)  # back to 8 tokens
+            cache.reorder_cache(torch.tensor([1, 0]))
+            copied = copy.deepcopy(cache)
+            step = model(ids.flip(0)[:, 8:9], past_key_values=cache, use_cache=True).logits
+            copied_step = model(ids.flip(0)[:, 8:9], past_key_values=copied, use_cache=True).logits
+            again = model(ids.flip(0)[:, 9:10], past_key_values=cache, use_cache=True).logits
+        assert torch.equal(step, copied_step)
+        logits[name] = torch.cat((step, again), 1)
+    torch.testing.assert_close(logits["growing"], logits["dynamic"], rtol=0, atol=1e-6)
+
+
+def test_growing_layers_concatenate_under_autograd():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 8))
+    cache = SepFormerCache(config=model.config)
+    model(ids, past_key_values=cache, use_cache=True).logits.sum().backward()
+    assert cache.layers[0].keys.requires_grad and cache.layers[0].key_buffer is None
+
+
+def test_growing_layers_refuse_states_of_another_batch_as_a_dynamic_cache_does():
+    """Written into the buffers, a batch-1 step would broadcast over a batch-2 cache: it is refused instead."""
+    model = tiny_model()
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 6)), past_key_values=cache, use_cache=True)
+    keys = cache.layers[0].keys[:1, :, :1]
+    with pytest.raises(RuntimeError, match="must match"):
+        cache.layers[0].update(keys, keys)
