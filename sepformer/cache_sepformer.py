@@ -8,15 +8,18 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are views of buffers with room to grow, so a step writes its tokens in
-    place instead of concatenating.
+    """A `DynamicLayer` whose decoding steps write their keys and values in place, into buffers with room to grow.
 
     `DynamicLayer.update` copies the whole cache at every decoding step (`torch.cat`): at a few hundred tokens that
-    copy costs about as much as a layer's matmuls. Here a step copies its new tokens only, and the cache is copied when
-    the room runs out, into buffers with room for `max(128, n / 8)` more tokens (at most that much memory unused).
-    `DynamicLayer`'s batch operations (beam reordering, crop, repeats, selection) leave tensors that the next update
-    takes up. With autograd on new states, under `torch.compile`, or with states of another dtype or batch than the
-    buffers', it concatenates as `DynamicLayer` does.
+    copy costs about as much as a layer's matmuls. Here a prefill stores its states as `DynamicLayer` does; the first
+    decoding step copies the cache into buffers with room for `max(128, n / 8)` more tokens, and each later step
+    copies its new tokens only, the keys and values being the buffers' leading tokens; when the room runs out the cache
+    is copied into larger buffers. Anything else that changes the keys and values (`crop`, beam reordering, repeats,
+    selection, offloading, `reset`, or assigning them) drops the buffers, and the next step makes them anew, so a step
+    never writes where a tensor handed out before can see it (a shallow copy of a layer shares its buffers, as it
+    shares `DynamicLayer`'s tensors). With autograd on, under `torch.compile`, or for states whose dtype, device or
+    shape differ from the cache's, it concatenates as `DynamicLayer` does (which promotes a dtype and refuses another
+    batch).
     """
 
     key_buffer: torch.Tensor | None = None
@@ -30,46 +33,82 @@ class GrowingLayer(DynamicLayer):
         return grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if (
-            torch.is_grad_enabled()
-            and (key_states.requires_grad or value_states.requires_grad)
-            or torch.compiler.is_compiling()
-        ):
-            return super().update(key_states, value_states, *args, **kwargs)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
+        if (
+            length == 0
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not all(
+                like(cached, states) for cached, states in ((self.keys, key_states), (self.values, value_states))
+            )
+        ):
+            self.drop_buffers()
+            return super().update(key_states, value_states, *args, **kwargs)
         needed = length + key_states.shape[-2]
-        if not self.has_room(key_states, value_states, needed):
-            self.make_room(key_states, value_states, length, needed)
+        if not self.has_room(needed):
+            self.make_room(needed)
         self.key_buffer[:, :, length:needed] = key_states
         self.value_buffer[:, :, length:needed] = value_states
         self.keys, self.values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
         return self.keys, self.values
 
-    def has_room(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> bool:
-        """Whether the keys and values are still the buffers' leading tokens, with room for `needed`."""
-        pairs = ((self.keys, self.key_buffer, key_states), (self.values, self.value_buffer, value_states))
+    def has_room(self, needed: int) -> bool:
+        """Whether the keys and values are still the buffers' leading tokens (nothing assigned them since), with room
+        for `needed`."""
         return all(
             buffer is not None
             and cached._base is buffer
             and cached.data_ptr() == buffer.data_ptr()
-            and cached.shape[:2] == buffer.shape[:2] == states.shape[:2]
-            and buffer.dtype == states.dtype
             and needed <= buffer.shape[2]
-            for cached, buffer, states in pairs
+            for cached, buffer in ((self.keys, self.key_buffer), (self.values, self.value_buffer))
         )
 
-    def make_room(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, needed: int) -> None:
+    def make_room(self, needed: int) -> None:
         capacity = needed + max(128, needed // 8)
         buffers = []
-        for cached, states in ((self.keys, key_states), (self.values, value_states)):
-            batch, heads, _, width = states.shape
-            buffer = states.new_empty(batch, heads, capacity, width)
-            if length:
-                buffer[:, :, :length] = cached
+        for cached in (self.keys, self.values):
+            buffer = cached.new_empty(*cached.shape[:2], capacity, cached.shape[3])
+            buffer[:, :, : cached.shape[2]] = cached
             buffers.append(buffer)
         self.key_buffer, self.value_buffer = buffers
+
+    def drop_buffers(self) -> None:
+        self.key_buffer = self.value_buffer = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.drop_buffers()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.drop_buffers()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.drop_buffers()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.drop_buffers()
+
+    def offload(self) -> None:
+        super().offload()
+        self.drop_buffers()
+
+    def reset(self) -> None:
+        super().reset()
+        self.drop_buffers()
+
+
+def like(cached: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether `states` can be written into the cache's buffers as they are: same dtype, device, batch, heads and
+    width."""
+    return (
+        cached.dtype == states.dtype
+        and cached.device == states.device
+        and cached.shape[:2] == states.shape[:2]
+        and cached.shape[3] == states.shape[3]
+    )
 
 
 class SepFormerCache(DynamicCache):

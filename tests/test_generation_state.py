@@ -133,8 +133,8 @@ def steps_with(model, cache, ids, prefill):
 
 
 def test_growing_layers_equal_a_dynamic_cache_across_regrowths():
-    """Keys and values appended in place, the buffers regrown past 128 + 16 tokens: the logits of a `DynamicCache`,
-    which concatenates."""
+    """A prefill stored as a `DynamicLayer` stores it, then room made at the first step and once more when it ran out
+    (past 17 + 128 tokens): the logits of a `DynamicCache`, which concatenates."""
     from transformers import DynamicCache
 
     model = tiny_model(max_position_embeddings=256)
@@ -143,64 +143,112 @@ def test_growing_layers_equal_a_dynamic_cache_across_regrowths():
     capacities = set()
     with torch.no_grad():
         model(ids[:, :16], past_key_values=cache, use_cache=True)
+        assert cache.layers[0].key_buffer is None  # a prefill (or a plain forward) keeps no room
         for t in range(16, 200):
             model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             capacities.add(cache.layers[0].key_buffer.shape[2])
-    assert capacities == {16 + 128, 145 + 128}  # room made at prefill, then once when it ran out
+    assert capacities == {17 + 128, 146 + 128}
     assert cache.layers[0].keys._base is cache.layers[0].key_buffer
     grown = steps_with(model, SepFormerCache(config=model.config), ids, 16)
     torch.testing.assert_close(grown, steps_with(model, DynamicCache(config=model.config), ids, 16), rtol=0, atol=1e-6)
 
 
 def test_a_step_does_not_change_keys_handed_out_before():
+    """Not after a step, nor after a crop (whose dropped tokens a tensor taken before it still holds), nor after the
+    keys were assigned."""
     model = tiny_model()
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(1))
     cache = SepFormerCache(config=model.config)
+    layer = cache.layers[0]
     with torch.no_grad():
         model(ids[:, :8], past_key_values=cache, use_cache=True)
-        before, kept = cache.layers[0].keys, cache.layers[0].keys.clone()
-        model(ids[:, 8:], past_key_values=cache, use_cache=True)
-    assert torch.equal(before, kept) and cache.layers[0].keys.shape[2] == 12
+        model(ids[:, 8:9], past_key_values=cache, use_cache=True)
+        handed_out = [layer.keys]
+        model(ids[:, 9:10], past_key_values=cache, use_cache=True)
+        handed_out.append(layer.keys)
+        cache.crop(-2)
+        kept = [keys.clone() for keys in handed_out]
+        model(ids[:, 10:11], past_key_values=cache, use_cache=True)
+        handed_out.append(layer.keys)
+        kept.append(handed_out[-1].clone())
+        assigned = layer.keys = layer.keys * 2  # the buffers no longer hold the keys
+        model(ids[:, 11:12], past_key_values=cache, use_cache=True)
+    assert all(torch.equal(keys, copy) for keys, copy in zip(handed_out, kept, strict=True))
+    assert layer.keys.shape[2] == 10 and layer.keys._base is layer.key_buffer
+    assert torch.equal(layer.keys[:, :, :9], assigned)
 
 
-def test_growing_layers_after_batch_operations_and_copies():
-    """A crop, a beam reordering or a copy leaves tensors the next step takes up; a copy grows on its own."""
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda cache: cache.crop(-2),
+        lambda cache: cache.reorder_cache(torch.tensor([1, 0])),
+        lambda cache: cache.batch_repeat_interleave(1),
+        lambda cache: cache.batch_select_indices(torch.tensor([0, 1])),
+        lambda cache: cache.layers[0].offload() or cache.layers[0].prefetch(),
+    ],
+    ids=["crop", "reorder", "repeat", "select", "offload"],
+)
+def test_growing_layers_drop_their_room_at_batch_operations_and_equal_a_dynamic_cache(operation):
+    """A batch operation leaves new tensors (or, for a crop, a view the next step must not write into): the buffers
+    are dropped at once, not kept beside them, and the next steps equal a `DynamicCache`'s."""
     import copy
 
     from transformers import DynamicCache
 
     model = tiny_model()
     ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(2))
-    caches = {"growing": SepFormerCache(config=model.config), "dynamic": DynamicCache(config=model.config)}
     logits = {}
+    caches = {"growing": SepFormerCache(config=model.config), "dynamic": DynamicCache(config=model.config)}
     for name, cache in caches.items():
         with torch.no_grad():
-            model(ids[:, :10], past_key_values=cache, use_cache=True)
-            cache.crop(-2)  # back to 8 tokens
-            cache.reorder_cache(torch.tensor([1, 0]))
+            model(ids[:, :8], past_key_values=cache, use_cache=True)
+            model(ids[:, 8:9], past_key_values=cache, use_cache=True)
+            operation(cache)
+            assert getattr(cache.layers[0], "key_buffer", None) is None
+            position = cache.get_seq_length()
             copied = copy.deepcopy(cache)
-            step = model(ids.flip(0)[:, 8:9], past_key_values=cache, use_cache=True).logits
-            copied_step = model(ids.flip(0)[:, 8:9], past_key_values=copied, use_cache=True).logits
-            again = model(ids.flip(0)[:, 9:10], past_key_values=cache, use_cache=True).logits
+            step = model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
+            copied_step = model(ids[:, position : position + 1], past_key_values=copied, use_cache=True).logits
+            again = model(ids[:, position + 1 : position + 2], past_key_values=cache, use_cache=True).logits
         assert torch.equal(step, copied_step)
         logits[name] = torch.cat((step, again), 1)
     torch.testing.assert_close(logits["growing"], logits["dynamic"], rtol=0, atol=1e-6)
 
 
 def test_growing_layers_concatenate_under_autograd():
+    """With autograd on, even where the keys and values need no gradient (only `q_proj` trains), a step must not
+    write into tensors an earlier step's attention saved for the backward pass."""
     model = tiny_model()
-    ids = torch.randint(0, 256, (1, 8))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_("q_proj" in name)
+    ids = torch.randint(0, 256, (1, 10))
     cache = SepFormerCache(config=model.config)
-    model(ids, past_key_values=cache, use_cache=True).logits.sum().backward()
-    assert cache.layers[0].keys.requires_grad and cache.layers[0].key_buffer is None
+    first = model(ids[:, :8], past_key_values=cache, use_cache=True).logits
+    second = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+    (first.sum() + second.sum()).backward()
+    assert cache.layers[0].key_buffer is None
 
 
-def test_growing_layers_refuse_states_of_another_batch_as_a_dynamic_cache_does():
-    """Written into the buffers, a batch-1 step would broadcast over a batch-2 cache: it is refused instead."""
+def test_growing_layers_take_other_states_as_a_dynamic_cache_does():
+    """Outside autograd, states of another dtype are concatenated (and promoted) as `DynamicLayer` does, not written
+    into the buffers in the cache's dtype; states of another batch, in either direction, are refused, not broadcast."""
     model = tiny_model()
-    cache = SepFormerCache(config=model.config)
-    with torch.no_grad():
-        model(torch.randint(0, 256, (2, 6)), past_key_values=cache, use_cache=True)
-    keys = cache.layers[0].keys[:1, :, :1]
-    with pytest.raises(RuntimeError, match="must match"):
-        cache.layers[0].update(keys, keys)
+    for states_of in (
+        lambda keys: keys.double(),
+        lambda keys: keys[:1],
+        lambda keys: torch.cat((keys, keys)),
+    ):
+        cache = SepFormerCache(config=model.config)
+        with torch.no_grad():
+            model(torch.randint(0, 256, (2, 6)), past_key_values=cache, use_cache=True)
+            model(torch.randint(0, 256, (2, 1)), past_key_values=cache, use_cache=True)
+            layer = cache.layers[0]
+            assert layer.key_buffer is not None
+            states = states_of(layer.keys[:, :, :1])
+            if states.dtype == torch.float64:
+                promoted, _ = layer.update(states, states)
+                assert promoted.dtype == torch.float64 and promoted.shape[2] == 8
+                continue
+            with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+                layer.update(states, states)
