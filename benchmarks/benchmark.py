@@ -1,6 +1,6 @@
 """Speed and memory of SepFormer against Hugging Face's GPT-2 and Llama of the same shape, in one command.
 
-    python benchmarks/benchmark.py                 # the full run (about 8-10 min on 2 CPU cores)
+    python benchmarks/benchmark.py                 # the full run (about 4-10 min on 2 CPU cores)
     python benchmarks/benchmark.py --compile       # plus torch.compile speed-ups (about 17 min in all)
     python benchmarks/benchmark.py --tiny          # a smoke run: a tiny shape, checks that everything runs (~1 min)
 
@@ -24,7 +24,8 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
 - prefill: one forward pass at batch 1 building the KV cache, logits of the last token only (as `generate` does);
 - cached generation: `generate` greedy with `min_new_tokens = max_new_tokens`, so every model produces the same number
   of tokens; tokens per second counts generated tokens (the short prompt's prefill is inside the timed call);
-  SepFormer decodes as `generate` does by default, with its fused projections (`FusedProjections`);
+  SepFormer decodes as `generate` does by default, with its fused decoding layers (`FusedProjections`) and in-place
+  cache appends (`GrowingLayer`);
 - peak memory: each model in a fresh subprocess (the three run side by side; memory does not depend on timing). glibc
   is told to serve every allocation above 64 KiB with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
   resident set; before each measurement the kernel's resident high-water mark is reset (`/proc/self/clear_refs`), and

@@ -1,7 +1,8 @@
 """Aten calls per cached decoding step: SepFormer (plain and with each position-bias mitigation) and its peers.
 
-At the benchmark's size a CPU decoding step is bound by the number of kernels, not by FLOPs, so this count explains
-the generation rows of `benchmark.py` without its timing noise. Counted by a `TorchDispatchMode` (every aten call
+At the benchmark's size a CPU decoding step is bound by the number of kernels (with the bytes of weights it reads and
+the copies of its cache), not by FLOPs, so this count explains much of the generation rows of `benchmark.py`, without
+its timing noise. Counted by a `TorchDispatchMode` (every aten call
 that reaches a kernel, views included) as the difference between generating `--tokens` and `2 × --tokens` new tokens,
 so the prefill and the first step cancel out.
 
@@ -32,7 +33,8 @@ class AtenCalls(TorchDispatchMode):
 
 def calls_per_step(model, batch: int, prompt: int, tokens: int, **options) -> collections.Counter[str]:
     """Aten calls of one decoding step, by name: (calls for 2 × tokens - calls for tokens) / tokens, after a warm-up
-    (constants made once per shape, as the fused projections, are not a step's cost)."""
+    (constants made once per shape are not a step's cost; what each generation makes once, as its fused weights,
+    cancels in the difference)."""
     generate(model, batch, prompt, 2 * tokens, 0, **options)
     counts = []
     for new_tokens in (tokens, 2 * tokens):

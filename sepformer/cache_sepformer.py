@@ -15,8 +15,9 @@ class GrowingLayer(DynamicLayer):
     decoding step copies the cache into buffers with room for `max(128, n / 8)` more tokens, and each later step
     copies its new tokens only, the keys and values being the buffers' leading tokens; when the room runs out the cache
     is copied into larger buffers. Anything else that changes the keys and values (`crop`, beam reordering, repeats,
-    selection, offloading, `reset`, or assigning them) drops the buffers, and the next step makes them anew, so a step
-    never writes where a tensor handed out before can see it (a shallow copy of a layer shares its buffers, as it
+    selection, offloading, `reset`) drops the buffers, and the next step makes them anew (keys and values assigned
+    directly are noticed at the next step, which makes new buffers), so a step never writes where a tensor handed out
+    before can see it (a shallow copy of a layer shares its buffers, as it
     shares `DynamicLayer`'s tensors). With autograd on, under `torch.compile`, or for states whose dtype, device or
     shape differ from the cache's, it concatenates as `DynamicLayer` does (which promotes a dtype and refuses another
     batch).

@@ -10,7 +10,7 @@ unless the subclass overrides it:
 |                      |                                                                       | calibration's      |
 |                      |                                                                       | positional bias(k) |
 | `decoding_input_scale` | that rewrite as one factor on channels, for the fused decoding      | positional scaling |
-|                      | projections (`None`: the hook runs on the per-block projections)      |                    |
+|                      | projections (`None`: the layer runs its modules with the hook)        |                    |
 | `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
 | `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
 |                      |                                                                       | positional scaling |
@@ -182,8 +182,8 @@ class Mitigation:
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
         """`(channels, factor)` when this call's `query_key_inputs` only multiplies those channels of every token's
         query and key inputs by `factor`: the layer's fused decoding projections then carry the factor in the columns of
-        `W_Q` and `W_K`, and `query_key_inputs` is not called. `None` (the default): the layer runs its per-block
-        projections with the hook."""
+        `W_Q` and `W_K`, and `query_key_inputs` is not called. `None` (the default): the layer runs its modules
+        with the hook."""
         return None
 
     def position_query_key(

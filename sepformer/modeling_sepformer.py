@@ -212,7 +212,7 @@ class RowRMSNorm:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RowMLP:
-    """A `SepFormerMLP` on 2D rows with its weights laid out `(in, out)`; the activation runs as the module's."""
+    """A `SepFormerMLP` on 2D rows with its weights laid out `(in, out)` and its own activation."""
 
     up: RowLinear
     down: RowLinear
@@ -248,7 +248,7 @@ class FusedProjections:
     o: RowLinear  # d_model -> d_model
     mlps: tuple[RowMLP, ...]  # the positional block's (when d_pos > 0) and the semantic block's
     mlp_widths: tuple[int, ...]  # their input widths
-    # the layer's two norms: a `RowRMSNorm`, or the module itself (layer norms, one block, or hooked)
+    # the layer's two norms: a `RowRMSNorm`, or the module itself (layer norms, or a norm of one block)
     input_norm: Callable[[torch.Tensor], torch.Tensor]
     post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
     sources: tuple[torch.Tensor, ...]  # the parameters they were made from
@@ -316,11 +316,10 @@ def is_plain_module(module: nn.Module | None, kind: type[nn.Module]) -> bool:
 
 
 def is_fusable(layer: "SepFormerDecoderLayer") -> bool:
-    """Whether the modules of `layer` are what SepFormer builds, unhooked: the attention, its projections, the MLPs and
-    their projections, and the norms with their blocks. The fused step does not call them, or calls them on rows
-    where the modules' path passes `(b, seq, ·)` (the attention, a layer norm), which a hook would see; PEFT adapters,
-    quantised layers and accelerate's hooks keep the modules. The MLPs' activations run as modules, on rows in either
-    path, hooks included."""
+    """Whether the modules of `layer` are what SepFormer builds, unhooked: the attention, its projections, the MLPs
+    with their projections and activations, and the norms with their blocks. The fused step does not call them, or
+    calls them on rows where the modules' path may pass `(b, seq, ·)`, which a hook would see; PEFT adapters,
+    quantised layers and accelerate's hooks keep the modules."""
     attention, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     containers = [(attention, SepFormerAttention), (mlp, BlockDiagonal)]
@@ -337,8 +336,8 @@ def is_fusable(layer: "SepFormerDecoderLayer") -> bool:
     parts += [(block, SepFormerMLP) for block in blocks_of(mlp)]
     if norm_kind not in (nn.RMSNorm, nn.LayerNorm) or not all(is_plain_module(module, kind) for module, kind in parts):
         return False
-    # the activations run as modules, on rows in either path
     parts = [(linear, nn.Linear) for block in blocks_of(mlp) for linear in (block.up_proj, block.down_proj)]
+    parts += [(block.act_fn, type(block.act_fn)) for block in blocks_of(mlp)]
     return all(is_plain_module(module, kind) for module, kind in parts)
 
 
@@ -485,11 +484,12 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         Made at the first decoding step and kept on the `SepFormerCache`, so they live as long as the generation;
         remade when a source parameter changed in place or moved, or for another input scale. `None` (the layer runs
         its modules) when a mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`),
-        with `config.fuse_decoding_projections=False`, in training, under autograd or `torch.compile`, with another
-        kind of cache, at prefill, or when a projection or MLP is not a plain module called as such at the first
-        decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks), which the fused matrices would
-        bypass. Not seen within one cache: modules or hooks replaced or added later, and in-place writes through
-        `.data` (they bypass the version counter; a `.data = tensor` swap moves the data pointer and is seen).
+        with `config.fuse_decoding_projections=False`, in training, under autograd, autocast or `torch.compile`, with
+        another kind of cache, at prefill, or when the attention, a projection, a norm or an MLP is not SepFormer's
+        plain, unhooked class at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's
+        hooks), which the fused step would bypass or call on rows (`is_fusable`). Not seen within one cache: modules or
+        hooks replaced or added later, and in-place writes through `.data` (they bypass the version counter; a
+        `.data = tensor` swap moves the data pointer and is seen).
         """
         if (
             not isinstance(past_key_values, SepFormerCache)
