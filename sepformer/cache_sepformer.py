@@ -14,23 +14,41 @@ class GrowingLayer(DynamicLayer):
     copy costs about as much as a layer's matmuls. Here a prefill stores its states as `DynamicLayer` does; the first
     decoding step copies the cache into buffers with room for `max(128, n / 8)` more tokens, and each later step
     copies its new tokens only, the keys and values being the buffers' leading tokens; when the room runs out the cache
-    is copied into larger buffers. Anything else that changes the keys and values (`crop`, beam reordering, repeats,
-    selection, offloading, `reset`) drops the buffers, and the next step makes them anew (keys and values assigned
-    directly are noticed at the next step, which makes new buffers), so a step never writes where a tensor handed out
-    before can see it (a shallow copy of a layer shares its buffers, as it
-    shares `DynamicLayer`'s tensors). With autograd on, under `torch.compile`, or for states whose dtype, device or
-    shape differ from the cache's, it concatenates as `DynamicLayer` does (which promotes a dtype and refuses another
-    batch).
+    is copied into larger buffers. Any other assignment of the keys or values (`DynamicLayer`'s `crop`, beam
+    reordering, repeats, selection, offloading, `reset`, or a caller's) drops the buffers, and the next step makes them
+    anew, so a step never writes where a tensor handed out before can see it (a shallow copy of a layer shares its
+    buffers, as it shares `DynamicLayer`'s tensors). With autograd on, under `torch.compile`, or for states whose
+    dtype, device or shape differ from the cache's, it concatenates as `DynamicLayer` does (which promotes a dtype and
+    refuses another batch).
     """
 
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        self._keys = keys
+        self.key_buffer = self.value_buffer = None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._values = values
+        self.key_buffer = self.value_buffer = None
+
     @classmethod
     def taking_over(cls, layer: DynamicLayer) -> "GrowingLayer":
         """A `GrowingLayer` with `layer`'s state (its keys and values, if any)."""
         grown = cls()
-        grown.__dict__.update(vars(layer))
+        for name, value in vars(layer).items():
+            setattr(grown, name, value)
         return grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -39,32 +57,20 @@ class GrowingLayer(DynamicLayer):
             length == 0
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
-            or not all(
-                like(cached, states) for cached, states in ((self.keys, key_states), (self.values, value_states))
-            )
+            or not (like(self.keys, key_states) and like(self.values, value_states))
         ):
-            self.drop_buffers()
             return super().update(key_states, value_states, *args, **kwargs)
         needed = length + key_states.shape[-2]
-        if not self.has_room(needed):
+        if self.key_buffer is None or needed > self.key_buffer.shape[2]:
             self.make_room(needed)
         self.key_buffer[:, :, length:needed] = key_states
         self.value_buffer[:, :, length:needed] = value_states
-        self.keys, self.values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
+        # set past the properties: the new keys and values are the buffers' leading tokens
+        self._keys, self._values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
         return self.keys, self.values
 
-    def has_room(self, needed: int) -> bool:
-        """Whether the keys and values are still the buffers' leading tokens (nothing assigned them since), with room
-        for `needed`."""
-        return all(
-            buffer is not None
-            and cached._base is buffer
-            and cached.data_ptr() == buffer.data_ptr()
-            and needed <= buffer.shape[2]
-            for cached, buffer in ((self.keys, self.key_buffer), (self.values, self.value_buffer))
-        )
-
     def make_room(self, needed: int) -> None:
+        """Buffers with room for `needed` tokens and more, holding the keys and values as their leading tokens."""
         capacity = needed + max(128, needed // 8)
         buffers = []
         for cached in (self.keys, self.values):
@@ -72,33 +78,6 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, : cached.shape[2]] = cached
             buffers.append(buffer)
         self.key_buffer, self.value_buffer = buffers
-
-    def drop_buffers(self) -> None:
-        self.key_buffer = self.value_buffer = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        self.drop_buffers()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self.drop_buffers()
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self.drop_buffers()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self.drop_buffers()
-
-    def offload(self) -> None:
-        super().offload()
-        self.drop_buffers()
-
-    def reset(self) -> None:
-        super().reset()
-        self.drop_buffers()
 
 
 def like(cached: torch.Tensor, states: torch.Tensor) -> bool:

@@ -69,10 +69,17 @@ class BlockDiagonal(nn.Module):
         return self.each_block(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def each_block(self, x: torch.Tensor) -> torch.Tensor:
-        # One split rather than two slices: its backward is one cat, where each slice's backward fills a zero tensor
-        # of the full width and the two are summed.
-        position, semantic = x.split_with_sizes((self.position_size, x.shape[-1] - self.position_size), -1)
-        return torch.cat((self.position(position), self.semantic(semantic)), -1)
+        widths = (self.position_size, x.shape[-1] - self.position_size)
+        return blockwise(x, (self.position, self.semantic), widths)
+
+
+def blockwise(x: torch.Tensor, functions, widths: tuple[int, ...]) -> torch.Tensor:
+    """`[f_1(x_1) ‖ f_2(x_2) ‖ ...]` over blocks of the last dimension of the given widths.
+
+    One split rather than slices: its backward is one cat, where each slice's backward fills a zero tensor of the full
+    width and they are summed."""
+    blocks = x.split_with_sizes(widths, -1)
+    return torch.cat([function(block) for function, block in zip(functions, blocks, strict=True)], -1)
 
 
 def block_diagonal(
@@ -289,10 +296,7 @@ class FusedProjections:
 
     def mlp(self, rows: torch.Tensor) -> torch.Tensor:
         """The block-diagonal MLP of (rows, d_model)."""
-        if len(self.mlps) == 1:
-            return self.mlps[0](rows)
-        blocks = rows.split_with_sizes(self.mlp_widths, -1)
-        return torch.cat([mlp(block) for mlp, block in zip(self.mlps, blocks, strict=True)], -1)
+        return self.mlps[0](rows) if len(self.mlps) == 1 else blockwise(rows, self.mlps, self.mlp_widths)
 
     def is_current(self) -> bool:
         """Whether the source parameters are unchanged: in place (optimiser steps, loading) or moved (`.to`)."""

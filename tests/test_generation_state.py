@@ -252,3 +252,22 @@ def test_growing_layers_take_other_states_as_a_dynamic_cache_does():
                 continue
             with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
                 layer.update(states, states)
+
+
+def test_a_cache_made_from_another_caches_data_holds_it():
+    """`SepFormerCache(ddp_cache_data, config=...)` (as DDP hands caches over): its growing layers take the data."""
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=dynamic, use_cache=True)
+        data = [(layer.keys, layer.values) for layer in dynamic.layers]
+        made = SepFormerCache(ddp_cache_data=data, config=model.config)
+        assert made.get_seq_length() == 8
+        logits = {
+            name: torch.cat([model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in (8, 9)], 1)
+            for name, cache in (("made", made), ("dynamic", dynamic))
+        }
+    torch.testing.assert_close(logits["made"], logits["dynamic"], rtol=0, atol=1e-6)
