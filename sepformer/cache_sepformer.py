@@ -7,6 +7,20 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
+class DropsRoom:
+    """A `GrowingLayer`'s keys or values: assigning them (anything but a step's own write) drops the layer's buffers."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.stored = "_" + name
+
+    def __get__(self, layer, owner: type | None = None):
+        return self if layer is None else getattr(layer, self.stored)
+
+    def __set__(self, layer, tensor: torch.Tensor | None) -> None:
+        setattr(layer, self.stored, tensor)
+        layer.key_buffer = layer.value_buffer = None
+
+
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose decoding steps write their keys and values in place, into buffers with room to grow.
 
@@ -25,23 +39,8 @@ class GrowingLayer(DynamicLayer):
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._keys
-
-    @keys.setter
-    def keys(self, keys: torch.Tensor | None) -> None:
-        self._keys = keys
-        self.key_buffer = self.value_buffer = None
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._values
-
-    @values.setter
-    def values(self, values: torch.Tensor | None) -> None:
-        self._values = values
-        self.key_buffer = self.value_buffer = None
+    keys = DropsRoom()
+    values = DropsRoom()
 
     @classmethod
     def taking_over(cls, layer: DynamicLayer) -> "GrowingLayer":
@@ -65,7 +64,7 @@ class GrowingLayer(DynamicLayer):
             self.make_room(needed)
         self.key_buffer[:, :, length:needed] = key_states
         self.value_buffer[:, :, length:needed] = value_states
-        # set past the properties: the new keys and values are the buffers' leading tokens
+        # stored past `DropsRoom`: the new keys and values are the buffers' leading tokens
         self._keys, self._values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
         return self.keys, self.values
 
