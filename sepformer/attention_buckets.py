@@ -101,7 +101,7 @@ class AttentionBucketsMitigation(Mitigation):
                 cache.buckets = options
                 cache.bucket_caches = [SepFormerCache(config=config) for _ in range(options.num_buckets - 1)]
                 for bucket_cache in cache.bucket_caches:  # the same weights: one fused copy serves every bucket
-                    bucket_cache.fused_projections = cache.fused_projections
+                    bucket_cache.derived = cache.derived
             elif cache.buckets != options:
                 raise ValueError(
                     "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "

@@ -1,6 +1,6 @@
 """`SepFormerCache`: the KV cache, plus what a generation fixes at prefill and reuses at every decoding step."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -90,6 +90,28 @@ def like(cached: torch.Tensor, states: torch.Tensor) -> bool:
     )
 
 
+def kept_in(store: dict | None, key: Hashable, make: Callable[[], Any]) -> Any:
+    """`make()`, kept in `store[key]` when a store is given (see `derived_store`): made once per generation."""
+    if store is None:
+        return make()
+    if key not in store:
+        store[key] = make()
+    return store[key]
+
+
+def derived_store(cache) -> dict | None:
+    """Where a call may keep tensors derived from the weights (rows of a positional map, weights laid out for the
+    decoding steps): the `SepFormerCache` of its generation, outside autograd and `torch.compile`; `None` otherwise.
+
+    Nothing derived from the weights outlives the call that computed it, except on the cache of one generation, which
+    is dropped with it. Within a generation the weights do not change; across calls nothing is assumed: fused optimizers
+    and writes through `.data` change weights without moving their version counters or addresses, so no version or
+    address can tell whether a kept tensor is still current."""
+    if isinstance(cache, SepFormerCache) and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return cache.derived
+    return None
+
+
 class SepFormerCache(DynamicCache):
     """A `DynamicCache` that also holds the generation's mitigation state and fused decoding projections.
 
@@ -102,10 +124,9 @@ class SepFormerCache(DynamicCache):
         ms_poe_ranks: per MS-PoE layer, (b, H, 1, 1) head ranks from the prefill's last query (0 = most position-aware).
         calibration_bias: per calibrated layer, (b, H, K) `bias(k)`, the attention on a dummy document at slot `k`.
         calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
-        fused_projections: per layer, the `FusedProjections` of its decoding steps (`None`: the layer runs its
-            modules). Weights, not rows: batch operations leave them alone; the bucket caches share this one.
-        ms_poe_weights: per MS-PoE layer, its `W_q`, `W_k` positional columns laid out per head (versions, tensor),
-            likewise weights; remade when a weight changes in place or moves (not on writes through `.data`).
+        derived: tensors derived from the weights for this generation only (`derived_store`), by key: each layer's
+            `FusedProjections` for decoding steps, MS-PoE's per-head weight layouts, a positional map's rows. Weights,
+            not rows of the batch: batch operations leave them alone; the bucket caches share this one.
         buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.
         bucket_caches: the caches of buckets 1.., each a `SepFormerCache`; batch operations apply to them too.
         running_buckets: whether a forward with several buckets is running them (bucket 0's own pass then reads this
@@ -123,8 +144,7 @@ class SepFormerCache(DynamicCache):
         self.ms_poe_ranks: dict[int, torch.Tensor] = {}
         self.calibration_bias: dict[int, torch.Tensor] = {}
         self.calibration_spans: torch.Tensor | None = None
-        self.fused_projections: dict[int, Any] = {}
-        self.ms_poe_weights: dict[int, Any] = {}
+        self.derived: dict[Hashable, Any] = {}
         self.buckets: Any = None
         self.bucket_caches: list[SepFormerCache] = []
         self.running_buckets = False

@@ -30,7 +30,7 @@ A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forwar
 
 import dataclasses
 import functools
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -66,32 +66,6 @@ def cached_constant(maxsize: int):
         return constant
 
     return decorate
-
-
-def versions_of(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple((tensor._version, tensor.data_ptr()) for tensor in tensors)
-
-
-def is_watchable(tensor: torch.Tensor) -> bool:
-    """A plain parameter whose changes in place show in its version counter (an inference tensor has none)."""
-    return type(tensor) is nn.Parameter and not tensor.is_inference()
-
-
-def kept_while_unchanged(kept: MutableMapping, key: Any, sources: tuple[torch.Tensor, ...], make: Callable[[], Any]):
-    """`make()`, kept in `kept[key]` until a source changes in place (an optimiser step, loading) or moves (`.to`).
-
-    A decoding step's time goes by kernel count, and tensors made from the weights cost kernels at every step unless
-    kept. Only plain parameters outside autograd are kept: a parametrised, functional (`functional_call`, `vmap`) or
-    otherwise substituted weight is a new tensor at each call, whose version and address say nothing about its values.
-    Writes through `.data` (PEFT's merge) change neither version nor address: a store that outlives a generation misses
-    them.
-    """
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(is_watchable(source) for source in sources):
-        return make()
-    versions = versions_of(sources)
-    if key not in kept or kept[key][0] != versions:
-        kept[key] = (versions, make())
-    return kept[key][1]
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,7 +24,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_sepformer import SepFormerCache
+from .cache_sepformer import SepFormerCache, derived_store, kept_in
 from .configuration_sepformer import SepFormerConfig
 from .mitigation_base import (
     NO_HOOKS,
@@ -35,9 +35,6 @@ from .mitigation_base import (
     MitigationPlan,
     QueryKeyProjection,
     cached_constant,
-    is_watchable,
-    kept_while_unchanged,
-    versions_of,
 )
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
@@ -115,10 +112,6 @@ class BlockNorm(BlockDiagonal):
     torch norms compute them.
     """
 
-    def __init__(self, position: nn.Module | None, semantic: nn.Module, position_size: int):
-        super().__init__(position, semantic, position_size)
-        self.kept = {}  # what `block_weights` made, with the versions of the norms' weights
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.position is None:
             return self.semantic(x)
@@ -134,10 +127,8 @@ class BlockNorm(BlockDiagonal):
         return rms_normed_rows(h, averaging, eps, self.block_weights(indicator)).view(x.shape).to(x.dtype)
 
     def block_weights(self, indicator: torch.Tensor) -> torch.Tensor:
-        """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere. Outside autograd they
-        are kept until a weight changes in place or moves: a decoding step then runs two kernels fewer per norm."""
-        sources = (self.position.weight, self.semantic.weight)
-        return kept_while_unchanged(self.kept, "weights", sources, lambda: indicator * torch.cat(sources).float())
+        """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere."""
+        return indicator * torch.cat((self.position.weight, self.semantic.weight)).float()
 
 
 def rms_normed_rows(h: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -258,8 +249,6 @@ class FusedProjections:
     # the layer's two norms: a `RowRMSNorm`, or the module itself (layer norms, or a norm of one block)
     input_norm: Callable[[torch.Tensor], torch.Tensor]
     post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
-    sources: tuple[torch.Tensor, ...]  # the parameters they were made from
-    versions: tuple[tuple[int, int], ...]  # (version counter, data pointer) of each source when made
 
     @classmethod
     def of(cls, layer: "SepFormerDecoderLayer", input_scale: InputScale) -> "FusedProjections | None":
@@ -268,10 +257,7 @@ class FusedProjections:
             return None
         attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
         v_blocks, o_blocks, mlps = (blocks_of(module) for module in (attention.v_proj, attention.o_proj, layer.mlp))
-        linears = (attention.q_proj, attention.k_proj, *v_blocks, *o_blocks)
-        linears += tuple(linear for mlp in mlps for linear in (mlp.up_proj, mlp.down_proj))
         row_norms = [norm for norm in norms if len(blocks_of(norm)) == 2 and type(norm.semantic) is nn.RMSNorm]
-        sources = tuple(parameter for module in (*linears, *row_norms) for parameter in module.parameters())
         query_key = torch.cat((attention.q_proj.weight, attention.k_proj.weight))  # (2 · d_model, d_model)
         channels, factor = input_scale
         if channels:
@@ -290,17 +276,11 @@ class FusedProjections:
             mlp_widths=tuple(mlp.up_proj.in_features for mlp in mlps),
             input_norm=RowRMSNorm.of(norms[0]) if norms[0] in row_norms else norms[0],
             post_attention_norm=RowRMSNorm.of(norms[1]) if norms[1] in row_norms else norms[1],
-            sources=sources,
-            versions=versions_of(sources),
         )
 
     def mlp(self, rows: torch.Tensor) -> torch.Tensor:
         """The block-diagonal MLP of (rows, d_model)."""
         return self.mlps[0](rows) if len(self.mlps) == 1 else blockwise(rows, self.mlps, self.mlp_widths)
-
-    def is_current(self) -> bool:
-        """Whether the source parameters are unchanged: in place (optimiser steps, loading) or moved (`.to`)."""
-        return versions_of(self.sources) == self.versions
 
 
 def blocks_of(module: BlockDiagonal) -> list[nn.Module]:
@@ -312,7 +292,7 @@ def is_plain_module(module: nn.Module | None, kind: type[nn.Module]) -> bool:
     subclass), whose forward is its class's and runs no hooks: what fused weights can stand in for."""
     return (
         type(module) is kind
-        and all(is_watchable(parameter) for parameter in module.parameters(recurse=False))
+        and all(type(parameter) is nn.Parameter for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
         and not (module._forward_hooks or module._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
@@ -485,37 +465,29 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd),
         with the input scale of the mitigation `hooks` in the columns of `W_q` and `W_k`.
 
-        Made at the first decoding step and kept on the `SepFormerCache`, so they live as long as the generation;
-        remade when a source parameter changed in place or moved, or for another input scale. `None` (the layer runs
-        its modules) when a mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`),
-        with `config.fuse_decoding_projections=False`, in training, under autograd, autocast or `torch.compile`, with
-        another kind of cache, at prefill, or when the attention, a projection, a norm or an MLP is not SepFormer's
-        plain, unhooked class at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's
-        hooks), which the fused step would bypass or call on rows (`is_fusable`). Not seen within one cache: modules or
-        hooks replaced or added later, and in-place writes through `.data` (they bypass the version counter; a
-        `.data = tensor` swap moves the data pointer and is seen).
+        Made at the first decoding step and kept on the generation's `SepFormerCache` (`derived_store`), per input
+        scale, so they live as long as the generation and no longer. `None` (the layer runs its modules) when a
+        mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`), with
+        `config.fuse_decoding_projections=False`, in training, under autograd, autocast or `torch.compile`, with another
+        kind of cache, at prefill, or when the attention, a projection, a norm or an MLP is not SepFormer's plain,
+        unhooked class at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks),
+        which the fused step would bypass or call on rows (`is_fusable`). Within one generation the weights, modules
+        and hooks are taken as they were at its first decoding step.
         """
+        store = derived_store(past_key_values)
         if (
-            not isinstance(past_key_values, SepFormerCache)
-            or torch.is_grad_enabled()
+            store is None
             or self.training
-            or torch.compiler.is_compiling()
             or not self.config.fuse_decoding_projections
             or torch.is_autocast_enabled(self.self_attn.q_proj.weight.device.type)  # the norms' statistics in float32
+            or past_key_values.get_seq_length(self.layer_idx) == 0
         ):
             return None
         input_scale = hooks.decoding_input_scale(self.layer_idx)
         if input_scale is None:
             return None
-        per_layer = past_key_values.fused_projections
-        if self.layer_idx in per_layer:
-            fused = per_layer[self.layer_idx]
-            if fused is None or (fused.input_scale == input_scale and fused.is_current()):
-                return fused
-        elif past_key_values.get_seq_length(self.layer_idx) == 0:
-            return None
-        per_layer[self.layer_idx] = FusedProjections.of(self, input_scale)
-        return per_layer[self.layer_idx]
+        key = ("fused projections", self.layer_idx, input_scale)
+        return kept_in(store, key, lambda: FusedProjections.of(self, input_scale))
 
 
 class SepFormerPreTrainedModel(PreTrainedModel):
@@ -706,7 +678,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 table_positions = self.embed_positions.training_positions(read_positions, batch)
             map_reading = {} if map_base is None else {"base": map_base}
             # (b or 1, seq, d_pos)
-            position_rows = self.embed_positions(table_positions, extrapolation, **map_reading).to(inputs_embeds.dtype)
+            position_rows = self.embed_positions(
+                table_positions, extrapolation, store=derived_store(past_key_values), **map_reading
+            ).to(inputs_embeds.dtype)
             hidden_states = torch.cat((position_rows.expand(batch, -1, -1), inputs_embeds), dim=-1)  # [p(i) ‖ s(t)]
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = None

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, kept_while_unchanged, last_row_probs
+from .cache_sepformer import derived_store, kept_in
+from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, last_row_probs
 from .mitigation_options import MSPoE
 from .positional_maps import apply_partial_rotary
 
@@ -23,9 +24,9 @@ def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Te
     return ms_poe_ratios(option, num_heads).float().to(device)[:, None, None]
 
 
-def positional_query_key_weights(attention: nn.Module, kept: dict) -> torch.Tensor:
+def positional_query_key_weights(attention: nn.Module, store: dict | None) -> torch.Tensor:
     """(H, d_pos, 2 · hd): head `h`'s `W_q[h, :, pos]ᵀ` and `W_k[h, :, pos]ᵀ` side by side, so that one batched matmul
-    gives both of a head's additions; kept in `kept` (the generation's cache) while the weights are unchanged."""
+    gives both of a head's additions; made once per generation where there is a `store` (`derived_store`)."""
     q_weight, k_weight = attention.q_proj.weight, attention.k_proj.weight
     d_pos = attention.config.position_size
     for_head = (-1, attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
@@ -33,7 +34,7 @@ def positional_query_key_weights(attention: nn.Module, kept: dict) -> torch.Tens
     def make():
         return torch.cat((q_weight[:, :d_pos].view(for_head), k_weight[:, :d_pos].view(for_head)), 1).mT.contiguous()
 
-    return kept_while_unchanged(kept, attention.layer_idx, (q_weight, k_weight), make)
+    return kept_in(store, ("ms_poe weights", attention.layer_idx), make)
 
 
 def by_head(by_rank: torch.Tensor, head_ranks: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ class MSPoEMitigation(Mitigation):
     # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
     ranks: dict[int, torch.Tensor] | None = None  # per layer, (b, H, 1, 1) ranks made at prefill (on the cache)
-    kept_weights: dict | None = None  # per layer, `positional_query_key_weights` (on the cache)
+    store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
     position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
@@ -133,8 +134,8 @@ class MSPoEMitigation(Mitigation):
                 )
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
-            kept = call.state.ms_poe_weights if call.state is not None else {}  # another cache class: this call's
-            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, kept_weights=kept)
+            store = derived_store(call.state)
+            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
         if config._attn_implementation == "flex_attention":
             raise ValueError(
                 "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
@@ -146,7 +147,7 @@ class MSPoEMitigation(Mitigation):
             call.model,
             call.extrapolation,
             ranks=call.state.ms_poe_ranks,
-            kept_weights=call.state.ms_poe_weights,
+            store=derived_store(call.state),
         )
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
@@ -155,7 +156,8 @@ class MSPoEMitigation(Mitigation):
         position_shift = rotary = None
         if run.position_rows is not None:
             coordinates = model.embed_positions.table_coordinates(run.table_positions, self.extrapolation)
-            rows = model.embed_positions(coordinates / ratios, self.extrapolation).to(run.dtype)  # p(m / r_i)
+            rows = model.embed_positions(coordinates / ratios, self.extrapolation, store=self.store)  # p(m / r_i)
+            rows = rows.to(run.dtype)
             position_shift = rows - run.position_rows
         if model.rotary_emb is not None:
             angles = (run.position_ids / ratios)[..., None] * model.rotary_emb.inv_freq  # (H, b|1, seq, rd/2)
@@ -185,7 +187,7 @@ class MSPoEMitigation(Mitigation):
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
             delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
             heads, batch, seq, d_pos = delta.shape
-            weights = positional_query_key_weights(attention, self.kept_weights)  # (H, d_pos, 2 · hd)
+            weights = positional_query_key_weights(attention, self.store)  # (H, d_pos, 2 · hd)
             deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), weights)  # (H, b · seq, 2 · hd)
             query_delta, key_delta = deltas.view(heads, batch, seq, -1).transpose(0, 1).chunk(2, -1)  # (b, H, seq, hd)
             query, key = query + query_delta, key + key_delta

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
+
 EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
 
 
@@ -139,31 +140,15 @@ def capacity_for(needed: int, length: int) -> int:
     return length * 2 ** max(0, math.ceil(math.log2(needed / length)))
 
 
-class RowCache:
-    """Rows that depend on one parameter's state only, computed once per state and reused until it changes.
-
-    Rows are made for a capacity (`capacity_for`), and rows made for a larger capacity serve a smaller one. The state
-    is the parameter's version counter (moved by every in-place update: optimiser steps, loading), data pointer (a
-    move) and dtype; writes through `.data` bypass the counter (`clear()` forgets the rows). Under autograd with a
-    trainable parameter nothing is kept: the rows are rebuilt, with gradients, in every call.
-    """
-
-    def __init__(self):
-        self.entry = None  # (key, capacity, rows) of the last rows made without autograd
-
-    def get(self, parameter: torch.Tensor, key, capacity: int, make) -> torch.Tensor:
-        """The rows for `key` at `capacity` or more; `make(capacity)` computes them."""
-        key = (key, parameter._version, parameter.data_ptr(), parameter.dtype)
-        cacheable = not (torch.is_grad_enabled() and parameter.requires_grad)
-        if cacheable and self.entry is not None and self.entry[0] == key and self.entry[1] >= capacity:
-            return self.entry[2]
-        rows = make(capacity)
-        if cacheable:
-            self.entry = (key, capacity, rows)
-        return rows
-
-    def clear(self) -> None:
-        self.entry = None
+def kept_rows(store: dict | None, key, count: int, make) -> torch.Tensor:
+    """`make(count)`, rows `0 .. count - 1` of something, or rows made earlier in the generation's `store`
+    (`derived_store`) if they are at least as many: a generation's decoding steps make them once per doubling."""
+    rows = None if store is None else store.get(key)
+    if rows is None or rows.shape[0] < count:
+        rows = make(count)
+        if store is not None:
+            store[key] = rows
+    return rows
 
 
 class TrainingPositions:
@@ -226,11 +211,13 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
     def __init__(self, config):
         super().__init__(config.position_table_size, config.position_size)
         self.setup_training_positions(config)
-        self.extension = RowCache()  # rows past the table, per method and capacity
 
-    def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+    def forward(
+        self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, store: dict | None = None
+    ) -> torch.Tensor:
+        """`store`: where the generation keeps rows past the table between its steps (`derived_store`), or `None`."""
         if position_ids.is_floating_point():
-            return self.fractional(position_ids, extrapolation)
+            return self.fractional(position_ids, extrapolation, store)
         if torch.compiler.is_compiling():
             return self.traceable(position_ids, extrapolation)
         if position_ids.numel() == 0:
@@ -241,7 +228,7 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         length = self.num_embeddings
         if high < length:
             return super().forward(position_ids)
-        rows = self.rows_past_table(high + 1, extrapolation)  # rows L, L+1, ...
+        rows = self.rows_past_table(high + 1, extrapolation, store)  # rows L, L+1, ...
         if low >= length:  # every position past the table (cached decoding past L): no copy of the table
             return nn.functional.embedding(position_ids - length, rows)
         return nn.functional.embedding(position_ids, torch.cat((self.weight, rows)))  # (capacity, d_pos) table
@@ -270,20 +257,22 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         compressed = compress_positions(position_ids, length, row_needed.clamp(min=2))
         return torch.where(row_needed > length, compressed, position_ids)  # identity for rows of at most L positions
 
-    def fractional(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+    def fractional(
+        self, positions: torch.Tensor, extrapolation: PositionExtrapolation, store: dict | None
+    ) -> torch.Tensor:
         """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
         _, high = position_range(positions)
         needed = math.ceil(high) + 1
         if needed <= self.num_embeddings:
             return interpolate_rows(self.weight, positions)
-        return interpolate_rows(torch.cat((self.weight, self.rows_past_table(needed, extrapolation))), positions)
+        rows = self.rows_past_table(needed, extrapolation, store)
+        return interpolate_rows(torch.cat((self.weight, rows)), positions)
 
-    def rows_past_table(self, needed: int, extrapolation: PositionExtrapolation) -> torch.Tensor:
+    def rows_past_table(self, needed: int, extrapolation: PositionExtrapolation, store: dict | None) -> torch.Tensor:
         """Extrapolated rows `L, L+1, ...`, at least up to row `needed - 1`.
 
-        Rows depend on the position only, so they are computed for a capacity rounded up to `L · 2^m` and reused by
-        every call and decoding step that fits, until the table's weights change (`RowCache`; after a write through
-        `.data` call `clear_cache()`). Under autograd they are rebuilt, once per call.
+        Computed for a capacity rounded up to `L · 2^m`, so that with a `store` the decoding steps of a generation
+        make them once per doubling of the length rather than at every step.
         """
         length, method = self.num_embeddings, extrapolation.method
         if method in ("none", "interpolate"):
@@ -295,15 +284,10 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
                 + (", 'interpolate'" if method == "none" else "")
                 + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."
             )
-        return self.extension.get(
-            self.weight,
-            extrapolation,
-            capacity_for(needed, length),
-            lambda capacity: self.method_rows(torch.arange(length, capacity, device=self.weight.device), extrapolation),
-        )
+        def make(count: int) -> torch.Tensor:
+            return self.method_rows(torch.arange(length, length + count, device=self.weight.device), extrapolation)
 
-    def clear_cache(self) -> None:
-        self.extension.clear()
+        return kept_rows(store, ("rows past the table", extrapolation), capacity_for(needed, length) - length, make)
 
     def method_rows(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """`p(i)` of `clamp`, `sinusoidal` or `fourier` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
@@ -339,9 +323,13 @@ class SinusoidalPositions(nn.Module, TrainingPositions):
         self.setup_training_positions(config)
 
     def forward(
-        self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, base: float = SINUSOID_BASE
+        self,
+        position_ids: torch.Tensor,
+        extrapolation: PositionExtrapolation,
+        store: dict | None = None,
+        base: float = SINUSOID_BASE,
     ) -> torch.Tensor:
-        """`base`: another base than the map's own (Attention Buckets)."""
+        """`base`: another base than the map's own (Attention Buckets). Made from no weight: nothing to `store`."""
         return sinusoid(position_ids, self.dim, base)
 
     def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
@@ -398,8 +386,8 @@ class BSplinePositions(nn.Module, TrainingPositions):
     `position_table_size` (`L`, or the range of randomized positions). Defined at every real position; past `T-1`
     `spline_extension` decides (`clamp`: the last control point; `linear`: the end's tangent continued).
 
-    Integer positions read rows computed once per state of the control points, for `0 .. T·2^m - 1` (`RowCache`), as
-    the learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.
+    Integer positions read rows computed for `0 .. T·2^m - 1`, once per generation where there is a `store`, as the
+    learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.
     """
 
     def __init__(self, config):
@@ -408,7 +396,6 @@ class BSplinePositions(nn.Module, TrainingPositions):
         self.length = config.position_table_size
         self.control_points = nn.Parameter(torch.empty(config.spline_control_points, config.position_size))
         self.setup_training_positions(config)
-        self.integer_rows = RowCache()
         self._knots = None  # float64 knots on the control points' device
 
     def knots(self) -> torch.Tensor:
@@ -417,17 +404,19 @@ class BSplinePositions(nn.Module, TrainingPositions):
             self._knots = bspline_knots(self.control_points.shape[0], self.degree, float(self.length - 1)).to(device)
         return self._knots
 
-    def forward(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+    def forward(
+        self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, store: dict | None = None
+    ) -> torch.Tensor:
         if torch.compiler.is_compiling() or position_ids.numel() == 0:
             return self.rows_at(position_ids)
         _, high = position_range(position_ids)  # refuses a negative position
         if position_ids.is_floating_point():
             return self.rows_at(position_ids)
-        rows = self.integer_rows.get(
-            self.control_points,
-            None,
+        rows = kept_rows(
+            store,
+            "spline rows",
             capacity_for(high + 1, self.length),
-            lambda capacity: self.rows_at(torch.arange(capacity, device=position_ids.device)),
+            lambda count: self.rows_at(torch.arange(count, device=position_ids.device)),
         )
         return nn.functional.embedding(position_ids, rows)  # (b or 1, seq, d_pos)
 
@@ -445,9 +434,6 @@ class BSplinePositions(nn.Module, TrainingPositions):
 
     def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         return position_ids  # defined everywhere: nothing is compressed
-
-    def clear_cache(self) -> None:
-        self.integer_rows.clear()
 
     def extra_repr(self):
         return (

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation
+from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache
 from sepformer.positional_maps import fourier_rows
 
 L = 16
@@ -170,9 +170,9 @@ def test_per_call_override_reaches_every_decoding_step(monkeypatch):
     table = model.model.embed_positions
     seen = []
     original = type(table).forward
-    def recording_forward(self, ids, extrapolation):
+    def recording_forward(self, ids, extrapolation, store=None):
         seen.append(extrapolation.method)
-        return original(self, ids, extrapolation)
+        return original(self, ids, extrapolation, store)
 
     monkeypatch.setattr(type(table), "forward", recording_forward)
     model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2 * L, do_sample=False, pad_token_id=256,
@@ -188,41 +188,25 @@ def test_config_default_and_per_call_override():
         assert not torch.allclose(model(ids).logits, model(ids, position_extrapolation="sinusoidal").logits)
 
 
-def test_extension_is_cached_and_refreshed_when_the_weights_change():
+def test_rows_past_the_table_are_kept_on_the_generation_only():
+    """A generation's cache keeps the rows past the table for its steps, made once per capacity `L · 2^m`; a call
+    without one makes them anew, from the weights as they are."""
     model = model_with_table()
     table = model.model.embed_positions
     fourier = PositionExtrapolation(method="fourier", components=4)
+    store = {}
     with torch.no_grad():
-        first = table.rows_past_table(3 * L, fourier)
-        assert table.rows_past_table(2 * L + 5, fourier) is first  # same capacity, same state: reused
+        first = table.rows_past_table(3 * L, fourier, store)
+        assert table.rows_past_table(2 * L + 5, fourier, store) is first  # the same capacity: kept
         assert first.shape[0] == 3 * L  # rows L .. 4L-1: capacity rounded up to L * 2^m
-    # an optimiser step changes the table in place: the extension must follow
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    model.train()
-    model(torch.randint(0, 256, (1, L)), labels=torch.randint(0, 256, (1, L))).loss.backward()
-    optimizer.step()
-    with torch.no_grad():
-        after_step = table.rows_past_table(3 * L, fourier)
-        assert after_step is not first
-        torch.testing.assert_close(after_step, fourier_rows(table.weight, torch.arange(L, 4 * L), 4))
-        table.weight.copy_(torch.randn_like(table.weight))  # as loading a checkpoint does
-        assert table.rows_past_table(3 * L, fourier) is not after_step
-
-
-def test_rows_inside_the_table_are_always_the_live_weights():
-    """Only the rows past the table are cached: a write through `.data` (which bypasses the version counter) still
-    reaches every position inside the table, and `clear_cache()` refreshes the rest."""
-    model = model_with_table()
-    table = model.model.embed_positions
-    ids = torch.arange(2 * L)[None]
-    with torch.no_grad():
-        model(ids, position_extrapolation="fourier")
-        table.weight.data.mul_(2.0)
-        rows = table(ids, PositionExtrapolation(method="fourier"))[0]
-        torch.testing.assert_close(rows[:L], table.weight)
-        table.clear_cache()
-        torch.testing.assert_close(table(ids, PositionExtrapolation(method="fourier"))[0, L:],
-                                   fourier_rows(table.weight, torch.arange(L, 2 * L), 16))
+        assert table.rows_past_table(3 * L, fourier, None) is not first
+        table.weight.data.mul_(2.0)  # no version counter moves
+        torch.testing.assert_close(table.rows_past_table(3 * L, fourier, None),
+                                   fourier_rows(table.weight, torch.arange(L, 4 * L), 4))
+        cache = SepFormerCache(config=model.config)
+        model.generate(torch.randint(0, 256, (1, L - 2)), max_new_tokens=L, do_sample=False, past_key_values=cache,
+                       position_extrapolation="fourier")
+    assert cache.derived[("rows past the table", PositionExtrapolation(method="fourier"))].shape[0] == L  # 2L - L
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -147,7 +147,7 @@ def fused_projections_of_generation(model) -> dict:
     """Greedy `generate` with a cache of our own: which layers decoded with fused projections."""
     cache = SepFormerCache(config=model.config)
     tokens = model.generate(input_ids=IDS, max_new_tokens=5, do_sample=False, past_key_values=cache)
-    return tokens, cache.fused_projections
+    return tokens, {key[1]: value for key, value in cache.derived.items() if key[0] == "fused projections"}
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])

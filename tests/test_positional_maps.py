@@ -6,7 +6,7 @@ from conftest import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from sepformer import MSPoE, PositionExtrapolation, SepFormerCache
-from sepformer.positional_maps import bspline_basis, bspline_knots, randomized_positions
+from sepformer.positional_maps import bspline_basis, bspline_knots, capacity_for, randomized_positions
 
 L = 16
 D_POS = 8  # tiny_model: hidden_size 32, 4 heads
@@ -140,26 +140,21 @@ def test_cached_decoding_past_L_equals_the_full_forward(extension):
     assert torch.equal(cached, uncached)
 
 
-def test_rows_are_computed_once_per_state_of_the_control_points():
+def test_rows_are_kept_on_the_generation_only():
     model = spline_model()
     spline = model.model.embed_positions
-    ids = torch.randint(0, 256, (1, 3 * L))
+    positions = torch.arange(3 * L)[None]
+    store = {}
     with torch.no_grad():
-        model(ids)
-        first = spline.integer_rows.entry[2]
-        assert first.shape[0] == 4 * L  # capacity L · 2^m covering 3L
-        model(ids[:, :5])
-        assert spline.integer_rows.entry[2] is first  # same state: reused
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    model.train()
-    model(ids[:, :L], labels=ids[:, :L]).loss.backward()
-    assert spline.control_points.grad.abs().sum() > 0  # training reaches the control points
-    optimizer.step()
-    model.eval()
-    with torch.no_grad():
-        model(ids)
-        assert spline.integer_rows.entry[2] is not first
-        torch.testing.assert_close(spline.integer_rows.entry[2], spline.rows_at(torch.arange(4 * L)))
+        first = spline(positions, None, store)
+        (rows,) = store.values()
+        capacity = capacity_for(3 * L, spline.length)  # T · 2^m covering 3L
+        assert rows.shape[0] == capacity
+        torch.testing.assert_close(rows, spline.rows_at(torch.arange(capacity)))
+        assert torch.equal(spline(positions[:, :5], None, store), first[:, :5])
+        assert len(store) == 1 and next(iter(store.values())) is rows  # the same capacity: kept
+        spline.control_points.data.mul_(2.0)
+        torch.testing.assert_close(spline(positions, None), spline.rows_at(positions))  # no store: the weights now
 
 
 def test_ms_poe_identity_is_the_base_model_bit_for_bit():

@@ -1,0 +1,128 @@
+"""Nothing computed from the weights outlives the call that computed it, except on the cache of one generation.
+
+Fused optimizers (`torch.optim.AdamW(fused=True)`, `Trainer`'s default `adamw_torch_fused`) and writes through `.data`
+change the weights without moving their version counters or data pointers. So after any such change, the model must
+answer exactly as a fresh model given the same weights: in a no-grad evaluation, past the positional table, with
+MS-PoE's fractional positions, and in `generate`.
+"""
+
+import pytest
+import torch
+from conftest import tiny_config
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from sepformer import SepFormerForCausalLM
+
+L = 16  # the tiny models' positional table
+VARIANTS = {
+    "learned table": dict(),
+    "layer norms": dict(norm_type="layernorm"),
+    "learned table, clamp past L": dict(position_extrapolation="clamp"),
+    "learned table, sinusoidal past L": dict(position_extrapolation="sinusoidal"),
+    "learned table, fourier past L": dict(position_extrapolation="fourier"),
+    "learned table, interpolate past L": dict(position_extrapolation="interpolate"),
+    "B-spline map": dict(positional_map="bspline", spline_control_points=6),
+    "B-spline map, linear past L": dict(positional_map="bspline", spline_control_points=6, spline_extension="linear"),
+}
+PROBE = torch.randint(0, 256, (2, 2 * L + 3), generator=torch.Generator().manual_seed(1))  # in range and past L
+MS_POE = {"layers": [0, 1], "r_min": 1.2, "r_max": 1.8}  # ranked at prefill, fractional positions past L - 1
+
+
+def model_of(variant: str) -> SepFormerForCausalLM:
+    torch.manual_seed(0)
+    return SepFormerForCausalLM(tiny_config(max_position_embeddings=L, **VARIANTS[variant])).eval()
+
+
+def fresh_copy(model: SepFormerForCausalLM) -> SepFormerForCausalLM:
+    """A new model given `model`'s weights: nothing kept from `model`'s earlier calls."""
+    copy = SepFormerForCausalLM(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def answers(model) -> list[torch.Tensor]:
+    """No-grad logits on the probe, with and without MS-PoE, and greedy tokens from a cached generation; past the
+    table where the model reads rows past it (MS-PoE's fractional positions read rows `L, L+1, ...` too)."""
+    config = model.config
+    past_table = config.positional_map == "bspline" or config.position_extrapolation not in ("none", "interpolate")
+    probe = PROBE if past_table or config.position_extrapolation == "interpolate" else PROBE[:, :L]
+    with torch.no_grad():
+        outputs = [model(probe).logits, model(probe if past_table else PROBE[:, :L], ms_poe=MS_POE).logits]
+    new_tokens = L + 8 if past_table else 4
+    outputs.append(model.generate(PROBE[:, : L - 4], max_new_tokens=new_tokens, do_sample=False))
+    return outputs
+
+
+def assert_answers_as_fresh_copy(model) -> None:
+    was_training = model.training
+    model.eval()
+    mine, fresh = answers(model), answers(fresh_copy(model))
+    model.train(was_training)
+    for index, (actual, expected) in enumerate(zip(mine, fresh, strict=True)):
+        assert torch.equal(actual, expected), f"answer {index}: {(actual.float() - expected.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_adamw_steps_leave_nothing_stale(variant):
+    """A plain loop with the optimizer that bumps no version counter: evaluate, step, evaluate."""
+    model = model_of(variant)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        assert_answers_as_fresh_copy(model)  # a no-grad pass, as an evaluation between steps makes
+        model.train()
+        model(PROBE[:, :L], labels=PROBE[:, :L]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_answers_as_fresh_copy(model)
+
+
+def test_weights_written_through_data_are_seen():
+    """PEFT's merge and hand edits write through `.data`: no version counter moves, no address changes."""
+    model = model_of("B-spline map")
+    answers(model)
+    for parameter in model.parameters():
+        parameter.data.mul_(1.5)
+    assert_answers_as_fresh_copy(model)
+
+
+class Blocks(Dataset):
+    def __init__(self, count: int):
+        self.ids = torch.randint(0, 256, (count, L), generator=torch.Generator().manual_seed(2))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class CompareWithFreshCopy(TrainerCallback):
+    """At every evaluation: the evaluated loss equals a fresh copy's, and so do the model's answers."""
+
+    def __init__(self, evaluation: Blocks):
+        self.evaluation, self.checked = evaluation, 0
+
+    def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
+        with torch.no_grad():  # one batch of all the evaluation blocks, as the trainer's evaluation batch is
+            expected = fresh_copy(model)(input_ids=self.evaluation.ids, labels=self.evaluation.ids).loss.item()
+        assert metrics["eval_loss"] == expected, f"step {state.global_step}: {metrics['eval_loss']} != {expected}"
+        assert_answers_as_fresh_copy(model)
+        self.checked += 1
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+@pytest.mark.parametrize("variant", ["learned table", "learned table, fourier past L", "B-spline map"])
+def test_trainer_evaluations_between_steps_see_the_current_weights(tmp_path, optim, variant):
+    model = model_of(variant)
+    evaluation = Blocks(4)
+    check = CompareWithFreshCopy(evaluation)
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), optim=optim, learning_rate=1e-2, max_steps=4, eval_strategy="steps", eval_steps=1,
+        per_device_train_batch_size=4, per_device_eval_batch_size=4, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True, logging_strategy="no",
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=Blocks(8), eval_dataset=evaluation, callbacks=[check])
+    assert trainer.args.optim.value == optim
+    trainer.train()
+    assert check.checked == 4
