@@ -520,6 +520,16 @@ class SepFormerPreTrainedModel(PreTrainedModel):
             init.normal_(module.control_points, mean=0.0, std=self.config.initializer_range)
 
 
+def continues(past_key_values: Cache | None) -> bool:
+    """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
+
+    A compiled graph cannot branch on a static cache's length (a tensor): compiled, a call with a cache continues it, as
+    in `generate`, which compiles its decoding steps and runs the prefill eagerly."""
+    if past_key_values is None or torch.compiler.is_compiling():
+        return past_key_values is not None
+    return past_key_values.get_seq_length() > 0
+
+
 def default_position_ids(
     inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None
 ) -> torch.LongTensor:
@@ -641,7 +651,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = SepFormerCache(config=self.config)
         batch = inputs_embeds.shape[0]
-        continuing = past_key_values is not None and past_key_values.get_seq_length() > 0
+        continuing = continues(past_key_values)
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
             new_tokens = inputs_embeds.shape[1]
