@@ -7,6 +7,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate.hooks import ModelHook, add_hook_to_module
 from conftest import random_ids, tiny_config, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -460,6 +461,30 @@ def test_hooked_modules_see_what_they_see_without_fusing(target):
     assert inputs == [dims] * (1 + 4)  # the prefill and every decoding step
     blocks, _ = decode_steps(model, ids, 8)  # autograd on: every module runs
     torch.testing.assert_close(fused, blocks.detach(), rtol=1e-5, atol=1e-5)
+
+
+class Shifted(ModelHook):
+    """An accelerate hook that changes what its module returns: accelerate replaces the instance's `forward`."""
+
+    def post_forward(self, module, output):
+        return output + 0.25
+
+
+@pytest.mark.parametrize("target", ["q_proj", "input_layernorm", "act_fn"])
+def test_a_module_whose_forward_accelerate_replaced_runs_it(target):
+    """accelerate's `add_hook_to_module` (offloading, device maps) sets the instance's own `forward`, with no torch
+    hook: that layer keeps its modules, and its hook changes the steps as it changes a full forward pass."""
+    model = tiny_model()
+    layer = model.model.layers[0]
+    module = {"q_proj": layer.self_attn.q_proj, "input_layernorm": layer.input_layernorm,
+              "act_fn": layer.mlp.semantic.act_fn}[target]
+    add_hook_to_module(module, Shifted())
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        steps, cache = decode_steps(model, ids, 8)
+        full = model(ids).logits
+    assert fused_projections(cache)[0] is None and fused_projections(cache)[1] is not None
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_whose_norm_or_mlp_was_replaced_runs_it():
