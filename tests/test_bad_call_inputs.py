@@ -135,7 +135,8 @@ def test_a_legacy_tuple_cache_is_refused_with_its_conversion():
         cache = model(IDS, use_cache=True).past_key_values
         legacy = tuple((layer.keys, layer.values) for layer in cache.layers)
         step = torch.tensor([[5], [6]])
-        message = r"past_key_values must be a Cache; got a tuple .* SepFormerCache\(past_key_values, config=model.config\)"
+        message = (r"past_key_values must be a Cache; got a tuple .* "
+                   r"SepFormerCache\(past_key_values, config=model.config\)")
         refused_before_any_work(model, TypeError, message, lambda: model(step, past_key_values=legacy))
         converted = SepFormerCache(legacy, config=model.config)  # as the message says
         torch.testing.assert_close(
@@ -154,10 +155,11 @@ def test_generate_refuses_bad_prompts(ids, message):
 
 def test_generate_refuses_bad_prompts_and_masks_before_any_step():
     model = tiny_model()
+    twos = torch.full((2, 12), 2)
     for call, message in [
         (lambda: model.generate(IDS.tolist(), max_new_tokens=2), "input_ids must be a torch tensor; got a list"),
         (lambda: model.generate(input_ids=IDS.to(torch.uint8), max_new_tokens=2), TO_INT64 + "torch.uint8"),
-        (lambda: model.generate(IDS, attention_mask=torch.full((2, 12), 2), max_new_tokens=2), "attention_mask contains 2"),
+        (lambda: model.generate(IDS, attention_mask=twos, max_new_tokens=2), "attention_mask contains 2: "),
     ]:
         refused_before_any_work(model, (TypeError, ValueError), message, call)
 

@@ -349,7 +349,7 @@ def test_every_argument_and_batch_is_checked_before_the_first_forward_pass():
          r"batch 1: gold_position 0.5 is no integer: a gold position is the slot \(an int\)"),
         ({}, [dict(good, gold_position=good["gold_position"].float())], r"batch 0: gold_position 0.0 is no integer"),
         ({}, [dict(good, gold_position=[True] * 11)], r"batch 0: gold_position True is no integer"),
-        ({}, [dict(good, labels=labels.float())], r"batch 0: labels must be token ids of torch.int64; got torch.float32"),
+        ({}, [dict(good, labels=labels.float())], r"batch 0: labels must be token ids of torch.int64; got torch.float"),
         ({}, [dict(good, labels=labels.masked_fill(labels != -100, 300))],
          r"batch 0: labels contains 300, outside the vocabulary 0..258 \(-100 where no loss is taken\)"),
         ({}, [dict(good, input_ids=good["input_ids"].masked_fill(labels != -100, 259))],
