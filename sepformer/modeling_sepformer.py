@@ -924,7 +924,7 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         use_cache = setting("use_cache") is not False
         extrapolation = call_extrapolation(self.config, kwargs.get("position_extrapolation"), continuing=use_cache)
         if extrapolation.method == "none" and last >= table.num_embeddings:
-            table.rows_past_table(last + 1, extrapolation)
+            table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
         if extrapolation.method == "interpolate":
             table.table_coordinates(torch.tensor([[last]]), extrapolation)
 
