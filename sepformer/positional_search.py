@@ -19,6 +19,7 @@ the option computes: the prompt's last row is recomputed and every answer token 
 import contextlib
 import functools
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -241,7 +242,10 @@ def sepformer_channel_sets(position_size: int) -> list[tuple[int, ...]]:
 # ----------------------------------------------------------------------------------------------------- the loss
 
 
-def checked_batch(batch: Mapping, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+def checked_batch(
+    batch: Mapping, index: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int], int]:
+    """The batch's input_ids, labels, attention_mask and gold positions, checked, and its `answer_rows`."""
     missing = [key for key in ("input_ids", "labels", "gold_position") if key not in batch]
     if missing:
         raise ValueError(
@@ -249,17 +253,37 @@ def checked_batch(batch: Mapping, index: int) -> tuple[torch.Tensor, torch.Tenso
             "no loss is taken) and gold_position (b,), optionally attention_mask (b, n)."
         )
     input_ids, labels = batch["input_ids"], batch["labels"]
+    for name, ids, dtypes in (("input_ids", input_ids, (torch.int64, torch.int32)), ("labels", labels, (torch.int64,))):
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"batch {index}: {name} must be a torch tensor (b, n); got a {type(ids).__name__}.")
+        if ids.dtype not in dtypes:
+            raise ValueError(
+                f"batch {index}: {name} must be token ids of {' or '.join(map(str, dtypes))}; got {ids.dtype}."
+            )
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(
             f"batch {index}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be (b, n)."
         )
-    gold = [int(position) for position in torch.as_tensor(batch["gold_position"]).flatten().tolist()]
+    for name, ids in (("input_ids", input_ids), ("labels", labels[labels != -100])):
+        outside = ids[(ids < 0) | (ids >= vocab_size)]
+        if outside.numel():
+            raise ValueError(
+                f"batch {index}: {name} contains {outside[0].item()}, outside the vocabulary 0..{vocab_size - 1}"
+                + (" (-100 where no loss is taken)." if name == "labels" else ".")
+            )
+    gold = torch.as_tensor(batch["gold_position"]).flatten().tolist()
+    fractional = [position for position in gold if isinstance(position, bool) or not isinstance(position, int)]
+    if fractional:
+        raise ValueError(
+            f"batch {index}: gold_position {fractional[0]!r} is no integer: a gold position is the slot (an int) of "
+            "the evidence the answer needs."
+        )
     if len(gold) != input_ids.shape[0]:
         raise ValueError(f"batch {index}: {len(gold)} gold positions for {input_ids.shape[0]} examples.")
     labelled = labels[:, 1:] != -100
     if not labelled.any(-1).all():
         raise ValueError(f"batch {index}: every example needs at least one labelled token after its first.")
-    return input_ids, labels, batch.get("attention_mask"), gold
+    return input_ids, labels, batch.get("attention_mask"), gold, answer_rows(labels, index)
 
 
 def answer_rows(labels: torch.Tensor, index: int) -> int:
@@ -274,15 +298,11 @@ def answer_rows(labels: torch.Tensor, index: int) -> int:
     return labels.shape[1] - int(first[0]) + 1
 
 
-def example_losses(
-    model: nn.Module, batches: Sequence[Mapping], scaling: tuple | None
-) -> tuple[list[float], list[int]]:
-    """Per example, the mean cross-entropy over its labelled tokens, with `scaling = (channels, layers, factor)` or
-    none; and the gold positions."""
+def example_losses(model: nn.Module, batches: Sequence[tuple], scaling: tuple | None) -> tuple[list[float], list[int]]:
+    """Per example of the `checked_batch`es, the mean cross-entropy over its labelled tokens, with
+    `scaling = (channels, layers, factor)` or none; and the gold positions."""
     losses, golds = [], []
-    for index, batch in enumerate(batches):
-        input_ids, labels, attention_mask, gold = checked_batch(batch, index)
-        rows = answer_rows(labels, index)
+    for input_ids, labels, attention_mask, gold, rows in batches:
         options = {}
         context = contextlib.nullcontext()
         if scaling is not None:
@@ -320,8 +340,8 @@ def search_positional_scaling(
     factors: Sequence[float] = DEFAULT_FACTORS,
     layers: Sequence[int] | None = None,
     channel_sets: Sequence[Sequence[int]] | None = None,
-    top_k: int = 8,
-    skip: int = 0,
+    top_k: int | None = None,
+    skip: int | None = None,
 ) -> PositionalSearchResult:
     """The channel set and factor `s < 1` with the lowest validation loss averaged over gold positions.
 
@@ -334,24 +354,42 @@ def search_positional_scaling(
         layers: the scaled layers; `None` is the middle ones (`PositionalScaling`'s default).
         channel_sets: the candidate channel sets; `None` is SepFormer's positional channels (each, aligned groups, the
             block), or, for another model, each channel `positional_channel_candidates` keeps (at most `top_k`,
-            ignoring the first `skip` positions) and all of them together, the curves read on the first batch
-            (which must then be unpadded), averaged over its examples and the scaled layers.
+            ignoring the first `skip` positions: 8 and 0 when `None`) and all of them together, the curves read on the
+            first batch (which must then be unpadded), averaged over its examples and the scaled layers. `top_k` and
+            `skip` are refused where no filter runs (given `channel_sets`, or a SepFormer).
 
     Returns the best candidate, the base model's losses and the table of every candidate. Raises
-    `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and there is no candidate.
+    `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and there is no candidate. Every argument
+    and batch is checked before the first forward pass.
     """
     batches = list(batches)
     if not batches:
         raise ValueError("search_positional_scaling needs at least one validation batch.")
     factors = tuple(factors)
-    bad = [factor for factor in factors if isinstance(factor, bool) or not isinstance(factor, Real) or factor >= 1]
+    bad = [
+        factor
+        for factor in factors
+        if isinstance(factor, bool) or not isinstance(factor, Real) or not -math.inf < factor < 1  # NaN: not
+    ]
     if not factors or bad:
-        raise ValueError(f"factors must be numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
+        raise ValueError(f"factors must be finite numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
     factors = tuple(float(factor) for factor in factors)  # numpy scalars too: the options take Python numbers
     if model.training:
         raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
     num_layers = len(decoder_layers(model))
     layers = default_layers(num_layers) if layers is None else tuple(layers)
+    PositionalScaling(layers=layers).layer_set(num_layers)  # range and duplicates checked, with the option's messages
+    filter_options = {name: value for name, value in (("top_k", top_k), ("skip", skip)) if value is not None}
+    for name, low in (("top_k", 1), ("skip", 0)):
+        value = filter_options.get(name, low)
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+    if filter_options and (channel_sets is not None or is_sepformer(model)):
+        raise ValueError(
+            f"{', '.join(f'{name}={value!r}' for name, value in filter_options.items())} would be ignored: top_k and "
+            "skip tune the channel filter, which runs only without channel_sets on a model other than SepFormer."
+        )
+    batches = [checked_batch(batch, index, model.config.vocab_size) for index, batch in enumerate(batches)]
     if channel_sets is not None:
         channel_sets = [tuple(channels) for channels in channel_sets]
         width = model.config.hidden_size
@@ -369,14 +407,14 @@ def search_positional_scaling(
         if is_sepformer(model):
             channel_sets = sepformer_channel_sets(model.config.position_size)
         else:
-            first, _, mask, _ = checked_batch(batches[0], 0)
+            first, _, mask, _, _ = batches[0]
             if mask is not None and not bool(mask.all()):
                 raise ValueError(
                     "the channel filter reads the position curves of the first batch, which has padding: put an "
                     "unpadded batch first, or give channel_sets."
                 )
             curves = attention_input_curves(model, first, layers)
-            chosen = positional_channel_candidates(curves, top_k=top_k, skip=skip)
+            chosen = positional_channel_candidates(curves, **filter_options)
             if not chosen:
                 raise NoPositionalChannelError(
                     "no channel of the attention input is monotone in position: give channel_sets."

@@ -3,8 +3,9 @@
 import pytest
 import torch
 from conftest import tiny_model
+from transformers import GenerationConfig
 
-from sepformer import AttentionCalibration, MSPoE, StableMask
+from sepformer import AttentionCalibration, MSPoE, SepFormerCache, StableMask
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -13,6 +14,23 @@ def with_id(token: int) -> torch.Tensor:
     ids = IDS.clone()
     ids[1, 5] = token
     return ids
+
+
+def refused_before_any_work(model, error, message, call):
+    """`call()` raises `error` matching `message`, and no decoder layer ran before."""
+    layer_calls = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda *args: layer_calls.append(1))
+    try:
+        with pytest.raises(error, match=message):
+            call()
+    finally:
+        handle.remove()
+    assert not layer_calls
+
+
+LABELS = IDS.clone()
+TO_INT64 = r"of torch.int64 or torch.int32; got shape \(2, 12\) of "
+MASK_VALUES = r"a 2-D padding mask holds only 0 \(padding\) and 1 \(a token\), as bool, int or float"
 
 
 @pytest.mark.parametrize(
@@ -30,12 +48,100 @@ def with_id(token: int) -> torch.Tensor:
         ({"input_ids": IDS, "position_ids": torch.arange(11)[None]}, r"position_ids has shape \(1, 11\)"),
         ({"inputs_embeds": torch.zeros(2, 12, 32)}, r"inputs_embeds has shape \(2, 12, 32\).*semantic_size=24"),
         ({"input_ids": IDS, "inputs_embeds": torch.zeros(2, 12, 24)}, "exactly one of input_ids or inputs_embeds"),
+        ({"input_ids": IDS.to(torch.uint8)}, TO_INT64 + r"torch.uint8 \(give integer token ids: input_ids.long\(\)\)"),
+        ({"input_ids": IDS.bool()}, TO_INT64 + "torch.bool"),
+        ({"input_ids": IDS.short()}, TO_INT64 + "torch.int16"),
+        ({"inputs_embeds": torch.zeros(2, 12, 24, dtype=torch.float64)},
+         r"inputs_embeds has dtype torch.float64, but the model's embeddings are torch.float32: give "
+         r"inputs_embeds.to\(torch.float32\)"),
+        ({"inputs_embeds": torch.zeros(2, 12, 24, dtype=torch.bfloat16)}, r"inputs_embeds has dtype torch.bfloat16"),
+        ({"input_ids": IDS, "labels": LABELS[:, :5]},
+         r"labels must be token ids of torch.int64 shaped like the input \(batch, sequence\) = \(2, 12\); got "
+         r"shape \(2, 5\) of torch.int64"),
+        ({"input_ids": IDS, "labels": LABELS[0]}, r"labels must be .* = \(2, 12\); got shape \(12,\)"),
+        ({"input_ids": IDS, "labels": LABELS.float()}, r"labels must be .*; got shape \(2, 12\) of torch.float32"),
+        ({"input_ids": IDS, "labels": LABELS.int()}, r"labels must be .*; got shape \(2, 12\) of torch.int32"),
+        ({"inputs_embeds": torch.zeros(2, 12, 24), "labels": LABELS[:1]}, r"labels must be .* got shape \(1, 12\)"),
+        ({"input_ids": IDS, "labels": with_id(259)},
+         r"labels contains 259: a label is a token id 0..258 or ignore_index=-100 \(not scored\)"),
+        ({"input_ids": IDS, "labels": with_id(-5)}, r"labels contains -5: a label is a token id 0..258"),
+        ({"input_ids": IDS, "labels": with_id(-100), "ignore_index": -1}, r"labels contains -100: .* ignore_index=-1"),
+        ({"input_ids": IDS, "labels": LABELS, "shift_labels": with_id(300)}, r"shift_labels contains 300"),
+        ({"input_ids": IDS, "labels": LABELS, "logits_to_keep": 1},
+         r"labels are scored at every position, but logits_to_keep=1 keeps fewer logits"),
+        ({"input_ids": IDS, "position_ids": torch.full((1, 12), float("nan"))},
+         r"position_ids must be integer positions of torch.int64 or torch.int32; got torch.float32"),
+        ({"input_ids": IDS, "position_ids": torch.arange(12.0)[None]}, r"position_ids must be integer positions"),
+        ({"input_ids": IDS, "position_ids": torch.ones(1, 12, dtype=torch.bool)}, r"got torch.bool"),
+        ({"input_ids": IDS, "position_ids": torch.arange(12)[None] - 3},
+         r"position_ids: position -3 is negative: positions start at 0"),
+        ({"input_ids": IDS, "attention_mask": torch.full((2, 12), 2)}, r"attention_mask contains 2: " + MASK_VALUES),
+        ({"input_ids": IDS, "attention_mask": torch.full((2, 12), 0.5)}, r"attention_mask contains 0.5: "),
+        ({"input_ids": IDS, "attention_mask": -torch.ones(2, 12, dtype=torch.long)}, r"attention_mask contains -1: "),
+        ({"input_ids": IDS, "attention_mask": torch.full((2, 12), float("nan"))}, r"attention_mask contains nan: "),
     ],
     ids=lambda value: str(value)[:40] if isinstance(value, str) else None,
 )
 def test_bad_tensors_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        tiny_model()(**kwargs)
+    model = tiny_model()
+    refused_before_any_work(model, ValueError, message, lambda: model(**kwargs))
+
+
+def test_negative_positions_are_refused_without_a_positional_map():
+    # rotary alone reads any position: only the check refuses it
+    model = tiny_model(position_size=0, rotary_dim=4)
+    refused_before_any_work(
+        model, ValueError, "position -1 is negative", lambda: model(IDS, position_ids=torch.arange(12)[None] - 1)
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "kind"),
+    [
+        ("input_ids", IDS.numpy(), "ndarray"),
+        ("input_ids", IDS.tolist(), "list"),
+        ("inputs_embeds", torch.zeros(2, 12, 24).numpy(), "ndarray"),
+        ("attention_mask", [[1] * 12] * 2, "list"),
+        ("position_ids", list(range(12)), "list"),
+    ],
+)
+def test_inputs_that_are_no_tensors_are_type_errors(name, value, kind):
+    model = tiny_model()
+    message = rf"{name} must be a torch tensor; got a {kind}. Convert it first, e.g. torch.tensor\(ids\)\[None\]"
+    inputs = {"input_ids": IDS, name: value} if name not in ("input_ids", "inputs_embeds") else {name: value}
+    refused_before_any_work(model, TypeError, message, lambda: model(**inputs))
+    with pytest.raises(TypeError, match=r"labels must be a torch tensor of token ids; got a list"):
+        model(IDS, labels=IDS.tolist())
+
+
+def test_valid_labels_masks_and_positions_of_every_allowed_kind_still_run():
+    model = tiny_model()
+    with torch.no_grad():
+        expected = model(IDS, labels=LABELS)
+        ignored = LABELS.clone()
+        ignored[:, :3] = -1
+        assert torch.isfinite(model(IDS, labels=ignored, ignore_index=-1).loss)
+        for mask in (torch.ones(2, 12, dtype=torch.bool), torch.ones(2, 12), torch.ones(2, 12, dtype=torch.int32)):
+            torch.testing.assert_close(model(IDS, attention_mask=mask, labels=LABELS).loss, expected.loss)
+        positions = torch.arange(12, dtype=torch.int32)[None]
+        torch.testing.assert_close(model(IDS.int(), position_ids=positions).logits, expected.logits)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts each operation's inputs
+            model(inputs_embeds=model.model.embed_tokens(IDS).bfloat16())
+
+
+def test_a_legacy_tuple_cache_is_refused_with_its_conversion():
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values
+        legacy = tuple((layer.keys, layer.values) for layer in cache.layers)
+        step = torch.tensor([[5], [6]])
+        message = (r"past_key_values must be a Cache; got a tuple .* "
+                   r"SepFormerCache\(past_key_values, config=model.config\)")
+        refused_before_any_work(model, TypeError, message, lambda: model(step, past_key_values=legacy))
+        converted = SepFormerCache(legacy, config=model.config)  # as the message says
+        torch.testing.assert_close(
+            model(step, past_key_values=converted).logits, model(step, past_key_values=cache).logits
+        )
 
 
 @pytest.mark.parametrize(
@@ -45,6 +151,63 @@ def test_bad_tensors_are_refused(kwargs, message):
 def test_generate_refuses_bad_prompts(ids, message):
     with pytest.raises(ValueError, match=message):
         tiny_model().generate(ids, max_new_tokens=2)
+
+
+def test_generate_refuses_bad_prompts_and_masks_before_any_step():
+    model = tiny_model()
+    twos = torch.full((2, 12), 2)
+    for call, message in [
+        (lambda: model.generate(IDS.tolist(), max_new_tokens=2), "input_ids must be a torch tensor; got a list"),
+        (lambda: model.generate(input_ids=IDS.to(torch.uint8), max_new_tokens=2), TO_INT64 + "torch.uint8"),
+        (lambda: model.generate(IDS, attention_mask=twos, max_new_tokens=2), "attention_mask contains 2: "),
+    ]:
+        refused_before_any_work(model, (TypeError, ValueError), message, call)
+
+
+PAST_THE_TABLE = r"position {} is past the learned positional table of L=16 rows and position_extrapolation='none'"
+
+
+@pytest.mark.parametrize(
+    "length",
+    [
+        {"max_new_tokens": 6},
+        {"max_length": 18},
+        {"generation_config": GenerationConfig(max_new_tokens=6)},
+        {"generation_config": GenerationConfig(max_new_tokens=2), "max_new_tokens": 6},  # keywords come first
+    ],
+    ids=["max_new_tokens", "max_length", "generation_config", "keyword-over-config"],
+)
+def test_generating_past_the_table_is_refused_before_the_first_step(length):
+    model = tiny_model(max_position_embeddings=16)  # a 12-token prompt and 6 new tokens reach position 17
+    message = PAST_THE_TABLE.format(17)
+    refused_before_any_work(model, ValueError, message, lambda: model.generate(IDS, do_sample=False, **length))
+    model.generation_config.max_new_tokens = 6  # the model's own generation config, read last
+    refused_before_any_work(model, ValueError, message, lambda: model.generate(IDS, do_sample=False))
+    refused_before_any_work(
+        model, ValueError, message, lambda: model.generate(IDS, GenerationConfig(do_sample=False))  # positional
+    )
+
+
+def test_the_last_position_counts_a_rows_real_tokens_and_the_extrapolation_of_the_call():
+    model = tiny_model(max_position_embeddings=16)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[:, :2] = 0  # every row left-padded by 2: 10 real tokens, 6 new reach position 15, the table's last row
+    assert model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (2, 18)
+    refused_before_any_work(
+        model, ValueError, PAST_THE_TABLE.format(16),
+        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=7, do_sample=False),
+    )
+    assert model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="clamp").shape == (2, 18)
+    # a cached `interpolate` keeps the table's scale once decoding starts: it needs the final length
+    refused_before_any_work(
+        model, ValueError, r"position 17 is past position_extrapolation 'interpolate' length=16",
+        lambda: model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate"),
+    )
+    interpolated = {"method": "interpolate", "length": 18}
+    assert model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation=interpolated).shape == (2, 18)
+    uncached = model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate",
+                              use_cache=False)  # every step compresses the whole sequence anew
+    assert uncached.shape == (2, 18)
 
 
 def test_an_unknown_keyword_is_refused_not_ignored():

@@ -257,6 +257,41 @@ def test_perplexity_refuses_a_label_outside_the_vocabulary(labels, message):
         perplexity().compute(predictions=[UNIFORM], references=[labels])
 
 
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        ([0, 1.2, 2], r"label 1.2 at position 1 of example 0 is a float: a label is an integer, a token id of the "
+                      r"logits' vocabulary or ignore_index"),  # evaluate refuses it without saying where
+        ([0, 1.0, 2], r"label 1.0 at position 1 of example 0 is a float"),  # evaluate would cast it to 1
+        ([0, True, 2], r"label True at position 1 of example 0 is a bool"),
+        (["0", "1", "2"], r"label '0' at position 0 of example 0 is a str"),  # evaluate would cast it to 0
+        (np.array([0.0, 1.0, 2.0]), r"label 0.0 at position 0 of example 0 is a float"),
+        (torch.tensor([0, 1, 2]).bool(), r"label False at position 0 of example 0 is a bool"),
+        (3, r"the labels of example 0 are 3: give each example a list"),
+    ],
+    ids=["fraction", "integral-float", "bool", "string", "float-array", "bool-tensor", "scalar"],
+)
+def test_perplexity_refuses_labels_that_are_no_integers(labels, message):
+    for call in (
+        lambda: perplexity().compute(predictions=[UNIFORM], references=[labels]),
+        lambda: perplexity().add_batch(predictions=[UNIFORM], references=[labels]),
+        lambda: perplexity().add(prediction=UNIFORM, reference=labels),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_perplexity_refuses_logits_and_losses_that_are_no_numbers():
+    with pytest.raises(ValueError, match=r"the logits of example 1 are strings: they must be numbers \(int or float\)"):
+        perplexity().compute(predictions=[UNIFORM, [["1"] * 4] * 3], references=[[0, 1, 2]] * 2)
+    with pytest.raises(ValueError, match=r"the logits of example 0 are bools"):
+        perplexity().compute(predictions=[[[True] * 4] * 3], references=[[0, 1, 2]])
+    with pytest.raises(ValueError, match=r"the losses of example 0 are strings"):
+        perplexity("losses").compute(predictions=[["0.5"]])
+    assert perplexity().compute(predictions=[np.zeros((3, 4), dtype=int)], references=[np.arange(3)])["perplexity"] \
+        == pytest.approx(4.0)  # integer logits and arrays are numbers
+
+
 def test_perplexity_accepts_a_custom_ignore_index_and_refuses_the_default_then():
     metric = perplexity()
     assert metric.compute(predictions=[UNIFORM], references=[[0, -1, 2]], ignore_index=-1)["num_tokens"] == 1

@@ -39,6 +39,13 @@ def test_accuracy_by_position_sequences_need_every_token(accuracy_by_position):
     assert result["accuracy"] == 0.5
 
 
+def test_accuracy_by_position_a_shorter_or_longer_sequence_is_a_miss_not_broadcast(accuracy_by_position):
+    # compared element-wise with broadcasting, each of these would be a hit
+    result = accuracy_by_position.compute(predictions=[[3], [3, 3], [], [7]], references=[[3, 3], [3], [3], [7]],
+                                          positions=[0, 1, 2, 3])
+    assert result["accuracy_by_position"] == {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0}
+
+
 def test_accuracy_by_position_strings_and_batches(accuracy_by_position):
     accuracy_by_position.add_batch(predictions=["a1", "b2"], references=["a1", "b3"], positions=[0, 1])
     accuracy_by_position.add_batch(predictions=["c"], references=["c"], positions=[1])

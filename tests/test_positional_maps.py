@@ -1,5 +1,7 @@
 """The B-spline positional map against Cox–de Boor written out here, and randomized positions in training."""
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -109,6 +111,32 @@ def test_rows_at_integer_and_fractional_positions_equal_the_reference(extension)
     torch.testing.assert_close(map_rows(model, torch.tensor([fractional]))[0],
                                reference_rows(control_points, 3, fractional, L - 1.0, extension).float(),
                                rtol=1e-4, atol=1e-4)
+
+
+def learned_row_L(table, method):
+    """Row `L` of a learned table past its end, from the methods' formulas: `σ · PE(L)` (`σ` the std of the table,
+    `PE_{2k} = sin`, `PE_{2k+1} = cos` of `L / 10000^{2k/d}`), or, with every Fourier term kept, `p(L) = p(0)`."""
+    if method == "fourier":
+        return table[0]
+    d = table.shape[1]
+    angles = [L / 10000 ** (2 * (j // 2) / d) for j in range(d)]
+    pe = [math.sin(angle) if j % 2 == 0 else math.cos(angle) for j, angle in enumerate(angles)]
+    return table.std() * torch.tensor(pe, dtype=table.dtype)
+
+
+@pytest.mark.parametrize("method", ["sinusoidal", "fourier"])
+def test_fractional_positions_between_the_last_row_and_the_first_extrapolated_one_interpolate_them(method):
+    """MS-PoE reads `p(m / r)` at fractional positions: between `L-1` and `L` a row is read between the table's last
+    row and the extrapolated row `L` (the position's ceiling is a row past the table), linearly."""
+    model = tiny_model(max_position_embeddings=L)
+    table = model.model.embed_positions.weight.detach().double()
+    positions = [3.25, L - 1.0, L - 0.75, L - 0.5, L - 0.25]
+    row_L = learned_row_L(table, method)
+    expected = [torch.lerp(table[3], table[4], 0.25), table[L - 1]]
+    expected += [torch.lerp(table[L - 1], row_L, 1 - (L - t)) for t in positions[2:]]
+    with torch.no_grad():
+        rows = model.model.embed_positions(torch.tensor([positions]), PositionExtrapolation(method))[0]
+    torch.testing.assert_close(rows.double(), torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
 def test_ends_are_the_end_control_points():

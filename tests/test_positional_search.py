@@ -1,6 +1,7 @@
 """The positional-dimension search and positional scaling on Hugging Face models by hooks, against references
 written here from the paper's formulas."""
 
+import math
 import re
 
 import numpy as np
@@ -279,7 +280,7 @@ def test_a_model_without_a_positional_channel_raises_its_own_error():
 def test_bad_inputs_are_refused_with_a_clear_error():
     model = planted_model()
     batches = retrieval_batches(batches=1)
-    with pytest.raises(ValueError, match="factors must be numbers < 1"):
+    with pytest.raises(ValueError, match="factors must be finite numbers < 1"):
         search_positional_scaling(model, batches, factors=(0.5, 1.0))
     width = model.config.hidden_size
     for channel_sets, bad in (([], "no set"), ([(0,), ()], "[()]"), ([(0, width)], f"[(0, {width})]")):
@@ -321,3 +322,59 @@ def test_bad_inputs_are_refused_with_a_clear_error():
               "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}
     with pytest.raises(ValueError, match="first batch, which has padding"):
         search_positional_scaling(llama, [padded])
+
+
+def searched_before_any_forward(model, error, message, batches, **kwargs):
+    """The search raises `error` matching `message` before the model runs a layer."""
+    layer_calls = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda *args: layer_calls.append(1))
+    try:
+        with pytest.raises(error, match=message):
+            search_positional_scaling(model, batches, **kwargs)
+    finally:
+        handle.remove()
+    assert not layer_calls
+
+
+def test_every_argument_and_batch_is_checked_before_the_first_forward_pass():
+    model = planted_model()
+    good = retrieval_batches(batches=1)[0]
+    labels = good["labels"]
+    cases = [
+        ({"factors": (0.5, float("nan"))}, [good], r"factors must be finite numbers < 1 .*; got \[nan\]"),
+        ({"factors": (-math.inf,)}, [good], r"factors must be finite numbers < 1 .*; got \[-inf\]"),
+        ({"layers": (3,)}, [good], r"positional_scaling layers \[3\] are out of range"),
+        ({}, [good, {"input_ids": good["input_ids"]}], r"batch 1 lacks \['labels', 'gold_position'\]"),
+        ({}, [good, dict(good, gold_position=good["gold_position"] + 0.5)],
+         r"batch 1: gold_position 0.5 is no integer: a gold position is the slot \(an int\)"),
+        ({}, [dict(good, gold_position=good["gold_position"].float())], r"batch 0: gold_position 0.0 is no integer"),
+        ({}, [dict(good, gold_position=[True] * 11)], r"batch 0: gold_position True is no integer"),
+        ({}, [dict(good, labels=labels.float())], r"batch 0: labels must be token ids of torch.int64; got torch.float"),
+        ({}, [dict(good, labels=labels.masked_fill(labels != -100, 300))],
+         r"batch 0: labels contains 300, outside the vocabulary 0..258 \(-100 where no loss is taken\)"),
+        ({}, [dict(good, input_ids=good["input_ids"].masked_fill(labels != -100, 259))],
+         r"batch 0: input_ids contains 259, outside the vocabulary 0..258\."),
+        ({}, [dict(good, input_ids=good["input_ids"].tolist())], r"batch 0: input_ids must be a torch tensor"),
+    ]
+    for kwargs, batches, message in cases:
+        error = TypeError if "torch tensor" in message else ValueError
+        searched_before_any_forward(model, error, message, batches, **kwargs)
+    int32 = search_positional_scaling(model, [dict(good, input_ids=good["input_ids"].int())], factors=(0.0,),
+                                      channel_sets=[(PLANTED,)])
+    assert int32.best.channels == (PLANTED,)
+
+
+def test_the_filters_options_are_checked_and_refused_where_no_filter_runs():
+    model = planted_model()
+    batches = retrieval_batches(batches=1)
+    searched_before_any_forward(model, ValueError, r"top_k=2.5 must be an integer >= 1", batches, top_k=2.5)
+    searched_before_any_forward(model, ValueError, r"skip=-1 must be an integer >= 0", batches, skip=-1)
+    ignored = r"top_k=2 would be ignored: top_k and skip tune the channel filter, which runs only without channel_sets"
+    searched_before_any_forward(model, ValueError, ignored, batches, top_k=2)  # a SepFormer: its positional block
+    gpt2 = tiny_gpt2()
+    ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = ids[:, 3]
+    gpt2_batches = [{"input_ids": ids, "labels": labels, "gold_position": torch.arange(4)}]
+    with pytest.raises(ValueError, match=r"skip=3 would be ignored"):
+        search_positional_scaling(gpt2, gpt2_batches, channel_sets=[(0,)], skip=3)

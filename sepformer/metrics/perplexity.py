@@ -26,9 +26,10 @@ Configuration "logits" (default):
 Configuration "losses":
     predictions: per example, the negative log-likelihoods (nats, >= 0) of its scored tokens; neither references,
         shift nor ignore_index (they belong to "logits").
-Refused with a ValueError naming the example, the position and what is allowed: a label that is neither a token id
-of the logits' vocabulary (0..vocab-1) nor ignore_index, logits whose shape does not match the labels or whose
-vocabulary differs between examples, a NaN loss (NaN or +inf logits), a negative or NaN loss in "losses" (a
+Refused with a ValueError naming the example, the position and what is allowed: a label that is no integer (a float,
+bool or string, which evaluate would cast), or neither a token id of the logits' vocabulary (0..vocab-1) nor
+ignore_index, logits or losses that are no numbers (bools, strings), logits whose shape does not match the labels or
+whose vocabulary differs between examples, a NaN loss (NaN or +inf logits), a negative or NaN loss in "losses" (a
 log-probability passed for a loss), and inputs with no scored token at all.
 Returns:
     perplexity: exp of the mean loss over all scored tokens.
@@ -69,7 +70,7 @@ class Perplexity(evaluate.Metric):
 
     def add(self, *, prediction=None, reference=None, **kwargs):
         """Add one example."""
-        self._check_references(prediction, reference)
+        self._check_references(*(None if value is None else [value] for value in (prediction, reference)))
         return super().add(prediction=prediction, reference=reference, **kwargs)
 
     def compute(self, *, predictions=None, references=None, **kwargs):
@@ -94,6 +95,12 @@ class Perplexity(evaluate.Metric):
                     f"perplexity got {len(predictions)} predictions and {len(references)} references: one list of "
                     "labels per example's logits."
                 )
+            for index, labels in enumerate(references):
+                _check_labels(index, labels)
+        # evaluate casts what it is given to the features ("1" to 1.0, True to 1): check the raw values first
+        if _sized(predictions):
+            for index, numbers in enumerate(predictions):
+                _check_numbers("losses" if self.config_name == "losses" else "logits", index, numbers)
 
     def _compute(self, predictions, references=None, shift=None, ignore_index=None, **unknown):
         if unknown:
@@ -145,6 +152,30 @@ class Perplexity(evaluate.Metric):
 
 def _sized(value) -> bool:
     return value is not None and hasattr(value, "__len__")
+
+
+def _check_labels(index: int, labels) -> None:
+    """Example `index`'s labels are integers: evaluate casts True and "1" to 1, and refuses 1.2 without saying where."""
+    labels = labels.tolist() if hasattr(labels, "tolist") else labels
+    if isinstance(labels, str) or not _sized(labels):
+        raise ValueError(f"perplexity: the labels of example {index} are {labels!r}: give each example a list.")
+    for position, label in enumerate(labels):
+        if isinstance(label, bool | np.bool_) or not isinstance(label, int | np.integer):
+            raise ValueError(
+                f"perplexity: label {label!r} at position {position} of example {index} is a {type(label).__name__}: "
+                "a label is an integer, a token id of the logits' vocabulary or ignore_index."
+            )
+
+
+def _check_numbers(name: str, index: int, numbers) -> None:
+    """Example `index`'s logits or losses are numbers: evaluate would read True as 1 and "1" as 1.0."""
+    try:
+        kind = np.asarray(numbers.tolist() if hasattr(numbers, "tolist") else numbers).dtype.kind
+    except ValueError:  # rows of different widths: `_logits_array` says so
+        return
+    if kind not in "iuf":
+        found = {"b": "bools", "U": "strings"}.get(kind, "values that are no numbers")
+        raise ValueError(f"perplexity: the {name} of example {index} are {found}: they must be numbers (int or float).")
 
 
 def _checked_losses(index: int, row) -> np.ndarray:
