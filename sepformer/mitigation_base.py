@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 from transformers.masking_utils import and_masks
 
 from .mitigation_options import MitigationOptions

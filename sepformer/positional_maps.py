@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-
 EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
 
 

@@ -1,6 +1,5 @@
 """Position-bias mitigations, checked against formulas written from the papers, independently of the code."""
 
-import copy
 import dataclasses
 import math
 
