@@ -68,6 +68,15 @@ import datasets
 import evaluate
 import torch
 import transformers
+from cli_arguments import (
+    Distinct,
+    nonnegative_float,
+    nonnegative_int,
+    output_directory,
+    positive_float,
+    positive_int,
+    probability,
+)
 from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -778,35 +787,39 @@ def parse_args(argv=None):
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1 2)")
+    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
+                        help="one full run per seed (default preset: 0 1 2)")
     parser.add_argument("--models", nargs="+",
                         help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
-    parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES,
+    parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
                         help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
-    parser.add_argument("--num-pairs", type=int, help="key-value pairs per training list")
-    parser.add_argument("--eval-pairs", type=int, nargs="+",
+    parser.add_argument("--num-pairs", type=positive_int, help="key-value pairs per training list")
+    parser.add_argument("--eval-pairs", type=positive_int, nargs="+", action=Distinct,
                         help="numbers of pairs evaluated, at most --num-pairs (default: the training's)")
-    parser.add_argument("--num-keys", type=int)
-    parser.add_argument("--num-values", type=int)
-    parser.add_argument("--hidden-size", type=int)
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--num-heads", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--max-steps", type=int,
+    parser.add_argument("--num-keys", type=positive_int)
+    parser.add_argument("--num-values", type=positive_int)
+    parser.add_argument("--hidden-size", type=positive_int)
+    parser.add_argument("--num-layers", type=positive_int)
+    parser.add_argument("--num-heads", type=positive_int)
+    parser.add_argument("--batch-size", type=positive_int)
+    parser.add_argument("--max-steps", type=positive_int,
                         help="training steps (default: the preset's steps per pair times --num-pairs, e.g. 1500 at "
                              "16 pairs and 3000 at 32)")
-    parser.add_argument("--learning-rate", type=float)
-    parser.add_argument("--weight-decay", type=float)
-    parser.add_argument("--end-slots", type=int, help="training answers sit in the first or last this many slots")
-    parser.add_argument("--gold-at-ends", type=float,
+    parser.add_argument("--learning-rate", type=positive_float)
+    parser.add_argument("--weight-decay", type=nonnegative_float)
+    parser.add_argument("--end-slots", type=positive_int,
+                        help="training answers sit in the first or last this many slots")
+    parser.add_argument("--gold-at-ends", type=probability,
                         help="probability that a training answer sits in an end slot (otherwise: any slot)")
-    parser.add_argument("--eval-per-slot", type=int, help="test prompts per gold slot")
-    parser.add_argument("--validation-per-slot", type=int, help="validation prompts per gold slot (the search's)")
-    parser.add_argument("--eval-batch-size", type=int, default=256)
+    parser.add_argument("--eval-per-slot", type=positive_int, help="test prompts per gold slot")
+    parser.add_argument("--validation-per-slot", type=positive_int,
+                        help="validation prompts per gold slot (the search's)")
+    parser.add_argument("--eval-batch-size", type=positive_int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output-dir", default="outputs/position_bias")
-    parser.add_argument("--models-dir", help="where trained models are saved and, with --reuse-models, read "
-                                             "(default: OUTPUT_DIR/models)")
+    parser.add_argument("--output-dir", type=output_directory, default="outputs/position_bias")
+    parser.add_argument("--models-dir", type=output_directory,
+                        help="where trained models are saved and, with --reuse-models, read (default: "
+                             "OUTPUT_DIR/models)")
     parser.add_argument("--reuse-models", action="store_true",
                         help="load the models an earlier run saved under --models-dir instead of training them again; "
                              "one saved with other training settings or config is refused, with what differs")
@@ -820,12 +833,13 @@ def parse_args(argv=None):
             setattr(args, name, value)
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
-    args.eval_pairs = tuple(dict.fromkeys(args.eval_pairs or [args.num_pairs]))
+    args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
     if not 1 <= 2 * args.end_slots <= args.num_pairs:
         raise SystemExit(f"--end-slots {args.end_slots}: the first and the last {args.end_slots} slots must fit in "
                          f"--num-pairs {args.num_pairs} (1 <= 2 x end slots <= pairs)")
-    if not 0.0 <= args.gold_at_ends <= 1.0:
-        raise SystemExit(f"--gold-at-ends {args.gold_at_ends}: a probability, between 0 and 1")
+    if args.hidden_size % args.num_heads:
+        raise SystemExit(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}: every "
+                         "model splits its width into heads of equal size")
     if not all(1 <= pairs <= args.num_pairs for pairs in args.eval_pairs):
         raise SystemExit(f"--eval-pairs {list(args.eval_pairs)}: each must be between 1 and --num-pairs "
                          f"{args.num_pairs} (the models' positions end at the training length)")
