@@ -150,10 +150,19 @@ def contenders(args) -> list[Contender]:
         Contender("Bloom (ALiBi)", lambda v: BloomForCausalLM(BloomConfig(
             vocab_size=v, hidden_size=d, n_layer=layers, n_head=heads, **SPECIAL_TOKENS))),
     ]
-    chosen = [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
-    if not chosen:
-        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)}")
-    return chosen
+    if unmatched := [word for word in args.models or () if not any(word.lower() in c.name.lower() for c in every)]:
+        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)}")
+    return [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
+
+
+def check_models(args, vocab_size: int) -> None:
+    """Every contender built once before any data is read: sizes that a model refuses stop the run now, not after the
+    models before it have trained."""
+    for contender in contenders(args):
+        try:
+            contender.build(vocab_size)
+        except ValueError as error:
+            raise SystemExit(f"{contender.name} cannot be built with these flags: {error}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -521,6 +530,7 @@ def main(argv=None):
         rows = read_csv(args.from_csv, args)
     else:
         tokenizer = SepFormerTokenizer()
+        check_models(args, len(tokenizer))
         train_blocks, stream = token_data(args, tokenizer)
         args.eval_tokens_used = len(stream)
         print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
