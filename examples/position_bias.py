@@ -392,12 +392,13 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
              Contender("Llama (rotary)", "llama", llama, llama_conditions),
              Contender("GPT-2 (learned absolute)", "gpt2", gpt2, gpt2_conditions)]
-    wanted = [w.lower() for w in args.models or ()]
-    chosen = [c for c in every if any(w in c.name.lower() or w == c.slug for w in wanted)] if wanted else every
-    if not chosen:
-        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)} "
+    def matches(word, contender):
+        return word.lower() in contender.name.lower() or word.lower() == contender.slug
+
+    if unmatched := [word for word in args.models or () if not any(matches(word, c) for c in every)]:
+        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)} "
                          f"(nor the folder names {', '.join(c.slug for c in every)})")
-    return chosen
+    return [c for c in every if any(matches(word, c) for word in args.models)] if args.models else every
 
 
 # ------------------------------------------------------------------------------------------------ train, evaluate
@@ -448,9 +449,9 @@ def training_settings(args, seed: int) -> dict:
     return {"seed": seed, **{name: getattr(args, name) for name in TRAINING_SETTINGS}}
 
 
-def full_config(model) -> dict:
+def full_config(config) -> dict:
     """Every config field, defaults included: a default changed since the model was saved shows here."""
-    fields = json.loads(model.config.to_json_string(use_diff=False))
+    fields = json.loads(config.to_json_string(use_diff=False))
     return {name: value for name, value in fields.items() if name not in UNRECORDED_CONFIG}
 
 
@@ -462,8 +463,8 @@ def differences(saved: dict, wanted: dict) -> str:
 def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module, dict] | None:
     """With `--reuse-models`, the model a run saved for this contender and seed, loaded, and its training record;
     `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record
-    that does not read, other training settings or config fields (reusing it would report another experiment), and
-    weights that do not load."""
+    that does not read, other training settings or config fields in the record or in `config.json` (reusing it would
+    report another experiment), and weights that do not load, of another dtype than the model's or not finite."""
     folder = model_dir(args, contender, seed)
     if not args.reuse_models or not (folder / "training.json").exists():
         return None
@@ -480,13 +481,34 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
     if differing := differences(settings, training_settings(args, seed)):
         refuse(f"was trained with other settings ({differing})")
     model = seeded_build(contender, seed)
-    if differing := differences(config, full_config(model)):
+    if differing := differences(config, full_config(model.config)):
         refuse(f"holds a model of another config ({differing})")
     try:
-        model.load_state_dict(load_file(folder / "model.safetensors"))
+        saved_config = type(model.config).from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as error:
+        refuse(f"has a config.json that does not load ({type(error).__name__}: {first_line(error)})")
+    if differing := differences(full_config(saved_config), full_config(model.config)):
+        refuse(f"has a config.json of another model ({differing})")
+    try:
+        weights = load_file(folder / "model.safetensors")
+        own = model.state_dict()
+        if other := [f"{name} {tensor.dtype} there, {own[name].dtype} here" for name, tensor in weights.items()
+                     if name in own and tensor.dtype != own[name].dtype]:
+            refuse(f"has weights of another dtype ({listed(other)})")
+        if not_finite := [name for name, tensor in weights.items() if not tensor.isfinite().all()]:
+            refuse(f"has weights that are not finite ({listed(not_finite)})")
+        model.load_state_dict(weights)
     except (OSError, RuntimeError, SafetensorError) as error:
-        refuse(f"has weights that do not load ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+        refuse(f"has weights that do not load ({type(error).__name__}: {first_line(error)})")
     return model.to(args.device).eval(), record
+
+
+def first_line(error: Exception) -> str:
+    return str(error).splitlines()[0][:200] if str(error) else ""
+
+
+def listed(items: list[str], shown: int = 2) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.Dataset], args
@@ -502,8 +524,8 @@ def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.D
     model = seeded_build(contender, seed)
     started = time.time()
     train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}")
-    record = dict(settings=training_settings(args, seed), config=full_config(model), train_loss=round(train_loss, 4),
-                  train_seconds=round(time.time() - started, 1))
+    record = dict(settings=training_settings(args, seed), config=full_config(model.config),
+                  train_loss=round(train_loss, 4), train_seconds=round(time.time() - started, 1))
     (folder / "training.json").unlink(missing_ok=True)
     model.save_pretrained(folder)
     (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -529,7 +551,7 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
                                     positions=data["gold_slot"].tolist())
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
         except NoPositionalChannelError as error:  # the search's pick where the search found no candidate
-            status = f"not evaluated: {str(error).splitlines()[0][:200]}"
+            status = f"not evaluated: {first_line(error)}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
         rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
                       num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
@@ -864,9 +886,14 @@ def main(argv=None):
     print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
           f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
           f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
-    for seed in args.seeds:  # a saved model that cannot be reused fails now, not after hours of training
-        for contender in contenders(args, vocab):
-            saved_model(args, contender, seed)
+    # a saved model that cannot be reused fails now, not after hours of training
+    runs = [(contender, seed) for seed in args.seeds for contender in contenders(args, vocab)]
+    if args.reuse_models and not any([saved_model(args, contender, seed) is not None for contender, seed in runs]):
+        # an empty or mistyped folder would otherwise train everything again, silently
+        folders = ", ".join(model_dir(args, contender, seed).name for contender, seed in runs)
+        where = f"holds none of this run's models ({folders})" if Path(args.models_dir).is_dir() else "does not exist"
+        raise SystemExit(f"--reuse-models: --models-dir {args.models_dir} {where}; give the --models-dir of the run "
+                         "that trained them")
     rows, attention_rows = [], []
     for seed in args.seeds:
         new_rows, new_attention = run_seed(seed, vocab, metric, args)
