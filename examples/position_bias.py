@@ -42,7 +42,8 @@ intervals over seeds, one panel per model), `attention.csv` and `attention_by_po
 and each trained model under `--models-dir` (default `models/` there), in `<model>-seed<seed>/` (`save_pretrained`,
 with `training.json`: its training settings, every config field, final loss and training time). `--reuse-models`
 evaluates those again without training them (other mitigations, more test prompts); a model saved under other
-settings or config, or whose files do not load, is refused before anything trains.
+settings or config (in `training.json` or `config.json`), or whose weights do not load, have another dtype or are not
+finite, is refused before anything trains, and so is a `--models-dir` that holds none of the run's models.
 
     python examples/position_bias.py                    # default preset: seeds 0, 1, 2
     python examples/position_bias.py --quick            # one seed, fewer prompts
@@ -844,7 +845,8 @@ def parse_args(argv=None):
                              "OUTPUT_DIR/models)")
     parser.add_argument("--reuse-models", action="store_true",
                         help="load the models an earlier run saved under --models-dir instead of training them again; "
-                             "one saved with other training settings or config is refused, with what differs")
+                             "one saved with other training settings or config is refused, with what differs, and so "
+                             "is a --models-dir without any of the run's models")
     args = parser.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
