@@ -393,6 +393,7 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
              Contender("Llama (rotary)", "llama", llama, llama_conditions),
              Contender("GPT-2 (learned absolute)", "gpt2", gpt2, gpt2_conditions)]
+
     def matches(word, contender):
         return word.lower() in contender.name.lower() or word.lower() == contender.slug
 
