@@ -73,6 +73,8 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, CompileConfig, GPT2Config, LlamaConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from cli_arguments import nonnegative_int, output_directory, positive_int  # noqa: E402
 from count_params_flops import forward_flops_per_token  # noqa: E402
 
 import sepformer  # noqa: E402,F401  (registers the Auto classes)
@@ -680,12 +682,12 @@ def header(shape: Shape, args, load_before: float, elapsed: float) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the smoke preset (tiny shape, 3 repetitions)")
-    parser.add_argument("--reps", type=int, help="repetitions (default 7, 3 with --tiny)")
-    parser.add_argument("--output-dir", default="outputs/benchmark")
+    parser.add_argument("--reps", type=positive_int, help="repetitions (default 7, 3 with --tiny)")
+    parser.add_argument("--output-dir", type=output_directory, default="outputs/benchmark")
     parser.add_argument("--compile", action="store_true", help="add the torch.compile section")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     parser.add_argument("--shape-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -695,12 +697,12 @@ def main(argv=None):
     if args.shape_json:
         fields = json.loads(args.shape_json)
         shape = Shape(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    if args.reps:
+    if args.reps is not None:
         shape = dataclasses.replace(shape, reps=args.reps)
     if args.memory_worker:
         memory_worker(args.memory_worker.split(","), shape, args.seed, shape.reps)
         return
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     start = time.perf_counter()

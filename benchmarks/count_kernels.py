@@ -18,7 +18,9 @@ from pathlib import Path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from benchmark import FULL, MITIGATIONS, MODELS, TINY, build, generate  # noqa: E402
+from cli_arguments import positive_int  # noqa: E402
 
 
 class AtenCalls(TorchDispatchMode):
@@ -51,8 +53,8 @@ def calls_per_step(model, batch: int, prompt: int, tokens: int, **options) -> co
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny shape")
-    parser.add_argument("--tokens", type=int, default=16, help="decoding steps counted")
-    parser.add_argument("--top", type=int, default=6, help="the most frequent calls listed per row")
+    parser.add_argument("--tokens", type=positive_int, default=16, help="decoding steps counted")
+    parser.add_argument("--top", type=positive_int, default=6, help="the most frequent calls listed per row")
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else FULL
     rows = []

@@ -7,12 +7,17 @@ and attention; training is about 3x this), so both models are measured by the sa
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from cli_arguments import int_at_least, positive_int  # noqa: E402
 
 
 def forward_flops_per_token(model, seq_len: int) -> float:
@@ -22,14 +27,14 @@ def forward_flops_per_token(model, seq_len: int) -> float:
     return counter.get_total_flops() / seq_len
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=259)
-    parser.add_argument("--seq-len", type=int, default=256)
-    args = parser.parse_args()
+    parser.add_argument("--hidden-size", type=positive_int, default=128)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--vocab-size", type=int_at_least(256), default=259, help="at least the 256 byte ids measured")
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    args = parser.parse_args(argv)
 
     sepformer = SepFormerForCausalLM(SepFormerConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,

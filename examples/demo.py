@@ -8,6 +8,7 @@ No downloads and no GPU: the text is the `.py` files found with `sysconfig`, spl
 
 import argparse
 import os
+import sys
 import sysconfig
 import time
 import zlib
@@ -24,6 +25,12 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_s
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub  # noqa: E402
 from sepformer.metrics import metric_path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_arguments import int_at_least, nonnegative_int, output_directory, positive_int  # noqa: E402
+
+SAMPLE_PROMPT = "def "
+SAMPLE_TOKENS = 200  # or fewer: the sample stays within the training length
 
 
 def stdlib_sources(max_bytes: int, validation_fraction: float) -> tuple[list[str], list[str]]:
@@ -69,15 +76,22 @@ def validation_perplexity(trainer: Trainer, validation: Dataset) -> dict:
     return evaluate.load(metric_path("perplexity"), "losses").compute(predictions=losses.tolist())
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", default="outputs/demo")
-    parser.add_argument("--max-steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=256, help="training length L (max_position_embeddings)")
-    parser.add_argument("--max-bytes", type=int, default=6_000_000, help="how much standard-library source to read")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--output-dir", type=output_directory, default="outputs/demo")
+    parser.add_argument("--max-steps", type=positive_int, default=600)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    # the sample's prompt (<s> and its bytes) and at least one new token fit in L
+    parser.add_argument("--block-size", type=int_at_least(len(SAMPLE_PROMPT) + 2), default=256,
+                        help="training length L (max_position_embeddings)")
+    parser.add_argument("--max-bytes", type=positive_int, default=6_000_000,
+                        help="how much standard-library source to read")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     set_seed(args.seed)
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -87,6 +101,9 @@ def main():
         validation_texts, tokenizer, args.block_size
     )
     validation = validation.select(range(min(len(validation), 64)))
+    if len(train) < args.batch_size or not len(validation):
+        raise SystemExit(f"--max-bytes {args.max_bytes} gives {len(train)} training and {len(validation)} validation "
+                         f"blocks of {args.block_size} bytes: at least --batch-size {args.batch_size} and 1 are needed")
     print(f"data: {len(train_texts)} train files -> {len(train)} blocks, "
           f"{len(validation_texts)} validation files -> {len(validation)} blocks of {args.block_size} bytes")
 
@@ -132,9 +149,9 @@ def main():
           f"byte, perplexity {validation_result['perplexity']:.2f}; the package's `perplexity` metric)")
 
     model.eval()
-    prompt = "def "
-    inputs = tokenizer([tokenizer.bos_token + prompt], return_tensors="pt", split_special_tokens=False)
-    generated = model.generate(**inputs, max_new_tokens=200, do_sample=True, temperature=0.7, top_k=40)
+    inputs = tokenizer([tokenizer.bos_token + SAMPLE_PROMPT], return_tensors="pt", split_special_tokens=False)
+    new_tokens = min(SAMPLE_TOKENS, args.block_size - inputs["input_ids"].shape[1])
+    generated = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True, temperature=0.7, top_k=40)
     print("\nsample:\n" + tokenizer.decode(generated[0], skip_special_tokens=True))
 
     checkpoint = os.path.join(args.output_dir, "checkpoint")

@@ -64,6 +64,15 @@ from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
 # The demo's data helpers. Imported after transformers and datasets, so that the demo's offline defaults do not stop
 # `--dataset-name` from reaching the Hub.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_arguments import (  # noqa: E402
+    Distinct,
+    existing_file,
+    int_at_least,
+    nonnegative_int,
+    output_directory,
+    positive_float,
+    positive_int,
+)
 from demo import byte_blocks, stdlib_sources  # noqa: E402
 
 PRESETS = {
@@ -141,10 +150,19 @@ def contenders(args) -> list[Contender]:
         Contender("Bloom (ALiBi)", lambda v: BloomForCausalLM(BloomConfig(
             vocab_size=v, hidden_size=d, n_layer=layers, n_head=heads, **SPECIAL_TOKENS))),
     ]
-    chosen = [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
-    if not chosen:
-        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)}")
-    return chosen
+    if unmatched := [word for word in args.models or () if not any(word.lower() in c.name.lower() for c in every)]:
+        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)}")
+    return [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
+
+
+def check_models(args, vocab_size: int) -> None:
+    """Every contender built once before any data is read: sizes that a model refuses stop the run now, not after the
+    models before it have trained."""
+    for contender in contenders(args):
+        try:
+            contender.build(vocab_size)
+        except ValueError as error:
+            raise SystemExit(f"{contender.name} cannot be built with these flags: {error}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -458,37 +476,39 @@ def parse_args(argv=None):
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="the quick preset (a few minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1)")
+    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
+                        help="one full run per seed (default preset: 0 1 2)")
     parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama")
-    parser.add_argument("--methods", nargs="+", choices=sepformer.EXTRAPOLATION_METHODS,
+    parser.add_argument("--methods", nargs="+", choices=sepformer.EXTRAPOLATION_METHODS, action=Distinct,
                         help="extrapolation methods for the learned SepFormer (default: all)")
-    parser.add_argument("--block-size", type=int, help="training length L")
-    parser.add_argument("--hidden-size", type=int)
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--num-heads", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--learning-rate", type=float)
-    parser.add_argument("--eval-tokens", type=int, help="validation tokens scored at each length")
-    parser.add_argument("--eval-batch-size", type=int, default=8)
-    parser.add_argument("--max-bytes", type=int, help="how much text to read (train and validation)")
-    parser.add_argument("--spline-control-points", type=int, default=16,
+    # L >= 2: a window of L tokens scores L - 1 of them
+    parser.add_argument("--block-size", type=int_at_least(2), help="training length L")
+    parser.add_argument("--hidden-size", type=positive_int)
+    parser.add_argument("--num-layers", type=positive_int)
+    parser.add_argument("--num-heads", type=positive_int)
+    parser.add_argument("--batch-size", type=positive_int)
+    parser.add_argument("--max-steps", type=positive_int)
+    parser.add_argument("--learning-rate", type=positive_float)
+    parser.add_argument("--eval-tokens", type=positive_int, help="validation tokens scored at each length")
+    parser.add_argument("--eval-batch-size", type=positive_int, default=8)
+    parser.add_argument("--max-bytes", type=positive_int, help="how much text to read (train and validation)")
+    parser.add_argument("--spline-control-points", type=positive_int, default=16,
                         help="control points of the B-spline map over [0, L)")
-    parser.add_argument("--spline-randomized-control-points", type=int, default=32,
+    parser.add_argument("--spline-randomized-control-points", type=positive_int, default=32,
                         help="control points of the B-spline map over [0, 8L) trained with randomized positions")
     parser.add_argument("--text", choices=("source", "docs"), default="source",
                         help="the text to train and evaluate on: the standard library's source (split by file) or "
                              "the Python documentation's topics (pydoc_data, split by topic)")
-    parser.add_argument("--train-file", nargs="+", help="text files, one document each")
-    parser.add_argument("--validation-file", nargs="+")
+    parser.add_argument("--train-file", type=existing_file, nargs="+", help="text files, one document each")
+    parser.add_argument("--validation-file", type=existing_file, nargs="+")
     parser.add_argument("--dataset-name", help="a Hub data set with train and validation (or test) splits")
     parser.add_argument("--dataset-config")
     parser.add_argument("--text-column", default="text")
-    parser.add_argument("--from-csv", nargs="+", metavar="RESULTS_CSV",
+    parser.add_argument("--from-csv", type=existing_file, nargs="+", metavar="RESULTS_CSV",
                         help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
                              "seed, side by side), with the preset flags those runs had")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output-dir", default="outputs/extrapolation")
+    parser.add_argument("--output-dir", type=output_directory, default="outputs/extrapolation")
     args = parser.parse_args(argv)
     for name, value in PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"].items():
         if getattr(args, name, None) is None:
@@ -510,6 +530,7 @@ def main(argv=None):
         rows = read_csv(args.from_csv, args)
     else:
         tokenizer = SepFormerTokenizer()
+        check_models(args, len(tokenizer))
         train_blocks, stream = token_data(args, tokenizer)
         args.eval_tokens_used = len(stream)
         print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "

@@ -42,7 +42,8 @@ intervals over seeds, one panel per model), `attention.csv` and `attention_by_po
 and each trained model under `--models-dir` (default `models/` there), in `<model>-seed<seed>/` (`save_pretrained`,
 with `training.json`: its training settings, every config field, final loss and training time). `--reuse-models`
 evaluates those again without training them (other mitigations, more test prompts); a model saved under other
-settings or config, or whose files do not load, is refused before anything trains.
+settings or config (in `training.json` or `config.json`), or whose weights do not load, have another dtype or are not
+finite, is refused before anything trains, and so is a `--models-dir` that holds none of the run's models.
 
     python examples/position_bias.py                    # default preset: seeds 0, 1, 2
     python examples/position_bias.py --quick            # one seed, fewer prompts
@@ -68,6 +69,15 @@ import datasets
 import evaluate
 import torch
 import transformers
+from cli_arguments import (
+    Distinct,
+    nonnegative_float,
+    nonnegative_int,
+    output_directory,
+    positive_float,
+    positive_int,
+    probability,
+)
 from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -383,12 +393,14 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
              Contender("Llama (rotary)", "llama", llama, llama_conditions),
              Contender("GPT-2 (learned absolute)", "gpt2", gpt2, gpt2_conditions)]
-    wanted = [w.lower() for w in args.models or ()]
-    chosen = [c for c in every if any(w in c.name.lower() or w == c.slug for w in wanted)] if wanted else every
-    if not chosen:
-        raise SystemExit(f"--models {args.models} matches none of: {', '.join(c.name for c in every)} "
+
+    def matches(word, contender):
+        return word.lower() in contender.name.lower() or word.lower() == contender.slug
+
+    if unmatched := [word for word in args.models or () if not any(matches(word, c) for c in every)]:
+        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)} "
                          f"(nor the folder names {', '.join(c.slug for c in every)})")
-    return chosen
+    return [c for c in every if any(matches(word, c) for word in args.models)] if args.models else every
 
 
 # ------------------------------------------------------------------------------------------------ train, evaluate
@@ -439,9 +451,9 @@ def training_settings(args, seed: int) -> dict:
     return {"seed": seed, **{name: getattr(args, name) for name in TRAINING_SETTINGS}}
 
 
-def full_config(model) -> dict:
+def full_config(config) -> dict:
     """Every config field, defaults included: a default changed since the model was saved shows here."""
-    fields = json.loads(model.config.to_json_string(use_diff=False))
+    fields = json.loads(config.to_json_string(use_diff=False))
     return {name: value for name, value in fields.items() if name not in UNRECORDED_CONFIG}
 
 
@@ -453,8 +465,8 @@ def differences(saved: dict, wanted: dict) -> str:
 def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module, dict] | None:
     """With `--reuse-models`, the model a run saved for this contender and seed, loaded, and its training record;
     `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record
-    that does not read, other training settings or config fields (reusing it would report another experiment), and
-    weights that do not load."""
+    that does not read, other training settings or config fields in the record or in `config.json` (reusing it would
+    report another experiment), and weights that do not load, of another dtype than the model's or not finite."""
     folder = model_dir(args, contender, seed)
     if not args.reuse_models or not (folder / "training.json").exists():
         return None
@@ -471,13 +483,34 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
     if differing := differences(settings, training_settings(args, seed)):
         refuse(f"was trained with other settings ({differing})")
     model = seeded_build(contender, seed)
-    if differing := differences(config, full_config(model)):
+    if differing := differences(config, full_config(model.config)):
         refuse(f"holds a model of another config ({differing})")
     try:
-        model.load_state_dict(load_file(folder / "model.safetensors"))
+        saved_config = type(model.config).from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as error:
+        refuse(f"has a config.json that does not load ({type(error).__name__}: {first_line(error)})")
+    if differing := differences(full_config(saved_config), full_config(model.config)):
+        refuse(f"has a config.json of another model ({differing})")
+    try:
+        weights = load_file(folder / "model.safetensors")
+        own = model.state_dict()
+        if other := [f"{name} {tensor.dtype} there, {own[name].dtype} here" for name, tensor in weights.items()
+                     if name in own and tensor.dtype != own[name].dtype]:
+            refuse(f"has weights of another dtype ({listed(other)})")
+        if not_finite := [name for name, tensor in weights.items() if not tensor.isfinite().all()]:
+            refuse(f"has weights that are not finite ({listed(not_finite)})")
+        model.load_state_dict(weights)
     except (OSError, RuntimeError, SafetensorError) as error:
-        refuse(f"has weights that do not load ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+        refuse(f"has weights that do not load ({type(error).__name__}: {first_line(error)})")
     return model.to(args.device).eval(), record
+
+
+def first_line(error: Exception) -> str:
+    return str(error).splitlines()[0][:200] if str(error) else ""
+
+
+def listed(items: list[str], shown: int = 2) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.Dataset], args
@@ -493,8 +526,8 @@ def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.D
     model = seeded_build(contender, seed)
     started = time.time()
     train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}")
-    record = dict(settings=training_settings(args, seed), config=full_config(model), train_loss=round(train_loss, 4),
-                  train_seconds=round(time.time() - started, 1))
+    record = dict(settings=training_settings(args, seed), config=full_config(model.config),
+                  train_loss=round(train_loss, 4), train_seconds=round(time.time() - started, 1))
     (folder / "training.json").unlink(missing_ok=True)
     model.save_pretrained(folder)
     (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -520,7 +553,7 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
                                     positions=data["gold_slot"].tolist())
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
         except NoPositionalChannelError as error:  # the search's pick where the search found no candidate
-            status = f"not evaluated: {str(error).splitlines()[0][:200]}"
+            status = f"not evaluated: {first_line(error)}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
         rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
                       num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
@@ -778,38 +811,43 @@ def parse_args(argv=None):
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="one full run per seed (default preset: 0 1 2)")
+    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
+                        help="one full run per seed (default preset: 0 1 2)")
     parser.add_argument("--models", nargs="+",
                         help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
-    parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES,
+    parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
                         help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
-    parser.add_argument("--num-pairs", type=int, help="key-value pairs per training list")
-    parser.add_argument("--eval-pairs", type=int, nargs="+",
+    parser.add_argument("--num-pairs", type=positive_int, help="key-value pairs per training list")
+    parser.add_argument("--eval-pairs", type=positive_int, nargs="+", action=Distinct,
                         help="numbers of pairs evaluated, at most --num-pairs (default: the training's)")
-    parser.add_argument("--num-keys", type=int)
-    parser.add_argument("--num-values", type=int)
-    parser.add_argument("--hidden-size", type=int)
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--num-heads", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--max-steps", type=int,
+    parser.add_argument("--num-keys", type=positive_int)
+    parser.add_argument("--num-values", type=positive_int)
+    parser.add_argument("--hidden-size", type=positive_int)
+    parser.add_argument("--num-layers", type=positive_int)
+    parser.add_argument("--num-heads", type=positive_int)
+    parser.add_argument("--batch-size", type=positive_int)
+    parser.add_argument("--max-steps", type=positive_int,
                         help="training steps (default: the preset's steps per pair times --num-pairs, e.g. 1500 at "
                              "16 pairs and 3000 at 32)")
-    parser.add_argument("--learning-rate", type=float)
-    parser.add_argument("--weight-decay", type=float)
-    parser.add_argument("--end-slots", type=int, help="training answers sit in the first or last this many slots")
-    parser.add_argument("--gold-at-ends", type=float,
+    parser.add_argument("--learning-rate", type=positive_float)
+    parser.add_argument("--weight-decay", type=nonnegative_float)
+    parser.add_argument("--end-slots", type=positive_int,
+                        help="training answers sit in the first or last this many slots")
+    parser.add_argument("--gold-at-ends", type=probability,
                         help="probability that a training answer sits in an end slot (otherwise: any slot)")
-    parser.add_argument("--eval-per-slot", type=int, help="test prompts per gold slot")
-    parser.add_argument("--validation-per-slot", type=int, help="validation prompts per gold slot (the search's)")
-    parser.add_argument("--eval-batch-size", type=int, default=256)
+    parser.add_argument("--eval-per-slot", type=positive_int, help="test prompts per gold slot")
+    parser.add_argument("--validation-per-slot", type=positive_int,
+                        help="validation prompts per gold slot (the search's)")
+    parser.add_argument("--eval-batch-size", type=positive_int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output-dir", default="outputs/position_bias")
-    parser.add_argument("--models-dir", help="where trained models are saved and, with --reuse-models, read "
-                                             "(default: OUTPUT_DIR/models)")
+    parser.add_argument("--output-dir", type=output_directory, default="outputs/position_bias")
+    parser.add_argument("--models-dir", type=output_directory,
+                        help="where trained models are saved and, with --reuse-models, read (default: "
+                             "OUTPUT_DIR/models)")
     parser.add_argument("--reuse-models", action="store_true",
                         help="load the models an earlier run saved under --models-dir instead of training them again; "
-                             "one saved with other training settings or config is refused, with what differs")
+                             "one saved with other training settings or config is refused, with what differs, and so "
+                             "is a --models-dir without any of the run's models")
     args = parser.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
@@ -820,12 +858,13 @@ def parse_args(argv=None):
             setattr(args, name, value)
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
-    args.eval_pairs = tuple(dict.fromkeys(args.eval_pairs or [args.num_pairs]))
+    args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
     if not 1 <= 2 * args.end_slots <= args.num_pairs:
         raise SystemExit(f"--end-slots {args.end_slots}: the first and the last {args.end_slots} slots must fit in "
                          f"--num-pairs {args.num_pairs} (1 <= 2 x end slots <= pairs)")
-    if not 0.0 <= args.gold_at_ends <= 1.0:
-        raise SystemExit(f"--gold-at-ends {args.gold_at_ends}: a probability, between 0 and 1")
+    if args.hidden_size % args.num_heads:
+        raise SystemExit(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}: every "
+                         "model splits its width into heads of equal size")
     if not all(1 <= pairs <= args.num_pairs for pairs in args.eval_pairs):
         raise SystemExit(f"--eval-pairs {list(args.eval_pairs)}: each must be between 1 and --num-pairs "
                          f"{args.num_pairs} (the models' positions end at the training length)")
@@ -850,9 +889,14 @@ def main(argv=None):
     print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
           f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
           f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
-    for seed in args.seeds:  # a saved model that cannot be reused fails now, not after hours of training
-        for contender in contenders(args, vocab):
-            saved_model(args, contender, seed)
+    # a saved model that cannot be reused fails now, not after hours of training
+    runs = [(contender, seed) for seed in args.seeds for contender in contenders(args, vocab)]
+    if args.reuse_models and not any([saved_model(args, contender, seed) is not None for contender, seed in runs]):
+        # an empty or mistyped folder would otherwise train everything again, silently
+        folders = ", ".join(model_dir(args, contender, seed).name for contender, seed in runs)
+        where = f"holds none of this run's models ({folders})" if Path(args.models_dir).is_dir() else "does not exist"
+        raise SystemExit(f"--reuse-models: --models-dir {args.models_dir} {where}; give the --models-dir of the run "
+                         "that trained them")
     rows, attention_rows = [], []
     for seed in args.seeds:
         new_rows, new_attention = run_seed(seed, vocab, metric, args)

@@ -1,6 +1,7 @@
 """`examples/extrapolation.py`: the one-command length-extrapolation experiment, run end to end at its tiny preset."""
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -134,3 +135,26 @@ def test_bits_per_byte_is_the_model_loss():
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), windows[:, 1:], reduction="none")
     assert total == pytest.approx(loss.item() / math.log(2), rel=1e-5)
     assert beyond == pytest.approx(nll[:, args.block_size - 1:].mean().item() / math.log(2), rel=1e-5)
+
+
+def no_data(*args, **kwargs):
+    raise AssertionError("the data was read")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-heads", "1"], "SepFormer learned cannot be built with these flags: position_size=32 is not allowed"),
+    (["--block-size", "8"], "SepFormer B-spline (n=16) cannot be built with these flags: spline_control_points=16 is "
+                            "more than the position_table_size=8"),
+], ids=["one head", "spline longer than L"])
+def test_sizes_a_model_refuses_stop_the_run_before_the_data_is_read(flags, message, monkeypatch, tmp_path):
+    """Not after the models before it have trained (the B-spline comes seventh)."""
+    monkeypatch.setattr(extrapolation, "token_data", no_data)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        extrapolation.main(["--tiny", *flags, "--output-dir", str(tmp_path)])
+
+
+def test_a_model_name_that_matches_nothing_stops_the_run():
+    """Even beside one that matches: a mistyped name would silently drop its model."""
+    args = extrapolation.parse_args(["--tiny", "--models", "llama", "gtp2"])
+    with pytest.raises(SystemExit, match="--models gtp2 matches none of: SepFormer learned, "):
+        extrapolation.contenders(args)

@@ -3,12 +3,15 @@
 import csv
 import json
 import math
+import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_script
+from safetensors.torch import load_file, save_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -236,8 +239,10 @@ def test_models_are_chosen_by_name_or_folder_name(models, kept):
 
 
 def test_models_that_match_nothing_stop_the_run():
-    args = position_bias.parse_args(["--tiny", "--models", "mamba"])
-    with pytest.raises(SystemExit, match="mamba.*SepFormer.*folder names sepformer, llama, gpt2"):
+    """Even beside one that matches: a mistyped name would silently drop its model."""
+    args = position_bias.parse_args(["--tiny", "--models", "gpt2", "mamba"])
+    with pytest.raises(SystemExit, match="--models mamba matches none of: SepFormer.*folder names sepformer, llama, "
+                                         "gpt2"):
         position_bias.contenders(args, position_bias.Vocabulary(args.num_keys, args.num_values))
 
 
@@ -379,6 +384,32 @@ def spoil_record(folder):
     (folder / "training.json").write_text("{")
 
 
+def spoil_config_json(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["n_inner"] = 7  # the record left as it was
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def spoil_tensors(change):
+    def spoil(folder):
+        weights = load_file(folder / "model.safetensors")
+        save_file({name: change(tensor) for name, tensor in weights.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+
+    return spoil
+
+
+GPT2_ONLY = ["--tiny", "--models", "gpt", "--mitigations", "none"]
+
+
+@pytest.fixture(scope="module")
+def saved_gpt2(tmp_path_factory):
+    """The output folder of a run that trained and saved GPT-2, seeds 0 and 1 (each test changes a copy)."""
+    output_dir = tmp_path_factory.mktemp("saved_gpt2")
+    position_bias.main([*GPT2_ONLY, "--seeds", "0", "1", "--output-dir", str(output_dir)])
+    return output_dir
+
+
 @pytest.mark.parametrize(
     "spoil, message",
     [
@@ -386,12 +417,19 @@ def spoil_record(folder):
         (spoil_config, r"holds a model of another config \(n_inner 7 there, None here\)"),
         (spoil_weights, r"has weights that do not load \(SafetensorError"),
         (spoil_record, r"has a training.json that does not read \(JSONDecodeError"),
+        (spoil_config_json, r"has a config.json of another model \(n_inner 7 there, None here\)"),
+        (spoil_tensors(torch.Tensor.half),
+         r"has weights of another dtype \(\S+ torch.float16 there, torch.float32 here"),
+        (spoil_tensors(lambda tensor: torch.full_like(tensor, math.nan)), r"has weights that are not finite \(\S+, "),
     ],
+    ids=["settings", "config", "weights", "record", "config.json", "fp16", "nan"],
 )
-def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monkeypatch, tmp_path, spoil, message):
+def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monkeypatch, tmp_path, saved_gpt2, spoil,
+                                                                            message):
     """Checked for every seed before the first trains: seed 1 has no saved model and would be trained first."""
-    argv = ["--tiny", "--models", "gpt", "--mitigations", "none", "--output-dir", str(tmp_path)]
-    position_bias.main(argv)
+    shutil.copytree(saved_gpt2, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "models" / "gpt2-seed1")
+    argv = [*GPT2_ONLY, "--output-dir", str(tmp_path)]
     folder = tmp_path / "models" / "gpt2-seed0"
     spoil(folder)
     monkeypatch.setattr(position_bias, "train", no_training)
@@ -399,13 +437,26 @@ def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monk
         position_bias.main([*argv, "--reuse-models", "--seeds", "1", "0"])
 
 
-def test_a_folder_without_its_record_is_trained_again(monkeypatch, tmp_path):
-    """A run stopped while saving leaves weights without `training.json`: that model is trained again."""
-    argv = ["--tiny", "--models", "gpt", "--mitigations", "none", "--output-dir", str(tmp_path)]
-    position_bias.main(argv)
+def test_a_folder_without_its_record_is_trained_again(monkeypatch, tmp_path, saved_gpt2):
+    """A run stopped while saving leaves weights without `training.json`: that model is trained again, the other
+    seed's is reused."""
+    shutil.copytree(saved_gpt2, tmp_path, dirs_exist_ok=True)
+    argv = [*GPT2_ONLY, "--seeds", "0", "1", "--output-dir", str(tmp_path)]
     (tmp_path / "models" / "gpt2-seed0" / "training.json").unlink()
     trainings = []
     train = position_bias.train
-    monkeypatch.setattr(position_bias, "train", lambda *args: trainings.append(1) or train(*args))
+    monkeypatch.setattr(position_bias, "train", lambda *args: trainings.append(args[3]) or train(*args))
     position_bias.main([*argv, "--reuse-models"])
-    assert trainings == [1] and (tmp_path / "models" / "gpt2-seed0" / "training.json").exists()
+    assert trainings == ["seed 0 · train GPT-2 (learned absolute)"]
+    assert (tmp_path / "models" / "gpt2-seed0" / "training.json").exists()
+
+
+@pytest.mark.parametrize("folder", ["mistyped", "empty"])
+def test_reusing_models_from_a_folder_without_them_is_refused(folder, monkeypatch, tmp_path):
+    """Not every model trained again, silently: `--reuse-models` needs at least one of the run's saved models."""
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(position_bias, "train", no_training)
+    where = "does not exist" if folder == "mistyped" else "holds none of this run's models (gpt2-seed0, gpt2-seed1)"
+    with pytest.raises(SystemExit, match=re.escape(f"--reuse-models: --models-dir {tmp_path / folder} {where}; ")):
+        position_bias.main(["--tiny", "--models", "gpt", "--seeds", "0", "1", "--mitigations", "none", "--reuse-models",
+                            "--models-dir", str(tmp_path / folder), "--output-dir", str(tmp_path / "results")])

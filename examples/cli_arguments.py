@@ -1,0 +1,79 @@
+"""Argument types shared by the command lines of the examples and the benchmarks.
+
+Each is an argparse `type=` (or `action=`): a bad value stops the command before any work, with argparse's usage line
+and `argument --flag: <what was given and what is allowed>`. The benchmarks import this module from `examples/`.
+"""
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+
+def int_at_least(minimum: int):
+    """An integer `>= minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give an integer >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: give an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def float_in(low: float, high: float = math.inf, low_inclusive: bool = False):
+    """A finite float above `low` (or at it, with `low_inclusive`) and at most `high`."""
+    allowed = f"a finite number {'>=' if low_inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high < math.inf
+                                                                             else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {allowed}") from None
+        if not (math.isfinite(value) and (value >= low if low_inclusive else value > low) and value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is not allowed: give {allowed}")
+        return value
+
+    return parse
+
+
+positive_float = float_in(0.0)
+nonnegative_float = float_in(0.0, low_inclusive=True)
+probability = float_in(0.0, 1.0, low_inclusive=True)
+
+
+def output_directory(text: str) -> str:
+    """A directory that exists or can be made: the deepest existing part of the path is a writable directory."""
+    path = Path(text)
+    existing = next(part for part in (path, *path.parents) if part.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be an output directory: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be an output directory: {str(existing)!r} is not writable")
+    return text
+
+
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    return text
+
+
+class Distinct(argparse.Action):
+    """`nargs="+"` values given at most once each (a seed given twice would be averaged as two seeds)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        repeated = sorted({value for value in values if values.count(value) > 1})
+        if repeated:
+            parser.error(f"argument {option_string}: {' '.join(map(str, repeated))} given more than once in "
+                         f"{' '.join(map(str, values))}; give each value once")
+        setattr(namespace, self.dest, values)
