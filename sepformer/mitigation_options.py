@@ -11,6 +11,8 @@ import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
+INT64_MAX = 2**63 - 1
+
 
 def _as_int(value) -> int | None:
     """`value` as a Python int if it is an integer (int, NumPy or torch integer), else `None` (floats, bools)."""
@@ -155,7 +157,7 @@ class StableMask(MitigationOptions):
     Args:
         gamma: `γ > 0`, the decay of the pseudo-scores; large `γ` is the base model.
         columns: `N`, the last column the pseudo-scores run to; `None` is the model's `max_position_embeddings`.
-            Rows at `t >= N` get no sink.
+            Rows at `t >= N` get no sink. Any size: `τ` is computed at the positions a call reads, not tabulated.
     """
 
     gamma: float
@@ -166,9 +168,12 @@ class StableMask(MitigationOptions):
     def __post_init__(self):
         _check_number(self.name, "gamma", self.gamma, low=0.0)
         if self.columns is not None and (
-            isinstance(self.columns, bool) or not isinstance(self.columns, int) or self.columns < 1
+            isinstance(self.columns, bool) or not isinstance(self.columns, int) or not 1 <= self.columns <= INT64_MAX
         ):
-            raise ValueError(f"stable_mask columns={self.columns!r} must be None or a positive integer.")
+            raise ValueError(
+                f"stable_mask columns={self.columns!r} must be None or a positive integer, at most 2**63 - 1 "
+                "(positions are int64)."
+            )
 
 
 @dataclass(frozen=True)

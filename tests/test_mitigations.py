@@ -66,6 +66,26 @@ def test_sink_logit_closed_form_equals_the_explicit_sum(gamma):
         assert tau[t - 1].item() == pytest.approx(expected, rel=1e-5, abs=1e-5), t
 
 
+def test_a_billion_columns_cost_only_the_positions_read():
+    """`τ_t` depends on `t` and `N` only: `N = 10⁹` builds nothing over the columns (a table of them took 8 GB per
+    float64 temporary and the process was killed)."""
+    gamma, columns = 0.01, 10**9
+    positions = [0, 5, 1000, columns - 2, columns - 1, columns, 2 * columns]
+    tau = sink_logits(StableMask(gamma, columns=columns), torch.tensor([positions]), default_columns=64)[0]
+    for position, got in zip(positions, tau.tolist(), strict=True):
+        t = position + 1
+        expected = -math.inf
+        if t < columns:
+            expected = -gamma * t + math.log(-math.expm1(-gamma * (columns - t))) - math.log(-math.expm1(-gamma))
+        assert got == pytest.approx(expected, rel=1e-6), position
+    model = tiny_model()
+    ids = random_ids(2, 12)
+    # e^{-γ(N - t)} is below float32's resolution for N = 10⁴ already: the same sink logits as N = 10⁹
+    billion = logits(model, ids, stable_mask=StableMask(gamma, columns=columns))
+    torch.testing.assert_close(billion, logits(model, ids, stable_mask=StableMask(gamma, columns=10**4)))
+    assert not torch.allclose(billion, logits(model, ids), atol=1e-4)
+
+
 def dense_stable_mask(gamma, length):
     """`softmax(A ⊙ C + P) ⊙ C` over `N` columns, `P_ij = -γ(j-1)` for `j > i` (1-indexed), as an attention function
     for an unpadded full forward pass."""
@@ -567,6 +587,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn
 BAD = [
     ({"stable_mask": {"gamma": -1}}, "gamma=-1 must be > 0"),
     ({"stable_mask": {"gamma": 0.1, "columns": 0}}, "columns=0 must be None or a positive integer"),
+    ({"stable_mask": {"gamma": 0.1, "columns": 2**63}}, "columns=9223372036854775808 must be .* at most 2\\*\\*63 - 1"),
     ({"stable_mask": {"gama": 0.1}}, "unknown keys \\['gama'\\]"),
     ({"stable_mask": 0.1}, "must be a StableMask, a dict"),
     ({"ms_poe": {"r_min": 0.5}}, "r_min=0.5 must be >= 1.0"),
