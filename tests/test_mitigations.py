@@ -596,6 +596,7 @@ BAD = [
     ({"ms_poe": {"head_order": (0, 1, 2)}}, "must be a permutation of the 4 heads"),
     ({"ms_poe": {"layers": (1,)}, "positional_scaling": {"factor": 0.0, "layers": (1,)}}, "disjoint `layers`"),
     ({"positional_scaling": {"factor": float("nan")}}, "factor=nan must be a finite number"),
+    ({"positional_scaling": {"factor": 1e30}}, "factor=1e\\+30 overflows this model's torch.float32: .* 1.845e\\+19"),
     ({"positional_scaling": {"factor": 0.5, "channels": (32,)}}, "channels \\[32\\] are out of range"),
     ({"positional_scaling": {"skip_first": -1}}, "skip_first=-1 must be an integer >= 0"),
     ({"positional_scaling": {"last_recompute_tokens": 0}}, "last_recompute_tokens=0 must be an integer >= 1"),
@@ -607,7 +608,8 @@ BAD = [
     ({"attention_calibration": {"spans": (((3, 3),),)}}, "empty or negative"),
     ({"attention_calibration": {"spans": (((0, 3),), ((0, 3),))}}, "spans for 2 rows; the batch has 1"),
     ({"attention_calibration": {"spans": (((0, 3),), ((0, 3), (3, 5)))}}, "the same number"),
-    ({"attention_calibration": {"spans": (SPANS,), "temperature": 0}}, "temperature=0 must be > 0"),
+    ({"attention_calibration": {"spans": (SPANS,), "temperature": 0}}, "temperature=0 must be >= 1e-38: .* float32"),
+    ({"attention_calibration": {"spans": (SPANS,), "temperature": 1e-300}}, "temperature=1e-300 must be >= 1e-38"),
     ({"attention_calibration": {"spans": (SPANS,), "bias_estimate": "mean"}}, "bias_estimate='mean' is not one of"),
     (
         {"attention_calibration": {"spans": (SPANS,), "bias_estimate": "positional", "dummy_document": (5,)}},
@@ -622,6 +624,20 @@ def test_invalid_options_are_refused_with_a_clear_error(kwargs, message):
     model = tiny_model()
     with pytest.raises(ValueError, match=message):
         model(random_ids(1, 12), **kwargs)
+
+
+def test_the_extreme_values_allowed_give_finite_logits_and_a_half_precision_model_allows_smaller_factors():
+    """NaN logits came back without an error for calibration's temperature=1e-300 and positional scaling's
+    factor=1e30; the bounds that refuse them still let the extremes they allow run finite."""
+    model = strong_positions(tiny_model())
+    ids = random_ids(1, 12)
+    coldest = AttentionCalibration(spans=(SPANS,), temperature=1e-38)
+    assert torch.isfinite(logits(model, ids, attention_calibration=coldest)).all()
+    assert torch.isfinite(logits(model, ids, positional_scaling=PositionalScaling(-1e4))).all()
+    half = model.to(torch.float16)
+    with pytest.raises(ValueError, match="factor=300 overflows this model's torch.float16: .* at most 255.9"):
+        half(ids, positional_scaling=PositionalScaling(300))
+    assert torch.isfinite(logits(half, ids, positional_scaling=PositionalScaling(-2.0))).all()
 
 
 def test_options_that_need_something_the_model_lacks_are_refused():
