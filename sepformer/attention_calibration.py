@@ -142,6 +142,10 @@ class CalibrationMitigation(Mitigation):
         return True
 
     @classmethod
+    def acts_on_last_rows(cls, options: AttentionCalibration) -> bool:
+        return True  # the prefill's last row is calibrated
+
+    @classmethod
     def resolve(cls, options: AttentionCalibration, call: CallContext) -> "CalibrationMitigation":
         config = call.model.config
         if config._attn_implementation == "flex_attention":

@@ -39,6 +39,10 @@ class PositionalScalingMitigation(Mitigation):
         return True  # the cache holds keys scaled with these options: decoding steps must scale alike
 
     @classmethod
+    def acts_on_last_rows(cls, options: PositionalScaling) -> bool:
+        return True  # the prefill's last `last_recompute_tokens` rows are recomputed with scaled queries
+
+    @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
         config = call.model.config
         if options.channels is None and config.position_size == 0:

@@ -584,6 +584,37 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn
         assert torch.equal(together[row], alone[0, -8:]), prompt
 
 
+ACT_ON_LAST_ROWS = {"ms_poe", "calibration", "calibration_positional", "scaling"}  # ranked MS-PoE, not a fixed order
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_a_right_padded_prompt_is_refused_by_what_acts_on_its_last_token(name):
+    """Positional scaling, calibration and ranked MS-PoE act on the prefill's last column, a pad in a row padded on
+    the right (the tokenizer's default): the short row's last real token came out 0.6 to 8.6 off the row alone. They
+    refuse it; the others give each right-padded row what it gives alone."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    tokenizer = SepFormerTokenizer()
+    assert tokenizer.padding_side == "right"
+    prompts = ["def f(x): return", "a longer prompt, with more bytes"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    options = dict(OPTIONS[name])
+    if "attention_calibration" in options:
+        options["attention_calibration"] = dataclasses.replace(options["attention_calibration"], spans=(SPANS,) * 2)
+    if name in ACT_ON_LAST_ROWS:
+        refused = r"acts on each row's last prompt token, .* rows \[0\] end in padding .* padding_side='left'"
+        with pytest.raises(ValueError, match=refused):
+            model(**batch, **options)
+        with pytest.raises(ValueError, match=refused):
+            model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id, **options)
+        left = SepFormerTokenizer(padding_side="left")(prompts, return_tensors="pt", padding=True)
+        logits(model, left.input_ids, attention_mask=left.attention_mask, **options)  # left padding runs
+        return
+    together = logits(model, batch.input_ids, attention_mask=batch.attention_mask, **options)
+    for row, prompt in enumerate(prompts):
+        alone = logits(model, tokenizer([prompt], return_tensors="pt").input_ids, **options)[0]
+        torch.testing.assert_close(together[row, : len(alone)], alone, rtol=1e-5, atol=1e-5)
+
+
 BAD = [
     ({"stable_mask": {"gamma": -1}}, "gamma=-1 must be > 0"),
     ({"stable_mask": {"gamma": 0.1, "columns": 0}}, "columns=0 must be None or a positive integer"),
