@@ -145,6 +145,21 @@ def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOp
         )
 
 
+def check_assisted_decoding(config, options: dict) -> None:
+    """Assisted decoding (an assistant model, prompt lookup) prefills the prompt with drafted tokens after it, then
+    verifies several drafted tokens per call: options that act on the prompt's last token would act on a drafted one,
+    and generate other tokens than plain decoding. `options`: the keywords `generate` passes to the model."""
+    parsed = parse_options(config, options)
+    acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
+    if acting:
+        raise ValueError(
+            f"{', '.join(acting)} acts on the prompt's last token, but assisted decoding (assistant_model, "
+            "prompt_lookup_num_tokens) prefills the prompt with drafted tokens after it: it would act on a drafted "
+            "token instead, and generate other tokens than plain decoding. Generate without assistance, or without "
+            f"{', '.join(acting)}."
+        )
+
+
 def check_prefill_state(name: str, options: MitigationOptions, call: CallContext) -> None:
     """Options that fix state at prefill need a cache that keeps it, and the same options all through a cache."""
     cache = call.cache

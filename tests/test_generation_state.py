@@ -4,7 +4,16 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sepformer import AttentionCalibration, MSPoE, SepFormerCache, SepFormerTokenizer
+from sepformer import (
+    AttentionBuckets,
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    SepFormerCache,
+    SepFormerTokenizer,
+    StableMask,
+)
 
 PROMPTS = ["def f(x): return x", "import os, sys  # x", "a longer prompt, with more bytes"]
 SPANS = ((0, 5), (5, 10), (10, 15))
@@ -84,6 +93,66 @@ def test_batch_operations_carry_the_state_row_by_row():
     assert torch.equal(cache.calibration_bias[1], bias[[2, 0]])
     assert torch.equal(cache.calibration_spans, spans[[2, 0]])
     assert cache.layers[0].keys.shape[0] == 2
+
+
+LOOPING_PROMPT = torch.tensor([[5, 6, 7, 8, 9] * 3 + [5, 6, 7]])  # prompt lookup finds drafts in it
+TWO_DOCUMENTS = (((0, 5), (5, 10)),)
+ACTS_ON_THE_LAST_TOKEN = {
+    "positional_scaling": PositionalScaling(-1.0, layers=(0, 1)),
+    "attention_calibration": AttentionCalibration(spans=TWO_DOCUMENTS, temperature=1e-2, layers=(0, 1)),
+    "ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1)),
+}
+ACTS_ALIKE_ON_EVERY_TOKEN = {
+    "stable_mask": StableMask(0.2, columns=40),
+    "ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1), head_order=(2, 0, 3, 1)),
+    "parallel_context_windows": ParallelContextWindows(spans=TWO_DOCUMENTS),
+    "attention_buckets": AttentionBuckets(bases=[10000.0, 500.0]),
+}
+ASSISTANCE = {
+    "prompt_lookup": lambda: {"prompt_lookup_num_tokens": 3},
+    "assistant_model": lambda: {"assistant_model": tiny_model(seed=1, rotary_dim=4)},
+}
+
+
+@pytest.mark.parametrize("assistance", sorted(ASSISTANCE))
+def test_assisted_decoding_refuses_what_acts_on_the_prompts_last_token(assistance):
+    """Assisted decoding prefills the prompt with drafted tokens after it and verifies several drafts per call:
+    positional scaling, calibration and ranked MS-PoE acted on a drafted token (greedy assisted decoding gave other
+    tokens than plain greedy). Refused before the model runs; the other options give plain greedy's tokens."""
+    model = strong_model()
+    passes = []
+    model.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    for name, option in ACTS_ON_THE_LAST_TOKEN.items():
+        with pytest.raises(ValueError, match=f"{name} acts on the prompt's last token, but assisted decoding"):
+            model.generate(LOOPING_PROMPT, **greedy, **ASSISTANCE[assistance](), **{name: option})
+    assert not passes
+    for name, option in ACTS_ALIKE_ON_EVERY_TOKEN.items():
+        plain = model.generate(LOOPING_PROMPT, **greedy, **{name: option})
+        assisted = model.generate(LOOPING_PROMPT, **greedy, **ASSISTANCE[assistance](), **{name: option})
+        assert torch.equal(assisted, plain), name
+
+
+@pytest.mark.parametrize("name", sorted(ACTS_ON_THE_LAST_TOKEN))
+def test_a_call_continuing_a_cache_with_several_tokens_is_as_many_steps(name):
+    """Positional scaling and MS-PoE act alike on every token of a call that continues a cache: three tokens in one
+    call give the logits of three calls of one. Calibration calibrates each call's last row only, so it refuses."""
+    model = strong_model()
+    ids = LOOPING_PROMPT[:, :13]
+    option = {name: ACTS_ON_THE_LAST_TOKEN[name]}
+    one_call, one_by_one = SepFormerCache(config=model.config), SepFormerCache(config=model.config)
+    with torch.no_grad():
+        for cache in (one_call, one_by_one):
+            model(ids[:, :10], past_key_values=cache, use_cache=True, **option)
+        if name == "attention_calibration":
+            with pytest.raises(ValueError, match="calibrates each decoding step's token: .* this one has 3, "):
+                model(ids[:, 10:], past_key_values=one_call, use_cache=True, **option)
+            return
+        together = model(ids[:, 10:], past_key_values=one_call, use_cache=True, **option).logits
+        steps = [
+            model(ids[:, t : t + 1], past_key_values=one_by_one, use_cache=True, **option).logits for t in (10, 11, 12)
+        ]
+    torch.testing.assert_close(together, torch.cat(steps, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_and_generate_make_a_sepformer_cache():
