@@ -175,6 +175,21 @@ def test_every_bucket_keeps_its_own_cache_and_follows_reordering():
     assert cache.bucket_caches[0].layers[0].keys.shape[0] == 4
 
 
+def test_a_cropped_cache_continues_every_buckets_cache_from_the_kept_tokens():
+    """Assisted decoding crops the tokens it rejected: from every bucket's cache, or the next step reads another
+    bucket's tokens at other positions."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids, rejected = random_ids(2, 14), random_ids(2, 3, seed=1)
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :10], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        model(rejected, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        cache.crop(-3)
+        continued = model(ids[:, 10:], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS).logits
+    full = logits(model, ids, attention_buckets=BUCKETS)
+    torch.testing.assert_close(continued, full[:, 10:], rtol=1e-5, atol=1e-5)
+
+
 BAD_BUCKETS = [
     ({"bases": []}, "bases=\\(\\) is empty"),
     ({"bases": [10000.0, -1.0]}, "base=-1.0 must be >= 1e-09"),
