@@ -12,8 +12,10 @@ from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import rotate_half
 
 from sepformer import (
+    AttentionBuckets,
     AttentionCalibration,
     MSPoE,
+    ParallelContextWindows,
     PositionalScaling,
     SepFormerCache,
     SepFormerConfig,
@@ -22,7 +24,14 @@ from sepformer import (
     StableMask,
 )
 from sepformer.attention_calibration import bias_from_positions
-from sepformer.mitigations import KeyDocuments, calibrate_row, fixed_head_ranks, head_ratios, position_awareness
+from sepformer.mitigations import (
+    REFUSED_TOGETHER,
+    KeyDocuments,
+    calibrate_row,
+    fixed_head_ranks,
+    head_ratios,
+    position_awareness,
+)
 from sepformer.stable_mask import StableMaskMitigation, sink_logits
 
 SPANS = ((0, 3), (3, 6), (6, 9))
@@ -669,6 +678,51 @@ def test_the_extreme_values_allowed_give_finite_logits_and_a_half_precision_mode
     with pytest.raises(ValueError, match="factor=300 overflows this model's torch.float16: .* at most 255.9"):
         half(ids, positional_scaling=PositionalScaling(300))
     assert torch.isfinite(logits(half, ids, positional_scaling=PositionalScaling(-2.0))).all()
+
+
+# Written out by hand: a pair dropped from REFUSED_TOGETHER, or one whose name a typo changed, fails below.
+REFUSED_PAIRS = {
+    ("stable_mask", "attention_calibration"),
+    ("ms_poe", "positional_scaling"),  # in the same layers only
+    ("stable_mask", "attention_buckets"),
+    ("ms_poe", "attention_buckets"),
+    ("ms_poe", "parallel_context_windows"),
+    ("attention_calibration", "parallel_context_windows"),
+}
+IN_THE_SAME_LAYERS_ONLY = {("ms_poe", "positional_scaling")}
+VALID_ALONE = {  # on a 12-token prompt, in layers 0 and 1
+    "stable_mask": StableMask(0.1),
+    "ms_poe": MSPoE(layers=(0, 1)),
+    "attention_calibration": AttentionCalibration(spans=(SPANS,), layers=(0, 1)),
+    "positional_scaling": PositionalScaling(0.5, layers=(0, 1)),
+    "attention_buckets": AttentionBuckets(scales=[0.5]),
+    "parallel_context_windows": ParallelContextWindows(spans=(((0, 4), (4, 8)),)),
+}
+
+
+def test_the_refused_pairs_in_the_code_are_the_ones_written_out():
+    assert {(first, second) for first, second, _, _ in REFUSED_TOGETHER} == REFUSED_PAIRS
+    assert {(first, second) for first, second, same_layers, _ in REFUSED_TOGETHER if same_layers} == (
+        IN_THE_SAME_LAYERS_ONLY
+    )
+
+
+@pytest.mark.parametrize(
+    "pair", sorted(REFUSED_PAIRS | {(first, second) for first, second, _, _ in REFUSED_TOGETHER}), ids="+".join
+)
+def test_every_refused_pair_is_refused_and_each_of_it_runs_alone(pair):
+    model = tiny_model()
+    ids = random_ids(1, 12)
+    for name in pair:
+        logits(model, ids, **{name: VALID_ALONE[name]})
+    first, second = pair
+    same_layers = pair in IN_THE_SAME_LAYERS_ONLY
+    refused = r".* of layers \[0, 1\]: give them disjoint" if same_layers else "cannot be combined"
+    with pytest.raises(ValueError, match=f"{first} and {second} {refused}"):
+        model(ids, **{name: VALID_ALONE[name] for name in pair})
+    if same_layers:
+        disjoint = {first: dataclasses.replace(VALID_ALONE[first], layers=(0,))}
+        logits(model, ids, **disjoint, **{second: dataclasses.replace(VALID_ALONE[second], layers=(1,))})
 
 
 def test_options_that_need_something_the_model_lacks_are_refused():
