@@ -128,7 +128,9 @@ class CalibrationProbe(Mitigation):
 @dataclass(frozen=True, eq=False)
 class CalibrationMitigation(Mitigation):
     """In its layers, the attention row of each call's last query (the last prompt token at prefill, then each
-    decoding step's token) is re-weighted over the documents, with `bias(k)` measured once at prefill."""
+    decoding step's token) is re-weighted over the documents, with `bias(k)` measured once at prefill. A call that
+    continues a cache takes one token, and the prompt is padded on the left (its last token in the last column);
+    `generate` refuses assisted decoding, which drafts tokens after the prompt."""
 
     options_class = AttentionCalibration
     prefill_requirement = (
@@ -142,6 +144,10 @@ class CalibrationMitigation(Mitigation):
         return True
 
     @classmethod
+    def acts_on_last_rows(cls, options: AttentionCalibration) -> bool:
+        return True  # the prefill's last row is calibrated
+
+    @classmethod
     def resolve(cls, options: AttentionCalibration, call: CallContext) -> "CalibrationMitigation":
         config = call.model.config
         if config._attn_implementation == "flex_attention":
@@ -153,6 +159,12 @@ class CalibrationMitigation(Mitigation):
             raise ValueError(
                 f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
                 f"{call.attention_mask.dim()}D attention_mask."
+            )
+        if call.continuing and call.new_tokens > 1:
+            raise ValueError(
+                f"attention_calibration calibrates each decoding step's token: a call continuing a cache takes one "
+                f"token, and this one has {call.new_tokens}, of which only the last would be calibrated. Feed them "
+                "one per call."
             )
         check_spans_in_prompt(options, call)
         layers = options.layer_set(config.num_hidden_layers)

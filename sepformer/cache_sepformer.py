@@ -117,7 +117,8 @@ class SepFormerCache(DynamicCache):
 
     `forward` makes one when `use_cache=True` and no cache is given, and so does `generate`. The per-row state follows
     the batch through `generate`'s batch operations (beam search reorders it, several return sequences repeat it),
-    so each beam or sequence keeps the state of the row it came from.
+    so each beam or sequence keeps the state of the row it came from; a crop keeps it (it is per row, not per token),
+    and a `reset` (or a crop of every token) drops it, for the next call is a prefill.
 
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
@@ -140,14 +141,19 @@ class SepFormerCache(DynamicCache):
         ]
         if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = GrowingLayer
+        self.running_buckets = False
+        self.drop_prefill_state()
+
+    def drop_prefill_state(self) -> None:
+        """Forget what a prefill fixed and what the generation made from the weights: the next call on an empty cache is
+        a prefill, which starts a new generation."""
         self.prefill_options: dict[str, Any] | None = None
         self.ms_poe_ranks: dict[int, torch.Tensor] = {}
         self.calibration_bias: dict[int, torch.Tensor] = {}
         self.calibration_spans: torch.Tensor | None = None
-        self.derived: dict[Hashable, Any] = {}
+        self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
         self.buckets: Any = None
         self.bucket_caches: list[SepFormerCache] = []
-        self.running_buckets = False
 
     def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch operation to every per-row tensor of the state."""
@@ -176,11 +182,14 @@ class SepFormerCache(DynamicCache):
             bucket_cache.batch_select_indices(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last tokens; the per-row state stays. A crop that leaves no token is a `reset`."""
         super().crop(tokens_to_remove)
         for bucket_cache in self.bucket_caches:
             bucket_cache.crop(tokens_to_remove)
+        if self.get_seq_length() == 0:
+            self.reset()
 
     def reset(self) -> None:
+        """Empty the cache and drop the state its prefill fixed (MS-PoE's ranks, `bias(k)`, the bucket caches)."""
         super().reset()
-        for bucket_cache in self.bucket_caches:
-            bucket_cache.reset()
+        self.drop_prefill_state()

@@ -131,6 +131,12 @@ class Mitigation:
         return False
 
     @classmethod
+    def acts_on_last_rows(cls, options: MitigationOptions) -> bool:
+        """Whether these options treat the last query rows of a prefill (the prompt's last tokens) unlike the others:
+        right padding puts pads there, and assisted decoding drafted tokens, so both are refused."""
+        return False
+
+    @classmethod
     def resolve(cls, options: MitigationOptions, call: CallContext) -> "Mitigation":
         """Check `options` against the model and the call (a `ValueError` naming what is wrong), doing no work yet."""
         return cls(options, options.layer_set(call.model.config.num_hidden_layers))

@@ -11,6 +11,11 @@ import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
+INT64_MAX = 2**63 - 1
+MIN_TEMPERATURE = 1e-38  # calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, stay finite
+# A bucket's float32 angles m · scale / min(base, 1) stay finite (<= 2**63 · 1e18 < 3.4e38) for every int64 position m.
+MIN_BUCKET_BASE, MAX_BUCKET_SCALE = 1e-9, 1e9
+
 
 def _as_int(value) -> int | None:
     """`value` as a Python int if it is an integer (int, NumPy or torch integer), else `None` (floats, bools)."""
@@ -34,15 +39,27 @@ def _as_int_tuple(name: str, field: str, value):
     return integers
 
 
-def _check_number(name: str, field: str, value, low: float | None = None, strict: bool = True) -> None:
+def _check_number(
+    name: str,
+    field: str,
+    value,
+    low: float | None = None,
+    strict: bool = True,
+    high: float | None = None,
+    why: str = "",
+) -> None:
+    """A finite number above `low` (or equal, unless `strict`) and at most `high`; `why` ends the error."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} {field}={value!r} must be a finite number.")
     if low is not None and (value <= low if strict else value < low):
-        raise ValueError(f"{name} {field}={value!r} must be {'>' if strict else '>='} {low}.")
+        raise ValueError(f"{name} {field}={value!r} must be {'>' if strict else '>='} {low}{why}.")
+    if high is not None and value > high:
+        raise ValueError(f"{name} {field}={value!r} must be <= {high:g}{why}.")
 
 
-def _as_positive_numbers(name: str, field: str, value) -> tuple[float, ...] | None:
-    """A non-empty sequence of finite numbers > 0, as a tuple of floats, or `None`."""
+def _as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, ...] | None:
+    """A non-empty sequence of finite numbers > 0 (within `bounds`, as `_check_number` takes them), as a tuple of
+    floats, or `None`."""
     if value is None:
         return None
     if isinstance(value, int | float | str) or not hasattr(value, "__iter__"):
@@ -51,7 +68,7 @@ def _as_positive_numbers(name: str, field: str, value) -> tuple[float, ...] | No
     if not items:
         raise ValueError(f"{name} {field}=() is empty: give one number per bucket.")
     for item in items:
-        _check_number(name, field[:-1], item, low=0.0)
+        _check_number(name, field[:-1], item, **{"low": 0.0, **bounds})
     return tuple(float(item) for item in items)
 
 
@@ -155,7 +172,7 @@ class StableMask(MitigationOptions):
     Args:
         gamma: `γ > 0`, the decay of the pseudo-scores; large `γ` is the base model.
         columns: `N`, the last column the pseudo-scores run to; `None` is the model's `max_position_embeddings`.
-            Rows at `t >= N` get no sink.
+            Rows at `t >= N` get no sink. Any size: `τ` is computed at the positions a call reads, not tabulated.
     """
 
     gamma: float
@@ -166,9 +183,12 @@ class StableMask(MitigationOptions):
     def __post_init__(self):
         _check_number(self.name, "gamma", self.gamma, low=0.0)
         if self.columns is not None and (
-            isinstance(self.columns, bool) or not isinstance(self.columns, int) or self.columns < 1
+            isinstance(self.columns, bool) or not isinstance(self.columns, int) or not 1 <= self.columns <= INT64_MAX
         ):
-            raise ValueError(f"stable_mask columns={self.columns!r} must be None or a positive integer.")
+            raise ValueError(
+                f"stable_mask columns={self.columns!r} must be None or a positive integer, at most 2**63 - 1 "
+                "(positions are int64)."
+            )
 
 
 @dataclass(frozen=True)
@@ -211,7 +231,8 @@ class AttentionCalibration(SpanOptions):
             positions: from the row's first real token, so the same spans serve a row alone and left-padded in a
             batch. Every row has the same number of documents; spans do not overlap and lie inside the prompt.
             `generate` repeats each row's spans for its beams and return sequences.
-        temperature: `t` of `α = softmax(rel / t)` over documents (paper: 5e-5).
+        temperature: `t` of `α = softmax(rel / t)` over documents (paper: 5e-5); at least 1e-38, for finite float32
+            logits.
         layers: layer indices; `None` is the last half of the layers (the paper's choice).
         dummy_document: token ids of the dummy document that measures `bias(k)` when it replaces document `k`;
             `None` is `pad_token_id` repeated to document `k`'s length (a document with no content).
@@ -233,7 +254,14 @@ class AttentionCalibration(SpanOptions):
     bias_estimates: ClassVar[tuple[str, ...]] = ("dummy_passes", "positional")
 
     def __post_init__(self):
-        _check_number(self.name, "temperature", self.temperature, low=0.0)
+        _check_number(
+            self.name,
+            "temperature",
+            self.temperature,
+            low=MIN_TEMPERATURE,
+            strict=False,
+            why=": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it",
+        )
         object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
         object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
         if self.dummy_document is not None and len(self.dummy_document) == 0:
@@ -263,7 +291,8 @@ class PositionalScaling(MitigationOptions):
     full forward pass of the final sequence.
 
     Args:
-        factor: `s` (paper's grid: 0.5, 0, -0.5, -1; default 0, as the authors' code); 1 is the base model.
+        factor: `s` (paper's grid: 0.5, 0, -0.5, -1; default 0, as the authors' code); 1 is the base model. The
+            attention scores carry `s²`: `|s|` is at most the square root of the model dtype's largest value.
         channels: hidden-state channels; `None` is SepFormer's positional block `[0, d_pos)`, known by construction.
         layers: layer indices; `None` is the middle layers (all but the first and the last when there are >= 3).
         skip_first: tokens at positions `< skip_first` (counted from each row's first real token) are never scaled.
@@ -304,6 +333,8 @@ class AttentionBuckets(MitigationOptions):
         bases: the base of the model's base-parametrised position reading: rotary's `θ` when rotary is on, otherwise
             the sinusoidal positional map's base (10000 is the model's own). A learned table has no base: use `scales`.
         scales: bucket `b` reads the positional map and rotary at positions `m · scales[b]` (1 is the model's own).
+
+    Bases are at least 1e-9 and scales at most 1e9, which keeps every bucket's float32 angles finite.
     """
 
     bases: tuple[float, ...] | None = None
@@ -311,8 +342,14 @@ class AttentionBuckets(MitigationOptions):
     name: ClassVar[str] = "attention_buckets"
 
     def __post_init__(self):
-        object.__setattr__(self, "bases", _as_positive_numbers(self.name, "bases", self.bases))
-        object.__setattr__(self, "scales", _as_positive_numbers(self.name, "scales", self.scales))
+        why = (
+            f": a bucket turns position m by up to m · scale / min(base, 1) radians, in float32, finite for every "
+            f"int64 m with bases >= {MIN_BUCKET_BASE:g} and scales <= {MAX_BUCKET_SCALE:g}"
+        )
+        bases = _as_positive_numbers(self.name, "bases", self.bases, low=MIN_BUCKET_BASE, strict=False, why=why)
+        scales = _as_positive_numbers(self.name, "scales", self.scales, high=MAX_BUCKET_SCALE, why=why)
+        object.__setattr__(self, "bases", bases)
+        object.__setattr__(self, "scales", scales)
         if self.bases is None and self.scales is None:
             raise ValueError("attention_buckets needs bases=[...] or scales=[...] (one value per bucket).")
         if self.bases is not None and self.scales is not None and len(self.bases) != len(self.scales):

@@ -129,6 +129,37 @@ def check_combination(layers: dict[str, frozenset[int]]) -> None:
             raise ValueError(f"{first} and {second} {why} of layers {sorted(shared)}: give them disjoint `layers`.")
 
 
+def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOptions]) -> None:
+    """Options that act on each row's last prompt token find it in the prefill's last column: not in a row padded on
+    the right, which has a pad there."""
+    mask = call.attention_mask
+    if call.continuing or mask is None or mask.dim() != 2:
+        return
+    acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
+    padded = (mask[:, -1] == 0).nonzero().flatten().tolist() if acting else []
+    if padded:
+        raise ValueError(
+            f"{', '.join(acting)} acts on each row's last prompt token, which it takes from the prefill's last column, "
+            f"but rows {padded} end in padding there (attention_mask[:, -1] == 0): pad on the left (tokenizer "
+            "padding_side='left')."
+        )
+
+
+def check_assisted_decoding(config, options: dict) -> None:
+    """Assisted decoding (an assistant model, prompt lookup) prefills the prompt with drafted tokens after it, then
+    verifies several drafted tokens per call: options that act on the prompt's last token would act on a drafted one,
+    and generate other tokens than plain decoding. `options`: the keywords `generate` passes to the model."""
+    parsed = parse_options(config, options)
+    acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
+    if acting:
+        raise ValueError(
+            f"{', '.join(acting)} acts on the prompt's last token, but assisted decoding (assistant_model, "
+            "prompt_lookup_num_tokens) prefills the prompt with drafted tokens after it: it would act on a drafted "
+            "token instead, and generate other tokens than plain decoding. Generate without assistance, or without "
+            f"{', '.join(acting)}."
+        )
+
+
 def check_prefill_state(name: str, options: MitigationOptions, call: CallContext) -> None:
     """Options that fix state at prefill need a cache that keeps it, and the same options all through a cache."""
     cache = call.cache
@@ -171,6 +202,7 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     if isinstance(call.cache, SepFormerCache) or call.cache is None:
         call = dataclasses.replace(call, state=call.cache if call.cache is not None else SepFormerCache())
     check_combination({name: value.layer_set(num_layers) for name, value in parsed.items()})
+    check_last_rows_are_prompt(call, parsed)
     for name, value in parsed.items():
         if MITIGATIONS[name].fixes_state_at_prefill(value):
             check_prefill_state(name, value, call)

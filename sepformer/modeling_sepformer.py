@@ -36,7 +36,7 @@ from .mitigation_base import (
     QueryKeyProjection,
     cached_constant,
 )
-from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
+from .mitigations import MITIGATIONS, causal_lm_wrapper, check_assisted_decoding, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
     POSITIONAL_MAP_CLASSES,
     BSplinePositions,
@@ -920,6 +920,12 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         made = model_kwargs.get("past_key_values")
         if given is None and type(made) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
             model_kwargs["past_key_values"] = SepFormerCache(config=self.config)
+
+    def _get_candidate_generator(self, *args, model_kwargs, **kwargs):
+        """Assisted decoding's drafts: refused, before the assistant or the model runs, with options that act on the
+        prompt's last token (`check_assisted_decoding`)."""
+        check_assisted_decoding(self.config, model_kwargs)
+        return super()._get_candidate_generator(*args, model_kwargs=model_kwargs, **kwargs)
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """Beams and return sequences repeat each input row; options given per input row are repeated with it."""

@@ -114,6 +114,10 @@ class MSPoEMitigation(Mitigation):
         return options.head_order is None
 
     @classmethod
+    def acts_on_last_rows(cls, options: MSPoE) -> bool:
+        return options.head_order is None  # the heads are ranked from the prefill's last row
+
+    @classmethod
     def resolve(cls, options: MSPoE, call: CallContext) -> "MSPoEMitigation":
         config = call.model.config
         if config.position_size == 0 and config.rotary_dim == 0:

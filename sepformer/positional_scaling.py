@@ -1,5 +1,6 @@
 """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ class PositionalScalingMitigation(Mitigation):
         return True  # the cache holds keys scaled with these options: decoding steps must scale alike
 
     @classmethod
+    def acts_on_last_rows(cls, options: PositionalScaling) -> bool:
+        return True  # the prefill's last `last_recompute_tokens` rows are recomputed with scaled queries
+
+    @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
         config = call.model.config
         if options.channels is None and config.position_size == 0:
@@ -49,6 +54,13 @@ class PositionalScalingMitigation(Mitigation):
         if bad:
             raise ValueError(
                 f"positional_scaling channels {bad} are out of range: channels are 0..{config.hidden_size - 1}."
+            )
+        bound = math.sqrt(torch.finfo(call.model.dtype).max)
+        if abs(options.factor) > bound:
+            raise ValueError(
+                f"positional_scaling factor={options.factor!r} overflows this model's {call.model.dtype}: the "
+                f"attention scores carry factor² (queries and keys are both scaled), so |factor| must be at most "
+                f"{bound:.4g}."
             )
         channels = options.channels or tuple(range(config.position_size))
         layers = options.layer_set(config.num_hidden_layers)

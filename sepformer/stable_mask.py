@@ -6,24 +6,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, cached_constant
+from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation
 from .mitigation_options import StableMask
 
 
 def sink_logits(option: StableMask, position_ids: torch.Tensor, default_columns: int) -> torch.Tensor:
-    """`τ_t = -γt + log(1 - e^{-γ(N-t)}) - log(1 - e^{-γ})` at `t = position + 1`, `-∞` for `t >= N`."""
+    """`τ_t = -γt + log(1 - e^{-γ(N-t)}) - log(1 - e^{-γ})` at `t = position + 1`, `-∞` for `t >= N`.
+
+    Computed (in float64) at the run's positions only: `N` may be any size, so no table over its columns is built.
+    """
     columns = option.columns if option.columns is not None else default_columns
-    table = sink_logit_table(option.gamma, columns, position_ids.device)  # (N + 1,): one lookup per decoding step
-    return table[position_ids.clamp(max=columns)]
-
-
-@cached_constant(maxsize=16)
-def sink_logit_table(gamma: float, columns: int, device: torch.device) -> torch.Tensor:
-    """`τ` at positions `0..N`, the last one (and every later position) `-∞`."""
-    t = torch.arange(1, columns + 2, dtype=torch.float64)
+    t = position_ids.double() + 1
     remaining = (columns - t).clamp(min=0)
-    tau = -gamma * t + torch.log(-torch.expm1(-gamma * remaining)) - math.log(-math.expm1(-gamma))
-    return tau.float().to(device)  # log(0) = -inf where t >= N
+    tau = -option.gamma * t + torch.log(-torch.expm1(-option.gamma * remaining)) - math.log(-math.expm1(-option.gamma))
+    return tau.float()  # log(0) = -inf where t >= N
 
 
 def sink_attention(interface, module, query, key, value, attention_mask, sink_logits, scaling, **kwargs):
@@ -87,7 +83,7 @@ class StableMaskMitigation(Mitigation):
 
     def start(self, run: LayerRun) -> "StableMaskMitigation":
         tau = sink_logits(self.options, run.position_ids, self.columns)
-        return self.replace(sink_logits=tau.to(run.device)[:, None, :, None])
+        return self.replace(sink_logits=tau[:, None, :, None])
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
         return functools.partial(sink_attention, function, sink_logits=self.sink_logits)

@@ -175,10 +175,27 @@ def test_every_bucket_keeps_its_own_cache_and_follows_reordering():
     assert cache.bucket_caches[0].layers[0].keys.shape[0] == 4
 
 
+def test_a_cropped_cache_continues_every_buckets_cache_from_the_kept_tokens():
+    """Assisted decoding crops the tokens it rejected: from every bucket's cache, or the next step reads another
+    bucket's tokens at other positions."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids, rejected = random_ids(2, 14), random_ids(2, 3, seed=1)
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :10], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        model(rejected, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        cache.crop(-3)
+        continued = model(ids[:, 10:], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS).logits
+    full = logits(model, ids, attention_buckets=BUCKETS)
+    torch.testing.assert_close(continued, full[:, 10:], rtol=1e-5, atol=1e-5)
+
+
 BAD_BUCKETS = [
     ({"bases": []}, "bases=\\(\\) is empty"),
-    ({"bases": [10000.0, -1.0]}, "base=-1.0 must be > 0"),
+    ({"bases": [10000.0, -1.0]}, "base=-1.0 must be >= 1e-09"),
+    ({"bases": [1e-300]}, "base=1e-300 must be >= 1e-09: .* in float32"),  # NaN logits, unrefused
     ({"scales": [0.0]}, "scale=0.0 must be > 0"),
+    ({"scales": [1e308]}, "scale=1e\\+308 must be <= 1e\\+09: .* in float32"),  # an error from deep in the maps
     ({"bases": [1e4, float("inf")]}, "base=inf must be a finite number"),
     ({"bases": 10000.0}, "must be a non-empty sequence of positive numbers"),
     ({}, "needs bases=\\[...\\] or scales=\\[...\\]"),
@@ -191,6 +208,13 @@ BAD_BUCKETS = [
 def test_bad_bucket_options_are_refused_with_a_clear_error(options, message):
     with pytest.raises(ValueError, match=message):
         tiny_model(rotary_dim=4)(random_ids(1, 8), attention_buckets=options)
+
+
+def test_the_extreme_buckets_allowed_give_finite_logits():
+    model = strong_positions(tiny_model(rotary_dim=4, positional_map="sinusoidal"))
+    extreme = {"bases": [1e-9, 10000.0], "scales": [1e9, 1.0]}  # rotary angles up to m · 1e18
+    mixed = logits(model, random_ids(2, 12), attention_buckets=extreme)
+    assert torch.isfinite(mixed).all()
 
 
 def test_buckets_that_mean_nothing_for_the_model_are_refused():

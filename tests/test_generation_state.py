@@ -4,7 +4,16 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sepformer import AttentionCalibration, MSPoE, SepFormerCache, SepFormerTokenizer
+from sepformer import (
+    AttentionBuckets,
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    SepFormerCache,
+    SepFormerTokenizer,
+    StableMask,
+)
 
 PROMPTS = ["def f(x): return x", "import os, sys  # x", "a longer prompt, with more bytes"]
 SPANS = ((0, 5), (5, 10), (10, 15))
@@ -62,28 +71,148 @@ def test_several_return_sequences_each_carry_their_rows_state(name):
         assert torch.equal(sampled[2 * row], alone[-6:]) and torch.equal(sampled[2 * row + 1], alone[-6:])
 
 
-def test_batch_operations_carry_the_state_row_by_row():
-    """Beam search reorders, contrastive search repeats and selects: the state follows its rows."""
+BUCKETS = AttentionBuckets(bases=[10000.0, 500.0])
+ROW_SPANS = (((0, 5), (5, 10)), ((1, 4), (4, 9)), ((2, 8), (8, 12)))  # rows differ, so their order shows
+BATCH_OPERATIONS = {  # (operation, the rows it leaves, the tokens it leaves of 16)
+    "reorder": (lambda cache: cache.reorder_cache(torch.tensor([2, 0, 0])), [2, 0, 0], 16),
+    "repeat": (lambda cache: cache.batch_repeat_interleave(2), [0, 0, 1, 1, 2, 2], 16),
+    "select": (lambda cache: cache.batch_select_indices(torch.tensor([1, 2])), [1, 2], 16),
+    "crop": (lambda cache: cache.crop(-3), [0, 1, 2], 13),
+    "reset": (lambda cache: cache.reset(), None, 0),
+    "crop everything": (lambda cache: cache.crop(-16), None, 0),
+}
+
+
+def prefill_state(cache: SepFormerCache) -> dict[str, torch.Tensor]:
+    """What a prefill fixed on `cache`, by name: each per row (the bucket's keys per row and token)."""
+    state = {
+        "bucket keys": cache.bucket_caches[0].layers[0].keys if cache.bucket_caches else None,
+        "ranks": cache.ms_poe_ranks.get(0),
+        "bias": cache.calibration_bias.get(1),
+        "spans": cache.calibration_spans,
+    }
+    return {name: tensor.clone() for name, tensor in state.items() if tensor is not None}
+
+
+@pytest.mark.parametrize("operation", sorted(BATCH_OPERATIONS))
+def test_every_batch_operation_applies_to_every_state_a_prefill_fixed(operation):
+    """Beam search reorders, several return sequences repeat, other strategies select, assisted decoding crops:
+    MS-PoE's ranks, calibration's bias(k) and spans follow the rows (a crop keeps them: they are per row), the bucket
+    caches the rows and tokens. A reset, or a crop of every token, drops them all: the next call is a prefill."""
     model = strong_model()
     ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
-    options = {**OPTIONS["ms_poe"](3), **OPTIONS["calibration"](3)}
-    options["ms_poe"] = MSPoE(layers=(0,))  # calibration in layers 0 and 1, MS-PoE in 0
-    cache = SepFormerCache(config=model.config)
+    ranked_and_calibrated = {
+        "ms_poe": MSPoE(layers=(0,)),
+        "attention_calibration": AttentionCalibration(spans=ROW_SPANS, temperature=1e-2, layers=(1,)),
+    }
+    caches = {}
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True, **options)
-    ranks, bias, spans = cache.ms_poe_ranks[0].clone(), cache.calibration_bias[1].clone(), cache.calibration_spans
-    assert ranks.shape == (3, 4, 1, 1) and bias.shape == (3, 4, 3) and spans.shape == (3, 3, 2)
-    assert not torch.equal(ranks[0], ranks[1]) or not torch.equal(ranks[1], ranks[2])  # rows differ: order matters
+        for name, options in (("mitigations", ranked_and_calibrated), ("buckets", {"attention_buckets": BUCKETS})):
+            caches[name] = SepFormerCache(config=model.config)
+            model(ids, past_key_values=caches[name], use_cache=True, **options)
+    before = {name: state for cache in caches.values() for name, state in prefill_state(cache).items()}
+    assert sorted(before) == ["bias", "bucket keys", "ranks", "spans"]
+    operate, rows, tokens = BATCH_OPERATIONS[operation]
+    for cache in caches.values():
+        operate(cache)
+        assert cache.get_seq_length() == tokens
+    after = {name: state for cache in caches.values() for name, state in prefill_state(cache).items()}
+    if rows is None:
+        assert after == {} and caches["buckets"].buckets is None
+        assert all(cache.prefill_options is None and cache.calibration_spans is None for cache in caches.values())
+        return
+    for name, state in before.items():
+        expected = state[rows][:, :, :tokens] if name == "bucket keys" else state[rows]
+        assert torch.equal(after[name], expected), name
+        if operation == "reorder":  # the rows differ: a state left in place would show
+            assert not torch.equal(expected, state), name
 
-    cache.reorder_cache(torch.tensor([2, 0, 0]))
-    assert torch.equal(cache.ms_poe_ranks[0], ranks[[2, 0, 0]])
-    assert torch.equal(cache.calibration_bias[1], bias[[2, 0, 0]])
-    cache.batch_repeat_interleave(2)
-    assert torch.equal(cache.ms_poe_ranks[0], ranks[[2, 2, 0, 0, 0, 0]])
-    cache.batch_select_indices(torch.tensor([1, 2]))
-    assert torch.equal(cache.calibration_bias[1], bias[[2, 0]])
-    assert torch.equal(cache.calibration_spans, spans[[2, 0]])
-    assert cache.layers[0].keys.shape[0] == 2
+
+@pytest.mark.parametrize("empty", ["reset", "crop everything"])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ({"ms_poe": MSPoE(layers=(0, 1))}, {"ms_poe": MSPoE(layers=(0, 1))}),
+        ({"attention_buckets": BUCKETS}, {}),
+        ({"positional_scaling": PositionalScaling(0.5)}, {}),
+    ],
+    ids=["ms_poe", "buckets then none", "scaling then none"],
+)
+def test_an_emptied_cache_is_prefilled_as_a_new_one(empty, first, second):
+    """A prefill on an emptied cache fixed nothing of its own where the last prefill had: MS-PoE kept the last
+    prompt's ranks, and a cache prefilled with buckets or positional scaling refused to go on without them."""
+    model = strong_model()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    emptied, fresh = SepFormerCache(config=model.config), SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 12)), past_key_values=emptied, use_cache=True, **first)
+        BATCH_OPERATIONS[empty][0](emptied)
+        logits = {}
+        for name, cache in (("emptied", emptied), ("fresh", fresh)):
+            prefill = model(ids[:, :11], past_key_values=cache, use_cache=True, **second).logits
+            step = model(ids[:, 11:], past_key_values=cache, use_cache=True, **second).logits
+            logits[name] = torch.cat((prefill, step), 1)
+    assert torch.equal(logits["emptied"], logits["fresh"])
+
+
+LOOPING_PROMPT = torch.tensor([[5, 6, 7, 8, 9] * 3 + [5, 6, 7]])  # prompt lookup finds drafts in it
+TWO_DOCUMENTS = (((0, 5), (5, 10)),)
+ACTS_ON_THE_LAST_TOKEN = {
+    "positional_scaling": PositionalScaling(-1.0, layers=(0, 1)),
+    "attention_calibration": AttentionCalibration(spans=TWO_DOCUMENTS, temperature=1e-2, layers=(0, 1)),
+    "ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1)),
+}
+ACTS_ALIKE_ON_EVERY_TOKEN = {
+    "stable_mask": StableMask(0.2, columns=40),
+    "ms_poe": MSPoE(r_min=1.5, r_max=3.0, layers=(0, 1), head_order=(2, 0, 3, 1)),
+    "parallel_context_windows": ParallelContextWindows(spans=TWO_DOCUMENTS),
+    "attention_buckets": BUCKETS,
+}
+ASSISTANCE = {
+    "prompt_lookup": lambda: {"prompt_lookup_num_tokens": 3},
+    "assistant_model": lambda: {"assistant_model": tiny_model(seed=1, rotary_dim=4)},
+}
+
+
+@pytest.mark.parametrize("assistance", sorted(ASSISTANCE))
+def test_assisted_decoding_refuses_what_acts_on_the_prompts_last_token(assistance):
+    """Assisted decoding prefills the prompt with drafted tokens after it and verifies several drafts per call:
+    positional scaling, calibration and ranked MS-PoE acted on a drafted token (greedy assisted decoding gave other
+    tokens than plain greedy). Refused before the model runs; the other options give plain greedy's tokens."""
+    model = strong_model()
+    passes = []
+    model.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    for name, option in ACTS_ON_THE_LAST_TOKEN.items():
+        with pytest.raises(ValueError, match=f"{name} acts on the prompt's last token, but assisted decoding"):
+            model.generate(LOOPING_PROMPT, **greedy, **ASSISTANCE[assistance](), **{name: option})
+    assert not passes
+    for name, option in ACTS_ALIKE_ON_EVERY_TOKEN.items():
+        plain = model.generate(LOOPING_PROMPT, **greedy, **{name: option})
+        assisted = model.generate(LOOPING_PROMPT, **greedy, **ASSISTANCE[assistance](), **{name: option})
+        assert torch.equal(assisted, plain), name
+
+
+@pytest.mark.parametrize("name", sorted(ACTS_ON_THE_LAST_TOKEN))
+def test_a_call_continuing_a_cache_with_several_tokens_is_as_many_steps(name):
+    """Positional scaling and MS-PoE act alike on every token of a call that continues a cache: three tokens in one
+    call give the logits of three calls of one. Calibration calibrates each call's last row only, so it refuses."""
+    model = strong_model()
+    ids = LOOPING_PROMPT[:, :13]
+    option = {name: ACTS_ON_THE_LAST_TOKEN[name]}
+    one_call, one_by_one = SepFormerCache(config=model.config), SepFormerCache(config=model.config)
+    with torch.no_grad():
+        for cache in (one_call, one_by_one):
+            model(ids[:, :10], past_key_values=cache, use_cache=True, **option)
+        if name == "attention_calibration":
+            with pytest.raises(ValueError, match="calibrates each decoding step's token: .* this one has 3, "):
+                model(ids[:, 10:], past_key_values=one_call, use_cache=True, **option)
+            return
+        together = model(ids[:, 10:], past_key_values=one_call, use_cache=True, **option).logits
+        steps = [
+            model(ids[:, t : t + 1], past_key_values=one_by_one, use_cache=True, **option).logits for t in (10, 11, 12)
+        ]
+    torch.testing.assert_close(together, torch.cat(steps, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_and_generate_make_a_sepformer_cache():

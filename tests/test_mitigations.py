@@ -11,8 +11,10 @@ from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import rotate_half
 
 from sepformer import (
+    AttentionBuckets,
     AttentionCalibration,
     MSPoE,
+    ParallelContextWindows,
     PositionalScaling,
     SepFormerCache,
     SepFormerConfig,
@@ -21,7 +23,14 @@ from sepformer import (
     StableMask,
 )
 from sepformer.attention_calibration import bias_from_positions
-from sepformer.mitigations import KeyDocuments, calibrate_row, fixed_head_ranks, head_ratios, position_awareness
+from sepformer.mitigations import (
+    REFUSED_TOGETHER,
+    KeyDocuments,
+    calibrate_row,
+    fixed_head_ranks,
+    head_ratios,
+    position_awareness,
+)
 from sepformer.stable_mask import StableMaskMitigation, sink_logits
 
 SPANS = ((0, 3), (3, 6), (6, 9))
@@ -63,6 +72,26 @@ def test_sink_logit_closed_form_equals_the_explicit_sum(gamma):
         terms = [math.exp(-gamma * (j - 1)) for j in range(t + 1, length + 1)]
         expected = math.log(sum(terms)) if terms else -math.inf
         assert tau[t - 1].item() == pytest.approx(expected, rel=1e-5, abs=1e-5), t
+
+
+def test_a_billion_columns_cost_only_the_positions_read():
+    """`τ_t` depends on `t` and `N` only: `N = 10⁹` builds nothing over the columns (a table of them took 8 GB per
+    float64 temporary and the process was killed)."""
+    gamma, columns = 0.01, 10**9
+    positions = [0, 5, 1000, columns - 2, columns - 1, columns, 2 * columns]
+    tau = sink_logits(StableMask(gamma, columns=columns), torch.tensor([positions]), default_columns=64)[0]
+    for position, got in zip(positions, tau.tolist(), strict=True):
+        t = position + 1
+        expected = -math.inf
+        if t < columns:
+            expected = -gamma * t + math.log(-math.expm1(-gamma * (columns - t))) - math.log(-math.expm1(-gamma))
+        assert got == pytest.approx(expected, rel=1e-6), position
+    model = tiny_model()
+    ids = random_ids(2, 12)
+    # e^{-γ(N - t)} is below float32's resolution for N = 10⁴ already: the same sink logits as N = 10⁹
+    billion = logits(model, ids, stable_mask=StableMask(gamma, columns=columns))
+    torch.testing.assert_close(billion, logits(model, ids, stable_mask=StableMask(gamma, columns=10**4)))
+    assert not torch.allclose(billion, logits(model, ids), atol=1e-4)
 
 
 def dense_stable_mask(gamma, length):
@@ -558,9 +587,41 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(name, attn
         assert torch.equal(together[row], alone[0, -8:]), prompt
 
 
+ACT_ON_LAST_ROWS = {"ms_poe", "calibration", "calibration_positional", "scaling"}  # ranked MS-PoE, not a fixed order
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_a_right_padded_prompt_is_refused_by_what_acts_on_its_last_token(name):
+    """Positional scaling, calibration and ranked MS-PoE act on the prefill's last column, a pad in a row padded on
+    the right (the tokenizer's default): the short row's last real token came out 0.6 to 8.6 off the row alone. They
+    refuse it; the others give each right-padded row what it gives alone."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    tokenizer = SepFormerTokenizer()
+    assert tokenizer.padding_side == "right"
+    prompts = ["def f(x): return", "a longer prompt, with more bytes"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    options = dict(OPTIONS[name])
+    if "attention_calibration" in options:
+        options["attention_calibration"] = dataclasses.replace(options["attention_calibration"], spans=(SPANS,) * 2)
+    if name in ACT_ON_LAST_ROWS:
+        refused = r"acts on each row's last prompt token, .* rows \[0\] end in padding .* padding_side='left'"
+        with pytest.raises(ValueError, match=refused):
+            model(**batch, **options)
+        with pytest.raises(ValueError, match=refused):
+            model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id, **options)
+        left = SepFormerTokenizer(padding_side="left")(prompts, return_tensors="pt", padding=True)
+        logits(model, left.input_ids, attention_mask=left.attention_mask, **options)  # left padding runs
+        return
+    together = logits(model, batch.input_ids, attention_mask=batch.attention_mask, **options)
+    for row, prompt in enumerate(prompts):
+        alone = logits(model, tokenizer([prompt], return_tensors="pt").input_ids, **options)[0]
+        torch.testing.assert_close(together[row, : len(alone)], alone, rtol=1e-5, atol=1e-5)
+
+
 BAD = [
     ({"stable_mask": {"gamma": -1}}, "gamma=-1 must be > 0"),
     ({"stable_mask": {"gamma": 0.1, "columns": 0}}, "columns=0 must be None or a positive integer"),
+    ({"stable_mask": {"gamma": 0.1, "columns": 2**63}}, "columns=9223372036854775808 must be .* at most 2\\*\\*63 - 1"),
     ({"stable_mask": {"gama": 0.1}}, "unknown keys \\['gama'\\]"),
     ({"stable_mask": 0.1}, "must be a StableMask, a dict"),
     ({"ms_poe": {"r_min": 0.5}}, "r_min=0.5 must be >= 1.0"),
@@ -569,6 +630,7 @@ BAD = [
     ({"ms_poe": {"head_order": (0, 1, 2)}}, "must be a permutation of the 4 heads"),
     ({"ms_poe": {"layers": (1,)}, "positional_scaling": {"factor": 0.0, "layers": (1,)}}, "disjoint `layers`"),
     ({"positional_scaling": {"factor": float("nan")}}, "factor=nan must be a finite number"),
+    ({"positional_scaling": {"factor": 1e30}}, "factor=1e\\+30 overflows this model's torch.float32: .* 1.845e\\+19"),
     ({"positional_scaling": {"factor": 0.5, "channels": (32,)}}, "channels \\[32\\] are out of range"),
     ({"positional_scaling": {"skip_first": -1}}, "skip_first=-1 must be an integer >= 0"),
     ({"positional_scaling": {"last_recompute_tokens": 0}}, "last_recompute_tokens=0 must be an integer >= 1"),
@@ -580,7 +642,8 @@ BAD = [
     ({"attention_calibration": {"spans": (((3, 3),),)}}, "empty or negative"),
     ({"attention_calibration": {"spans": (((0, 3),), ((0, 3),))}}, "spans for 2 rows; the batch has 1"),
     ({"attention_calibration": {"spans": (((0, 3),), ((0, 3), (3, 5)))}}, "the same number"),
-    ({"attention_calibration": {"spans": (SPANS,), "temperature": 0}}, "temperature=0 must be > 0"),
+    ({"attention_calibration": {"spans": (SPANS,), "temperature": 0}}, "temperature=0 must be >= 1e-38: .* float32"),
+    ({"attention_calibration": {"spans": (SPANS,), "temperature": 1e-300}}, "temperature=1e-300 must be >= 1e-38"),
     ({"attention_calibration": {"spans": (SPANS,), "bias_estimate": "mean"}}, "bias_estimate='mean' is not one of"),
     (
         {"attention_calibration": {"spans": (SPANS,), "bias_estimate": "positional", "dummy_document": (5,)}},
@@ -595,6 +658,65 @@ def test_invalid_options_are_refused_with_a_clear_error(kwargs, message):
     model = tiny_model()
     with pytest.raises(ValueError, match=message):
         model(random_ids(1, 12), **kwargs)
+
+
+def test_the_extreme_values_allowed_give_finite_logits_and_a_half_precision_model_allows_smaller_factors():
+    """NaN logits came back without an error for calibration's temperature=1e-300 and positional scaling's
+    factor=1e30; the bounds that refuse them still let the extremes they allow run finite."""
+    model = strong_positions(tiny_model())
+    ids = random_ids(1, 12)
+    coldest = AttentionCalibration(spans=(SPANS,), temperature=1e-38)
+    assert torch.isfinite(logits(model, ids, attention_calibration=coldest)).all()
+    assert torch.isfinite(logits(model, ids, positional_scaling=PositionalScaling(-1e4))).all()
+    half = model.to(torch.float16)
+    with pytest.raises(ValueError, match="factor=300 overflows this model's torch.float16: .* at most 255.9"):
+        half(ids, positional_scaling=PositionalScaling(300))
+    assert torch.isfinite(logits(half, ids, positional_scaling=PositionalScaling(-2.0))).all()
+
+
+# Written out by hand: a pair dropped from REFUSED_TOGETHER, or one whose name a typo changed, fails below.
+REFUSED_PAIRS = {
+    ("stable_mask", "attention_calibration"),
+    ("ms_poe", "positional_scaling"),  # in the same layers only
+    ("stable_mask", "attention_buckets"),
+    ("ms_poe", "attention_buckets"),
+    ("ms_poe", "parallel_context_windows"),
+    ("attention_calibration", "parallel_context_windows"),
+}
+IN_THE_SAME_LAYERS_ONLY = {("ms_poe", "positional_scaling")}
+VALID_ALONE = {  # on a 12-token prompt, in layers 0 and 1
+    "stable_mask": StableMask(0.1),
+    "ms_poe": MSPoE(layers=(0, 1)),
+    "attention_calibration": AttentionCalibration(spans=(SPANS,), layers=(0, 1)),
+    "positional_scaling": PositionalScaling(0.5, layers=(0, 1)),
+    "attention_buckets": AttentionBuckets(scales=[0.5]),
+    "parallel_context_windows": ParallelContextWindows(spans=(((0, 4), (4, 8)),)),
+}
+
+
+def test_the_refused_pairs_in_the_code_are_the_ones_written_out():
+    assert {(first, second) for first, second, _, _ in REFUSED_TOGETHER} == REFUSED_PAIRS
+    assert {(first, second) for first, second, same_layers, _ in REFUSED_TOGETHER if same_layers} == (
+        IN_THE_SAME_LAYERS_ONLY
+    )
+
+
+@pytest.mark.parametrize(
+    "pair", sorted(REFUSED_PAIRS | {(first, second) for first, second, _, _ in REFUSED_TOGETHER}), ids="+".join
+)
+def test_every_refused_pair_is_refused_and_each_of_it_runs_alone(pair):
+    model = tiny_model()
+    ids = random_ids(1, 12)
+    for name in pair:
+        logits(model, ids, **{name: VALID_ALONE[name]})
+    first, second = pair
+    same_layers = pair in IN_THE_SAME_LAYERS_ONLY
+    refused = r".* of layers \[0, 1\]: give them disjoint" if same_layers else "cannot be combined"
+    with pytest.raises(ValueError, match=f"{first} and {second} {refused}"):
+        model(ids, **{name: VALID_ALONE[name] for name in pair})
+    if same_layers:
+        disjoint = {first: dataclasses.replace(VALID_ALONE[first], layers=(0,))}
+        logits(model, ids, **disjoint, **{second: dataclasses.replace(VALID_ALONE[second], layers=(1,))})
 
 
 def test_options_that_need_something_the_model_lacks_are_refused():

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from sepformer import SepFormerForCausalLM
+from sepformer import SepFormerCache, SepFormerForCausalLM
 
 L = 16  # the tiny models' positional table
 VARIANTS = {
@@ -126,3 +126,18 @@ def test_trainer_evaluations_between_steps_see_the_current_weights(tmp_path, opt
     assert trainer.args.optim.value == optim
     trainer.train()
     assert check.checked == 4
+
+
+def test_an_emptied_cache_starts_a_new_generation():
+    """A cache emptied by `reset` (or a crop of every token) keeps nothing made from the weights of its last
+    generation: after the weights change, its next generation equals a fresh model's."""
+    model = model_of("learned table, fourier past L")
+    prompt = PROBE[:, : L - 4]
+    for empty in (lambda cache: cache.reset(), lambda cache: cache.crop(-cache.get_seq_length())):
+        cache = SepFormerCache(config=model.config)
+        model.generate(prompt, max_new_tokens=L, do_sample=False, past_key_values=cache)
+        empty(cache)
+        for parameter in model.parameters():
+            parameter.data.mul_(1.5)
+        again = model.generate(prompt, max_new_tokens=L, do_sample=False, past_key_values=cache)
+        assert torch.equal(again, fresh_copy(model).generate(prompt, max_new_tokens=L, do_sample=False))
