@@ -114,7 +114,7 @@ class CalibrationProbe(Mitigation):
     probe: torch.Tensor | None = None  # (b, kv) boolean: the dummy document's keys
     probed: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, H)
 
-    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         def probing(module, query, key, value, attention_mask, scaling, **kwargs):
             output = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
@@ -239,7 +239,7 @@ class CalibrationMitigation(Mitigation):
         positions = key_positions(run.padding_mask, kv, run.device)
         return self.replace(documents=KeyDocuments.of(key_documents(self.state.calibration_spans, positions)))
 
-    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         temperature = self.options.temperature
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
@@ -289,13 +289,15 @@ class PositionalBiasCalibration(CalibrationMitigation):
         dummy_input = torch.cat((key_input[..., :d_pos], mean.to(key_input.dtype).expand_as(semantic)), -1)
         return projection.project(projection.attention_input, dummy_input)[1]
 
-    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
-        calibrated = super().wrap_attention(layer_idx, function)
+    def wrap_attention(
+        self, layer_idx: int, function: AttentionFunction, projection: QueryKeyProjection | None
+    ) -> AttentionFunction:
+        calibrated = super().wrap_attention(layer_idx, function, projection)
 
         def measured_then_calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             with torch.no_grad():  # a measurement, as the dummy passes are: no gradient, no graph kept on the cache
                 scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
-                dummy_key = self.dummy_keys(layer_idx, kwargs["query_key_projection"])
+                dummy_key = self.dummy_keys(layer_idx, projection)
                 dummy_scores, _ = last_row_scores(query, dummy_key, attention_mask, scaling)
                 self.state.calibration_bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
             return calibrated(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -103,14 +103,23 @@ class LayerRun:
 
 @dataclass(frozen=True, eq=False)
 class QueryKeyProjection:
-    """A layer's attention input and its query/key pipeline, given to the attention function (keyword
-    `query_key_projection`) in layers whose `query_key_inputs` a hook rewrites: an attention wrapper may then attend
-    with other readings of the same input than the ones the layer projected (positional scaling's base rows)."""
+    """A layer's attention input and how the layer turns it into queries and keys, given to the attention wrappers of
+    layers whose `query_key_inputs` a hook rewrites: a wrapper may then attend with other readings of the same input
+    than the ones the layer projected (positional scaling's base rows, calibration's dummy keys)."""
 
+    attention: Any  # the SepFormerAttention
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
-    # (query_input, key_input), each (b, seq, d_model) -> (query, key), each (b, H, seq, head_dim), positions applied
-    # as the layer applies them (rotary or a `position_query_key` hook)
-    project: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    residual: torch.Tensor  # (b, seq, d_model): the layer's input before its norm
+    attention_mask: torch.Tensor | None
+    hooks: Any  # the layer's LayerHooks
+
+    def project(self, query_input: torch.Tensor, key_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and keys, positions applied as the layer does."""
+        query, key = self.attention.project_query_key(query_input, key_input)
+        return self.attention.apply_positions(
+            query, key, self.position_embeddings, self.residual, self.attention_mask, self.hooks
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,8 +163,7 @@ class Mitigation:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, seq, d_model) inputs of `q_proj` and `k_proj`; values always read the layer's own normed input. The
         keys projected from `key_input` are the ones written to the cache. A layer with such a hook gives its attention
-        function the keyword `query_key_projection` (a `QueryKeyProjection`); a wrapper that does not read it passes it
-        on, and the attention functions ignore it."""
+        wrappers a `QueryKeyProjection`."""
         return query_input, key_input
 
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
@@ -180,8 +188,11 @@ class Mitigation:
         """
         raise NotImplementedError  # only called on subclasses that override it
 
-    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
-        """The attention function of the layer: `(module, query, key, value, mask, **kwargs) -> (output, weights)`."""
+    def wrap_attention(
+        self, layer_idx: int, function: AttentionFunction, projection: QueryKeyProjection | None
+    ) -> AttentionFunction:
+        """The attention function of the layer: `(module, query, key, value, mask, **kwargs) -> (output, weights)`.
+        `projection`: the layer's input and query/key pipeline where a hook rewrites its query and key inputs."""
         return function
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -293,9 +304,11 @@ class LayerHooks:
             query_input, key_input = mitigation.query_key_inputs(layer_idx, query_input, key_input)
         return query_input, key_input
 
-    def attention_function(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+    def attention_function(
+        self, layer_idx: int, function: AttentionFunction, projection: QueryKeyProjection | None
+    ) -> AttentionFunction:
         for mitigation in self.attention_wrappers:
-            function = mitigation.wrap_attention(layer_idx, function)
+            function = mitigation.wrap_attention(layer_idx, function, projection)
         return function
 
 

@@ -5,14 +5,10 @@ keys read the whole (normalised) vector, so attention may route on position and 
 output projection, the MLPs and the norms are block-diagonal, so positional and semantic coordinates never mix.
 """
 
-import dataclasses
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -24,129 +20,20 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_sepformer import SepFormerCache, derived_store, kept_in
+from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make_norm
+from .cache_sepformer import SepFormerCache, derived_store
 from .configuration_sepformer import SepFormerConfig
-from .mitigation_base import (
-    NO_HOOKS,
-    CallContext,
-    InputScale,
-    LayerHooks,
-    LayerRun,
-    MitigationPlan,
-    QueryKeyProjection,
-    cached_constant,
-)
+from .decoding import decoding_weights
+from .input_checks import check_inputs, check_labels, check_last_position
+from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, check_assisted_decoding, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
     POSITIONAL_MAP_CLASSES,
     BSplinePositions,
-    LearnedPositions,
     apply_partial_rotary,
     call_extrapolation,
     positions_from_mask,
 )
-
-
-class BlockDiagonal(nn.Module):
-    """`[x_pos ‖ x_sem] -> [position(x_pos) ‖ semantic(x_sem)]`: one module per subspace, nothing crosses.
-
-    With `d_pos = 0` there is no positional block: `position` is `None` and the input is all semantic.
-    """
-
-    def __init__(self, position: nn.Module | None, semantic: nn.Module, position_size: int):
-        super().__init__()
-        self.position = position
-        self.semantic = semantic
-        self.position_size = position_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.position is None:
-            return self.semantic(x)
-        # (..., d) -> (rows, d): a linear layer on 2D rows is one matmul call, on more dimensions a matmul and two
-        # reshapes, and decoding steps go by call count.
-        return self.each_block(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-
-    def each_block(self, x: torch.Tensor) -> torch.Tensor:
-        widths = (self.position_size, x.shape[-1] - self.position_size)
-        return blockwise(x, (self.position, self.semantic), widths)
-
-
-def blockwise(x: torch.Tensor, functions, widths: tuple[int, ...]) -> torch.Tensor:
-    """`[f_1(x_1) ‖ f_2(x_2) ‖ ...]` over blocks of the last dimension of the given widths.
-
-    One split rather than slices: its backward is one cat, where each slice's backward fills a zero tensor of the full
-    width and they are summed."""
-    blocks = x.split_with_sizes(widths, -1)
-    return torch.cat([function(block) for function, block in zip(functions, blocks, strict=True)], -1)
-
-
-def block_diagonal(
-    config: SepFormerConfig, make: Callable[[int], nn.Module], kind: type[BlockDiagonal] = BlockDiagonal
-) -> BlockDiagonal:
-    """`make(width)` builds the module of one subspace; the positional one is skipped when `d_pos = 0`."""
-    position = make(config.position_size) if config.position_size > 0 else None
-    return kind(position, make(config.semantic_size), config.position_size)
-
-
-def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
-    if config.norm_type == "rmsnorm":
-        return nn.RMSNorm(width, eps=config.norm_eps)
-    return nn.LayerNorm(width, eps=config.norm_eps)
-
-
-@cached_constant(maxsize=8)
-def block_statistics(position_size: int, semantic_size: int, eps: float, device: torch.device):
-    """float32 constants of an RMS `BlockNorm`: the `(d, 2)` block-averaging matrix, `eps` per block, the `(2, d)` 0/1
-    indicator."""
-    indicator = torch.block_diag(torch.ones(1, position_size), torch.ones(1, semantic_size)).to(device)
-    averaging = (indicator / indicator.sum(-1, keepdim=True)).t().contiguous()
-    return averaging, torch.full((2,), eps, device=device), indicator
-
-
-class BlockNorm(BlockDiagonal):
-    """Each block normalised on its own (its own RMSNorm or LayerNorm, `position` and `semantic`).
-
-    LayerNorms run as `BlockDiagonal`'s blocks do: torch's layer norm is one fused kernel per block. RMSNorms run in
-    one pass over the rows, seven aten calls where the two torch RMSNorms with their split and cat are fourteen (six
-    each on CPU): each block's mean square (plus `eps`) is one matmul with the block-averaging matrix, and comes back
-    to the block's coordinates, times the block's weight, through one `(2, d)` matrix. Statistics in float32, as the
-    torch norms compute them.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.position is None:
-            return self.semantic(x)
-        if not isinstance(self.semantic, nn.RMSNorm):  # layer norms work on any shape: no reshapes
-            return self.each_block(x)
-        if torch.is_autocast_enabled(x.device.type):  # the matmuls below would run in half precision
-            with torch.autocast(x.device.type, enabled=False):
-                return self.forward(x)
-        averaging, eps, indicator = block_statistics(
-            self.position_size, x.shape[-1] - self.position_size, self.semantic.eps, x.device
-        )
-        h = x.float().reshape(-1, x.shape[-1])  # (rows, d): 2D matmuls, no reshapes around each
-        return rms_normed_rows(h, averaging, eps, self.block_weights(indicator)).view(x.shape).to(x.dtype)
-
-    def block_weights(self, indicator: torch.Tensor) -> torch.Tensor:
-        """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere."""
-        return indicator * torch.cat((self.position.weight, self.semantic.weight)).float()
-
-
-def rms_normed_rows(h: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """float32 rows (rows, d), each block RMS-normed and times its weights: `block_statistics` and `block_weights`."""
-    inverse_rms = torch.addmm(eps, h * h, averaging).rsqrt_()  # (rows, 2): one per block
-    return h * (inverse_rms @ weights)
-
-
-class SepFormerMLP(nn.Module):
-    def __init__(self, config: SepFormerConfig, width: int, intermediate_size: int):
-        super().__init__()
-        self.up_proj = nn.Linear(width, intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(intermediate_size, width, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
 class SepFormerRotaryEmbedding(nn.Module):
@@ -173,159 +60,6 @@ class SepFormerRotaryEmbedding(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class RowLinear:
-    """`rows @ weight + bias` on 2D rows, the weight stored `(in, out)`: one `mm` or `addmm` call, no transpose."""
-
-    weight: torch.Tensor  # (in, out), or a transposed view of (out, in)
-    bias: torch.Tensor | None
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "RowLinear":
-        """From an `nn.Linear`'s `(out, in)` weight: a copy laid out `(in, out)` on a CPU, where a matrix-vector product
-        reads it faster; elsewhere a transposed view (the GPU libraries take either layout), no copy."""
-        return cls(weight.t().contiguous() if weight.device.type == "cpu" else weight.t(), bias)
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.mm(rows, self.weight) if self.bias is None else torch.addmm(self.bias, rows, self.weight)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RowRMSNorm:
-    """An RMS `BlockNorm` on 2D rows with its float32 constants made once: its kernels, without the module's checks."""
-
-    averaging: torch.Tensor  # (d, 2)
-    eps: torch.Tensor  # (2,)
-    weights: torch.Tensor  # (2, d)
-
-    @classmethod
-    def of(cls, norm: BlockNorm) -> "RowRMSNorm":
-        averaging, eps, indicator = block_statistics(
-            norm.position_size, norm.semantic.normalized_shape[0], norm.semantic.eps, norm.semantic.weight.device
-        )
-        return cls(averaging, eps, norm.block_weights(indicator))
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return rms_normed_rows(rows.float(), self.averaging, self.eps, self.weights).to(rows.dtype)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RowMLP:
-    """A `SepFormerMLP` on 2D rows with its weights laid out `(in, out)` and its own activation."""
-
-    up: RowLinear
-    down: RowLinear
-    act_fn: nn.Module
-
-    @classmethod
-    def of(cls, mlp: SepFormerMLP) -> "RowMLP":
-        return cls(*(RowLinear.of(linear.weight, linear.bias) for linear in (mlp.up_proj, mlp.down_proj)), mlp.act_fn)
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act_fn(self.up(rows)))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FusedProjections:
-    """One decoder layer's weights laid out for decoding steps on 2D rows.
-
-    A decoding step multiplies a token or a few per row. On a CPU its time goes by the number of kernels and by the
-    bytes of weights read, not by FLOPs, and a matrix-vector product reads a weight faster laid out `(in, out)` than
-    as `nn.Linear`'s `(out, in)`. So `q_proj`, `k_proj` and the two blocks of `v_proj` become one matmul with
-    `[W_q; W_k; W_V]` and `o_proj` one with `W_O`, the block-diagonal `W_V` and `W_O` written dense with their zero
-    blocks (small next to `W_q` and `W_k`). The MLPs, most of the layer's weights, stay one per block (dense zero
-    blocks would read 8 d² where the blocks hold 5 d²), their weights laid out `(in, out)` on a CPU (`RowLinear`). RMS
-    block norms run their kernels with their constants made once (`RowRMSNorm`). Same function; ~1e-7 apart in float32
-    (another summation order). Memory while the cache lives: `4 d²` per layer for attention, and on a CPU the MLPs'
-    weights once more (`5 d²` at the default widths and `d_pos = d / 4`: in all 1.09x the layer's weights). A
-    mitigation that scales channels of the query and key inputs (positional scaling) is carried in the columns of
-    `W_q` and `W_k`: `W (s ⊙ h) = (W diag(s)) h`.
-    """
-
-    input_scale: InputScale  # (channels, factor) of the query and key inputs, folded into `W_q` and `W_k`
-    qkv: RowLinear  # d_model -> 3 · d_model
-    o: RowLinear  # d_model -> d_model
-    mlps: tuple[RowMLP, ...]  # the positional block's (when d_pos > 0) and the semantic block's
-    mlp_widths: tuple[int, ...]  # their input widths
-    # the layer's two norms: a `RowRMSNorm`, or the module itself (layer norms, or a norm of one block)
-    input_norm: Callable[[torch.Tensor], torch.Tensor]
-    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
-
-    @classmethod
-    def of(cls, layer: "SepFormerDecoderLayer", input_scale: InputScale) -> "FusedProjections | None":
-        """The fused weights of `layer`, or `None` unless `is_fusable(layer)`."""
-        if not is_fusable(layer):
-            return None
-        attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
-        v_blocks, o_blocks, mlps = (blocks_of(module) for module in (attention.v_proj, attention.o_proj, layer.mlp))
-        row_norms = [norm for norm in norms if len(blocks_of(norm)) == 2 and type(norm.semantic) is nn.RMSNorm]
-        query_key = torch.cat((attention.q_proj.weight, attention.k_proj.weight))  # (2 · d_model, d_model)
-        channels, factor = input_scale
-        if channels:
-            query_key[:, list(channels)] *= factor
-
-        def dense(weight: torch.Tensor, linears) -> RowLinear:
-            biases = [linear.bias for linear in linears]
-            return RowLinear.of(weight, None if biases[0] is None else torch.cat(biases))
-
-        value_weight = torch.block_diag(*(block.weight for block in v_blocks))
-        return cls(
-            input_scale,
-            qkv=dense(torch.cat((query_key, value_weight)), (attention.q_proj, attention.k_proj, *v_blocks)),
-            o=dense(torch.block_diag(*(block.weight for block in o_blocks)), o_blocks),
-            mlps=tuple(RowMLP.of(mlp) for mlp in mlps),
-            mlp_widths=tuple(mlp.up_proj.in_features for mlp in mlps),
-            input_norm=RowRMSNorm.of(norms[0]) if norms[0] in row_norms else norms[0],
-            post_attention_norm=RowRMSNorm.of(norms[1]) if norms[1] in row_norms else norms[1],
-        )
-
-    def mlp(self, rows: torch.Tensor) -> torch.Tensor:
-        """The block-diagonal MLP of (rows, d_model)."""
-        return self.mlps[0](rows) if len(self.mlps) == 1 else blockwise(rows, self.mlps, self.mlp_widths)
-
-
-def blocks_of(module: BlockDiagonal) -> list[nn.Module]:
-    return [block for block in (module.position, module.semantic) if block is not None]
-
-
-def is_plain_module(module: nn.Module | None, kind: type[nn.Module]) -> bool:
-    """`module` is a `kind` (not a subclass) with dense parameters (no quantised, distributed or other tensor
-    subclass), whose forward is its class's and runs no hooks: what fused weights can stand in for."""
-    return (
-        type(module) is kind
-        and all(type(parameter) is nn.Parameter for parameter in module.parameters(recurse=False))
-        and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
-    )
-
-
-def is_fusable(layer: "SepFormerDecoderLayer") -> bool:
-    """Whether the modules of `layer` are what SepFormer builds, unhooked: the attention, its projections, the MLPs
-    with their projections and activations, and the norms with their blocks. The fused step does not call them, or
-    calls them on rows where the modules' path may pass `(b, seq, ·)`, which a hook would see; PEFT adapters,
-    quantised layers and accelerate's hooks keep the modules."""
-    attention, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    containers = [(attention, SepFormerAttention), (mlp, BlockDiagonal)]
-    containers += [(projection, BlockDiagonal) for projection in (attention.v_proj, attention.o_proj)]
-    containers += [(norm, BlockNorm) for norm in norms]
-    if not all(is_plain_module(module, kind) for module, kind in containers):
-        return False
-    norm_kind = type(layer.input_layernorm.semantic)
-    parts = [(attention.q_proj, nn.Linear), (attention.k_proj, nn.Linear)]
-    parts += [
-        (block, nn.Linear) for projection in (attention.v_proj, attention.o_proj) for block in blocks_of(projection)
-    ]
-    parts += [(block, norm_kind) for norm in norms for block in blocks_of(norm)]
-    parts += [(block, SepFormerMLP) for block in blocks_of(mlp)]
-    if norm_kind not in (nn.RMSNorm, nn.LayerNorm) or not all(is_plain_module(module, kind) for module, kind in parts):
-        return False
-    parts = [(linear, nn.Linear) for block in blocks_of(mlp) for linear in (block.up_proj, block.down_proj)]
-    parts += [(block.act_fn, type(block.act_fn)) for block in blocks_of(mlp)]
-    return all(is_plain_module(module, kind) for module, kind in parts)
-
-
 class SepFormerAttention(nn.Module):
     """Full `q_proj`/`k_proj`; block-diagonal `v_proj`/`o_proj` (each block its own `nn.Linear`)."""
 
@@ -348,75 +82,70 @@ class SepFormerAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
         hooks: LayerHooks = NO_HOOKS,
         residual: torch.Tensor | None = None,
-        fused: FusedProjections | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states`: the layer's normed input (b, seq, d_model); with `fused` (a decoding step), its rows
-        (b · seq, d_model), and the output is rows too. `residual`: the layer's input before its norm (b, seq, d_model),
-        for mitigations that re-read positions there. `hooks`: the layer's mitigation hooks."""
-        input_shape = hidden_states.shape[:-1] if fused is None else residual.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+        """`hidden_states`: the layer's normed input (b, seq, d_model). `residual`: its input before the norm, for
+        mitigations that re-read positions there. `hooks`: the layer's mitigation hooks."""
+        query_states, key_states = self.project_query_key(*hooks.query_key_inputs(self.layer_idx, hidden_states))
+        # Value heads may straddle the two blocks: attention mixes rows (tokens), never columns, so they stay apart.
+        value_states = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        query_states, key_states = self.apply_positions(
+            query_states, key_states, position_embeddings, residual, attention_mask, hooks
+        )
+        projection = None
+        if hooks.rewrites_inputs:  # an attention wrapper may attend with other readings of the same input
+            projection = QueryKeyProjection(self, hidden_states, position_embeddings, residual, attention_mask, hooks)
+        attn_output, attn_weights = self.attend(
+            query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
+        )
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()  # (b, seq, d_model)
+        return self.o_proj(attn_output), attn_weights
 
-        def positions_into(query_states, key_states):
-            if hooks.position_hook is not None:
-                return hooks.position_hook.position_query_key(
-                    self, query_states, key_states, position_embeddings, residual, attention_mask
-                )
-            if position_embeddings is not None:
-                return apply_partial_rotary(query_states, key_states, *position_embeddings)
-            return query_states, key_states
+    def project_query_key(
+        self, query_input: torch.Tensor, key_input: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, seq, d_model) inputs -> (b, heads, seq, head_dim) queries and keys."""
+        hidden_shape = (*query_input.shape[:-1], -1, self.head_dim)
+        query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
+        return query_states, key_states
 
-        def project_query_key(query_input, key_input):
-            """(b, seq, d_model) inputs -> (b, heads, seq, head_dim) queries and keys, positions applied."""
-            query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
-            key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
-            return positions_into(query_states, key_states)
+    def apply_positions(self, query_states, key_states, position_embeddings, residual, attention_mask, hooks):
+        """Positions into the queries and keys: a mitigation's position hook, or rotary when on."""
+        if hooks.position_hook is not None:
+            return hooks.position_hook.position_query_key(
+                self, query_states, key_states, position_embeddings, residual, attention_mask
+            )
+        if position_embeddings is not None:
+            return apply_partial_rotary(query_states, key_states, *position_embeddings)
+        return query_states, key_states
 
-        # (b, seq, d_model) -> (b, heads, seq, head_dim). Value heads may straddle the two blocks: attention
-        # mixes rows (tokens), never columns, so the blocks stay apart.
-        if fused is not None:
-            qkv = fused.qkv(hidden_states)  # (b · seq, 3 · d_model)
-            qkv = qkv.view(*input_shape, 3, -1, self.head_dim).transpose(1, 3)  # (b, heads, 3, seq, head_dim)
-            query_states, key_states, value_states = qkv.unbind(2)
-            query_states, key_states = positions_into(query_states, key_states)
-        else:
-            query_input, key_input = hooks.query_key_inputs(self.layer_idx, hidden_states)
-            query_states, key_states = project_query_key(query_input, key_input)
-            value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if hooks.rewrites_inputs:  # the attention function may attend with other readings of the same input
-            attention_input = hidden_states.view(*input_shape, -1)  # (b, seq, d_model), also from rows
-            kwargs["query_key_projection"] = QueryKeyProjection(attention_input, project_query_key)
-
+    def attend(
+        self, query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
+    ):
+        """The cache's update and the attention function (wrapped by the mitigation hooks): (b, seq, H, head_dim)."""
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        attention_interface: Callable = hooks.attention_function(self.layer_idx, interface)
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
+        attention_function = hooks.attention_function(self.layer_idx, interface, projection)
+        dropout = 0.0 if not self.training else self.attention_dropout
+        return attention_function(
+            self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
             **kwargs,
         )
-        if fused is not None:
-            return fused.o(attn_output.reshape(-1, hidden_states.shape[-1])), attn_weights  # (b · seq, d_model)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (b, seq, d_model)
-        return self.o_proj(attn_output), attn_weights
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
+    attention_class = SepFormerAttention  # what the decoding fast path may stand in for (`is_fusable`)
+
     def __init__(self, config: SepFormerConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = SepFormerAttention(config, layer_idx)
+        self.self_attn = self.attention_class(config, layer_idx)
         self.mlp = BlockDiagonal(
             SepFormerMLP(config, config.position_size, config.position_intermediate_size)
             if config.position_size > 0
@@ -440,55 +169,18 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
-        attention_inputs = dict(
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
-            hooks=hooks,
-            residual=hidden_states,
-            **kwargs,
+        fused = decoding_weights(self, past_key_values, hooks)
+        if fused is not None:  # a decoding step: the same function on 2D rows, with fewer kernels
+            step_inputs = (hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
+            return fused.step(self, *step_inputs, **kwargs)
+        attn_output, _ = self.self_attn(
+            self.input_layernorm(hidden_states), attention_mask, position_embeddings, past_key_values, hooks,
+            residual=hidden_states, **kwargs,
         )
-        fused = self.decoding_projections(past_key_values, hooks)
-        if fused is not None:
-            # (b, seq, d_model) -> (b · seq, d_model): the step runs on 2D rows, one matmul call per weight
-            rows = hidden_states.reshape(-1, hidden_states.shape[-1])
-            attn_output, _ = self.self_attn(fused.input_norm(rows), fused=fused, **attention_inputs)
-            rows = rows + attn_output
-            rows = rows + fused.mlp(fused.post_attention_norm(rows))
-            return rows.view(hidden_states.shape)
-        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states), **attention_inputs)
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + (self.dropout(mlp_output) if dropout else mlp_output)
-
-    def decoding_projections(self, past_key_values: Cache | None, hooks: LayerHooks) -> FusedProjections | None:
-        """This layer's `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd),
-        with the input scale of the mitigation `hooks` in the columns of `W_q` and `W_k`.
-
-        Made at the first decoding step and kept on the generation's `SepFormerCache` (`derived_store`), per input
-        scale, so they live as long as the generation and no longer. `None` (the layer runs its modules) when a
-        mitigation rewrites the query and key inputs otherwise (`decoding_input_scale` is `None`), with
-        `config.fuse_decoding_projections=False`, in training, under autograd, autocast or `torch.compile`, with another
-        kind of cache, at prefill, or when the attention, a projection, a norm or an MLP is not SepFormer's plain,
-        unhooked class at the first decoding step (PEFT adapters, quantised layers, accelerate's or torch's hooks),
-        which the fused step would bypass or call on rows (`is_fusable`). Within one generation the weights, modules
-        and hooks are taken as they were at its first decoding step.
-        """
-        store = derived_store(past_key_values)
-        if (
-            store is None
-            or self.training
-            or not self.config.fuse_decoding_projections
-            or torch.is_autocast_enabled(self.self_attn.q_proj.weight.device.type)  # the norms' statistics in float32
-            or past_key_values.get_seq_length(self.layer_idx) == 0
-        ):
-            return None
-        input_scale = hooks.decoding_input_scale(self.layer_idx)
-        if input_scale is None:
-            return None
-        key = ("fused projections", self.layer_idx, input_scale)
-        return kept_in(store, key, lambda: FusedProjections.of(self, input_scale))
 
 
 class SepFormerPreTrainedModel(PreTrainedModel):
@@ -544,134 +236,6 @@ def default_position_ids(
         return positions_from_mask(attention_mask).clamp(min=0)[:, -seq_len:]
     past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
     return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
-
-
-def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> None:
-    """Refuse what the layers of `model` (a `SepFormerModel`) would fail on deep inside torch, or silently ignore,
-    before any work is done.
-
-    The values of a prompt (ids in the vocabulary, a 0/1 padding mask, positions >= 0) are read when there is no cache
-    yet: a decoding step's come from `generate`, and reading them would wait for the device at every step."""
-    config = model.config
-    unknown = sorted(set(kwargs) - set(TransformersKwargs.__optional_keys__))
-    if unknown:
-        raise TypeError(
-            f"SepFormer got unknown keyword arguments {unknown}. Besides the named arguments of `forward`, it takes "
-            f"the mitigations {', '.join(map(repr, MITIGATIONS))} and transformers' "
-            f"{', '.join(sorted(TransformersKwargs.__optional_keys__))}."
-        )
-    tensors = dict(
-        input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids
-    )
-    for name, value in tensors.items():
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"{name} must be a torch tensor; got a {type(value).__name__}. Convert it first, e.g. "
-                f"torch.tensor(ids)[None] for one sequence (a list or a NumPy array), torch.tensor(batch) for a batch."
-            )
-    if past_key_values is not None and not isinstance(past_key_values, Cache):
-        raise TypeError(
-            f"past_key_values must be a Cache; got a {type(past_key_values).__name__} (the legacy format, one "
-            "(key, value) pair per layer, is gone from transformers, and with it DynamicCache.from_legacy_cache): "
-            "convert it with SepFormerCache(past_key_values, config=model.config)."
-        )
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
-        hint = "integer token ids: input_ids.long()" if input_ids.dim() == 2 else "a batch dimension: input_ids[None]"
-        raise ValueError(
-            f"input_ids must be a 2-D tensor of token ids (batch, sequence) of torch.int64 or torch.int32; got shape "
-            f"{tuple(input_ids.shape)} of {input_ids.dtype} (give {hint})."
-        )
-    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.semantic_size):
-        raise ValueError(
-            f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, but SepFormer's inputs_embeds is the semantic "
-            f"block s(token): (batch, sequence, semantic_size={config.semantic_size})."
-        )
-    embeds_dtype = model.embed_tokens.weight.dtype  # what inputs_embeds stands in for
-    if (
-        inputs_embeds is not None
-        and inputs_embeds.dtype != embeds_dtype
-        and not torch.is_autocast_enabled(inputs_embeds.device.type)  # autocast casts each operation's inputs
-    ):
-        raise ValueError(
-            f"inputs_embeds has dtype {inputs_embeds.dtype}, but the model's embeddings are {embeds_dtype}: give "
-            f"inputs_embeds.to({embeds_dtype})."
-        )
-    batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-    if batch == 0 or seq == 0:
-        raise ValueError(f"the input has no tokens (shape {(batch, seq)}): give at least one row of one token or more.")
-    past = past_key_values.get_seq_length() if past_key_values is not None else 0
-    if input_ids is not None and past == 0:
-        low, high = (value.item() for value in torch.aminmax(input_ids))
-        if low < 0 or high >= config.vocab_size:
-            raise ValueError(
-                f"input_ids contains id {low if low < 0 else high}, outside the vocabulary 0..{config.vocab_size - 1}."
-            )
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape != (batch, past + seq):
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}; a 2-D padding mask must be (batch, past + new "
-            f"tokens) = {(batch, past + seq)}."
-        )
-    if attention_mask is not None and attention_mask.dim() not in (2, 4):
-        raise ValueError(
-            f"attention_mask must be a 2-D padding mask (batch, past + new tokens) or a 4-D mask; got shape "
-            f"{tuple(attention_mask.shape)}."
-        )
-    if attention_mask is not None and attention_mask.dim() == 2 and past == 0:
-        # positions are the mask's running sum: a 2 would skip positions, a 0.5 be attended yet read as padding
-        other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-        if other.numel():
-            raise ValueError(
-                f"attention_mask contains {other[0].item()}: a 2-D padding mask holds only 0 (padding) and 1 (a "
-                "token), as bool, int or float."
-            )
-    if position_ids is not None and (
-        position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq
-    ):
-        raise ValueError(
-            f"position_ids has shape {tuple(position_ids.shape)}; it must be (batch or 1, new tokens) = "
-            f"({batch} or 1, {seq})."
-        )
-    if position_ids is not None and position_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"position_ids must be integer positions of torch.int64 or torch.int32; got {position_ids.dtype}. "
-            "(Fractional positions are the mitigations' own reading: ms_poe, attention_buckets' scales.)"
-        )
-    if position_ids is not None and past == 0:
-        lowest = position_ids.min().item()
-        if lowest < 0:
-            raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
-
-
-def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
-    """Refuse `labels` (and transformers' `shift_labels`, among the loss keywords in `kwargs`) that the loss would fail
-    on deep inside torch, before any work is done."""
-    inputs = input_ids if input_ids is not None else inputs_embeds
-    if not isinstance(inputs, torch.Tensor):
-        return  # `check_inputs` says what is wrong with the input
-    if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-        raise ValueError(
-            f"labels are scored at every position, but logits_to_keep={logits_to_keep!r} keeps fewer logits: give "
-            "logits_to_keep=0 (all) with labels."
-        )
-    ignore_index = kwargs.get("ignore_index", -100)
-    for name, value in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor of token ids; got a {type(value).__name__}.")
-        if value.dtype != torch.int64 or value.shape != inputs.shape[:2]:
-            raise ValueError(
-                f"{name} must be token ids of torch.int64 shaped like the input (batch, sequence) = "
-                f"{tuple(inputs.shape[:2])}; got shape {tuple(value.shape)} of {value.dtype}."
-            )
-        outside = value[(value != ignore_index) & ((value < 0) | (value >= config.vocab_size))]
-        if outside.numel():
-            raise ValueError(
-                f"{name} contains {outside[0].item()}: a label is a token id 0..{config.vocab_size - 1} or "
-                f"ignore_index={ignore_index} (not scored)."
-            )
 
 
 class SepFormerModel(SepFormerPreTrainedModel):
@@ -882,35 +446,8 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if prompt is not None:
             check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
-            self.check_last_position(prompt, args[0] if args else kwargs.get("generation_config"), kwargs)
+            check_last_position(self, prompt, args[0] if args else kwargs.get("generation_config"), kwargs)
         return super().generate(inputs, *args, **kwargs)
-
-    def check_last_position(self, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
-        """Refuse, before the first step, a generation whose last position (from `max_new_tokens`, else `max_length`)
-        the learned table cannot read: past its rows with `position_extrapolation='none'`, or past the `interpolate`
-        length of a cached generation. The step reaching that position would fail with the same error."""
-        table = self.model.embed_positions
-        sources = [kwargs, vars(generation_config) if generation_config is not None else {}]
-        sources.append(vars(self.generation_config))
-
-        def setting(name):  # as generate merges them: its keywords, the given generation config, the model's
-            return next((source[name] for source in sources if source.get(name) is not None), None)
-
-        new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
-        final_length = length + new_tokens if new_tokens is not None else setting("max_length")
-        if final_length is None or not isinstance(table, LearnedPositions):
-            # by default generate makes 20 tokens up to max_position_embeddings, which the table holds; the other maps
-            # are defined at every position
-            return
-        mask = kwargs.get("attention_mask")
-        longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
-        last = longest - 1 + final_length - length
-        use_cache = setting("use_cache") is not False
-        extrapolation = call_extrapolation(self.config, kwargs.get("position_extrapolation"), continuing=use_cache)
-        if extrapolation.method == "none" and last >= table.num_embeddings:
-            table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
-        if extrapolation.method == "interpolate":
-            table.table_coordinates(torch.tensor([[last]]), extrapolation)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """`generate` makes a `DynamicCache` by default: make it a `SepFormerCache`, which also carries the

@@ -98,10 +98,12 @@ class PositionalScalingMitigation(Mitigation):
     def query_key_inputs(self, layer_idx, query_input, key_input):
         return query_input * self.query_factors, key_input * self.key_factors
 
-    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+    def wrap_attention(
+        self, layer_idx: int, function: AttentionFunction, projection: QueryKeyProjection | None
+    ) -> AttentionFunction:
         recomputed = self.options.last_recompute_tokens
 
-        def scaled_attention(module, query, key, value, attention_mask, query_key_projection, **kwargs):
+        def scaled_attention(module, query, key, value, attention_mask, **kwargs):
             # `query`: scaled on the recomputed rows; `key`: the scaled keys (what the cache holds)
             output, weights = function(module, query, key, value, attention_mask, **kwargs)
             base_rows = query.shape[2] - recomputed
@@ -109,7 +111,6 @@ class PositionalScalingMitigation(Mitigation):
                 return output, weights
             # Prefill: the rows before the last attend to the unscaled keys, as in the base model. A causal row reads
             # keys up to itself only, so the base rows of a full attention call with those keys are the base model's.
-            projection: QueryKeyProjection = query_key_projection
             _, base_key = projection.project(projection.attention_input, projection.attention_input)
             base_output, base_weights = function(module, query, base_key, value, attention_mask, **kwargs)
             output = torch.cat((base_output[:, :base_rows], output[:, base_rows:]), 1)  # (b, seq, H, head_dim)

@@ -85,5 +85,5 @@ class StableMaskMitigation(Mitigation):
         tau = sink_logits(self.options, run.position_ids, self.columns)
         return self.replace(sink_logits=tau[:, None, :, None])
 
-    def wrap_attention(self, layer_idx: int, function: AttentionFunction) -> AttentionFunction:
+    def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         return functools.partial(sink_attention, function, sink_logits=self.sink_logits)

@@ -25,7 +25,7 @@ class ValueGain(MitigationOptions):
 class ValueGainMitigation(Mitigation):
     options_class = ValueGain
 
-    def wrap_attention(self, layer_idx, function):
+    def wrap_attention(self, layer_idx, function, projection):
         def scaled(*args, **kwargs):
             output, weights = function(*args, **kwargs)
             return output * self.options.gain, weights

@@ -14,7 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from sepformer import SepFormerCache, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
-from sepformer.modeling_sepformer import FusedProjections, RowLinear
+from sepformer.decoding import FusedProjections, RowLinear
 
 VARIANTS = {
     "learned": {},

@@ -16,7 +16,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Trainer, default_data_collator
 
 from sepformer import LORA_TARGET_MODULES, SepFormerCache, SepFormerTokenizer, prepare_for_hub
-from sepformer.modeling_sepformer import FusedProjections
+from sepformer.decoding import FusedProjections
 
 IDS = torch.tensor([[257, 116, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]])  # "<s>the cat sat"
 LAYER_TARGETS = [

@@ -1,0 +1,112 @@
+"""SepFormer's block-diagonal modules: one module per subspace of `[x_pos ‖ x_sem]`, nothing crosses between them."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from .configuration_sepformer import SepFormerConfig
+from .mitigation_base import cached_constant
+
+
+class BlockDiagonal(nn.Module):
+    """`[x_pos ‖ x_sem] -> [position(x_pos) ‖ semantic(x_sem)]`: one module per subspace, nothing crosses.
+
+    With `d_pos = 0` there is no positional block: `position` is `None` and the input is all semantic.
+    """
+
+    def __init__(self, position: nn.Module | None, semantic: nn.Module, position_size: int):
+        super().__init__()
+        self.position = position
+        self.semantic = semantic
+        self.position_size = position_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.position is None:
+            return self.semantic(x)
+        # (..., d) -> (rows, d): a linear layer on 2D rows is one matmul call, on more dimensions a matmul and two
+        # reshapes, and decoding steps go by call count.
+        return self.each_block(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+    def each_block(self, x: torch.Tensor) -> torch.Tensor:
+        widths = (self.position_size, x.shape[-1] - self.position_size)
+        return blockwise(x, (self.position, self.semantic), widths)
+
+
+def blockwise(x: torch.Tensor, functions, widths: tuple[int, ...]) -> torch.Tensor:
+    """`[f_1(x_1) ‖ f_2(x_2) ‖ ...]` over blocks of the last dimension of the given widths.
+
+    One split rather than slices: its backward is one cat, where each slice's backward fills a zero tensor of the full
+    width and they are summed."""
+    blocks = x.split_with_sizes(widths, -1)
+    return torch.cat([function(block) for function, block in zip(functions, blocks, strict=True)], -1)
+
+
+def block_diagonal(
+    config: SepFormerConfig, make: Callable[[int], nn.Module], kind: type[BlockDiagonal] = BlockDiagonal
+) -> BlockDiagonal:
+    """`make(width)` builds the module of one subspace; the positional one is skipped when `d_pos = 0`."""
+    position = make(config.position_size) if config.position_size > 0 else None
+    return kind(position, make(config.semantic_size), config.position_size)
+
+
+def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(width, eps=config.norm_eps)
+    return nn.LayerNorm(width, eps=config.norm_eps)
+
+
+@cached_constant(maxsize=8)
+def block_statistics(position_size: int, semantic_size: int, eps: float, device: torch.device):
+    """float32 constants of an RMS `BlockNorm`: the `(d, 2)` block-averaging matrix, `eps` per block, the `(2, d)` 0/1
+    indicator."""
+    indicator = torch.block_diag(torch.ones(1, position_size), torch.ones(1, semantic_size)).to(device)
+    averaging = (indicator / indicator.sum(-1, keepdim=True)).t().contiguous()
+    return averaging, torch.full((2,), eps, device=device), indicator
+
+
+class BlockNorm(BlockDiagonal):
+    """Each block normalised on its own (its own RMSNorm or LayerNorm, `position` and `semantic`).
+
+    LayerNorms run as `BlockDiagonal`'s blocks do: torch's layer norm is one fused kernel per block. RMSNorms run in
+    one pass over the rows, seven aten calls where the two torch RMSNorms with their split and cat are fourteen (six
+    each on CPU): each block's mean square (plus `eps`) is one matmul with the block-averaging matrix, and comes back
+    to the block's coordinates, times the block's weight, through one `(2, d)` matrix. Statistics in float32, as the
+    torch norms compute them.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.position is None:
+            return self.semantic(x)
+        if not isinstance(self.semantic, nn.RMSNorm):  # layer norms work on any shape: no reshapes
+            return self.each_block(x)
+        if torch.is_autocast_enabled(x.device.type):  # the matmuls below would run in half precision
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x)
+        averaging, eps, indicator = block_statistics(
+            self.position_size, x.shape[-1] - self.position_size, self.semantic.eps, x.device
+        )
+        h = x.float().reshape(-1, x.shape[-1])  # (rows, d): 2D matmuls, no reshapes around each
+        return rms_normed_rows(h, averaging, eps, self.block_weights(indicator)).view(x.shape).to(x.dtype)
+
+    def block_weights(self, indicator: torch.Tensor) -> torch.Tensor:
+        """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere."""
+        return indicator * torch.cat((self.position.weight, self.semantic.weight)).float()
+
+
+def rms_normed_rows(h: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 rows (rows, d), each block RMS-normed and times its weights: `block_statistics` and `block_weights`."""
+    inverse_rms = torch.addmm(eps, h * h, averaging).rsqrt_()  # (rows, 2): one per block
+    return h * (inverse_rms @ weights)
+
+
+class SepFormerMLP(nn.Module):
+    def __init__(self, config: SepFormerConfig, width: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Linear(width, intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, width, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))

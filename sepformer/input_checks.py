@@ -1,0 +1,165 @@
+"""Checks of a call's inputs, before any work: what the layers would fail on deep inside torch, or silently ignore."""
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.utils import TransformersKwargs
+
+from .mitigations import MITIGATIONS
+from .positional_maps import LearnedPositions, call_extrapolation
+
+
+def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> None:
+    """Refuse what the layers of `model` (a `SepFormerModel`) would fail on deep inside torch, or silently ignore,
+    before any work is done.
+
+    The values of a prompt (ids in the vocabulary, a 0/1 padding mask, positions >= 0) are read when there is no cache
+    yet: a decoding step's come from `generate`, and reading them would wait for the device at every step."""
+    config = model.config
+    unknown = sorted(set(kwargs) - set(TransformersKwargs.__optional_keys__))
+    if unknown:
+        raise TypeError(
+            f"SepFormer got unknown keyword arguments {unknown}. Besides the named arguments of `forward`, it takes "
+            f"the mitigations {', '.join(map(repr, MITIGATIONS))} and transformers' "
+            f"{', '.join(sorted(TransformersKwargs.__optional_keys__))}."
+        )
+    tensors = dict(
+        input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids
+    )
+    for name, value in tensors.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch tensor; got a {type(value).__name__}. Convert it first, e.g. "
+                f"torch.tensor(ids)[None] for one sequence (a list or a NumPy array), torch.tensor(batch) for a batch."
+            )
+    if past_key_values is not None and not isinstance(past_key_values, Cache):
+        raise TypeError(
+            f"past_key_values must be a Cache; got a {type(past_key_values).__name__} (the legacy format, one "
+            "(key, value) pair per layer, is gone from transformers, and with it DynamicCache.from_legacy_cache): "
+            "convert it with SepFormerCache(past_key_values, config=model.config)."
+        )
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
+        hint = "integer token ids: input_ids.long()" if input_ids.dim() == 2 else "a batch dimension: input_ids[None]"
+        raise ValueError(
+            f"input_ids must be a 2-D tensor of token ids (batch, sequence) of torch.int64 or torch.int32; got shape "
+            f"{tuple(input_ids.shape)} of {input_ids.dtype} (give {hint})."
+        )
+    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.semantic_size):
+        raise ValueError(
+            f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, but SepFormer's inputs_embeds is the semantic "
+            f"block s(token): (batch, sequence, semantic_size={config.semantic_size})."
+        )
+    embeds_dtype = model.embed_tokens.weight.dtype  # what inputs_embeds stands in for
+    if (
+        inputs_embeds is not None
+        and inputs_embeds.dtype != embeds_dtype
+        and not torch.is_autocast_enabled(inputs_embeds.device.type)  # autocast casts each operation's inputs
+    ):
+        raise ValueError(
+            f"inputs_embeds has dtype {inputs_embeds.dtype}, but the model's embeddings are {embeds_dtype}: give "
+            f"inputs_embeds.to({embeds_dtype})."
+        )
+    batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    if batch == 0 or seq == 0:
+        raise ValueError(f"the input has no tokens (shape {(batch, seq)}): give at least one row of one token or more.")
+    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    if input_ids is not None and past == 0:
+        low, high = (value.item() for value in torch.aminmax(input_ids))
+        if low < 0 or high >= config.vocab_size:
+            raise ValueError(
+                f"input_ids contains id {low if low < 0 else high}, outside the vocabulary 0..{config.vocab_size - 1}."
+            )
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape != (batch, past + seq):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; a 2-D padding mask must be (batch, past + new "
+            f"tokens) = {(batch, past + seq)}."
+        )
+    if attention_mask is not None and attention_mask.dim() not in (2, 4):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask (batch, past + new tokens) or a 4-D mask; got shape "
+            f"{tuple(attention_mask.shape)}."
+        )
+    if attention_mask is not None and attention_mask.dim() == 2 and past == 0:
+        # positions are the mask's running sum: a 2 would skip positions, a 0.5 be attended yet read as padding
+        other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+        if other.numel():
+            raise ValueError(
+                f"attention_mask contains {other[0].item()}: a 2-D padding mask holds only 0 (padding) and 1 (a "
+                "token), as bool, int or float."
+            )
+    if position_ids is not None and (
+        position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq
+    ):
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}; it must be (batch or 1, new tokens) = "
+            f"({batch} or 1, {seq})."
+        )
+    if position_ids is not None and position_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"position_ids must be integer positions of torch.int64 or torch.int32; got {position_ids.dtype}. "
+            "(Fractional positions are the mitigations' own reading: ms_poe, attention_buckets' scales.)"
+        )
+    if position_ids is not None and past == 0:
+        lowest = position_ids.min().item()
+        if lowest < 0:
+            raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
+
+
+def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
+    """Refuse `labels` (and transformers' `shift_labels`, among the loss keywords in `kwargs`) that the loss would fail
+    on deep inside torch, before any work is done."""
+    inputs = input_ids if input_ids is not None else inputs_embeds
+    if not isinstance(inputs, torch.Tensor):
+        return  # `check_inputs` says what is wrong with the input
+    if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            f"labels are scored at every position, but logits_to_keep={logits_to_keep!r} keeps fewer logits: give "
+            "logits_to_keep=0 (all) with labels."
+        )
+    ignore_index = kwargs.get("ignore_index", -100)
+    for name, value in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor of token ids; got a {type(value).__name__}.")
+        if value.dtype != torch.int64 or value.shape != inputs.shape[:2]:
+            raise ValueError(
+                f"{name} must be token ids of torch.int64 shaped like the input (batch, sequence) = "
+                f"{tuple(inputs.shape[:2])}; got shape {tuple(value.shape)} of {value.dtype}."
+            )
+        outside = value[(value != ignore_index) & ((value < 0) | (value >= config.vocab_size))]
+        if outside.numel():
+            raise ValueError(
+                f"{name} contains {outside[0].item()}: a label is a token id 0..{config.vocab_size - 1} or "
+                f"ignore_index={ignore_index} (not scored)."
+            )
+
+
+def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
+    """Refuse, before the first step, a generation whose last position (from `max_new_tokens`, else `max_length`)
+    the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
+    `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
+    position would fail with the same error."""
+    table = model.model.embed_positions
+    sources = [kwargs, vars(generation_config) if generation_config is not None else {}]
+    sources.append(vars(model.generation_config))
+
+    def setting(name):  # as generate merges them: its keywords, the given generation config, the model's
+        return next((source[name] for source in sources if source.get(name) is not None), None)
+
+    new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
+    final_length = length + new_tokens if new_tokens is not None else setting("max_length")
+    if final_length is None or not isinstance(table, LearnedPositions):
+        # by default generate makes 20 tokens up to max_position_embeddings, which the table holds; the other maps
+        # are defined at every position
+        return
+    mask = kwargs.get("attention_mask")
+    longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
+    last = longest - 1 + final_length - length
+    use_cache = setting("use_cache") is not False
+    extrapolation = call_extrapolation(model.config, kwargs.get("position_extrapolation"), continuing=use_cache)
+    if extrapolation.method == "none" and last >= table.num_embeddings:
+        table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
+    if extrapolation.method == "interpolate":
+        table.table_coordinates(torch.tensor([[last]]), extrapolation)
