@@ -159,3 +159,20 @@ def test_a_registered_mitigation_keeps_its_rows_state_on_the_cache_under_beam_se
         assert torch.equal(gained[2 * row : 2 * row + 2], alone)
     with pytest.raises(ValueError, match="token_sum_gain sums the prompt: it must be on from the prefill"):
         model(ids[:, :1], past_key_values=model(ids, use_cache=True).past_key_values, token_sum_gain={})
+
+
+def test_a_registered_default_applies_to_calls_without_the_keyword_and_false_switches_it_off(value_gain):
+    @dataclass(frozen=True, eq=False)
+    class SilencedByDefault(ValueGainMitigation):
+        @classmethod
+        def default_options(cls, config):
+            return {"gain": 0.0}
+
+    model, ids = tiny_model(), random_ids(1, 6)
+    with torch.no_grad():
+        plain, silenced = model(ids).logits, model(ids, value_gain={"gain": 0.0}).logits
+        unregister_mitigation("value_gain")
+        register_mitigation(SilencedByDefault)
+        assert not torch.equal(plain, silenced)
+        assert torch.equal(model(ids).logits, silenced)
+        assert torch.equal(model(ids, value_gain=False).logits, plain)
