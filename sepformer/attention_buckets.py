@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache_sepformer import SepFormerCache
+from .cache_sepformer import MitigationState, SepFormerCache
 from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import AttentionBuckets
 
@@ -17,6 +17,33 @@ def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
     """
     weights = logits.amax(-1, keepdim=True).softmax(0)  # (B, b, seq, 1)
     return (weights * logits).sum(0)
+
+
+@dataclass(eq=False)
+class BucketsState(MitigationState):
+    """What several buckets keep on the cache (bucket 0's): their options, the caches of buckets 1.., to which the
+    cache's batch operations apply too, and whether a forward is running the buckets (bucket 0's own pass then reads
+    this cache with its one bucket, which a caller may not do)."""
+
+    options: AttentionBuckets
+    caches: list[SepFormerCache]
+    running: bool = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for cache in self.caches:
+            cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for cache in self.caches:
+            cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for cache in self.caches:
+            cache.batch_select_indices(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for cache in self.caches:
+            cache.crop(tokens_to_remove)
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,9 +104,29 @@ class AttentionBucketsMitigation(Mitigation):
         return options.num_buckets > 1
 
     @classmethod
+    def check_continuation(cls, cache: SepFormerCache, options: AttentionBuckets | None) -> None:
+        """Several buckets continue only a cache that keeps their caches, and such a cache only with them (bucket 0's
+        own pass, while the buckets run, reads it with its one bucket)."""
+        state = cache.mitigation_state.get(cls.options_class.name)
+        if state is not None and state.running:
+            return
+        prefill = state.options if state is not None else None
+        if options is not None and options.num_buckets > 1 and options != prefill:
+            raise ValueError(
+                "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "
+                f"attention_buckets as its prefill ({prefill}); got {options}."
+            )
+        if state is not None and options != state.options:
+            raise ValueError(
+                f"this cache keeps one cache per attention bucket from its prefill ({state.options}): continue it with "
+                f"the same attention_buckets; got {options}."
+            )
+
+    @classmethod
     def run_causal_lm(cls, options: AttentionBuckets, model, inputs: dict, options_of_call: dict):
         """Each bucket runs the whole causal LM with its own cache: bucket 0 the call's cache itself, bucket `b > 0`
-        the sub-cache `bucket_caches[b - 1]` that the cache holds (made at prefill). Their logits are mixed."""
+        the sub-cache `caches[b - 1]` of the `BucketsState` that the cache keeps (made at prefill). Their logits are
+        mixed."""
         if inputs.get("output_attentions") or inputs.get("output_hidden_states"):
             raise ValueError(
                 "attention_buckets with several buckets returns mixed logits only: output_attentions and "
@@ -98,20 +145,16 @@ class AttentionBucketsMitigation(Mitigation):
                     f"by default); got {type(cache).__name__}."
                 )
             if cache.get_seq_length() == 0:
-                cache.buckets = options
-                cache.bucket_caches = [SepFormerCache(config=config) for _ in range(options.num_buckets - 1)]
-                for bucket_cache in cache.bucket_caches:  # the same weights: one fused copy serves every bucket
+                bucket_caches = [SepFormerCache(config=config) for _ in range(options.num_buckets - 1)]
+                for bucket_cache in bucket_caches:  # the same weights: one fused copy serves every bucket
                     bucket_cache.derived = cache.derived
-            elif cache.buckets != options:
-                raise ValueError(
-                    "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "
-                    f"attention_buckets as its prefill ({cache.buckets}); got {options}."
-                )
-            caches = [cache, *cache.bucket_caches]
+                cache.mitigation_state[options.name] = BucketsState(options, bucket_caches)
+            state = cache.mitigation_state[options.name]  # other buckets were refused (`check_continuation`)
+            caches = [cache, *state.caches]
         labels = inputs.pop("labels")
         inputs = {key: value for key, value in inputs.items() if key not in ("past_key_values", "use_cache")}
         if cache is not None:
-            cache.running_buckets = True
+            state.running = True
         try:
             logits = torch.stack(
                 [
@@ -126,7 +169,7 @@ class AttentionBucketsMitigation(Mitigation):
             )  # (B, b, seq, V)
         finally:
             if cache is not None:
-                cache.running_buckets = False
+                state.running = False
         logits = mix_by_confidence(logits)
         loss = None
         if labels is not None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache_sepformer import SepFormerCache
+from .cache_sepformer import MitigationState, SepFormerCache
 from .mitigation_base import (
     AttentionFunction,
     CallContext,
@@ -13,12 +13,11 @@ from .mitigation_base import (
     Mitigation,
     MitigationPlan,
     QueryKeyProjection,
-    check_spans_in_prompt,
     last_row_probs,
     last_row_scores,
 )
 from .mitigation_options import AttentionCalibration
-from .positional_maps import positions_from_mask
+from .spans import check_spans_in_prompt, key_documents, key_positions
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,20 +63,6 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
     return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / documents.sizes
 
 
-def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
-    """(b or 1, kv) each key's position counted from its row's first real token, -1 on left padding."""
-    if padding_mask is None:
-        return torch.arange(kv, device=device)[None]
-    return positions_from_mask(padding_mask).masked_fill(padding_mask == 0, -1)
-
-
-def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(b, kv, K) one-hot: which of the (b, K, 2) spans each key at `positions` (b or 1, kv) lies in."""
-    starts, ends = spans[..., 0][:, None], spans[..., 1][:, None]  # (b, 1, K)
-    inside = (positions[..., None] >= starts) & (positions[..., None] < ends)
-    return inside.float()  # calibration re-weights rows of probabilities kept in float32
-
-
 def dummy_batch(options: AttentionCalibration, call: CallContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One left-padded sequence per (row, document): the prompt with the dummy document in place of document `k`.
 
@@ -103,6 +88,15 @@ def dummy_batch(options: AttentionCalibration, call: CallContext) -> tuple[torch
         ids[index, pad:], padding[index, pad:] = sequence, 1
         probe[index, pad + start : pad + end] = True
     return ids, padding, probe
+
+
+@dataclass(eq=False)
+class CalibrationState(MitigationState):
+    """What calibration keeps on the cache: per calibrated layer, the (b, H, K) `bias(k)` (the attention on a dummy
+    document at slot `k`), and the (b, K, 2) document spans of each row, counted from its first real token."""
+
+    spans: torch.Tensor
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,7 +130,7 @@ class CalibrationMitigation(Mitigation):
     prefill_requirement = (
         "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
     )
-    state: object = None  # the SepFormerCache holding `bias(k)` and the spans
+    cache: object = None  # the SepFormerCache that keeps `bias(k)` and the spans (a `CalibrationState`)
     documents: KeyDocuments | None = None  # each key's document, for one run
 
     @classmethod
@@ -201,8 +195,9 @@ class CalibrationMitigation(Mitigation):
         if call.continuing:
             return
         options, config = self.options, call.model.config
+        spans = torch.tensor(options.spans, device=call.model.device)
+        call.state.mitigation_state[options.name] = CalibrationState(spans)
         if options.bias_estimate == "positional":  # measured in the call's own layers
-            call.state.calibration_spans = torch.tensor(options.spans, device=call.model.device)  # (b, K, 2)
             return
         ids, padding, probe = dummy_batch(options, call)
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
@@ -229,22 +224,25 @@ class CalibrationMitigation(Mitigation):
                 output_hidden_states=False,
             )
         rows, documents = len(options.spans), len(options.spans[0])
-        call.state.calibration_bias.update(
+        self.state.bias.update(
             {layer: probed.view(rows, documents, -1).transpose(1, 2) for layer, probed in probing.probed.items()}
         )  # (b, H, K)
-        call.state.calibration_spans = torch.tensor(options.spans, device=ids.device)  # (b, K, 2)
+
+    @property
+    def state(self) -> CalibrationState:
+        return self.cache.mitigation_state[self.options.name]
 
     def start(self, run: LayerRun) -> "CalibrationMitigation":
         kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
         positions = key_positions(run.padding_mask, kv, run.device)
-        return self.replace(documents=KeyDocuments.of(key_documents(self.state.calibration_spans, positions)))
+        return self.replace(documents=KeyDocuments.of(key_documents(self.state.spans, positions)))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         temperature = self.options.temperature
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
-            probs = calibrate_row(probs, self.documents, self.state.calibration_bias[layer_idx], temperature)
+            probs = calibrate_row(probs, self.documents, self.state.bias[layer_idx], temperature)
             batch, heads, kv, head_dim = value.shape
             last = torch.bmm(probs.to(value.dtype).view(-1, 1, kv), value.reshape(-1, kv, head_dim))  # (b · H, 1, d)
             last = last.view(batch, 1, heads, head_dim)
@@ -299,7 +297,7 @@ class PositionalBiasCalibration(CalibrationMitigation):
                 scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
                 dummy_key = self.dummy_keys(layer_idx, projection)
                 dummy_scores, _ = last_row_scores(query, dummy_key, attention_mask, scaling)
-                self.state.calibration_bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
+                self.state.bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
             return calibrated(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
         return measured_then_calibrated

@@ -112,26 +112,50 @@ def derived_store(cache) -> dict | None:
     return None
 
 
+class MitigationState:
+    """What one mitigation fixed at prefill for the decoding steps, kept on the `SepFormerCache` under its option's name
+    (`SepFormerCache.mitigation_state`), with the batch operations the cache applies to it.
+
+    By default every tensor attribute, and every tensor in a dict attribute, is per row and follows the rows along dim
+    0 (beam search reorders them, several return sequences repeat them); a crop keeps them (they are per row, not per
+    token). A `reset` of the cache drops the state. State of another shape (caches of its own) overrides the operations.
+    """
+
+    def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, function(value))
+            elif isinstance(value, dict):
+                value.update({key: function(item) for key, item in value.items() if isinstance(item, torch.Tensor)})
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.map_rows(lambda tensor: tensor[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Per-row state stays."""
+
+
 class SepFormerCache(DynamicCache):
     """A `DynamicCache` that also holds the generation's mitigation state and fused decoding projections.
 
-    `forward` makes one when `use_cache=True` and no cache is given, and so does `generate`. The per-row state follows
-    the batch through `generate`'s batch operations (beam search reorders it, several return sequences repeat it),
-    so each beam or sequence keeps the state of the row it came from; a crop keeps it (it is per row, not per token),
-    and a `reset` (or a crop of every token) drops it, for the next call is a prefill.
+    `forward` makes one when `use_cache=True` and no cache is given, and so does `generate`. The mitigations' state
+    follows the batch through `generate`'s batch operations (beam search reorders it, several return sequences repeat
+    it), so each beam or sequence keeps the state of the row it came from; a crop applies to it too, and a `reset` (or
+    a crop of every token) drops it, for the next call is a prefill.
 
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
-        ms_poe_ranks: per MS-PoE layer, (b, H, 1, 1) head ranks from the prefill's last query (0 = most position-aware).
-        calibration_bias: per calibrated layer, (b, H, K) `bias(k)`, the attention on a dummy document at slot `k`.
-        calibration_spans: (b, K, 2) each row's document spans, counted from its first real token.
+        mitigation_state: what each mitigation fixed at prefill, by option name (a `MitigationState` each, made and read
+            by its mitigation: MS-PoE's head ranks, calibration's `bias(k)` and spans, the buckets' caches).
         derived: tensors derived from the weights for this generation only (`derived_store`), by key: each layer's
             `FusedProjections` for decoding steps, MS-PoE's per-head weight layouts, a positional map's rows. Weights,
             not rows of the batch: batch operations leave them alone; the bucket caches share this one.
-        buckets: the `attention_buckets` options of a generation with several buckets; this cache is bucket 0's.
-        bucket_caches: the caches of buckets 1.., each a `SepFormerCache`; batch operations apply to them too.
-        running_buckets: whether a forward with several buckets is running them (bucket 0's own pass then reads this
-            cache with its one bucket, which a caller may not do).
     """
 
     def __init__(self, *args, **kwargs):
@@ -141,55 +165,40 @@ class SepFormerCache(DynamicCache):
         ]
         if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = GrowingLayer
-        self.running_buckets = False
         self.drop_prefill_state()
 
     def drop_prefill_state(self) -> None:
         """Forget what a prefill fixed and what the generation made from the weights: the next call on an empty cache is
         a prefill, which starts a new generation."""
         self.prefill_options: dict[str, Any] | None = None
-        self.ms_poe_ranks: dict[int, torch.Tensor] = {}
-        self.calibration_bias: dict[int, torch.Tensor] = {}
-        self.calibration_spans: torch.Tensor | None = None
+        self.mitigation_state: dict[str, MitigationState] = {}
         self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
-        self.buckets: Any = None
-        self.bucket_caches: list[SepFormerCache] = []
-
-    def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch operation to every per-row tensor of the state."""
-        for per_layer in (self.ms_poe_ranks, self.calibration_bias):
-            for layer, tensor in per_layer.items():
-                per_layer[layer] = function(tensor)
-        if self.calibration_spans is not None:
-            self.calibration_spans = function(self.calibration_spans)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-        for bucket_cache in self.bucket_caches:
-            bucket_cache.reorder_cache(beam_idx)
+        for state in self.mitigation_state.values():
+            state.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self.map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-        for bucket_cache in self.bucket_caches:
-            bucket_cache.batch_repeat_interleave(repeats)
+        for state in self.mitigation_state.values():
+            state.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self.map_rows(lambda tensor: tensor[indices])
-        for bucket_cache in self.bucket_caches:
-            bucket_cache.batch_select_indices(indices)
+        for state in self.mitigation_state.values():
+            state.batch_select_indices(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last tokens; the per-row state stays. A crop that leaves no token is a `reset`."""
+        """Drop the last tokens (the mitigations' state applies the crop its way). A crop that leaves no token is a
+        `reset`."""
         super().crop(tokens_to_remove)
-        for bucket_cache in self.bucket_caches:
-            bucket_cache.crop(tokens_to_remove)
+        for state in self.mitigation_state.values():
+            state.crop(tokens_to_remove)
         if self.get_seq_length() == 0:
             self.reset()
 
     def reset(self) -> None:
-        """Empty the cache and drop the state its prefill fixed (MS-PoE's ranks, `bias(k)`, the bucket caches)."""
+        """Empty the cache and drop the state its prefill fixed (every mitigation's state, the bucket caches)."""
         super().reset()
         self.drop_prefill_state()

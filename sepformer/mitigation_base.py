@@ -135,9 +135,22 @@ class Mitigation:
     prefill_requirement: ClassVar[str] = ""  # the error when a state fixed at prefill is missing
 
     @classmethod
+    def default_options(cls, config) -> MitigationOptions | None:
+        """The options of a call that does not give this mitigation's keyword (`False` switches them off), from the
+        model's config; `None`: off."""
+        return None
+
+    @classmethod
     def fixes_state_at_prefill(cls, options: MitigationOptions) -> bool:
-        """Whether these options fix, at prefill, state that decoding steps reuse (kept on the `SepFormerCache`)."""
+        """Whether these options fix, at prefill, state that decoding steps reuse: the mitigation keeps it on the
+        `SepFormerCache`, as a `MitigationState` in `cache.mitigation_state[options.name]`."""
         return False
+
+    @classmethod
+    def check_continuation(cls, cache, options: MitigationOptions | None) -> None:
+        """Refuse (a `ValueError`) a call that continues `cache`, a `SepFormerCache` holding tokens, with `options` for
+        this mitigation (`None`: off) when the state on the cache cannot be continued so; called before any work.
+        The options of a state fixed at prefill are checked without it (`fixes_state_at_prefill`)."""
 
     @classmethod
     def acts_on_last_rows(cls, options: MitigationOptions) -> bool:
@@ -226,25 +239,6 @@ class Mitigation:
 
 def overrides(mitigation: Mitigation, hook: str) -> bool:
     return getattr(type(mitigation), hook) is not getattr(Mitigation, hook)
-
-
-def check_spans_in_prompt(options, call: CallContext) -> None:
-    """`options.spans`: one row of spans per batch row, each span inside its row's prompt (spans count from the row's
-    first real token); the lengths are checked at prefill (a decoding step only adds tokens)."""
-    name = options.name
-    if len(options.spans) != call.batch:
-        raise ValueError(f"{name} has spans for {len(options.spans)} rows; the batch has {call.batch} rows.")
-    if call.continuing:
-        return
-    mask = call.attention_mask
-    lengths = mask.sum(-1).tolist() if mask is not None else [call.new_tokens] * call.batch
-    for row, (spans, length) in enumerate(zip(options.spans, lengths, strict=True)):
-        for start, end in spans:
-            if end > length:
-                raise ValueError(
-                    f"{name} span ({start}, {end}) of row {row} is out of range: the prompt of that row has {length} "
-                    "tokens (spans count from its first real token)."
-                )
 
 
 def last_row_scores(

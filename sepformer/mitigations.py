@@ -80,15 +80,14 @@ REFUSED_TOGETHER = (
 
 
 def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
-    """The call's options, parsed, without those that are off. `stable_mask=None` falls back to the config's;
-    `stable_mask=False` switches it off for the call."""
-    stable_mask = options.get("stable_mask")
-    if stable_mask is None:
-        stable_mask = config.stable_mask
+    """The call's options, parsed, without those that are off. An option not given (`None`) takes the mitigation's
+    `default_options(config)` (StableMask's is the config's); `False` switches it off for the call."""
     parsed = {}
     for name, mitigation in MITIGATIONS.items():
-        value = stable_mask if name == "stable_mask" else options.get(name)
-        if name == "stable_mask" and value is False:
+        value = options.get(name)
+        if value is None:
+            value = mitigation.default_options(config)
+        if value is False:
             continue
         value = mitigation.options_class.parse(value)
         if value is not None:
@@ -98,23 +97,16 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
 
 def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], MitigationOptions] | None:
     """The call's mitigation whose options replace the whole forward of the causal LM (several attention buckets),
-    with its parsed options, or `None`. A cache whose prefill ran several buckets holds one cache per bucket and
-    cannot be continued without them."""
+    with its parsed options, or `None`. A cache that holds tokens is first checked by every mitigation's continuation
+    rule (`check_continuation`)."""
+    wrappers = []
     for name, mitigation in MITIGATIONS.items():
-        if options.get(name) in (None, False):
-            continue
-        value = mitigation.options_class.parse(options[name])
-        if mitigation.wraps_causal_lm(value):
-            return mitigation, value
-    buckets = getattr(cache, "buckets", None)
-    if buckets is not None and cache.get_seq_length() > 0 and not cache.running_buckets:
-        given = options.get(buckets.name)
-        if given in (None, False) or type(buckets).parse(given) != buckets:
-            raise ValueError(
-                f"this cache keeps one cache per attention bucket from its prefill ({buckets}): continue it with the "
-                f"same attention_buckets; got {given!r}."
-            )
-    return None
+        value = None if options.get(name) in (None, False) else mitigation.options_class.parse(options[name])
+        if isinstance(cache, SepFormerCache) and cache.get_seq_length() > 0:
+            mitigation.check_continuation(cache, value)
+        if value is not None and mitigation.wraps_causal_lm(value):
+            wrappers.append((mitigation, value))
+    return wrappers[0] if wrappers else None
 
 
 def check_combination(layers: dict[str, frozenset[int]]) -> None:

@@ -1,11 +1,11 @@
 """MS-PoE (arXiv 2403.04797): head `h` of the chosen layers sees positions `m / r_h`."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .cache_sepformer import derived_store, kept_in
+from .cache_sepformer import MitigationState, derived_store, kept_in
 from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, last_row_probs
 from .mitigation_options import MSPoE
 from .positional_maps import apply_partial_rotary
@@ -82,6 +82,14 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
+@dataclass(eq=False)
+class MSPoEState(MitigationState):
+    """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
+    position-aware)."""
+
+    ranks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, eq=False)
 class MSPoEMitigation(Mitigation):
     """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`.
@@ -102,7 +110,7 @@ class MSPoEMitigation(Mitigation):
     extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
     # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
-    ranks: dict[int, torch.Tensor] | None = None  # per layer, (b, H, 1, 1) ranks made at prefill (on the cache)
+    cache: object = None  # the SepFormerCache that keeps the ranks made at prefill (an `MSPoEState`)
     store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
@@ -150,7 +158,7 @@ class MSPoEMitigation(Mitigation):
             layers,
             call.model,
             call.extrapolation,
-            ranks=call.state.ms_poe_ranks,
+            cache=call.state,
             store=derived_store(call.state),
         )
 
@@ -174,12 +182,13 @@ class MSPoEMitigation(Mitigation):
         attention row with the base positions (a prefill)."""
         if self.fixed_ranks is not None:
             return self.fixed_ranks
-        if attention.layer_idx not in self.ranks:
+        ranks = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState).ranks
+        if attention.layer_idx not in ranks:
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
             probs, valid = last_row_probs(query, key, attention_mask, attention.scaling)
-            self.ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
-        return self.ranks[attention.layer_idx]
+            ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
+        return ranks[attention.layer_idx]
 
     def position_query_key(self, attention, query, key, position_embeddings, residual, attention_mask):
         ranks = self.layer_ranks(attention, query, key, position_embeddings, attention_mask).transpose(0, 1)

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_calibration import key_documents, key_positions
-from .mitigation_base import CallContext, Mitigation, check_spans_in_prompt
+from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import ParallelContextWindows
+from .spans import check_spans_in_prompt, key_documents, key_positions
 
 
 def window_ids(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

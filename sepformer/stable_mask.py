@@ -71,6 +71,10 @@ class StableMaskMitigation(Mitigation):
     sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the run's new tokens
 
     @classmethod
+    def default_options(cls, config) -> dict | None:
+        return config.stable_mask  # a training method in its paper: the config turns it on for every call
+
+    @classmethod
     def resolve(cls, options: StableMask, call: CallContext) -> "StableMaskMitigation":
         implementation = call.model.config._attn_implementation
         if implementation not in ("eager", "sdpa"):

@@ -166,13 +166,14 @@ def test_every_bucket_keeps_its_own_cache_and_follows_reordering():
     cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(random_ids(2, 6), past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
-    assert len(cache.bucket_caches) == 1 and cache.buckets == AttentionBuckets(**BUCKETS)
-    keys = cache.bucket_caches[0].layers[0].keys.clone()
+    state = cache.mitigation_state["attention_buckets"]
+    assert len(state.caches) == 1 and state.options == AttentionBuckets(**BUCKETS)
+    keys = state.caches[0].layers[0].keys.clone()
     assert not torch.equal(keys, cache.layers[0].keys)  # bucket 1 keys are rotated with its own base
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(cache.bucket_caches[0].layers[0].keys, keys.flip(0))
+    assert torch.equal(state.caches[0].layers[0].keys, keys.flip(0))
     cache.batch_repeat_interleave(2)
-    assert cache.bucket_caches[0].layers[0].keys.shape[0] == 4
+    assert state.caches[0].layers[0].keys.shape[0] == 4
 
 
 def test_a_cropped_cache_continues_every_buckets_cache_from_the_kept_tokens():

@@ -1,12 +1,15 @@
-"""A mitigation added from outside: an options dataclass and a `Mitigation` with one hook, registered; no model code."""
+"""A mitigation added from outside: an options dataclass and a `Mitigation` with one hook, registered; no model code.
+A stateful one keeps what it fixes at prefill on the cache, as a `MitigationState` of its own: no shared file changes.
+"""
 
 from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_ids, tiny_model
 
+from sepformer.cache_sepformer import MitigationState
 from sepformer.mitigation_base import Mitigation
 from sepformer.mitigation_options import MitigationOptions
 from sepformer.mitigations import register_mitigation, unregister_mitigation
@@ -31,6 +34,61 @@ class ValueGainMitigation(Mitigation):
             return output * self.options.gain, weights
 
         return scaled
+
+
+@dataclass(frozen=True)
+class TokenSumGain(MitigationOptions):
+    """Multiplies each token's attention outputs by `1 + (s mod 5) / 2`, `s` the sum of its row's ids up to it."""
+
+    name: ClassVar[str] = "token_sum_gain"
+
+
+@dataclass(eq=False)
+class TokenSums(MitigationState):
+    sums: torch.Tensor  # (b, the call's tokens): each row's sums up to each of them; a decoding step continues the last
+
+
+@dataclass(frozen=True, eq=False)
+class TokenSumGainMitigation(Mitigation):
+    options_class = TokenSumGain
+    prefill_requirement = "token_sum_gain sums the prompt: it must be on from the prefill."
+    cache: object = None
+    gains_read: ClassVar[list[torch.Tensor]] = []  # the gains of every decoding step, as the layers read them
+
+    @classmethod
+    def fixes_state_at_prefill(cls, options):
+        return True
+
+    @classmethod
+    def resolve(cls, options, call):
+        return cls(options, options.layer_set(call.model.config.num_hidden_layers), call.state)
+
+    def prepare(self, call, others):
+        sums = call.input_ids.cumsum(-1)
+        if call.continuing:  # from this row's history: the state was reordered, repeated, selected with the rows
+            state = self.cache.mitigation_state[self.options.name]
+            state.sums = state.sums[:, -1:] + sums
+            self.gains_read.append(self.gains())
+        else:
+            self.cache.mitigation_state[self.options.name] = TokenSums(sums)
+
+    def gains(self) -> torch.Tensor:
+        return 1 + self.cache.mitigation_state[self.options.name].sums % 5 / 2
+
+    def wrap_attention(self, layer_idx, function):
+        def scaled(*args, **kwargs):
+            output, weights = function(*args, **kwargs)  # (b, seq, H, d)
+            return output * self.gains()[:, :, None, None].to(output.dtype), weights
+
+        return scaled
+
+
+@pytest.fixture
+def token_sum_gain():
+    register_mitigation(TokenSumGainMitigation)
+    TokenSumGainMitigation.gains_read.clear()
+    yield
+    unregister_mitigation("token_sum_gain")
 
 
 @pytest.fixture
@@ -82,3 +140,39 @@ def test_two_mitigations_rewriting_positions_in_one_layer_are_refused(value_gain
 def test_an_unregistered_keyword_is_refused_again():
     with pytest.raises(TypeError, match="unknown keyword arguments \\['value_gain'\\]"):
         tiny_model()(torch.zeros(1, 3, dtype=torch.long), value_gain={"gain": 2.0})
+
+
+def test_a_registered_mitigation_keeps_its_rows_state_on_the_cache_under_beam_search(token_sum_gain):
+    """Beam search reorders the beams, whose histories differ: each beam's sums must follow it. Without a cache each
+    call is a prefill that sums the whole sequence anew: the reference. Each returned sequence is its row's alone."""
+    model = tiny_model()
+    ids = random_ids(2, 10)
+    kwargs = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    gained = model.generate(ids, **kwargs, token_sum_gain={})
+    steps = TokenSumGainMitigation.gains_read
+    assert len(steps) == 5 and all(gains.shape == (6, 1) for gains in steps)  # 2 rows · 3 beams, one read per step
+    assert any(len(gains[:3].unique()) > 1 for gains in steps)  # the beams of a row differ: a reorder shows
+    assert not torch.equal(gained, model.generate(ids, **kwargs))
+    assert torch.equal(gained, model.generate(ids, **kwargs, token_sum_gain={}, use_cache=False))
+    for row in range(2):
+        alone = model.generate(ids[row : row + 1], **kwargs, token_sum_gain={})
+        assert torch.equal(gained[2 * row : 2 * row + 2], alone)
+    with pytest.raises(ValueError, match="token_sum_gain sums the prompt: it must be on from the prefill"):
+        model(ids[:, :1], past_key_values=model(ids, use_cache=True).past_key_values, token_sum_gain={})
+
+
+def test_a_registered_default_applies_to_calls_without_the_keyword_and_false_switches_it_off(value_gain):
+    @dataclass(frozen=True, eq=False)
+    class SilencedByDefault(ValueGainMitigation):
+        @classmethod
+        def default_options(cls, config):
+            return {"gain": 0.0}
+
+    model, ids = tiny_model(), random_ids(1, 6)
+    with torch.no_grad():
+        plain, silenced = model(ids).logits, model(ids, value_gain={"gain": 0.0}).logits
+        unregister_mitigation("value_gain")
+        register_mitigation(SilencedByDefault)
+        assert not torch.equal(plain, silenced)
+        assert torch.equal(model(ids).logits, silenced)
+        assert torch.equal(model(ids, value_gain=False).logits, plain)

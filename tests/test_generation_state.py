@@ -85,11 +85,13 @@ BATCH_OPERATIONS = {  # (operation, the rows it leaves, the tokens it leaves of 
 
 def prefill_state(cache: SepFormerCache) -> dict[str, torch.Tensor]:
     """What a prefill fixed on `cache`, by name: each per row (the bucket's keys per row and token)."""
+    kept = cache.mitigation_state
+    buckets, ms_poe, calibration = (kept.get(name) for name in ("attention_buckets", "ms_poe", "attention_calibration"))
     state = {
-        "bucket keys": cache.bucket_caches[0].layers[0].keys if cache.bucket_caches else None,
-        "ranks": cache.ms_poe_ranks.get(0),
-        "bias": cache.calibration_bias.get(1),
-        "spans": cache.calibration_spans,
+        "bucket keys": buckets.caches[0].layers[0].keys if buckets else None,
+        "ranks": ms_poe.ranks.get(0) if ms_poe else None,
+        "bias": calibration.bias.get(1) if calibration else None,
+        "spans": calibration.spans if calibration else None,
     }
     return {name: tensor.clone() for name, tensor in state.items() if tensor is not None}
 
@@ -118,8 +120,8 @@ def test_every_batch_operation_applies_to_every_state_a_prefill_fixed(operation)
         assert cache.get_seq_length() == tokens
     after = {name: state for cache in caches.values() for name, state in prefill_state(cache).items()}
     if rows is None:
-        assert after == {} and caches["buckets"].buckets is None
-        assert all(cache.prefill_options is None and cache.calibration_spans is None for cache in caches.values())
+        assert after == {}
+        assert all(cache.prefill_options is None and cache.mitigation_state == {} for cache in caches.values())
         return
     for name, state in before.items():
         expected = state[rows][:, :, :tokens] if name == "bucket keys" else state[rows]

@@ -311,9 +311,9 @@ def test_ms_poe_ranking_is_made_at_prefill_and_kept():
     cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, ms_poe=option)
-        ranked = cache.ms_poe_ranks[1].clone()
+        ranked = cache.mitigation_state["ms_poe"].ranks[1].clone()
         model(ids[:, :1], past_key_values=cache, use_cache=True, ms_poe=option)
-    assert torch.equal(cache.ms_poe_ranks[1], ranked)
+    assert torch.equal(cache.mitigation_state["ms_poe"].ranks[1], ranked)
     assert ranked.shape == (2, 4, 1, 1)
     ranked = ranked[..., 0, 0]
     assert torch.equal(ranked.sort(-1).values, torch.arange(4).expand(2, 4))  # a permutation of the ranks per row
@@ -379,7 +379,7 @@ def test_calibration_bias_is_the_dummy_documents_attention():
     cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
-        bias = cache.calibration_bias[1]  # (1, H, K)
+        bias = cache.mitigation_state["attention_calibration"].bias[1]  # (1, H, K)
         for k, (start, end) in enumerate(SPANS):
             spliced = torch.cat((ids[:, :start], torch.tensor([dummy]), ids[:, end:]), 1)
             row = model(spliced, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
@@ -445,8 +445,8 @@ def test_positional_bias_estimate_is_the_mean_documents_attention(rotary_dim, ot
     cache = SepFormerCache(config=model.config)
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, attention_calibration=option, **other)
-        bias = cache.calibration_bias[1]  # (2, H, K)
-        assert set(cache.calibration_bias) == {1}
+        bias = cache.mitigation_state["attention_calibration"].bias[1]  # (2, H, K)
+        assert set(cache.mitigation_state["attention_calibration"].bias) == {1}
         torch.testing.assert_close(bias[0], mean_document_reference(model, ids[:1], 1, spans, **other).T)
         torch.testing.assert_close(bias[1], mean_document_reference(model, ids[1:, 2:], 1, spans, **other).T)
         attention = model(ids[:1], output_attentions=True, **other).attentions[1][0, :, -1]
@@ -477,7 +477,7 @@ def test_positional_bias_is_measured_without_a_graph():
     option = AttentionCalibration(spans=(SPANS,), layers=(1,), bias_estimate="positional")
     cache = SepFormerCache(config=model.config)
     loss = model(random_ids(1, 12), past_key_values=cache, use_cache=True, attention_calibration=option).logits.sum()
-    assert cache.calibration_bias[1].grad_fn is None
+    assert cache.mitigation_state["attention_calibration"].bias[1].grad_fn is None
     loss.backward()  # the calibrated row still carries gradients to the weights
     assert model.model.layers[1].self_attn.q_proj.weight.grad is not None
 
@@ -497,7 +497,7 @@ def test_bias_estimates_agree_when_every_document_is_the_dummy():
         cache = SepFormerCache(config=model.config)
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True, attention_calibration=option)
-        estimates.append(cache.calibration_bias)
+        estimates.append(cache.mitigation_state["attention_calibration"].bias)
     with torch.no_grad():
         attentions = model(ids, output_attentions=True).attentions
     for layer in (0, 1, 2):

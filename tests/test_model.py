@@ -518,7 +518,7 @@ def test_attention_buckets_share_one_copy_of_the_fused_weights():
     with torch.no_grad():
         _, cache = decode_steps(model, ids, 8, attention_buckets={"scales": (1.0, 0.9, 0.8)})
     assert fused_projections(cache)[0] is not None
-    assert all(bucket.derived is cache.derived for bucket in cache.bucket_caches)
+    assert all(bucket.derived is cache.derived for bucket in cache.mitigation_state["attention_buckets"].caches)
 
 
 def test_row_linear_copies_to_in_out_on_a_cpu_only():
