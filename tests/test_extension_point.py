@@ -75,7 +75,7 @@ class TokenSumGainMitigation(Mitigation):
     def gains(self) -> torch.Tensor:
         return 1 + self.cache.mitigation_state[self.options.name].sums % 5 / 2
 
-    def wrap_attention(self, layer_idx, function):
+    def wrap_attention(self, layer_idx, function, projection):
         def scaled(*args, **kwargs):
             output, weights = function(*args, **kwargs)  # (b, seq, H, d)
             return output * self.gains()[:, :, None, None].to(output.dtype), weights
