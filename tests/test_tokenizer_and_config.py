@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
 
@@ -48,6 +48,34 @@ def test_padding_sides():
     right = SepFormerTokenizer()(["ab", "abcd"], padding=True).input_ids
     left = SepFormerTokenizer(padding_side="left")(["ab", "abcd"], padding=True).input_ids
     assert right[0] == [97, 98, 256, 256] and left[0] == [256, 256, 97, 98]
+
+
+def test_added_tokens_encode_and_decode_as_their_ids(tmp_path):
+    tokenizer = SepFormerTokenizer()
+    assert tokenizer.add_tokens(["<new>", "€"]) == 2
+    assert len(tokenizer) == 261
+    text = "a<new>b€<s>"
+    ids = tokenizer.encode(text)
+    assert ids == [97, 259, 98, 260, *b"<s>"]  # a special token's string is still its bytes
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(tokenizer.encode("<new><new>")) == "<new><new>"
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(reloaded) == 261 and reloaded.encode(text) == ids and reloaded.decode(ids) == text
+
+
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        ("é", r"cannot add the token 'é': it is byte 233's token already"),
+        (AddedToken("<x>", lstrip=True), r"cannot add the token '<x>' with lstrip=True: SepFormerTokenizer splits"),
+    ],
+)
+def test_added_tokens_the_byte_vocabulary_cannot_hold_are_refused(token, message):
+    tokenizer = SepFormerTokenizer()
+    with pytest.raises(ValueError, match=message):
+        tokenizer.add_tokens([token])
+    assert len(tokenizer) == 259 and tokenizer.decode([233]) == "\ufffd"  # nothing was added
 
 
 @pytest.mark.parametrize(
