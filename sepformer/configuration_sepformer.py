@@ -358,7 +358,8 @@ class SepFormerConfig(PreTrainedConfig):
                 f"rotary_dim={self.rotary_dim} is not allowed: it must be 0 (off) or an even number <= "
                 f"head_dim={self.head_dim}."
             )
-        if self.tie_word_embeddings and self.lm_head_input != "semantic":
+        # with position_size=0 the whole vector is the semantic block: the head reads the same either way
+        if self.tie_word_embeddings and self.lm_head_input != "semantic" and self.position_size > 0:
             raise ValueError(
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
                 f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}."

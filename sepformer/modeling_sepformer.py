@@ -5,6 +5,7 @@ keys read the whole (normalised) vector, so attention may route on position and 
 output projection, the MLPs and the norms are block-diagonal, so positional and semantic coordinates never mix.
 """
 
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -536,7 +537,41 @@ class SepFormerPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: SepFormerConfig, *inputs, **kwargs):
+        # Assignments are checked one field at a time (`config.num_attention_heads = 3` passes): check them together.
+        # Not the token ids (`save_pretrained` checks them): transformers' tests build models from `vocab_size=4,
+        # pad_token_id=3`, which leaves the other ids outside the vocabulary.
+        config.validate_architecture()
         super().__init__(config.with_sizes_fixed(), *inputs, **kwargs)
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
+        """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
+        the Hub code files first, the config after): a refused save writes nothing."""
+        self.config.check_combinations()
+        self.check_config_describes_weights(state_dict)
+        return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+
+    def check_config_describes_weights(self, state_dict: dict | None = None) -> None:
+        """Refuse a config that no longer describes the weights to be saved (`state_dict`, by default the model's),
+        as after `model.config.position_size = 4` on a built model: saved together, they would make a checkpoint that
+        cannot be loaded, or that loads other weights."""
+        if getattr(self, "hf_quantizer", None) is not None or getattr(self, "_hf_peft_config_loaded", False):
+            return  # weights in the quantiser's layout, or only adapters saved (without the config)
+        with torch.device("meta"):
+            described = type(self)(copy.deepcopy(self.config)).state_dict()
+        weights = self.state_dict() if state_dict is None else state_dict
+        differences = [
+            f"{name} {tuple(weights[name].shape) if name in weights else 'absent'} in the weights, "
+            f"{tuple(described[name].shape) if name in described else 'absent'} for the config"
+            for name in sorted(described.keys() | weights.keys())
+            if name not in weights or name not in described or weights[name].shape != described[name].shape
+        ]
+        if differences:
+            raise ValueError(
+                f"model.config no longer describes the model's weights ({'; '.join(differences[:3])}"
+                f"{f'; and {len(differences) - 3} more' if len(differences) > 3 else ''}): a config field that shapes "
+                "the weights was changed after the model was built. Nothing was saved. Change it back, or build a new "
+                "model from the changed config."
+            )
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -10,6 +10,8 @@ from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoToken
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
 
+SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+
 
 def random_strings(count=300, seed=0):
     rng = random.Random(seed)
@@ -114,6 +116,14 @@ def test_invalid_config_is_a_value_error_naming_field_value_and_what_is_allowed(
         SepFormerConfig(**values)
 
 
+def test_a_model_without_positions_ties_its_head_whatever_block_it_reads():
+    # position_size=0: the whole vector is the semantic block (transformers' test_tied_weights_keys ties such a model)
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_size=0,
+                             lm_head_input="all", tie_word_embeddings=True)
+    model = SepFormerForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_derived_sizes():
     config = SepFormerConfig(hidden_size=64, num_attention_heads=4)
     assert (config.head_dim, config.position_size, config.semantic_size) == (16, 16, 48)
@@ -200,3 +210,50 @@ def test_configs_saved_with_resolved_sizes_still_load(tmp_path, nope):
     config = AutoConfig.from_pretrained(tmp_path)
     assert [getattr(config, name) for name in DERIVED] == [saved[name] for name in DERIVED]
     assert isinstance(AutoModelForCausalLM.from_config(config), SepFormerForCausalLM)
+
+
+# ------------------------------------------------------------------------- combinations set by assignment
+
+
+def test_a_model_is_not_built_from_an_invalid_config_made_by_assignments(tmp_path):
+    config = SepFormerConfig(**SMALL)
+    config.num_attention_heads = 3  # checked alone: a positive integer
+    message = r"hidden_size=32 is not divisible by num_attention_heads=3"
+    with pytest.raises(ValueError, match=message):
+        SepFormerForCausalLM(config)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_config(config)
+    SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path, num_attention_heads=3)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("position_size", 4, r"model.embed_tokens.weight \(259, 24\) in the weights, \(259, 28\) for the config"),
+        ("norm_type", "layernorm", r"model.layers.0.input_layernorm.position.bias absent in the weights, \(8,\) for"),
+        ("positional_map", "sinusoidal", r"model.embed_positions.weight \(512, 8\) in the weights, absent for the c"),
+    ],
+)
+def test_saving_refuses_a_config_changed_on_a_live_model_before_writing_anything(tmp_path, field, value, message):
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL))
+    setattr(model.config, field, value)  # a valid config, but not the one these weights were built for
+    with pytest.raises(ValueError, match=rf"model.config no longer describes the model's weights \(.*{message}"):
+        model.save_pretrained(tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+    # what is compared is what would be written: given weights that the config describes, it saves
+    model.save_pretrained(tmp_path / "model", state_dict=SepFormerForCausalLM(model.config).state_dict())
+    assert getattr(AutoModelForCausalLM.from_pretrained(tmp_path / "model").config, field) == value
+
+
+def test_saving_a_model_whose_config_changed_without_changing_its_weights(tmp_path):
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL)).eval()
+    model.resize_token_embeddings(300)  # the weights and config.vocab_size change together
+    model.config.hidden_dropout, model.config.position_extrapolation = 0.1, "clamp"
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (reloaded.config.vocab_size, reloaded.config.hidden_dropout) == (300, 0.1)
+    ids = torch.tensor([[1, 299, 5]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
