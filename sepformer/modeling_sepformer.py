@@ -7,6 +7,7 @@ output projection, the MLPs and the norms are block-diagonal, so positional and 
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -519,6 +520,17 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         return per_layer[self.layer_idx]
 
 
+class _OnModelOrClass:
+    """A classmethod that, called on a model, is given the model: transformers calls `is_remote_code` on classes and
+    on models."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, model, cls):
+        return functools.partial(self.function, cls if model is None else model)
+
+
 class SepFormerPreTrainedModel(PreTrainedModel):
     config: SepFormerConfig
     config_class = SepFormerConfig
@@ -542,6 +554,12 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         # pad_token_id=3`, which leaves the other ids outside the vocabulary.
         config.validate_architecture()
         super().__init__(config.with_sizes_fixed(), *inputs, **kwargs)
+
+    @_OnModelOrClass
+    def is_remote_code(model_or_class) -> bool:
+        """transformers' `is_remote_code`, which is also true of a model `prepare_for_hub` marked (its own
+        `_auto_class`): that model alone saves as Hub code, not its class."""
+        return model_or_class._auto_class is not None
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
