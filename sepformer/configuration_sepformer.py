@@ -174,7 +174,8 @@ class SepFormerConfig(PreTrainedConfig):
             `(in, out)`; up to 1.09x the layer's weights more memory while the cache lives at `d_pos = d / 4`).
             `False` keeps the modules.
         pad_token_id, bos_token_id, eos_token_id: ids inside the vocabulary (`0 <= id < vocab_size`) or `None`;
-            `eos_token_id` may be a list of ids.
+            `eos_token_id` may be a list of ids, and -1 for "never stop". Checked when the config is saved, so that
+            they can be set after `vocab_size`.
     """
 
     model_type = "sepformer"
@@ -225,15 +226,15 @@ class SepFormerConfig(PreTrainedConfig):
         if self.transformers_version is None:
             _refuse_ignored_keywords(kwargs)
         super().__post_init__(**kwargs)
-        # `@strict` runs the `validate_*` methods too, but wraps their errors; calling them here raises the plain
+        # `@strict` runs the `validate_*` methods too, but wraps their errors; calling it here raises the plain
         # `ValueError` (from the constructor, `from_pretrained` and the Auto classes alike).
-        self.check_combinations()
+        self.validate_architecture()
 
     def check_combinations(self) -> None:
-        """Every check that involves more than one field (`validate_architecture`, `validate_token_ids`), raising the
-        plain `ValueError`. The model's constructor and `save_pretrained` need a config that passes."""
+        """Every check that involves more than one field (`validate_architecture`, `check_token_ids`), raising the
+        plain `ValueError`. `save_pretrained` needs a config that passes (the model's constructor, its architecture)."""
         self.validate_architecture()
-        self.validate_token_ids()
+        self.check_token_ids()
 
     def with_sizes_fixed(self) -> "SepFormerConfig":
         """This config if its derived sizes are all set, else a copy with each set to its value now: a model's config
@@ -366,18 +367,25 @@ class SepFormerConfig(PreTrainedConfig):
             )
 
     def validate_token_ids(self):
-        """Special token ids inside the vocabulary: an error here, where transformers only warns (an id past the
-        embedding would fail deep inside torch when generation pads or stops with it)."""
+        """Not checked when the config is made (`@strict` runs every `validate_*` then), where transformers would warn:
+        its workflows set the ids after the vocabulary. `check_token_ids` refuses them where they are used."""
+
+    def check_token_ids(self):
+        """Special token ids inside the vocabulary, or `eos_token_id` -1 ("never stop", as in transformers): an error
+        when the config is saved (an id past the embedding would fail deep inside torch when generation pads or
+        starts with it)."""
         for name in self.__dict__:
             if not name.endswith("_token_id"):
                 continue
             value = getattr(self, name)
             ids = value if isinstance(value, list) else [value]
-            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size]
+            never_stop = [-1] if name == "eos_token_id" else []
+            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size and i not in never_stop]
             if bad:
+                also = ", or -1 for never stopping" if never_stop else ""
                 raise ValueError(
                     f"{name}={value!r} is outside the vocabulary: token ids are 0..{self.vocab_size - 1} "
-                    f"(vocab_size={self.vocab_size}); use None for no such token."
+                    f"(vocab_size={self.vocab_size}){also}; use None for no such token."
                 )
 
     @property
@@ -511,14 +519,9 @@ def _stable_mask(name, value):
 
 
 def _token_id(name, value):
-    ids = value if isinstance(value, list) else [value]
+    # whether the ids are inside the vocabulary is `check_token_ids`'s
     if isinstance(value, list) and not value:
         raise ValueError(f"{name}=[] is not allowed: it must be None, a token id or a non-empty list of token ids.")
-    negative = [i for i in ids if i is not None and i < 0]
-    if negative:
-        raise ValueError(
-            f"{name}={value!r} is not allowed: a token id is >= 0 (and < vocab_size); use None for no such token."
-        )
 
 
 FIELD_CHECKS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
 
@@ -210,6 +210,54 @@ def test_configs_saved_with_resolved_sizes_still_load(tmp_path, nope):
     config = AutoConfig.from_pretrained(tmp_path)
     assert [getattr(config, name) for name in DERIVED] == [saved[name] for name in DERIVED]
     assert isinstance(AutoModelForCausalLM.from_config(config), SepFormerForCausalLM)
+
+
+# --------------------------------------------------------------------------------------- special token ids
+
+OUTSIDE_THE_VOCABULARY = [
+    ({"vocab_size": 99, "pad_token_id": 256}, r"pad_token_id=256 is outside the vocabulary: token ids are 0..98 \("),
+    ({"pad_token_id": 259}, r"pad_token_id=259 is outside the vocabulary: token ids are 0..258 \(vocab_size=259\);"),
+    ({"pad_token_id": -1}, r"pad_token_id=-1 is outside the vocabulary: token ids are 0..258 .*use None for no such"),
+    ({"bos_token_id": 1000}, r"bos_token_id=1000 is outside the vocabulary: token ids are 0..258"),
+    ({"eos_token_id": [258, 300]}, r"eos_token_id=\[258, 300\] is outside .* 0..258 \(vocab_size=259\), or -1 for"),
+    ({"eos_token_id": -2}, r"eos_token_id=-2 is outside the vocabulary: .*, or -1 for never stopping"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", OUTSIDE_THE_VOCABULARY, ids=[str(o) for o, _ in OUTSIDE_THE_VOCABULARY])
+def test_a_token_id_outside_the_vocabulary_is_refused_when_saving_not_by_the_config(tmp_path, overrides, message):
+    config = SepFormerConfig(**SMALL, **overrides)  # transformers' workflows set the ids after the vocabulary
+    model = SepFormerForCausalLM(config)  # as transformers' test_resize_tokens_embeddings builds one
+    for save, folder in ((config.save_pretrained, "config"), (prepare_for_hub(model).save_pretrained, "model")):
+        with pytest.raises(ValueError, match=message):
+            save(tmp_path / folder)
+        assert not (tmp_path / folder).exists()  # nothing written, Hub code files included
+
+
+def test_token_ids_set_after_the_vocabulary_save(tmp_path):
+    config = SepFormerConfig(**SMALL, vocab_size=99)
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, [2, 3]
+    SepFormerForCausalLM(config).save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight.shape[0] == 99 and reloaded.generation_config.eos_token_id == [2, 3]
+
+
+@pytest.mark.parametrize("never_stop", [-1, [-1, 258]])
+def test_eos_token_id_minus_one_never_stops(tmp_path, never_stop):
+    torch.manual_seed(0)
+    prompt = torch.tensor([[104, 105]])
+    first = SepFormerForCausalLM(SepFormerConfig(**SMALL)).eval().generate(prompt, max_new_tokens=1, do_sample=False)
+    stop_at = first[0, -1].item()  # the first token greedy decoding gives: as eos, generation stops there
+    torch.manual_seed(0)
+    stops = SepFormerForCausalLM(SepFormerConfig(**SMALL, eos_token_id=stop_at)).eval()
+    assert stops.generate(prompt, max_new_tokens=6, do_sample=False).shape == (1, 3)
+    torch.manual_seed(0)
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL, eos_token_id=never_stop)).eval()
+    assert model.generation_config.eos_token_id == never_stop
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 8) and out[0, 2].item() == stop_at
+    model.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.eos_token_id == never_stop
 
 
 # ------------------------------------------------------------------------- combinations set by assignment
