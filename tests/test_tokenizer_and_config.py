@@ -3,6 +3,7 @@ since: `test_bad_inputs.py`.)"""
 
 import json
 import random
+import warnings
 
 import pytest
 import torch
@@ -258,6 +259,97 @@ def test_eos_token_id_minus_one_never_stops(tmp_path, never_stop):
     assert out.shape == (1, 8) and out[0, 2].item() == stop_at
     model.save_pretrained(tmp_path)
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.eos_token_id == never_stop
+
+
+# ----------------------------------------------------------------------------------------- ignored keywords
+
+IGNORED_KEYWORDS = [
+    ("num_heads", 8, r"num_heads=8, which SepFormer does not read \(it would be ignored\): use num_attention_heads"),
+    ("d_model", 64, r"d_model=64, which SepFormer does not read .*: use hidden_size"),
+    ("dropout", 0.1, r"dropout=0.1, which SepFormer does not read .*: use hidden_dropout and attention_dropout"),
+    ("max_seq_len", 1024, r"max_seq_len=1024, which SepFormer does not read .*: use max_position_embeddings"),
+    ("position_extrapolaton", "clamp", r"unknown keyword position_extrapolaton='clamp' .*'position_extrapolation'"),
+    ("positonal_map", "sinusoidal", r"unknown keyword positonal_map='sinusoidal' .* did you mean 'positional_map'"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, r"rope_scaling=.* SepFormer does not read"),
+    ("num_key_value_heads", 2, r"num_key_value_heads=2, which SepFormer does not read"),
+    ("temperature", 0.7, r"temperature=0.7, a generation parameter: transformers does not keep it on the config"),
+    ("my_experiment_tag", "run-7", r"unknown keyword my_experiment_tag='run-7' \(it would be ignored\)"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), IGNORED_KEYWORDS, ids=[k for k, _, _ in IGNORED_KEYWORDS])
+def test_a_keyword_the_config_would_ignore_is_a_type_error(key, value, message):
+    with pytest.raises(TypeError, match=message):
+        SepFormerConfig(**SMALL, **{key: value})
+    with pytest.raises(TypeError, match=message):
+        AutoConfig.for_model("sepformer", **SMALL, **{key: value})
+
+
+def test_several_ignored_keywords_are_named_together():
+    with pytest.raises(TypeError, match=r"d_model=64, .* num_heads=8, .* did you mean"):
+        SepFormerConfig(d_model=64, num_heads=8, hiden_size=64)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), IGNORED_KEYWORDS, ids=[k for k, _, _ in IGNORED_KEYWORDS])
+def test_a_saved_config_with_a_key_sepformer_ignores_loads_with_a_warning(tmp_path, key, value, message):
+    # a config.json of an older version or written by a tool must still load: the key is named, not refused
+    tiny = SepFormerForCausalLM(SepFormerConfig(**SMALL))
+    tiny.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, key: value}))
+    for load in (SepFormerConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.warns(UserWarning, match=rf"SepFormerConfig got .*{message}.* \(A saved config: it loads all"):
+            load(tmp_path)
+    del saved["transformers_version"]  # written by hand, not saved: refused as a keyword is
+    path.write_text(json.dumps({**saved, key: value}))
+    with pytest.raises(TypeError, match=message):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_keywords_transformers_passes_are_accepted(tmp_path):
+    given = dict(num_labels=3, output_attentions=True, attn_implementation="eager", torch_dtype="float32")
+    given.update(name_or_path="somewhere", tokenizer_class="SepFormerTokenizer", sep_token_id=5)
+    config = SepFormerConfig(**SMALL, **given, _attn_implementation="eager")
+    assert (config.num_labels, config.output_attentions, config.tokenizer_class) == (3, True, "SepFormerTokenizer")
+    assert SepFormerConfig(**config.to_dict()).to_dict() == config.to_dict()
+    assert SepFormerConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    config.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of them is warned about
+        assert SepFormerConfig.from_pretrained(tmp_path).to_diff_dict() == config.to_diff_dict()
+
+
+# ------------------------------------------------------------------------------ fields the settings never read
+
+UNREAD_FIELDS = [
+    ({"rope_theta": 500000.0}, r"rope_theta=500000.0 is read only with rotary_dim > 0 \(it would be ignored\); this "
+     r"config has rotary_dim=0\. Set that, or leave rope_theta at its default 10000.0"),
+    ({"interpolation_length": 2048}, r"interpolation_length=2048 is read only with 'interpolate' .* has position_"
+     r"extrapolation='none'"),
+    ({"position_extrapolation": "clamp", "fourier_components": 8}, r"fourier_components=8 is read only with 'fourier'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])
+def test_a_field_the_settings_never_read_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SepFormerConfig(**SMALL, **overrides)
+    config = SepFormerConfig(**SMALL)
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        SepFormerForCausalLM(config)
+
+
+@pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])
+def test_a_saved_config_with_a_field_the_settings_never_read_loads_with_a_warning(tmp_path, overrides, message):
+    SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **overrides}))
+    with pytest.warns(UserWarning, match=rf"{message}.* \(A saved config: it loads all the same\.\)"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(getattr(model.config, field) == value for field, value in overrides.items())
 
 
 # ------------------------------------------------------------------------- combinations set by assignment
