@@ -569,7 +569,7 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
 
     def check_config_describes_weights(self, state_dict: dict | None = None) -> None:
-        """Refuse a config that no longer describes the weights to be saved (`state_dict`, by default the model's),
+        """Refuse a config that no longer describes the weights to be saved (`state_dict`, by default all the model's),
         as after `model.config.position_size = 4` on a built model: saved together, they would make a checkpoint that
         cannot be loaded, or that loads other weights."""
         if getattr(self, "hf_quantizer", None) is not None or getattr(self, "_hf_peft_config_loaded", False):
@@ -577,10 +577,12 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         with torch.device("meta"):
             described = type(self)(copy.deepcopy(self.config)).state_dict()
         weights = self.state_dict() if state_dict is None else state_dict
+        # given weights may be a part (DeepSpeed's Trainer saves `{}` when ZeRO-3 keeps them sharded): only theirs
+        names = described.keys() | weights.keys() if state_dict is None else weights.keys()
         differences = [
             f"{name} {tuple(weights[name].shape) if name in weights else 'absent'} in the weights, "
             f"{tuple(described[name].shape) if name in described else 'absent'} for the config"
-            for name in sorted(described.keys() | weights.keys())
+            for name in sorted(names)
             if name not in weights or name not in described or weights[name].shape != described[name].shape
         ]
         if differences:
