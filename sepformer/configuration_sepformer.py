@@ -2,10 +2,15 @@
 
 Every mistake is refused before anything is built or written, by an error that names the field, the value and what
 is allowed: a value of the wrong type is a `TypeError` (also huggingface_hub's `StrictDataclassFieldValidationError`),
-a wrong value or combination a `ValueError`, a misspelt or foreign keyword a `TypeError`. A single value is checked
-whenever it is set: at construction, from a `config.json`, and on assignment (`config.norm_eps = float("nan")`
-raises). Combinations are checked when the config is made, loaded and saved, not on assignment, so that related
-fields can be changed one after the other (`config.vocab_size = 4; config.pad_token_id = 3`).
+a wrong value or combination a `ValueError`, a keyword the config would ignore (misspelt, another architecture's, a
+generation parameter, any other that is no field) a `TypeError`, a field that the config's settings never read
+(`rope_theta` without rotary) a `ValueError`. In a saved config (one that carries `transformers_version`) the last
+two are warnings, so that older and tool-written `config.json` files still load. A single value is checked whenever
+it is set: at construction, from a `config.json`, and on assignment (`config.norm_eps = float("nan")` raises).
+Combinations are checked when the config is made, loaded and saved and when a model is built from it, not on
+assignment, so that related fields can be changed one after the other (`config.vocab_size = 4; config.pad_token_id =
+3`). Special token ids are checked against the vocabulary only when the config is saved (alone or with a model):
+transformers' workflows set them after the vocabulary.
 
 The derived sizes `position_size`, `position_table_size`, `position_intermediate_size` and
 `semantic_intermediate_size` keep what the user gave: `None` (the default) follows the fields it derives from, also
@@ -17,6 +22,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import warnings
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
@@ -65,6 +71,11 @@ FOREIGN_KEYWORDS = {
     "rope_parameters": "use rotary_dim and rope_theta (SepFormer's rotary embedding has no scaling types)",
     "head_dim": "set hidden_size and num_attention_heads (head_dim = hidden_size / num_attention_heads)",
     "semantic_size": "set hidden_size and position_size (semantic_size = hidden_size - position_size)",
+    "d_model": "use hidden_size",
+    "num_heads": "use num_attention_heads",
+    "num_layers": "use num_hidden_layers",
+    "dropout": "use hidden_dropout and attention_dropout",
+    "max_seq_len": "use max_position_embeddings",
 }
 
 
@@ -174,7 +185,8 @@ class SepFormerConfig(PreTrainedConfig):
             `(in, out)`; up to 1.09x the layer's weights more memory while the cache lives at `d_pos = d / 4`).
             `False` keeps the modules.
         pad_token_id, bos_token_id, eos_token_id: ids inside the vocabulary (`0 <= id < vocab_size`) or `None`;
-            `eos_token_id` may be a list of ids.
+            `eos_token_id` may be a list of ids, and -1 for "never stop". Checked when the config is saved, so that
+            they can be set after `vocab_size`.
     """
 
     model_type = "sepformer"
@@ -219,21 +231,18 @@ class SepFormerConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 258
 
     def __post_init__(self, **kwargs):
-        # Fields were checked one by one as they were set; the keywords that are no field come here. A config rebuilt
-        # from a saved one (it carries `transformers_version`) keeps them, as transformers does: tools store
-        # attributes of their own on configs (`set_config_for_less_flaky_test` sets `layer_norm_eps`).
-        if self.transformers_version is None:
-            _refuse_ignored_keywords(kwargs)
+        # Fields were checked one by one as they were set; the keywords that are no field come here.
+        _check_ignored_keywords(kwargs, saved=self.transformers_version is not None)
         super().__post_init__(**kwargs)
-        # `@strict` runs the `validate_*` methods too, but wraps their errors; calling them here raises the plain
+        # `@strict` runs the `validate_*` methods too, but wraps their errors; calling it here raises the plain
         # `ValueError` (from the constructor, `from_pretrained` and the Auto classes alike).
-        self.check_combinations()
+        self.validate_architecture()
 
     def check_combinations(self) -> None:
-        """Every check that involves more than one field (`validate_architecture`, `validate_token_ids`), raising the
-        plain `ValueError`. The model's constructor and `save_pretrained` need a config that passes."""
+        """Every check that involves more than one field (`validate_architecture`, `check_token_ids`), raising the
+        plain `ValueError`. `save_pretrained` needs a config that passes (the model's constructor, its architecture)."""
         self.validate_architecture()
-        self.validate_token_ids()
+        self.check_token_ids()
 
     def with_sizes_fixed(self) -> "SepFormerConfig":
         """This config if its derived sizes are all set, else a copy with each set to its value now: a model's config
@@ -286,6 +295,19 @@ class SepFormerConfig(PreTrainedConfig):
                 f"position_size={self.position_size} is odd, but positional_map='sinusoidal' needs an even "
                 "position_size (sine/cosine pairs)."
             )
+        method = f"position_extrapolation={self.position_extrapolation!r}"
+        read_only_with = [  # a field, its default, whether this config reads it, what would, what this config has
+            ("fourier_components", 16, self.position_extrapolation == "fourier", "'fourier'", method),
+            ("interpolation_length", None, self.position_extrapolation == "interpolate", "'interpolate'", method),
+            ("rope_theta", 10000.0, self.rotary_dim > 0, "rotary_dim > 0", f"rotary_dim={self.rotary_dim}"),
+        ]
+        for name, default, read, reader, setting in read_only_with:
+            if not read and getattr(self, name) != default:
+                message = (
+                    f"{name}={getattr(self, name)!r} is read only with {reader} (it would be ignored); this config "
+                    f"has {setting}. Set that, or leave {name} at its default {default!r}."
+                )
+                _refuse(ValueError(message), saved=self.transformers_version is not None)
         self.check_extrapolation(self.default_extrapolation())  # raises on an unknown method or bad values
         has_table = self.has_positional_table
         if self.position_table_size < self.max_position_embeddings:
@@ -358,25 +380,33 @@ class SepFormerConfig(PreTrainedConfig):
                 f"rotary_dim={self.rotary_dim} is not allowed: it must be 0 (off) or an even number <= "
                 f"head_dim={self.head_dim}."
             )
-        if self.tie_word_embeddings and self.lm_head_input != "semantic":
+        # with position_size=0 the whole vector is the semantic block: the head reads the same either way
+        if self.tie_word_embeddings and self.lm_head_input != "semantic" and self.position_size > 0:
             raise ValueError(
                 f"tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
                 f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}."
             )
 
     def validate_token_ids(self):
-        """Special token ids inside the vocabulary: an error here, where transformers only warns (an id past the
-        embedding would fail deep inside torch when generation pads or stops with it)."""
+        """Not checked when the config is made (`@strict` runs every `validate_*` then), where transformers would warn:
+        its workflows set the ids after the vocabulary. `check_token_ids` refuses them where they are used."""
+
+    def check_token_ids(self):
+        """Special token ids inside the vocabulary, or `eos_token_id` -1 ("never stop", as in transformers): an error
+        when the config is saved (an id past the embedding would fail deep inside torch when generation pads or
+        starts with it)."""
         for name in self.__dict__:
             if not name.endswith("_token_id"):
                 continue
             value = getattr(self, name)
             ids = value if isinstance(value, list) else [value]
-            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size]
+            never_stop = [-1] if name == "eos_token_id" else []
+            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size and i not in never_stop]
             if bad:
+                also = ", or -1 for never stopping" if never_stop else ""
                 raise ValueError(
                     f"{name}={value!r} is outside the vocabulary: token ids are 0..{self.vocab_size - 1} "
-                    f"(vocab_size={self.vocab_size}); use None for no such token."
+                    f"(vocab_size={self.vocab_size}){also}; use None for no such token."
                 )
 
     @property
@@ -400,9 +430,13 @@ class SepFormerConfig(PreTrainedConfig):
             )
 
     def default_extrapolation(self) -> PositionExtrapolation:
-        return PositionExtrapolation(
-            method=self.position_extrapolation, components=self.fourier_components, length=self.interpolation_length
-        )
+        # only the field its method reads (a saved config may hold the other: `validate_architecture` warns)
+        method = self.position_extrapolation
+        if method == "fourier":
+            return PositionExtrapolation(method=method, components=self.fourier_components)
+        if method == "interpolate":
+            return PositionExtrapolation(method=method, length=self.interpolation_length)
+        return PositionExtrapolation(method=method)
 
 
 # ------------------------------------------------------------------------------------------- checks of one field
@@ -510,14 +544,9 @@ def _stable_mask(name, value):
 
 
 def _token_id(name, value):
-    ids = value if isinstance(value, list) else [value]
+    # whether the ids are inside the vocabulary is `check_token_ids`'s
     if isinstance(value, list) and not value:
         raise ValueError(f"{name}=[] is not allowed: it must be None, a token id or a non-empty list of token ids.")
-    negative = [i for i in ids if i is not None and i < 0]
-    if negative:
-        raise ValueError(
-            f"{name}={value!r} is not allowed: a token id is >= 0 (and < vocab_size); use None for no such token."
-        )
 
 
 FIELD_CHECKS = {
@@ -595,31 +624,49 @@ def _type_message(name: str, value, annotation) -> str:
 # transformers drops these from a config's keywords (they belong to `generation_config`)
 _GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
 
+# Keywords that are no field but that transformers itself passes to a config, or reads from it: consumed by
+# `PreTrainedConfig.__post_init__` and `from_dict`, written by `to_dict`, Hub code (`auto_map`), quantisation and
+# loading (`transformers_weights`), read by `AutoTokenizer` (`tokenizer_class`).
+TRANSFORMERS_KEYWORDS = frozenset(
+    "model_type name_or_path num_labels torch_dtype output_attentions attn_implementation experts_implementation "
+    "auto_map quantization_config transformers_weights tokenizer_class".split()
+)
 
-def _refuse_ignored_keywords(kwargs: dict) -> None:
-    """Keywords of a config made by hand that are no field. transformers keeps any unknown keyword as an attribute,
-    but nothing in SepFormer reads one: a misspelt field, another architecture's name for one, or a generation
-    parameter (which transformers drops) would be ignored without a word. Other unknown keywords stay attributes."""
-    fields = [name for name in SepFormerConfig.__annotations__ if not name.startswith("_")]
-    for key, value in kwargs.items():
-        if key in _GENERATION_KEYWORDS and value is not None:
-            raise TypeError(
-                f"SepFormerConfig got {key}={value!r}, a generation parameter: the config does not keep it (it would "
-                "be ignored); set it on model.generation_config or pass it to generate()."
-            )
-        if key in FOREIGN_KEYWORDS and value is not None:
-            raise TypeError(
-                f"SepFormerConfig got {key}={value!r}, which SepFormer does not read (it would be ignored): "
-                f"{FOREIGN_KEYWORDS[key]}."
-            )
-        if key.startswith("_") or key.endswith("_token_id"):  # private keys of transformers; extra special tokens
-            continue
-        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
-        if close:
-            raise TypeError(
-                f"SepFormerConfig got an unknown keyword {key}={value!r} (it would be ignored): did you mean "
-                f"{close[0]!r}?"
-            )
+
+def _check_ignored_keywords(kwargs: dict, saved: bool) -> None:
+    """Keywords that are no field and that nothing reads: a misspelt field, another architecture's name for one, a
+    generation parameter (which transformers drops), any other. A `TypeError` naming each; in a `saved` config a
+    warning, and transformers keeps the key as an attribute (`set_config_for_less_flaky_test` sets `layer_norm_eps`
+    on configs, which transformers' tests then save and load)."""
+    problems = [_ignored_keyword(key, value) for key, value in kwargs.items()]
+    problems = [problem for problem in problems if problem is not None]
+    if problems:
+        _refuse(TypeError(f"SepFormerConfig got {' '.join(problems)}"), saved)
+
+
+def _refuse(error: Exception, saved: bool) -> None:
+    """Raise `error`; for a `saved` config (it carries `transformers_version`) warn with its message instead, so that a
+    `config.json` saved before SepFormer checked this, or written by a tool, still loads."""
+    if not saved:
+        raise error
+    warnings.warn(f"{error} (A saved config: it loads all the same.)", stacklevel=2)
+
+
+def _ignored_keyword(key: str, value) -> str | None:
+    """Why SepFormer would ignore the keyword `key`, or `None` for those transformers reads."""
+    if key.startswith("_") or key.endswith("_token_id") or key in TRANSFORMERS_KEYWORDS:
+        return None  # private keys of transformers; extra special tokens (checked against the vocabulary)
+    if key in _GENERATION_KEYWORDS:
+        return (
+            f"{key}={value!r}, a generation parameter: transformers does not keep it on the config (only a model "
+            "loaded from a folder without generation_config.json reads it, from config.json); set it on "
+            "model.generation_config or pass it to generate()."
+        )
+    if key in FOREIGN_KEYWORDS:
+        return f"{key}={value!r}, which SepFormer does not read (it would be ignored): {FOREIGN_KEYWORDS[key]}."
+    close = difflib.get_close_matches(key, [field.name for field in dataclasses.fields(SepFormerConfig)], n=3)
+    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "the class docstring lists the fields."
+    return f"an unknown keyword {key}={value!r} (it would be ignored): {hint}"
 
 
 __all__ = ["ConfigTypeError", "SepFormerConfig"]

@@ -10,12 +10,14 @@ AUTO_MAP = {
 def prepare_for_hub(model, tokenizer=None):
     """Mark `model` (and `tokenizer`) so `save_pretrained`/`push_to_hub` copy the code files and a full `auto_map`.
 
+    Only these objects are marked (their own `_auto_class`, where transformers' `register_for_auto_class` marks the
+    class): another model, config or tokenizer saved later in the process is a plain checkpoint.
     Returns `model`, so `prepare_for_hub(model).save_pretrained(folder)` is a one-liner.
     """
-    model.config.register_for_auto_class()
-    type(model).register_for_auto_class("AutoModelForCausalLM" if hasattr(model, "lm_head") else "AutoModel")
-    # Each class only adds its own entry: write the whole map so a folder can be loaded through any Auto class.
+    model._auto_class = "AutoModelForCausalLM" if hasattr(model, "lm_head") else "AutoModel"
+    model.config._auto_class = "AutoConfig"
+    # Each object only adds its own entry: write the whole map so a folder can be loaded through any Auto class.
     model.config.auto_map = dict(AUTO_MAP)
     if tokenizer is not None:
-        type(tokenizer).register_for_auto_class("AutoTokenizer")
+        tokenizer._auto_class = "AutoTokenizer"
     return model

@@ -5,6 +5,9 @@ keys read the whole (normalised) vector, so attention may route on position and 
 output projection, the MLPs and the norms are block-diagonal, so positional and semantic coordinates never mix.
 """
 
+import copy
+import functools
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -183,6 +186,17 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + (self.dropout(mlp_output) if dropout else mlp_output)
 
 
+class _OnModelOrClass:
+    """A classmethod that, called on a model, is given the model: transformers calls `is_remote_code` on classes and
+    on models."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, model, cls):
+        return functools.partial(self.function, cls if model is None else model)
+
+
 class SepFormerPreTrainedModel(PreTrainedModel):
     config: SepFormerConfig
     config_class = SepFormerConfig
@@ -201,7 +215,49 @@ class SepFormerPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: SepFormerConfig, *inputs, **kwargs):
+        # Assignments are checked one field at a time (`config.num_attention_heads = 3` passes): check them together.
+        # Not the token ids (`save_pretrained` checks them): transformers' tests build models from `vocab_size=4,
+        # pad_token_id=3`, which leaves the other ids outside the vocabulary.
+        config.validate_architecture()
         super().__init__(config.with_sizes_fixed(), *inputs, **kwargs)
+
+    @_OnModelOrClass
+    def is_remote_code(model_or_class) -> bool:
+        """transformers' `is_remote_code`, which is also true of a model `prepare_for_hub` marked (its own
+        `_auto_class`): that model alone saves as Hub code, not its class."""
+        return model_or_class._auto_class is not None
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
+        """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
+        the Hub code files first, the config after): a refused save writes nothing."""
+        self.config.check_combinations()
+        self.check_config_describes_weights(state_dict)
+        return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+
+    def check_config_describes_weights(self, state_dict: dict | None = None) -> None:
+        """Refuse a config that no longer describes the weights to be saved (`state_dict`, by default all the model's),
+        as after `model.config.position_size = 4` on a built model: saved together, they would make a checkpoint that
+        cannot be loaded, or that loads other weights."""
+        if getattr(self, "hf_quantizer", None) is not None or getattr(self, "_hf_peft_config_loaded", False):
+            return  # weights in the quantiser's layout, or only adapters saved (without the config)
+        with torch.device("meta"):
+            described = type(self)(copy.deepcopy(self.config)).state_dict()
+        weights = self.state_dict() if state_dict is None else state_dict
+        # given weights may be a part (DeepSpeed's Trainer saves `{}` when ZeRO-3 keeps them sharded): only theirs
+        names = described.keys() | weights.keys() if state_dict is None else weights.keys()
+        differences = [
+            f"{name} {tuple(weights[name].shape) if name in weights else 'absent'} in the weights, "
+            f"{tuple(described[name].shape) if name in described else 'absent'} for the config"
+            for name in sorted(names)
+            if name not in weights or name not in described or weights[name].shape != described[name].shape
+        ]
+        if differences:
+            raise ValueError(
+                f"model.config no longer describes the model's weights ({'; '.join(differences[:3])}"
+                f"{f'; and {len(differences) - 3} more' if len(differences) > 3 else ''}): a config field that shapes "
+                "the weights was changed after the model was built. Nothing was saved. Change it back, or build a new "
+                "model from the changed config."
+            )
 
     @torch.no_grad()
     def _init_weights(self, module):

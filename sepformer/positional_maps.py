@@ -51,6 +51,16 @@ class PositionExtrapolation:
             raise ValueError(f"fourier components={self.components!r} must be a positive integer.")
         if self.length is not None and (not isinstance(self.length, int) or self.length < 1):
             raise ValueError(f"interpolate length={self.length!r} must be None or a positive integer.")
+        unread = [
+            f"{name}={getattr(self, name)!r}"
+            for name, method, default in (("components", "fourier", 16), ("length", "interpolate", None))
+            if getattr(self, name) != default and self.method != method
+        ]
+        if unread:
+            raise ValueError(
+                f"position_extrapolation {', '.join(unread)} is read only by its method (components by 'fourier', "
+                f"length by 'interpolate'; it would be ignored), not by {self.method!r}: drop it or use that method."
+            )
 
     @classmethod
     def parse(cls, value) -> "PositionExtrapolation":

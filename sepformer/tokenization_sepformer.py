@@ -2,7 +2,7 @@
 
 import operator
 
-from transformers.tokenization_python import AddedToken, PreTrainedTokenizer
+from transformers.tokenization_python import AddedToken, PreTrainedTokenizer, Trie
 from transformers.utils import to_py_obj
 
 NUM_BYTES = 256
@@ -13,8 +13,9 @@ class SepFormerTokenizer(PreTrainedTokenizer):
     """UTF-8 bytes as tokens: no vocabulary file, no unknown token, `decode(encode(text)) == text` for any string.
 
     Special-token strings inside the text are encoded as their bytes (`split_special_tokens=True`), so user text can
-    never inject a special token. Lone surrogates (not valid UTF-8) round-trip through `surrogatepass`; byte
-    sequences that are not valid UTF-8 (as a model may generate) decode to U+FFFD.
+    never inject a special token; tokens added with `add_tokens` (not special) are split out of the text and encoded
+    as their ids, as transformers' fast tokenizers do. Lone surrogates (not valid UTF-8) round-trip through
+    `surrogatepass`; byte sequences that are not valid UTF-8 (as a model may generate) decode to U+FFFD.
 
     Decoding an id outside the vocabulary (`0 <= id < len(tokenizer)`), an id that is not an integer, or an unknown
     keyword of `decode` raises, naming it and what is allowed.
@@ -40,6 +41,41 @@ class SepFormerTokenizer(PreTrainedTokenizer):
         vocab = {chr(byte): byte for byte in range(NUM_BYTES)}
         vocab.update(self.added_tokens_encoder)
         return vocab
+
+    def tokenize(self, text: str, **kwargs) -> list[str]:
+        """transformers' `tokenize`, except that `split_special_tokens=True` (the default) splits only the special
+        tokens into bytes, not the tokens added with `add_tokens` (transformers' slow tokenizers split those too)."""
+        if not kwargs.get("split_special_tokens", self.split_special_tokens):
+            return super().tokenize(text, **kwargs)
+        tokens = []
+        for piece in self._added_words_trie.split(text):
+            tokens.extend([piece] if piece in self._added_words else super().tokenize(piece, **kwargs))
+        return tokens
+
+    def _update_trie(self, unique_no_split_tokens=None):
+        super()._update_trie(unique_no_split_tokens)
+        self._added_words = {token.content for token in self._added_tokens_decoder.values() if not token.special}
+        self._added_words_trie = Trie(self._added_words)
+
+    def _add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
+        """transformers' `_add_tokens`, refusing what the byte vocabulary cannot hold: a token that is one byte's
+        character (it would take over that byte's id), and `lstrip`, `rstrip` or `single_word` on a token that is not
+        special (`tokenize` splits such tokens out of the text as they are)."""
+        for token in new_tokens or ():
+            content = str(token)
+            if len(content) == 1 and ord(content) < NUM_BYTES:
+                raise ValueError(
+                    f"cannot add the token {content!r}: it is byte {ord(content)}'s token already (the vocabulary "
+                    "holds every byte); add tokens of several characters, or of one character past U+00FF."
+                )
+            plain = isinstance(token, AddedToken) and not (special_tokens or token.special)
+            flags = [flag for flag in ("lstrip", "rstrip", "single_word") if plain and getattr(token, flag)]
+            if flags:
+                raise ValueError(
+                    f"cannot add the token {content!r} with {', '.join(f'{flag}=True' for flag in flags)}: "
+                    "SepFormerTokenizer splits added tokens out of the text as they are; add it without them."
+                )
+        return super()._add_tokens(new_tokens, special_tokens=special_tokens)
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         return [chr(byte) for byte in text.encode("utf-8", errors="surrogatepass")]

@@ -246,7 +246,8 @@ def test_training_past_L_sends_gradients_to_the_table():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_method_survives_save_and_reload(tmp_folder, method):
-    model = model_with_table(position_extrapolation=method, interpolation_length=3 * L, fourier_components=5)
+    read = {"fourier": {"fourier_components": 5}, "interpolate": {"interpolation_length": 3 * L}}.get(method, {})
+    model = model_with_table(position_extrapolation=method, **read)
     model.save_pretrained(tmp_folder)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
     assert reloaded.config.position_extrapolation == method
@@ -292,7 +293,13 @@ def test_random_position_offsets_refuse_a_sequence_longer_than_the_table():
         ({"position_table_size": 8}, "position_table_size=8 must be >= max_position_embeddings=16"),
         ({"random_position_offsets": True}, "random_position_offsets=True needs"),
         ({"position_table_size": 32}, "position_table_size=32 > max_position_embeddings=16 needs random_position_"),
-        ({"interpolation_length": 16}, "interpolate length=16 must exceed the table's 16 rows"),
+        ({"position_extrapolation": "interpolate", "interpolation_length": 16}, "interpolate length=16 must exceed"),
+        ({"interpolation_length": 48}, r"interpolation_length=48 is read only with 'interpolate' .*has position_ext"),
+        (
+            {"position_extrapolation": "clamp", "fourier_components": 8},
+            r"fourier_components=8 is read only with 'fourier' \(it would be ignored\); this config has position_"
+            r"extrapolation='clamp'",
+        ),
         ({"position_extrapolation": "sinusoidal", "position_size": 7}, None),  # odd d_pos: a sine ends the row
     ],
 )
@@ -313,6 +320,8 @@ def test_invalid_extrapolation_config(overrides, message):
         ({"method": "fourier", "components": -1}, "components=-1"),
         (3, "must be a method name, a dict or a PositionExtrapolation"),
         ({"method": "interpolate", "length": 10}, "interpolate length=10 must exceed the table's 16 rows"),
+        ({"method": "clamp", "length": 100}, r"length=100 is read only by its method .* not by 'clamp'"),
+        ({"method": "interpolate", "components": 8}, r"components=8 is read only by its method .* by 'interpolate'"),
     ],
 )
 def test_invalid_per_call_extrapolation(value, message):

@@ -86,6 +86,38 @@ def test_custom_code_folder_loads_where_sepformer_cannot_be_imported(tmp_folder)
     assert "REMOTE-OK transformers_modules" in result.stdout
 
 
+def test_prepare_for_hub_marks_only_the_model_and_tokenizer_it_is_given(tmp_path):
+    tokenizer = SepFormerTokenizer()
+    prepare_for_hub(tiny_model(), tokenizer).save_pretrained(tmp_path / "hub")
+    tokenizer.save_pretrained(tmp_path / "hub")
+    assert {"configuration_sepformer.py", "modeling_sepformer.py", "tokenization_sepformer.py"} <= {
+        path.name for path in (tmp_path / "hub").glob("*.py")
+    }
+    # saved later in the same process: plain checkpoints, no code files and no auto_map
+    tiny_model().save_pretrained(tmp_path / "model")
+    SepFormerTokenizer().save_pretrained(tmp_path / "model")
+    SepFormerConfig().save_pretrained(tmp_path / "config")
+    for folder in ("model", "config"):
+        assert not list((tmp_path / folder).glob("*.py")), folder
+        assert "auto_map" not in json.loads((tmp_path / folder / "config.json").read_text()), folder
+    assert "auto_map" not in json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_attention_heads", 3, "hidden_size=32 is not divisible by num_attention_heads=3"),
+        ("position_size", 4, "model.config no longer describes the model's weights"),
+    ],
+)
+def test_a_refused_hub_save_writes_nothing(tmp_path, field, value, message):
+    model = prepare_for_hub(tiny_model())
+    setattr(model.config, field, value)
+    with pytest.raises(ValueError, match=message):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_text_generation_pipeline():
     model = tiny_model()
     generator = pipeline("text-generation", model=model, tokenizer=SepFormerTokenizer(), device="cpu")

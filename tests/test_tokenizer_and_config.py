@@ -3,12 +3,15 @@ since: `test_bad_inputs.py`.)"""
 
 import json
 import random
+import warnings
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
+from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub
+
+SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
 
 
 def random_strings(count=300, seed=0):
@@ -50,6 +53,34 @@ def test_padding_sides():
     assert right[0] == [97, 98, 256, 256] and left[0] == [256, 256, 97, 98]
 
 
+def test_added_tokens_encode_and_decode_as_their_ids(tmp_path):
+    tokenizer = SepFormerTokenizer()
+    assert tokenizer.add_tokens(["<new>", "€"]) == 2
+    assert len(tokenizer) == 261
+    text = "a<new>b€<s>"
+    ids = tokenizer.encode(text)
+    assert ids == [97, 259, 98, 260, *b"<s>"]  # a special token's string is still its bytes
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(tokenizer.encode("<new><new>")) == "<new><new>"
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(reloaded) == 261 and reloaded.encode(text) == ids and reloaded.decode(ids) == text
+
+
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        ("é", r"cannot add the token 'é': it is byte 233's token already"),
+        (AddedToken("<x>", lstrip=True), r"cannot add the token '<x>' with lstrip=True: SepFormerTokenizer splits"),
+    ],
+)
+def test_added_tokens_the_byte_vocabulary_cannot_hold_are_refused(token, message):
+    tokenizer = SepFormerTokenizer()
+    with pytest.raises(ValueError, match=message):
+        tokenizer.add_tokens([token])
+    assert len(tokenizer) == 259 and tokenizer.decode([233]) == "\ufffd"  # nothing was added
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -84,6 +115,14 @@ def test_invalid_config_is_a_value_error_naming_field_value_and_what_is_allowed(
     values.update(overrides)
     with pytest.raises(ValueError, match=message):
         SepFormerConfig(**values)
+
+
+def test_a_model_without_positions_ties_its_head_whatever_block_it_reads():
+    # position_size=0: the whole vector is the semantic block (transformers' test_tied_weights_keys ties such a model)
+    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_size=0,
+                             lm_head_input="all", tie_word_embeddings=True)
+    model = SepFormerForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_derived_sizes():
@@ -172,3 +211,196 @@ def test_configs_saved_with_resolved_sizes_still_load(tmp_path, nope):
     config = AutoConfig.from_pretrained(tmp_path)
     assert [getattr(config, name) for name in DERIVED] == [saved[name] for name in DERIVED]
     assert isinstance(AutoModelForCausalLM.from_config(config), SepFormerForCausalLM)
+
+
+# --------------------------------------------------------------------------------------- special token ids
+
+OUTSIDE_THE_VOCABULARY = [
+    ({"vocab_size": 99, "pad_token_id": 256}, r"pad_token_id=256 is outside the vocabulary: token ids are 0..98 \("),
+    ({"pad_token_id": 259}, r"pad_token_id=259 is outside the vocabulary: token ids are 0..258 \(vocab_size=259\);"),
+    ({"pad_token_id": -1}, r"pad_token_id=-1 is outside the vocabulary: token ids are 0..258 .*use None for no such"),
+    ({"bos_token_id": 1000}, r"bos_token_id=1000 is outside the vocabulary: token ids are 0..258"),
+    ({"eos_token_id": [258, 300]}, r"eos_token_id=\[258, 300\] is outside .* 0..258 \(vocab_size=259\), or -1 for"),
+    ({"eos_token_id": -2}, r"eos_token_id=-2 is outside the vocabulary: .*, or -1 for never stopping"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", OUTSIDE_THE_VOCABULARY, ids=[str(o) for o, _ in OUTSIDE_THE_VOCABULARY])
+def test_a_token_id_outside_the_vocabulary_is_refused_when_saving_not_by_the_config(tmp_path, overrides, message):
+    config = SepFormerConfig(**SMALL, **overrides)  # transformers' workflows set the ids after the vocabulary
+    model = SepFormerForCausalLM(config)  # as transformers' test_resize_tokens_embeddings builds one
+    for save, folder in ((config.save_pretrained, "config"), (prepare_for_hub(model).save_pretrained, "model")):
+        with pytest.raises(ValueError, match=message):
+            save(tmp_path / folder)
+        assert not (tmp_path / folder).exists()  # nothing written, Hub code files included
+
+
+def test_token_ids_set_after_the_vocabulary_save(tmp_path):
+    config = SepFormerConfig(**SMALL, vocab_size=99)
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, [2, 3]
+    SepFormerForCausalLM(config).save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight.shape[0] == 99 and reloaded.generation_config.eos_token_id == [2, 3]
+
+
+@pytest.mark.parametrize("never_stop", [-1, [-1, 258]])
+def test_eos_token_id_minus_one_never_stops(tmp_path, never_stop):
+    torch.manual_seed(0)
+    prompt = torch.tensor([[104, 105]])
+    first = SepFormerForCausalLM(SepFormerConfig(**SMALL)).eval().generate(prompt, max_new_tokens=1, do_sample=False)
+    stop_at = first[0, -1].item()  # the first token greedy decoding gives: as eos, generation stops there
+    torch.manual_seed(0)
+    stops = SepFormerForCausalLM(SepFormerConfig(**SMALL, eos_token_id=stop_at)).eval()
+    assert stops.generate(prompt, max_new_tokens=6, do_sample=False).shape == (1, 3)
+    torch.manual_seed(0)
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL, eos_token_id=never_stop)).eval()
+    assert model.generation_config.eos_token_id == never_stop
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 8) and out[0, 2].item() == stop_at
+    model.save_pretrained(tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.eos_token_id == never_stop
+
+
+# ----------------------------------------------------------------------------------------- ignored keywords
+
+IGNORED_KEYWORDS = [
+    ("num_heads", 8, r"num_heads=8, which SepFormer does not read \(it would be ignored\): use num_attention_heads"),
+    ("d_model", 64, r"d_model=64, which SepFormer does not read .*: use hidden_size"),
+    ("dropout", 0.1, r"dropout=0.1, which SepFormer does not read .*: use hidden_dropout and attention_dropout"),
+    ("max_seq_len", 1024, r"max_seq_len=1024, which SepFormer does not read .*: use max_position_embeddings"),
+    ("position_extrapolaton", "clamp", r"unknown keyword position_extrapolaton='clamp' .*'position_extrapolation'"),
+    ("positonal_map", "sinusoidal", r"unknown keyword positonal_map='sinusoidal' .* did you mean 'positional_map'"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, r"rope_scaling=.* SepFormer does not read"),
+    ("num_key_value_heads", 2, r"num_key_value_heads=2, which SepFormer does not read"),
+    ("temperature", 0.7, r"temperature=0.7, a generation parameter: transformers does not keep it on the config"),
+    ("my_experiment_tag", "run-7", r"unknown keyword my_experiment_tag='run-7' \(it would be ignored\)"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), IGNORED_KEYWORDS, ids=[k for k, _, _ in IGNORED_KEYWORDS])
+def test_a_keyword_the_config_would_ignore_is_a_type_error(key, value, message):
+    with pytest.raises(TypeError, match=message):
+        SepFormerConfig(**SMALL, **{key: value})
+    with pytest.raises(TypeError, match=message):
+        AutoConfig.for_model("sepformer", **SMALL, **{key: value})
+
+
+def test_several_ignored_keywords_are_named_together():
+    with pytest.raises(TypeError, match=r"d_model=64, .* num_heads=8, .* did you mean"):
+        SepFormerConfig(d_model=64, num_heads=8, hiden_size=64)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), IGNORED_KEYWORDS, ids=[k for k, _, _ in IGNORED_KEYWORDS])
+def test_a_saved_config_with_a_key_sepformer_ignores_loads_with_a_warning(tmp_path, key, value, message):
+    # a config.json of an older version or written by a tool must still load: the key is named, not refused
+    tiny = SepFormerForCausalLM(SepFormerConfig(**SMALL))
+    tiny.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, key: value}))
+    for load in (SepFormerConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.warns(UserWarning, match=rf"SepFormerConfig got .*{message}.* \(A saved config: it loads all"):
+            load(tmp_path)
+    del saved["transformers_version"]  # written by hand, not saved: refused as a keyword is
+    path.write_text(json.dumps({**saved, key: value}))
+    with pytest.raises(TypeError, match=message):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_keywords_transformers_passes_are_accepted(tmp_path):
+    given = dict(num_labels=3, output_attentions=True, attn_implementation="eager", torch_dtype="float32")
+    given.update(name_or_path="somewhere", tokenizer_class="SepFormerTokenizer", sep_token_id=5)
+    config = SepFormerConfig(**SMALL, **given, _attn_implementation="eager")
+    assert (config.num_labels, config.output_attentions, config.tokenizer_class) == (3, True, "SepFormerTokenizer")
+    assert SepFormerConfig(**config.to_dict()).to_dict() == config.to_dict()
+    assert SepFormerConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    config.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of them is warned about
+        assert SepFormerConfig.from_pretrained(tmp_path).to_diff_dict() == config.to_diff_dict()
+
+
+# ------------------------------------------------------------------------------ fields the settings never read
+
+UNREAD_FIELDS = [
+    ({"rope_theta": 500000.0}, r"rope_theta=500000.0 is read only with rotary_dim > 0 \(it would be ignored\); this "
+     r"config has rotary_dim=0\. Set that, or leave rope_theta at its default 10000.0"),
+    ({"interpolation_length": 2048}, r"interpolation_length=2048 is read only with 'interpolate' .* has position_"
+     r"extrapolation='none'"),
+    ({"position_extrapolation": "clamp", "fourier_components": 8}, r"fourier_components=8 is read only with 'fourier'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])
+def test_a_field_the_settings_never_read_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SepFormerConfig(**SMALL, **overrides)
+    config = SepFormerConfig(**SMALL)
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        SepFormerForCausalLM(config)
+
+
+@pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])
+def test_a_saved_config_with_a_field_the_settings_never_read_loads_with_a_warning(tmp_path, overrides, message):
+    SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **overrides}))
+    with pytest.warns(UserWarning, match=rf"{message}.* \(A saved config: it loads all the same\.\)"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(getattr(model.config, field) == value for field, value in overrides.items())
+
+
+# ------------------------------------------------------------------------- combinations set by assignment
+
+
+def test_a_model_is_not_built_from_an_invalid_config_made_by_assignments(tmp_path):
+    config = SepFormerConfig(**SMALL)
+    config.num_attention_heads = 3  # checked alone: a positive integer
+    message = r"hidden_size=32 is not divisible by num_attention_heads=3"
+    with pytest.raises(ValueError, match=message):
+        SepFormerForCausalLM(config)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_config(config)
+    SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path, num_attention_heads=3)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("position_size", 4, r"model.embed_tokens.weight \(259, 24\) in the weights, \(259, 28\) for the config"),
+        ("norm_type", "layernorm", r"model.layers.0.input_layernorm.position.bias absent in the weights, \(8,\) for"),
+        ("positional_map", "sinusoidal", r"model.embed_positions.weight \(512, 8\) in the weights, absent for the c"),
+    ],
+)
+def test_saving_refuses_a_config_changed_on_a_live_model_before_writing_anything(tmp_path, field, value, message):
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL))
+    setattr(model.config, field, value)  # a valid config, but not the one these weights were built for
+    with pytest.raises(ValueError, match=rf"model.config no longer describes the model's weights \(.*{message}"):
+        model.save_pretrained(tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+
+
+def test_saving_given_weights_compares_those(tmp_path):
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL))
+    model.config.position_size = 4
+    with pytest.raises(ValueError, match=r"lm_head.weight \(259, 24\) in the weights, \(259, 28\) for the config"):
+        model.save_pretrained(tmp_path / "part", state_dict={"lm_head.weight": model.lm_head.weight})
+    model.save_pretrained(tmp_path / "none", state_dict={})  # as DeepSpeed's Trainer does, ZeRO-3 keeping them sharded
+    model.save_pretrained(tmp_path / "model", state_dict=SepFormerForCausalLM(model.config).state_dict())
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.position_size == 4
+
+
+def test_saving_a_model_whose_config_changed_without_changing_its_weights(tmp_path):
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL)).eval()
+    model.resize_token_embeddings(300)  # the weights and config.vocab_size change together
+    model.config.hidden_dropout, model.config.position_extrapolation = 0.1, "clamp"
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (reloaded.config.vocab_size, reloaded.config.hidden_dropout) == (300, 0.1)
+    ids = torch.tensor([[1, 299, 5]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
