@@ -332,7 +332,8 @@ def calibration_bias(model, prompts: torch.Tensor, options: dict) -> torch.Tenso
     """`bias(k)` as attention calibration measures it at prefill: (prompts, calibrated layers, heads, documents)."""
     cache = SepFormerCache(config=model.config)
     model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1, attention_calibration=options)
-    return torch.stack([cache.calibration_bias[layer] for layer in sorted(cache.calibration_bias)], 1).cpu()
+    bias = cache.mitigation_state["attention_calibration"].bias  # per calibrated layer, (b, H, K)
+    return torch.stack([bias[layer] for layer in sorted(bias)], 1).cpu()
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
