@@ -198,7 +198,7 @@ def train(model, dataset, *, steps: int, learning_rate: float, batch_size: int, 
             output_dir=str(output_dir) if save_steps else scratch, max_steps=steps,
             per_device_train_batch_size=batch_size // processes, train_sampling_strategy="sequential",
             max_grad_norm=1.0, seed=seed, bf16=bf16, fp16=fp16, use_cpu=cpu,
-            ddp_backend="gloo" if cpu and processes > 1 else None,
+            ddp_backend="gloo" if cpu and processes > 1 else None, ddp_find_unused_parameters=False,
             logging_strategy="steps", logging_steps=1, report_to="none", dataloader_num_workers=0,
             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
         model.to(arguments.device)  # before the optimizer is made: it holds the parameters where they train
