@@ -85,6 +85,7 @@ from experiment_common import (  # noqa: E402
     save_figure,
     table_lines,
     tail_mean,
+    world_size,
     write_csv,
 )
 from experiment_common import train as train_with_trainer  # noqa: E402
@@ -536,7 +537,8 @@ def run(args) -> list[dict]:
         args.eval_tokens_used = len(stream)
         print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
               f"L={args.block_size}; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; "
-              f"SepFormer methods {list(args.methods)}")
+              f"SepFormer methods {list(args.methods)}"
+              + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
         (rows,) = every_seed(args.seeds, lambda seed: (run_seed(seed, train_blocks, stream, len(tokenizer), args),))
 
     table = markdown_table(rows, args)

@@ -96,6 +96,7 @@ from experiment_common import (
     save_figure,
     table_lines,
     tail_mean,
+    world_size,
     write_csv,
 )
 from experiment_common import train as train_with_trainer
@@ -867,7 +868,8 @@ def run(args) -> list[dict]:
     metric = evaluate.load(metric_path("accuracy_by_position"))
     print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
           f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
-          f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
+          f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}"
+          + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
     # a saved model that cannot be reused fails now, not after hours of training
     runs = [(contender, seed) for seed in args.seeds for contender in contenders(args, vocab)]
     if args.reuse_models and not any([saved_model(args, contender, seed) is not None for contender, seed in runs]):
