@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from cli_arguments import positive_int  # examples/ is on the path of every script that imports this module
+
+# examples/ is on the path of every script that imports this module
+from cli_arguments import Distinct, nonnegative_int, positive_float, positive_int
 from tqdm.auto import tqdm
 from transformers import (
     BloomConfig,
@@ -78,11 +80,34 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-# ----------------------------------------------------------------------------------------------------- training
+def chosen(every: list, words: list[str] | None, matches, described: str) -> list:
+    """The contenders that `--models` names (`matches(word, contender)`), in their own order; all without the flag. A
+    word that matches none stops the run, even beside one that matches: a mistyped name would silently drop its
+    model. `described`: what the words can name, for the message."""
+    if unmatched := [word for word in words or () if not any(matches(word, c) for c in every)]:
+        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {described}")
+    return [c for c in every if any(matches(word, c) for word in words)] if words else every
 
 
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `train`: mixed precision and checkpoints."""
+# ------------------------------------------------------------------------------------------------- command line
+
+
+def experiment_parser(description: str, quick: str) -> argparse.ArgumentParser:
+    """The flags every experiment has: its presets (`quick`: what the quick one takes), seeds, the models' shape, the
+    training (mixed precision, checkpoints) and where it runs; a flag not given takes the preset's value
+    (`apply_preset`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help=f"the quick preset ({quick})")
+    preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
+    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
+                        help="one full run per seed (default preset: 0 1 2)")
+    parser.add_argument("--hidden-size", type=positive_int)
+    parser.add_argument("--num-layers", type=positive_int)
+    parser.add_argument("--num-heads", type=positive_int)
+    parser.add_argument("--batch-size", type=positive_int, help="sequences per step, over all processes")
+    parser.add_argument("--learning-rate", type=positive_float)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs that have it, or CPU)")
     precision.add_argument("--fp16", action="store_true", help="fp16 mixed precision (CUDA GPUs only)")
@@ -92,6 +117,22 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue each model from its last checkpoint under OUTPUT_DIR/checkpoints (a model "
                              "without one trains from the start)")
+    return parser
+
+
+def preset_name(args) -> str:
+    return "tiny" if args.tiny else "quick" if args.quick else "default"
+
+
+def apply_preset(parser: argparse.ArgumentParser, args, presets: dict) -> None:
+    """Every flag not given takes the preset's value; then what training would refuse is refused, before any work."""
+    for name, value in presets[preset_name(args)].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    check_training_arguments(parser, args)
+
+
+# ----------------------------------------------------------------------------------------------------- training
 
 
 def check_training_arguments(parser: argparse.ArgumentParser, args) -> None:

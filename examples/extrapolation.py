@@ -37,7 +37,6 @@ it data-parallel unchanged, `--bf16`/`--fp16` train in mixed precision, `--save-
 continue checkpoints under `OUTPUT_DIR/checkpoints`.
 """
 
-import argparse
 import csv
 import math
 import sys
@@ -63,20 +62,19 @@ from cli_arguments import (  # noqa: E402
     Distinct,
     existing_file,
     int_at_least,
-    nonnegative_int,
     output_directory,
-    positive_float,
     positive_int,
 )
 from demo import byte_blocks, stdlib_sources  # noqa: E402
 from experiment_common import (  # noqa: E402
-    add_training_arguments,
+    apply_preset,
     build_model,
     check_plotting,
     check_resumable,
-    check_training_arguments,
     checkpoint_dir,
+    chosen,
     every_seed,
+    experiment_parser,
     is_main_process,
     main_process_prints,
     mean_and_std,
@@ -164,9 +162,7 @@ def contenders(args) -> list[Contender]:
         Contender("Llama (rotary)", peer("llama")),
         Contender("Bloom (ALiBi)", peer("bloom")),
     ]
-    if unmatched := [word for word in args.models or () if not any(word.lower() in c.name.lower() for c in every)]:
-        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)}")
-    return [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
+    return chosen(every, args.models, lambda word, c: word.lower() in c.name.lower(), ", ".join(c.name for c in every))
 
 
 def check_models(args, vocab_size: int) -> None:
@@ -466,23 +462,13 @@ def plot(rows: list[dict], args, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the quick preset (a few minutes)")
-    preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
-                        help="one full run per seed (default preset: 0 1 2)")
+    parser = experiment_parser(__doc__, quick="a few minutes")
     parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama")
     parser.add_argument("--methods", nargs="+", choices=sepformer.EXTRAPOLATION_METHODS, action=Distinct,
                         help="extrapolation methods for the learned SepFormer (default: all)")
     # L >= 2: a window of L tokens scores L - 1 of them
     parser.add_argument("--block-size", type=int_at_least(2), help="training length L")
-    parser.add_argument("--hidden-size", type=positive_int)
-    parser.add_argument("--num-layers", type=positive_int)
-    parser.add_argument("--num-heads", type=positive_int)
-    parser.add_argument("--batch-size", type=positive_int)
     parser.add_argument("--max-steps", type=positive_int)
-    parser.add_argument("--learning-rate", type=positive_float)
     parser.add_argument("--eval-tokens", type=positive_int, help="validation tokens scored at each length")
     parser.add_argument("--eval-batch-size", type=positive_int, default=8)
     parser.add_argument("--max-bytes", type=positive_int, help="how much text to read (train and validation)")
@@ -501,14 +487,9 @@ def parse_args(argv=None):
     parser.add_argument("--from-csv", type=existing_file, nargs="+", metavar="RESULTS_CSV",
                         help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
                              "seed, side by side), with the preset flags those runs had")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/extrapolation")
-    add_training_arguments(parser)
     args = parser.parse_args(argv)
-    for name, value in PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"].items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    check_training_arguments(parser, args)
+    apply_preset(parser, args, PRESETS)
     args.methods = tuple(args.methods or sepformer.EXTRAPOLATION_METHODS)
     return args
 

@@ -58,7 +58,6 @@ it data-parallel unchanged, `--bf16`/`--fp16` train in mixed precision, `--save-
 continue checkpoints under `OUTPUT_DIR/checkpoints`.
 """
 
-import argparse
 import functools
 import json
 import statistics
@@ -75,23 +74,23 @@ import transformers
 from cli_arguments import (
     Distinct,
     nonnegative_float,
-    nonnegative_int,
     output_directory,
-    positive_float,
     positive_int,
     probability,
 )
 from experiment_common import (
-    add_training_arguments,
+    apply_preset,
     build_model,
     check_plotting,
     check_resumable,
-    check_training_arguments,
     checkpoint_dir,
+    chosen,
     every_seed,
+    experiment_parser,
     interval95,
     is_main_process,
     main_process_prints,
+    preset_name,
     pyplot,
     save_figure,
     table_lines,
@@ -413,10 +412,8 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     def matches(word, contender):
         return word.lower() in contender.name.lower() or word.lower() == contender.slug
 
-    if unmatched := [word for word in args.models or () if not any(matches(word, c) for c in every)]:
-        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)} "
-                         f"(nor the folder names {', '.join(c.slug for c in every)})")
-    return [c for c in every if any(matches(word, c) for word in args.models)] if args.models else every
+    return chosen(every, args.models, matches, f"{', '.join(c.name for c in every)} (nor the folder names "
+                                               f"{', '.join(c.slug for c in every)})")
 
 
 # ------------------------------------------------------------------------------------------------ train, evaluate
@@ -780,12 +777,7 @@ MITIGATION_NAMES = (NONE, "stable_mask", "ms_poe", "attention_calibration", "pos
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
-    preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
-                        help="one full run per seed (default preset: 0 1 2)")
+    parser = experiment_parser(__doc__, quick="about 10 minutes")
     parser.add_argument("--models", nargs="+",
                         help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
@@ -795,14 +787,9 @@ def parse_args(argv=None):
                         help="numbers of pairs evaluated, at most --num-pairs (default: the training's)")
     parser.add_argument("--num-keys", type=positive_int)
     parser.add_argument("--num-values", type=positive_int)
-    parser.add_argument("--hidden-size", type=positive_int)
-    parser.add_argument("--num-layers", type=positive_int)
-    parser.add_argument("--num-heads", type=positive_int)
-    parser.add_argument("--batch-size", type=positive_int)
     parser.add_argument("--max-steps", type=positive_int,
                         help="training steps (default: the preset's steps per pair times --num-pairs, e.g. 1500 at "
                              "16 pairs and 3000 at 32)")
-    parser.add_argument("--learning-rate", type=positive_float)
     parser.add_argument("--weight-decay", type=nonnegative_float)
     parser.add_argument("--end-slots", type=positive_int,
                         help="training answers sit in the first or last this many slots")
@@ -812,7 +799,6 @@ def parse_args(argv=None):
     parser.add_argument("--validation-per-slot", type=positive_int,
                         help="validation prompts per gold slot (the search's)")
     parser.add_argument("--eval-batch-size", type=positive_int, default=256)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/position_bias")
     parser.add_argument("--models-dir", type=output_directory,
                         help="where trained models are saved and, with --reuse-models, read (default: "
@@ -821,16 +807,12 @@ def parse_args(argv=None):
                         help="load the models an earlier run saved under --models-dir instead of training them again; "
                              "one saved with other training settings or config is refused, with what differs, and so "
                              "is a --models-dir without any of the run's models")
-    add_training_arguments(parser)
     args = parser.parse_args(argv)
-    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
         # At the preset's budget Llama does not learn twice the documents; at the same steps per pair it does.
+        preset = PRESETS[preset_name(args)]
         args.max_steps = preset["max_steps"] * args.num_pairs // preset["num_pairs"]
-    for name, value in preset.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    check_training_arguments(parser, args)
+    apply_preset(parser, args, PRESETS)
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
     args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
