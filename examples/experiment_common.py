@@ -241,6 +241,7 @@ def train(model, dataset, *, steps: int, learning_rate: float, batch_size: int, 
             max_grad_norm=1.0, seed=seed, bf16=bf16, fp16=fp16, use_cpu=cpu,
             ddp_backend="gloo" if cpu and processes > 1 else None, ddp_find_unused_parameters=False,
             logging_strategy="steps", logging_steps=1, report_to="none", dataloader_num_workers=0,
+            use_cache=model.config.use_cache,  # Trainer sets the config's to this: a saved model keeps its own
             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
         model.to(arguments.device)  # before the optimizer is made: it holds the parameters where they train
         optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95),

@@ -50,6 +50,20 @@ def test_resume_continues_from_the_last_checkpoint_as_if_never_stopped(tmp_path)
     assert (flat(fresh) - flat(straight)).abs().max() > 1e-3
 
 
+def test_training_leaves_the_config_as_it_was(tmp_path):
+    """A model saved after training (`position_bias.py` saves and reloads them) has the config it was built with,
+    but for what `save_pretrained` records anyway: its class and dtype."""
+    model = tiny_model(seed=0)
+
+    def fields():
+        return {k: v for k, v in model.config.to_dict().items() if k not in ("architectures", "dtype")}
+
+    before = fields()
+    assert before["use_cache"]  # what Trainer would set to its own default, False
+    train(model, tmp_path)
+    assert fields() == before
+
+
 def test_the_loss_is_the_mean_over_every_labelled_token():
     """`labels[:, j + 1]` is the target of position j, over the whole batch (not a mean of per-row means)."""
     model = tiny_model(seed=0)
