@@ -72,7 +72,8 @@ MODEL_CLASSES = {"sepformer": SepFormerForCausalLM, "llama": LlamaForCausalLM, "
 
 def build_model(name: str, *shape, **config) -> torch.nn.Module:
     """A freshly initialised model: `model_config(name, *shape, **config)`."""
-    return MODEL_CLASSES[name](model_config(name, *shape, **config))
+    config = model_config(name, *shape, **config)  # an unknown name: its ValueError says which names there are
+    return MODEL_CLASSES[name](config)
 
 
 def slug(name: str) -> str:

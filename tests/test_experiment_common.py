@@ -84,3 +84,12 @@ def test_resume_without_any_checkpoint_is_refused_before_the_data_is_read(monkey
     monkeypatch.setattr(extrapolation, "token_data", no_data)
     with pytest.raises(SystemExit, match=f"--resume: {tmp_path / 'checkpoints'} holds no checkpoint of this run's"):
         extrapolation.main(["--tiny", "--resume", "--output-dir", str(tmp_path)])
+
+
+def test_models_of_one_shape_are_built_by_name_and_an_unknown_name_is_refused():
+    shape = (259, 32, 2, 4, 16)
+    sizes = {name: experiment_common.build_model(name, *shape).config.hidden_size
+             for name in ("sepformer", "llama", "gpt2", "bloom")}
+    assert sizes == {"sepformer": 32, "llama": 32, "gpt2": 32, "bloom": 32}
+    with pytest.raises(ValueError, match="model 'mamba' is not one of sepformer, llama, gpt2, bloom"):
+        experiment_common.build_model("mamba", *shape)
