@@ -30,12 +30,15 @@ into train and validation; `--text docs` takes the Python documentation's topics
     python examples/extrapolation.py --quick --max-steps 3 --models sepformer llama --methods clamp fourier
     python examples/extrapolation.py --train-file a.txt --validation-file b.txt --seeds 0 1 2
     python examples/extrapolation.py --dataset-name Salesforce/wikitext --dataset-config wikitext-2-raw-v1  # Hub
+    torchrun --nproc_per_node 2 examples/extrapolation.py --tiny    # data parallel: the same table, within noise
+
+Training runs through transformers' `Trainer` (see `experiment_common.py`): `torchrun` and `accelerate launch` run
+it data-parallel unchanged, `--bf16`/`--fp16` train in mixed precision, `--save-steps` and `--resume` save and
+continue checkpoints under `OUTPUT_DIR/checkpoints`.
 """
 
-import argparse
 import csv
 import math
-import statistics
 import sys
 import time
 import zlib
@@ -48,18 +51,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 from tqdm.auto import tqdm
-from transformers import (
-    BloomConfig,
-    BloomForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    get_cosine_schedule_with_warmup,
-)
 
 import sepformer
-from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer
+from sepformer import SepFormerConfig, SepFormerTokenizer
 
 # The demo's data helpers. Imported after transformers and datasets, so that the demo's offline defaults do not stop
 # `--dataset-name` from reaching the Hub.
@@ -68,12 +62,31 @@ from cli_arguments import (  # noqa: E402
     Distinct,
     existing_file,
     int_at_least,
-    nonnegative_int,
     output_directory,
-    positive_float,
     positive_int,
 )
 from demo import byte_blocks, stdlib_sources  # noqa: E402
+from experiment_common import (  # noqa: E402
+    apply_preset,
+    build_model,
+    check_plotting,
+    check_resumable,
+    checkpoint_dir,
+    chosen,
+    every_seed,
+    experiment_parser,
+    is_main_process,
+    main_process_prints,
+    mean_and_std,
+    model_config,
+    pyplot,
+    save_figure,
+    table_lines,
+    tail_mean,
+    world_size,
+    write_csv,
+)
+from experiment_common import train as train_with_trainer  # noqa: E402
 
 PRESETS = {
     # three seeds of fourteen models: about 10 minutes on 2 idle CPU cores (18 CPU-minutes)
@@ -101,21 +114,26 @@ class Contender:
     last_position_target: bool = True  # False: position L-1 has no target, as when training on blocks of L tokens
 
 
+def shape(args, vocab_size: int) -> tuple[int, ...]:
+    return vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.block_size
+
+
 def sepformer_config(args, vocab_size: int, **overrides) -> SepFormerConfig:
-    return SepFormerConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                           num_attention_heads=args.num_heads, max_position_embeddings=args.block_size, **overrides)
+    return model_config("sepformer", *shape(args, vocab_size), **overrides)
 
 
 SPECIAL_TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
 
 
 def contenders(args) -> list[Contender]:
-    """The models. Peers get GPT-2's 4·d_model MLP (Llama's gated MLP 8/3·d_model: as many weights)."""
-    d, layers, heads = args.hidden_size, args.num_layers, args.num_heads
+    """The models, all of one shape (`experiment_common.model_config`)."""
     longest = MULTIPLIERS[-1] * args.block_size  # 8L: every position evaluated is trained by the 8L rows
 
     def sepformer_model(**overrides):
-        return lambda v: SepFormerForCausalLM(sepformer_config(args, v, **overrides))
+        return lambda v: build_model("sepformer", *shape(args, v), **overrides)
+
+    def peer(name, **config):
+        return lambda v: build_model(name, *shape(args, v), **SPECIAL_TOKENS, **config)
 
     randomized = dict(position_table_size=longest, randomized_positions=True)
     spline = dict(positional_map="bspline", spline_control_points=args.spline_control_points)
@@ -139,20 +157,12 @@ def contenders(args) -> list[Contender]:
         Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions, range per "
                   "sequence (8L)", sepformer_model(randomized_range="per_sequence", **randomized_spline)),
         Contender("SepFormer d_pos=0", sepformer_model(position_size=0)),
-        Contender("GPT-2 (learned, additive)", lambda v: GPT2LMHeadModel(GPT2Config(
-            vocab_size=v, n_embd=d, n_layer=layers, n_head=heads, n_positions=args.block_size,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SPECIAL_TOKENS)),
-            max_length=args.block_size),
-        Contender("Llama (rotary)", lambda v: LlamaForCausalLM(LlamaConfig(
-            vocab_size=v, hidden_size=d, intermediate_size=round(8 * d / 3), num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=args.block_size,
-            **SPECIAL_TOKENS))),
-        Contender("Bloom (ALiBi)", lambda v: BloomForCausalLM(BloomConfig(
-            vocab_size=v, hidden_size=d, n_layer=layers, n_head=heads, **SPECIAL_TOKENS))),
+        Contender("GPT-2 (learned, additive)", peer("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                  max_length=args.block_size),
+        Contender("Llama (rotary)", peer("llama")),
+        Contender("Bloom (ALiBi)", peer("bloom")),
     ]
-    if unmatched := [word for word in args.models or () if not any(word.lower() in c.name.lower() for c in every)]:
-        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)}")
-    return [c for c in every if any(word.lower() in c.name.lower() for word in args.models)] if args.models else every
+    return chosen(every, args.models, lambda word, c: word.lower() in c.name.lower(), ", ".join(c.name for c in every))
 
 
 def check_models(args, vocab_size: int) -> None:
@@ -257,32 +267,25 @@ def batch_order(num_blocks: int, args, seed: int) -> torch.Tensor:
 
 
 def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: str,
-          last_position_target: bool = True) -> float:
-    """AdamW, linear warm-up then cosine decay, gradient clipping at 1; returns the mean loss of the last 10% steps.
+          last_position_target: bool = True, seed: int = 0, checkpoints: Path | None = None) -> float:
+    """`experiment_common.train` on the blocks of `order` (steps, batch); returns the mean loss of the last 10% of
+    the steps in bits per byte. `seed` seeds what is random in training (e.g. randomized positions); `checkpoints`:
+    where `--save-steps` saves and `--resume` continues.
 
     Each block of L + 1 tokens gives L inputs and their L next tokens; without `last_position_target` the target of
     position L-1 is dropped, which is exactly training on blocks of L tokens."""
-    model.to(args.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
-    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.max_steps // 20), args.max_steps)
-    losses = []
-    bar = tqdm(order, desc=description, leave=False, dynamic_ncols=True)
-    for indices in bar:
-        batch = blocks[indices].to(args.device)
-        targets = batch[:, 1:].clone()
-        if not last_position_target:
-            targets[:, -1] = -100  # ignored by cross_entropy
-        logits = model(input_ids=batch[:, :-1]).logits  # (b, L, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(bits_per_byte=f"{loss.item() / math.log(2):.3f}")
-    tail = losses[-max(1, len(losses) // 10):]
-    return sum(tail) / len(tail) / math.log(2)
+    rows = blocks[order.flatten()]
+    labels = rows.clone()
+    labels[:, 0] = -100  # labels[:, j + 1] is the target of position j: the first token is none's
+    if not last_position_target:
+        labels[:, -1] = -100
+    dataset = [{"input_ids": ids[:-1], "labels": targets} for ids, targets in zip(rows, labels, strict=True)]
+    losses = train_with_trainer(
+        model, dataset, steps=order.shape[0], learning_rate=args.learning_rate, batch_size=order.shape[1],
+        seed=seed, output_dir=checkpoints, device=args.device, bf16=args.bf16, fp16=args.fp16,
+        save_steps=args.save_steps, resume_from_checkpoint=args.resume, description=description,
+        postfix=lambda loss: {"bits_per_byte": f"{loss / math.log(2):.3f}"})
+    return tail_mean(losses) / math.log(2)
 
 
 @torch.no_grad()
@@ -292,7 +295,7 @@ def bits_per_byte(model, stream: torch.Tensor, length: int, args, **forward_kwar
     windows = stream.view(-1, length)
     per_position = torch.zeros(length - 1, dtype=torch.float64)  # summed loss of the target at position j + 1
     for batch in windows.split(args.eval_batch_size):
-        batch = batch.to(args.device)
+        batch = batch.to(model.device)
         logits = model(input_ids=batch, **forward_kwargs).logits[:, :-1].float()
         nll = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (b, length - 1)
         per_position += nll.sum(0).double().cpu()
@@ -332,7 +335,7 @@ def run_seed(seed: int, train_blocks: torch.Tensor, stream: torch.Tensor, vocab_
         model = contender.build(vocab_size)
         started = time.time()
         train_bpb = train(model, train_blocks, order, args, f"seed {seed} · train {contender.name}",
-                          contender.last_position_target)
+                          contender.last_position_target, seed, checkpoint_dir(args, contender.name, seed))
         train_seconds = time.time() - started
         new_rows = evaluate(model, contender, stream, args)
         for row in new_rows:
@@ -365,8 +368,7 @@ def summarise(rows: list[dict], args) -> tuple[list[tuple[str, str]], dict]:
             if failures:
                 cells[model, method, length] = (float("nan"), float("nan"), failures[0])
             else:
-                std = statistics.stdev(values) if len(values) > 1 else float("nan")
-                cells[model, method, length] = (statistics.fmean(values), std, None)
+                cells[model, method, length] = (*mean_and_std(values), None)
     return keys, cells
 
 
@@ -376,8 +378,7 @@ def markdown_table(rows: list[dict], args) -> str:
     seeds = sorted({r["seed"] for r in rows})
     parameters = {(r["model"], r["method"]): r["parameters"] for r in rows}
     header = ["model", "method", "params"] + [f"{args.block_size * m} ({m}L)" for m in MULTIPLIERS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * len(lengths)]
-    reasons = []  # one footnote per row that cannot run somewhere: its first error
+    table, reasons = [], []  # one footnote per row that cannot run somewhere: its first error
     for model, method in keys:
         out = [model, method, f"{parameters[model, method] / 1e6:.3f}M"]
         for length in lengths:
@@ -388,7 +389,8 @@ def markdown_table(rows: list[dict], args) -> str:
                 out.append(f"n/a [{len(reasons)}]")
             else:
                 out.append(f"{mean:.3f}" + (f" ± {std:.3f}" if len(seeds) > 1 else ""))
-        lines.append("| " + " | ".join(out) + " |")
+        table.append(out)
+    lines = table_lines(header, table, left=3)
     lines += ["", "Bits per byte on held-out text (lower is better): the same "
               f"{args.eval_tokens_used} validation tokens at every length n, cut into windows of n, every token but "
               "the first of each window scored. Trained at "
@@ -398,15 +400,8 @@ def markdown_table(rows: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    fields = ["model", "method", "seed", "train_length", "length", "bits_per_byte", "bits_per_byte_beyond_L",
-              "tokens_scored", "status", "parameters", "train_steps", "train_bits_per_byte", "train_seconds"]
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.5f}" if isinstance(v, float) and k.startswith("bits") else v)
-                             for k, v in row.items() if k in fields})
+RESULT_FIELDS = ["model", "method", "seed", "train_length", "length", "bits_per_byte", "bits_per_byte_beyond_L",
+                 "tokens_scored", "status", "parameters", "train_steps", "train_bits_per_byte", "train_seconds"]
 
 
 def read_csv(paths: list[str], args) -> list[dict]:
@@ -432,11 +427,7 @@ def read_csv(paths: list[str], args) -> list[dict]:
 
 
 def plot(rows: list[dict], args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys, cells = summarise(rows, args)
     lengths = [args.block_size * m for m in MULTIPLIERS]
     figure, axes = plt.subplots(figsize=(11, 5.5))
@@ -464,31 +455,20 @@ def plot(rows: list[dict], args, path: Path) -> None:
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(path, dpi=130)
-    plt.close(figure)
+    save_figure(figure, path, dpi=130)
 
 
 # ----------------------------------------------------------------------------------------------------------- main
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the quick preset (a few minutes)")
-    preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
-                        help="one full run per seed (default preset: 0 1 2)")
+    parser = experiment_parser(__doc__, quick="a few minutes")
     parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama")
     parser.add_argument("--methods", nargs="+", choices=sepformer.EXTRAPOLATION_METHODS, action=Distinct,
                         help="extrapolation methods for the learned SepFormer (default: all)")
     # L >= 2: a window of L tokens scores L - 1 of them
     parser.add_argument("--block-size", type=int_at_least(2), help="training length L")
-    parser.add_argument("--hidden-size", type=positive_int)
-    parser.add_argument("--num-layers", type=positive_int)
-    parser.add_argument("--num-heads", type=positive_int)
-    parser.add_argument("--batch-size", type=positive_int)
     parser.add_argument("--max-steps", type=positive_int)
-    parser.add_argument("--learning-rate", type=positive_float)
     parser.add_argument("--eval-tokens", type=positive_int, help="validation tokens scored at each length")
     parser.add_argument("--eval-batch-size", type=positive_int, default=8)
     parser.add_argument("--max-bytes", type=positive_int, help="how much text to read (train and validation)")
@@ -507,19 +487,21 @@ def parse_args(argv=None):
     parser.add_argument("--from-csv", type=existing_file, nargs="+", metavar="RESULTS_CSV",
                         help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
                              "seed, side by side), with the preset flags those runs had")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/extrapolation")
     args = parser.parse_args(argv)
-    for name, value in PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"].items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+    apply_preset(parser, args, PRESETS)
     args.methods = tuple(args.methods or sepformer.EXTRAPOLATION_METHODS)
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    import matplotlib  # noqa: F401  (fail now, not after training, if the plot cannot be drawn)
+    with main_process_prints():
+        return run(args)
+
+
+def run(args) -> list[dict]:
+    check_plotting()
     transformers.logging.set_verbosity_error()  # config chatter of the peers (e.g. GPT-2's default loss_type)
     datasets.disable_progress_bars()  # the bars that matter are training's and evaluation's
     output_dir = Path(args.output_dir)
@@ -531,18 +513,20 @@ def main(argv=None):
     else:
         tokenizer = SepFormerTokenizer()
         check_models(args, len(tokenizer))
+        check_resumable(args, [(contender.name, seed) for seed in args.seeds for contender in contenders(args)])
         train_blocks, stream = token_data(args, tokenizer)
         args.eval_tokens_used = len(stream)
         print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
               f"L={args.block_size}; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; "
-              f"SepFormer methods {list(args.methods)}")
-        rows = []
-        for seed in args.seeds:
-            rows += run_seed(seed, train_blocks, stream, len(tokenizer), args)
+              f"SepFormer methods {list(args.methods)}"
+              + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
+        (rows,) = every_seed(args.seeds, lambda seed: (run_seed(seed, train_blocks, stream, len(tokenizer), args),))
 
     table = markdown_table(rows, args)
     print("\n" + table + "\n")
-    write_csv(rows, output_dir / "results.csv")
+    if not is_main_process():
+        return rows
+    write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("bits_per_byte", "bits_per_byte_beyond_L"))
     (output_dir / "results.md").write_text(table + "\n")
     plot(rows, args, output_dir / "extrapolation.png")
     print(f"wrote {output_dir / 'results.csv'}, {output_dir / 'results.md'}, {output_dir / 'extrapolation.png'} "

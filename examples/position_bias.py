@@ -51,13 +51,15 @@ finite, is refused before anything trains, and so is a `--models-dir` that holds
     python examples/position_bias.py --num-pairs 32 --num-keys 64   # twice the documents (and the steps: 3000)
     python examples/position_bias.py --reuse-models --models-dir outputs/position_bias/models \
         --output-dir outputs/ms_poe --mitigations none ms_poe        # the default run's models, evaluated again
+    torchrun --nproc_per_node 2 examples/position_bias.py --tiny  # data parallel: the same table, within noise
+
+Training runs through transformers' `Trainer` (see `experiment_common.py`): `torchrun` and `accelerate launch` run
+it data-parallel unchanged, `--bf16`/`--fp16` train in mixed precision, `--save-steps` and `--resume` save and
+continue checkpoints under `OUTPUT_DIR/checkpoints`.
 """
 
-import argparse
-import csv
 import functools
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -72,19 +74,37 @@ import transformers
 from cli_arguments import (
     Distinct,
     nonnegative_float,
-    nonnegative_int,
     output_directory,
-    positive_float,
     positive_int,
     probability,
 )
+from experiment_common import (
+    apply_preset,
+    build_model,
+    check_plotting,
+    check_resumable,
+    checkpoint_dir,
+    chosen,
+    every_seed,
+    experiment_parser,
+    interval95,
+    is_main_process,
+    main_process_prints,
+    preset_name,
+    pyplot,
+    save_figure,
+    table_lines,
+    tail_mean,
+    world_size,
+    write_csv,
+)
+from experiment_common import train as train_with_trainer
 from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
-from sepformer import SepFormerCache, SepFormerConfig, SepFormerForCausalLM
+from sepformer import SepFormerCache
 from sepformer.metrics import metric_path
 from sepformer.positional_search import NoPositionalChannelError, scale_attention_input, search_positional_scaling
 
@@ -371,25 +391,20 @@ class Contender:
 
 
 def contenders(args, vocab: Vocabulary) -> list[Contender]:
-    d, layers, heads = args.hidden_size, args.num_layers, args.num_heads
-    length = train_length(args.num_pairs)
+    """The models, all of one shape (`experiment_common.model_config`), with positions up to the training length."""
+    shape = (len(vocab), args.hidden_size, args.num_layers, args.num_heads, train_length(args.num_pairs))
     special = dict(pad_token_id=vocab.pad, bos_token_id=vocab.bos, eos_token_id=vocab.sep, tie_word_embeddings=False)
 
     def sepformer():
-        return SepFormerForCausalLM(SepFormerConfig(
-            vocab_size=len(vocab), hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-            max_position_embeddings=length, **special))
+        return build_model("sepformer", *shape, **special)
 
     def llama():
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(vocab), hidden_size=d, intermediate_size=round(8 * d / 3), num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length, **special))
+        model = build_model("llama", *shape, **special)
         model.set_attn_implementation("ms_poe_sdpa")  # plain sdpa unless an `ms_poe=` keyword reaches it
         return model
 
     def gpt2():
-        return GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=d, n_layer=layers, n_head=heads,
-                                          n_positions=length, **special))
+        return build_model("gpt2", *shape, **special)
 
     every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
              Contender("Llama (rotary)", "llama", llama, llama_conditions),
@@ -398,36 +413,23 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     def matches(word, contender):
         return word.lower() in contender.name.lower() or word.lower() == contender.slug
 
-    if unmatched := [word for word in args.models or () if not any(matches(word, c) for c in every)]:
-        raise SystemExit(f"--models {' '.join(unmatched)} matches none of: {', '.join(c.name for c in every)} "
-                         f"(nor the folder names {', '.join(c.slug for c in every)})")
-    return [c for c in every if any(matches(word, c) for word in args.models)] if args.models else every
+    return chosen(every, args.models, matches, f"{', '.join(c.name for c in every)} (nor the folder names "
+                                               f"{', '.join(c.slug for c in every)})")
 
 
 # ------------------------------------------------------------------------------------------------ train, evaluate
 
 
-def train(model, data: datasets.Dataset, args, description: str) -> float:
-    """AdamW, warm-up then cosine decay, clipping at 1; returns the mean loss of the last 10% of the steps."""
-    model.to(args.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay)
-    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.max_steps // 20), args.max_steps)
-    losses = []
-    bar = tqdm(range(args.max_steps), desc=description, leave=False, dynamic_ncols=True)
-    for step in bar:
-        batch = data[step * args.batch_size:(step + 1) * args.batch_size]  # one step's rows: one length
-        loss = model(input_ids=batch["input_ids"].to(args.device), labels=batch["labels"].to(args.device)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval()
-    tail = losses[-max(1, len(losses) // 10):]
-    return sum(tail) / len(tail)
+def train(model, data: datasets.Dataset, args, description: str, seed: int = 0, checkpoints: Path | None = None
+          ) -> float:
+    """`experiment_common.train` on `data` (every step's batch, in order); returns the mean loss of the last 10% of
+    the steps. `seed` seeds what is random in training (dropout); `checkpoints`: where `--save-steps` saves and
+    `--resume` continues."""
+    losses = train_with_trainer(
+        model, data, steps=args.max_steps, learning_rate=args.learning_rate, batch_size=args.batch_size, seed=seed,
+        output_dir=checkpoints, weight_decay=args.weight_decay, device=args.device, bf16=args.bf16, fp16=args.fp16,
+        save_steps=args.save_steps, resume_from_checkpoint=args.resume, description=description)
+    return tail_mean(losses)
 
 
 # What a trained model depends on, besides the model and the seed: a saved model is reused only under the same.
@@ -526,19 +528,21 @@ def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.D
         return model, record
     model = seeded_build(contender, seed)
     started = time.time()
-    train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}")
+    train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}", seed,
+                       checkpoint_dir(args, contender.slug, seed))
     record = dict(settings=training_settings(args, seed), config=full_config(model.config),
                   train_loss=round(train_loss, 4), train_seconds=round(time.time() - started, 1))
-    (folder / "training.json").unlink(missing_ok=True)
-    model.save_pretrained(folder)
-    (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    if is_main_process():
+        (folder / "training.json").unlink(missing_ok=True)
+        model.save_pretrained(folder)
+        (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return model, record
 
 
 @torch.no_grad()
 def predict(model, prompts: torch.Tensor, condition: Condition, args) -> torch.Tensor:
     """The greedy next token after every prompt (the value: one token). One forward of the whole prompt, no cache."""
-    return torch.cat([condition.logits(model, batch.to(args.device)).argmax(-1).cpu()
+    return torch.cat([condition.logits(model, batch.to(model.device)).argmax(-1).cpu()
                       for batch in prompts.split(args.eval_batch_size)])
 
 
@@ -573,7 +577,7 @@ def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args) -> tu
     implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the only implementation that returns the probabilities
     try:
-        batch = prompts[::max(1, len(prompts) // args.eval_batch_size)][:args.eval_batch_size].to(args.device)
+        batch = prompts[::max(1, len(prompts) // args.eval_batch_size)][:args.eval_batch_size].to(model.device)
         attentions = model(input_ids=batch, use_cache=False, output_attentions=True).attentions
     finally:
         model.set_attn_implementation(implementation)
@@ -617,20 +621,6 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
 
 
 # --------------------------------------------------------------------------------------------------------- report
-
-# two-sided 95% quantiles of Student's t by degrees of freedom (the interval of a mean over a few seeds)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def interval95(values: list[float]) -> float:
-    """Half-width of the 95% interval of the mean of `values` (t over seeds; 0 for one value)."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    t = T_975[max(df for df in T_975 if df <= n - 1)]  # the next smaller tabulated df: a slightly wider interval
-    return t * statistics.stdev(values) / math.sqrt(n)
-
 
 @dataclass
 class Curve:
@@ -680,25 +670,24 @@ def markdown_table(rows: list[dict], args) -> str:
         header = ["model", "mitigation", "setting", "mean ± 95%", "worst slot", "worst/best", "Δ mean"]
         header += [str(slot) for slot in range(1, pairs + 1)]
         title = "the training length" if pairs == args.num_pairs else f"trained at {args.num_pairs}"
-        lines += [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds", "",
-                  "| " + " | ".join(header) + " |", "|---|---|---|---:|---:|---:|---:|" + "---:|" * pairs]
+        table = []
         baseline = {c.model: statistics.fmean(c.mean_by_slot) for c in every
                     if c.num_pairs == pairs and c.mitigation == NONE}
         for curve in every:
             if curve.num_pairs != pairs:
                 continue
             if curve.status != "ok":
-                lines.append(f"| {curve.model} | {curve.mitigation} | {curve.setting} | {curve.status} |"
-                             + " |" * (pairs + 3))
+                table.append([curve.model, curve.mitigation, curve.setting, curve.status] + [""] * (pairs + 3))
                 continue
             means, seed_means = curve.mean_by_slot, curve.seed_means
             mean = statistics.fmean(seed_means)
             worst = min(range(pairs), key=means.__getitem__)
             delta = "" if curve.mitigation == NONE else f"{mean - baseline.get(curve.model, float('nan')):+.3f}"
-            lines.append(f"| {curve.model} | {curve.mitigation} | {curve.setting} | "
-                         f"**{mean:.3f}** ± {interval95(seed_means):.3f} | {means[worst]:.2f} (slot {worst + 1}) | "
-                         f"{curve.worst_over_best:.2f} | {delta} | " + " | ".join(f"{a:.2f}" for a in means) + " |")
-        lines.append("")
+            table.append([curve.model, curve.mitigation, curve.setting,
+                          f"**{mean:.3f}** ± {interval95(seed_means):.3f}", f"{means[worst]:.2f} (slot {worst + 1})",
+                          f"{curve.worst_over_best:.2f}", delta, *(f"{a:.2f}" for a in means)])
+        lines += [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds", "",
+                  *table_lines(header, table, left=3), ""]
     picks = [f"{r['model']}, seed {r['seed']}: {r['details']}" for r in rows
              if r["setting"] == SEARCH_PICK and r["slot"] == 1 and r["num_pairs"] == args.num_pairs]
     if picks:
@@ -714,15 +703,6 @@ def markdown_table(rows: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: list[dict], path: Path, fields: list[str]) -> None:
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.5f}" if isinstance(v, float) and k in ("accuracy", "attention") else v)
-                             for k, v in row.items() if k in fields})
-
-
 RESULT_FIELDS = ["model", "mitigation", "setting", "seed", "num_pairs", "slot", "accuracy", "examples", "status",
                  "details", "train_pairs", "parameters", "train_steps", "train_loss", "train_seconds"]
 COLOURS = {NONE: "black", "stable_mask": "tab:blue", "ms_poe": "tab:orange", "attention_calibration": "tab:green",
@@ -732,11 +712,7 @@ COLOURS = {NONE: "black", "stable_mask": "tab:blue", "ms_poe": "tab:orange", "at
 def plot_curves(rows: list[dict], args, path: Path) -> None:
     """One panel per model at the training length: no mitigation, positional scaling at the search's pick and each
     other mitigation at its setting with the highest mean test accuracy, each with its 95% band over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     every = [c for c in curves(rows) if c.num_pairs == args.num_pairs and c.status == "ok"]
     models = list(dict.fromkeys(c.model for c in every))
     figure, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False, sharey=True)
@@ -770,16 +746,11 @@ def plot_curves(rows: list[dict], args, path: Path) -> None:
     figure.suptitle(f"Key-value retrieval accuracy by the gold pair's position (seeds {seeds}, 95% bands; "
                     "positional scaling at the search's pick, the others at their best setting)", fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
+    save_figure(figure, path, dpi=120, bbox_inches="tight")
 
 
 def plot_attention(attention_rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in attention_rows))
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for axis, model in zip(axes[0], models, strict=True):
@@ -797,8 +768,7 @@ def plot_attention(attention_rows: list[dict], path: Path) -> None:
         figure.colorbar(image, ax=axis, fraction=0.04)
     figure.suptitle("A_G: last token's mean attention per key position in each group (no mitigation)")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------------------- main
@@ -808,12 +778,7 @@ MITIGATION_NAMES = (NONE, "stable_mask", "ms_poe", "attention_calibration", "pos
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the quick preset (about 10 minutes)")
-    preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
-                        help="one full run per seed (default preset: 0 1 2)")
+    parser = experiment_parser(__doc__, quick="about 10 minutes")
     parser.add_argument("--models", nargs="+",
                         help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
@@ -823,14 +788,9 @@ def parse_args(argv=None):
                         help="numbers of pairs evaluated, at most --num-pairs (default: the training's)")
     parser.add_argument("--num-keys", type=positive_int)
     parser.add_argument("--num-values", type=positive_int)
-    parser.add_argument("--hidden-size", type=positive_int)
-    parser.add_argument("--num-layers", type=positive_int)
-    parser.add_argument("--num-heads", type=positive_int)
-    parser.add_argument("--batch-size", type=positive_int)
     parser.add_argument("--max-steps", type=positive_int,
                         help="training steps (default: the preset's steps per pair times --num-pairs, e.g. 1500 at "
                              "16 pairs and 3000 at 32)")
-    parser.add_argument("--learning-rate", type=positive_float)
     parser.add_argument("--weight-decay", type=nonnegative_float)
     parser.add_argument("--end-slots", type=positive_int,
                         help="training answers sit in the first or last this many slots")
@@ -840,7 +800,6 @@ def parse_args(argv=None):
     parser.add_argument("--validation-per-slot", type=positive_int,
                         help="validation prompts per gold slot (the search's)")
     parser.add_argument("--eval-batch-size", type=positive_int, default=256)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/position_bias")
     parser.add_argument("--models-dir", type=output_directory,
                         help="where trained models are saved and, with --reuse-models, read (default: "
@@ -850,13 +809,11 @@ def parse_args(argv=None):
                              "one saved with other training settings or config is refused, with what differs, and so "
                              "is a --models-dir without any of the run's models")
     args = parser.parse_args(argv)
-    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     if args.max_steps is None and args.num_pairs is not None:
         # At the preset's budget Llama does not learn twice the documents; at the same steps per pair it does.
+        preset = PRESETS[preset_name(args)]
         args.max_steps = preset["max_steps"] * args.num_pairs // preset["num_pairs"]
-    for name, value in preset.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+    apply_preset(parser, args, PRESETS)
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
     args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
@@ -878,7 +835,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    import matplotlib  # noqa: F401  (fail now, not after training, if the plot cannot be drawn)
+    with main_process_prints():
+        return run(args)
+
+
+def run(args) -> list[dict]:
+    check_plotting()
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     output_dir = Path(args.output_dir)
@@ -889,7 +851,8 @@ def main(argv=None):
     metric = evaluate.load(metric_path("accuracy_by_position"))
     print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
           f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
-          f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}")
+          f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}"
+          + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
     # a saved model that cannot be reused fails now, not after hours of training
     runs = [(contender, seed) for seed in args.seeds for contender in contenders(args, vocab)]
     if args.reuse_models and not any([saved_model(args, contender, seed) is not None for contender, seed in runs]):
@@ -898,17 +861,20 @@ def main(argv=None):
         where = f"holds none of this run's models ({folders})" if Path(args.models_dir).is_dir() else "does not exist"
         raise SystemExit(f"--reuse-models: --models-dir {args.models_dir} {where}; give the --models-dir of the run "
                          "that trained them")
-    rows, attention_rows = [], []
-    for seed in args.seeds:
-        new_rows, new_attention = run_seed(seed, vocab, metric, args)
-        rows += new_rows
-        attention_rows += new_attention
-        write_csv(rows, output_dir / "results.csv", RESULT_FIELDS)  # after each seed: a long run keeps what it did
+    check_resumable(args, [(contender.slug, seed) for contender, seed in runs])
 
+    def write_results(rows, attention_rows):  # after each seed: a long run keeps what it did
+        if is_main_process():
+            write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("accuracy",))
+
+    rows, attention_rows = every_seed(args.seeds, lambda seed: run_seed(seed, vocab, metric, args), write_results)
     table = markdown_table(rows, args)
     print("\n" + table + "\n")
+    if not is_main_process():
+        return rows
     (output_dir / "results.md").write_text(table + "\n")
-    write_csv(attention_rows, output_dir / "attention.csv", ["model", "seed", "layer", "head", "group", "attention"])
+    write_csv(attention_rows, output_dir / "attention.csv", ["model", "seed", "layer", "head", "group", "attention"],
+              float_fields=("attention",))
     plot_curves(rows, args, output_dir / "position_bias.png")
     plot_attention(attention_rows, output_dir / "attention_by_position.png")
     print(f"wrote results.csv, results.md, position_bias.png, attention.csv, attention_by_position.png under "

@@ -23,6 +23,7 @@ PARSERS = {"demo": demo.parse_args, "extrapolation": extrapolation.parse_args,
 AT_LEAST_1 = "is not allowed: give an integer >= 1"
 AT_LEAST_0 = "is not allowed: give an integer >= 0"
 POSITIVE = "is not allowed: give a finite number > 0"
+EXPERIMENTS = ("extrapolation", "position_bias")
 REFUSED = [
     ("demo", ["--max-steps", "0"], f"--max-steps: 0 {AT_LEAST_1}"),
     ("demo", ["--max-steps", "1.5"], "--max-steps: '1.5' is not an integer; give an integer >= 1"),
@@ -62,6 +63,12 @@ REFUSED = [
     *[("count_params_flops", [flag, "0"], f"{flag}: 0 {AT_LEAST_1}")
       for flag in ("--hidden-size", "--layers", "--heads", "--seq-len")],
     ("count_params_flops", ["--vocab-size", "255"], "--vocab-size: 255 is not allowed: give an integer >= 256"),
+    *[(script, ["--save-steps", "0"], f"--save-steps: 0 {AT_LEAST_1}") for script in EXPERIMENTS],
+    *[(script, ["--fp16", "--device", "cpu"], "--fp16: not allowed with --device cpu: fp16 mixed precision needs a "
+                                              "CUDA GPU; give --bf16 instead") for script in EXPERIMENTS],
+    ("extrapolation", ["--device", "cuda:1"], "--device: cuda:1 is not allowed: Trainer places the model on each "
+                                              "process's own device; give cuda"),
+    ("position_bias", ["--bf16", "--fp16"], "--fp16: not allowed with argument --bf16"),
 ]
 
 
@@ -116,3 +123,11 @@ def test_the_limits_themselves_are_accepted(tmp_path):
                                      str(tmp_path / "not" / "yet")])
     assert (args.gold_at_ends, args.weight_decay) == (0.0, 0.0)
     assert not (tmp_path / "not").exists()  # checked, not made: the run makes it
+
+
+@pytest.mark.parametrize("script", EXPERIMENTS)
+def test_a_batch_that_does_not_split_over_the_processes_is_refused(script, monkeypatch, capsys):
+    """Under torchrun each process takes an equal share of every step's batch: 2 processes and 3 rows cannot."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = refusal(script, ["--tiny", "--batch-size", "3"], capsys)
+    assert "argument --batch-size: 3 does not split over 2 processes: give a multiple of 2" in message

@@ -1,7 +1,9 @@
 """`examples/extrapolation.py`: the one-command length-extrapolation experiment, run end to end at its tiny preset."""
 
 import math
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -158,3 +160,23 @@ def test_a_model_name_that_matches_nothing_stops_the_run():
     args = extrapolation.parse_args(["--tiny", "--models", "llama", "gtp2"])
     with pytest.raises(SystemExit, match="--models gtp2 matches none of: SepFormer learned, "):
         extrapolation.contenders(args)
+
+
+def test_data_parallel_run_gives_the_table_of_one_process(run, tmp_path):
+    """`torchrun --nproc_per_node 2` runs the experiment unchanged: 2 processes of half the batch each train as one
+    process does (same global batches, same order), so the table is the one-process run's (seed 0 of `run`)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(EXAMPLES / "extrapolation.py"), "--tiny", "--seeds", "0", "--output-dir", str(tmp_path)]
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "data parallel over 2 processes" in completed.stdout
+    assert completed.stdout.count("| model | method | params |") == 1  # only the main process prints
+    single = {(r["model"], r["method"], r["length"]): r for r in run[1] if r["seed"] == "0"}
+    parallel = {(r["model"], r["method"], r["length"]): r for r in csv_rows(tmp_path / "results.csv")}
+    assert parallel.keys() == single.keys()
+    for key, row in parallel.items():
+        assert row["status"] == single[key]["status"], key
+        assert float(row["train_bits_per_byte"]) == pytest.approx(float(single[key]["train_bits_per_byte"]), abs=0.01)
+        if row["status"] == "ok":
+            assert float(row["bits_per_byte"]) == pytest.approx(float(single[key]["bits_per_byte"]), abs=0.01), key
