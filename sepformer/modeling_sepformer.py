@@ -272,11 +272,14 @@ class SepFormerPreTrainedModel(PreTrainedModel):
 def continues(past_key_values: Cache | None) -> bool:
     """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
 
-    A compiled graph cannot branch on a static cache's length (a tensor): compiled, a call with a cache continues it, as
-    in `generate`, which compiles its decoding steps and runs the prefill eagerly."""
-    if past_key_values is None or torch.compiler.is_compiling():
-        return past_key_values is not None
-    return past_key_values.get_seq_length() > 0
+    A compiled graph cannot branch on a static cache's length (a tensor): compiled, a call with such a cache continues
+    it, as in `generate`, which compiles its decoding steps and runs the prefill eagerly."""
+    if past_key_values is None:
+        return False
+    length = past_key_values.get_seq_length()
+    if isinstance(length, torch.Tensor) and torch.compiler.is_compiling():
+        return True
+    return bool(length > 0)
 
 
 def default_position_ids(
@@ -346,10 +349,10 @@ class SepFormerModel(SepFormerPreTrainedModel):
             check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        continuing = continues(past_key_values)  # the caller's cache: one made here starts with this call
         if use_cache and past_key_values is None:
             past_key_values = SepFormerCache(config=self.config)
         batch = inputs_embeds.shape[0]
-        continuing = continues(past_key_values)
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
             new_tokens = inputs_embeds.shape[1]

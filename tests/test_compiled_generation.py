@@ -29,3 +29,33 @@ def test_static_cache_compiled_generation_equals_eager_greedy(variant):
     compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
     assert torch.equal(compiled, eager)
     assert model._compiled_call is not None  # the decoding steps did run compiled
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"positional_scaling": {"layers": [1], "factor": 0.5}}, {"ms_poe": {"layers": [0, 1]}},
+     {"attention_calibration": {"spans": [[[1, 4], [4, 8]]] * 2}}],
+    ids=["positional_scaling", "ms_poe", "attention_calibration"],
+)
+def test_a_compiled_forward_with_its_own_cache_is_a_prefill(options):
+    """A compiled call without a cache (one is made for it when `use_cache` is on) starts a generation: the options
+    that act at prefill give the eager logits."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        eager = model(ids, **options).logits
+        compiled = torch.compile(model, backend="eager")(ids, **options).logits
+    assert torch.equal(compiled, eager)
+
+
+def test_compiled_training_draws_random_position_offsets():
+    torch._dynamo.reset()
+    model = tiny_model(max_position_embeddings=16, position_table_size=64, random_position_offsets=True).train()
+    table = model.model.embed_positions
+    drawn = []
+    original = type(table).training_positions
+    table.training_positions = lambda *args: drawn.append(1) or original(table, *args)
+    ids = random_ids(4, 16)
+    torch.compile(model, backend="eager")(ids, labels=ids).loss.backward()
+    assert drawn == [1]
