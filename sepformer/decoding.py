@@ -174,9 +174,15 @@ def is_plain_module(module: nn.Module | None, kind: type[nn.Module]) -> bool:
         type(module) is kind
         and all(type(parameter) is nn.Parameter for parameter in module.parameters(recurse=False))
         and "forward" not in vars(module)  # accelerate's hooks replace the instance's forward
-        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._forward_pre_hooks or any(map(is_foreign_hook, module._forward_hooks.values())))
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
     )
+
+
+def is_foreign_hook(hook: Callable) -> bool:
+    """A forward hook other than transformers' output recording, which `output_attentions` installs for good and which
+    records nothing unless a call asks for it (a call that asks for attentions runs the modules: `decoding_weights`)."""
+    return getattr(hook, "__module__", None) != "transformers.utils.output_capturing"
 
 
 def is_fusable(layer: nn.Module) -> bool:
@@ -205,14 +211,17 @@ def is_fusable(layer: nn.Module) -> bool:
     return all(is_plain_module(module, kind) for module, kind in parts)
 
 
-def decoding_weights(layer: nn.Module, past_key_values: Cache | None, hooks: LayerHooks) -> FusedProjections | None:
+def decoding_weights(
+    layer: nn.Module, past_key_values: Cache | None, hooks: LayerHooks, output_attentions: bool | None
+) -> FusedProjections | None:
     """`layer`'s `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd), with the
     input scale of the mitigation `hooks` in the columns of `W_q` and `W_k`.
 
     Made at the first decoding step and kept on the generation's `SepFormerCache` (`derived_store`), per input scale,
     so they live as long as the generation and no longer. `None` (the layer runs its modules) when a mitigation rewrites
     the query and key inputs otherwise (`decoding_input_scale` is `None`), with `fuse_decoding_projections=False`, in
-    training, under autograd, autocast or `torch.compile`, with another kind of cache, at prefill, or when the
+    training, under autograd, autocast or `torch.compile`, with another kind of cache, at prefill, in a call that
+    records the attentions (the fused step does not call the attention module), or when the
     attention, a projection, a norm or an MLP is not SepFormer's plain, unhooked class at the first decoding step (PEFT
     adapters, quantised layers, accelerate's or torch's hooks), which the fused step would bypass or call on rows
     (`is_fusable`). Within one generation the weights, modules and hooks are taken as they were at its first decoding
@@ -221,6 +230,7 @@ def decoding_weights(layer: nn.Module, past_key_values: Cache | None, hooks: Lay
     store = derived_store(past_key_values)
     if (
         store is None
+        or output_attentions
         or layer.training
         or not layer.config.fuse_decoding_projections
         or torch.is_autocast_enabled(layer.self_attn.q_proj.weight.device.type)  # the norms' statistics in float32

@@ -142,11 +142,9 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
     `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
     position would fail with the same error."""
     table = model.model.embed_positions
-    sources = [kwargs, vars(generation_config) if generation_config is not None else {}]
-    sources.append(vars(model.generation_config))
 
-    def setting(name):  # as generate merges them: its keywords, the given generation config, the model's
-        return next((source[name] for source in sources if source.get(name) is not None), None)
+    def setting(name):
+        return generation_setting(model, generation_config, kwargs, name)
 
     new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
     final_length = length + new_tokens if new_tokens is not None else setting("max_length")
@@ -163,3 +161,22 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
         table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
     if extrapolation.method == "interpolate":
         table.table_coordinates(torch.tensor([[last]]), extrapolation)
+
+
+def generation_setting(model, generation_config, kwargs: dict, name: str):
+    """A setting of `generate` as it merges them: its keywords, the given generation config, the model's."""
+    sources = [kwargs, vars(generation_config) if generation_config is not None else {}, vars(model.generation_config)]
+    return next((source[name] for source in sources if source.get(name) is not None), None)
+
+
+def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
+    """Refuse, before the first step, a `pad_token_id` or `bos_token_id` that `generate` would feed the model (a row
+    that has finished is fed padding) and the embedding cannot read."""
+    vocab_size = model.config.vocab_size
+    for name in ("pad_token_id", "bos_token_id"):
+        value = generation_setting(model, generation_config, kwargs, name)
+        if isinstance(value, int) and not 0 <= value < vocab_size:
+            raise ValueError(
+                f"generate: {name}={value} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
+                f"model (padding after a row ends): give {name} a token id."
+            )

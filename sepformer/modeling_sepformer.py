@@ -27,7 +27,7 @@ from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make
 from .cache_sepformer import SepFormerCache, derived_store
 from .configuration_sepformer import SepFormerConfig
 from .decoding import decoding_weights
-from .input_checks import check_inputs, check_labels, check_last_position
+from .input_checks import check_fed_token_ids, check_inputs, check_labels, check_last_position
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, check_assisted_decoding, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
@@ -172,7 +172,7 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
-        fused = decoding_weights(self, past_key_values, hooks)
+        fused = decoding_weights(self, past_key_values, hooks, kwargs.get("output_attentions"))
         if fused is not None:  # a decoding step: the same function on 2D rows, with fewer kernels
             step_inputs = (hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
             return fused.step(self, *step_inputs, **kwargs)
@@ -501,11 +501,14 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """`GenerationMixin.generate`, with the prompt and its padding mask checked first (an empty or 1-D prompt fails
-        deep inside it), and the last position it may reach (`check_last_position`)."""
+        deep inside it), the last position it may reach (`check_last_position`) and the ids it feeds
+        (`check_fed_token_ids`)."""
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if prompt is not None:
             check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
-            check_last_position(self, prompt, args[0] if args else kwargs.get("generation_config"), kwargs)
+            generation_config = args[0] if args else kwargs.get("generation_config")
+            check_last_position(self, prompt, generation_config, kwargs)
+            check_fed_token_ids(self, generation_config, kwargs)
         return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

@@ -657,3 +657,18 @@ def test_flex_attention_equals_sdpa_at_inference():
         sdpa = model(ids).logits
         model.set_attn_implementation("flex_attention")
         torch.testing.assert_close(model(ids).logits, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_attentions_asked_for_at_a_decoding_step_are_recorded():
+    """A call that asks for the attentions runs the attention modules, also on a cache whose steps were fused; and the
+    recording hooks transformers leaves installed do not switch fused decoding off afterwards."""
+    model = tiny_model(attn_implementation="eager")
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        _, cache = decode_steps(model, ids, 6)  # fused weights made for this cache
+        assert fused_projections(cache)[0] is not None
+        step = model(ids[:, -1:], past_key_values=cache, use_cache=True, output_attentions=True)
+        assert len(step.attentions) == 2 and step.attentions[0].shape == (2, 4, 1, 9)
+        fused, cache = decode_steps(model, ids, 6)  # transformers' recording hooks are installed by now
+    assert all(value is not None for value in fused_projections(cache).values())
+    torch.testing.assert_close(fused, decode_steps(model, ids, 6)[0].detach(), rtol=1e-5, atol=1e-5)
