@@ -654,8 +654,10 @@ def _refuse(error: Exception, saved: bool) -> None:
 
 def _ignored_keyword(key: str, value) -> str | None:
     """Why SepFormer would ignore the keyword `key`, or `None` for those transformers reads."""
-    if key.startswith("_") or key.endswith("_token_id") or key in TRANSFORMERS_KEYWORDS:
-        return None  # private keys of transformers; extra special tokens (checked against the vocabulary)
+    if value is None or key.startswith("_") or key.endswith("_token_id") or key in TRANSFORMERS_KEYWORDS:
+        # `None` sets nothing (tools copy `rope_scaling=None`, `max_length=None` from other configs); private keys of
+        # transformers; extra special tokens (checked against the vocabulary)
+        return None
     if key in _GENERATION_KEYWORDS:
         return (
             f"{key}={value!r}, a generation parameter: transformers does not keep it on the config (only a model "

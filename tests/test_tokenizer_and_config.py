@@ -404,3 +404,12 @@ def test_saving_a_model_whose_config_changed_without_changing_its_weights(tmp_pa
     ids = torch.tensor([[1, 299, 5]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_a_keyword_set_to_none_sets_nothing():
+    """Tools that copy fields between configs pass `rope_scaling=None` or `max_length=None`: nothing is ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # ours; transformers itself warns that rope_scaling is deprecated
+        config = SepFormerConfig(**SMALL, rope_scaling=None, max_length=None, sliding_window=None, layer_types=None)
+    plain = SepFormerConfig(**SMALL).to_dict()
+    assert {key: value for key, value in config.to_dict().items() if key in plain} == plain
