@@ -149,6 +149,9 @@ class SepFormerCache(DynamicCache):
     it), so each beam or sequence keeps the state of the row it came from; a crop applies to it too, and a `reset` (or
     a crop of every token) drops it, for the next call is a prefill.
 
+    A cache is one generation: what its decoding steps made from the weights (`derived`) is used until it is emptied.
+    After the weights change (an optimiser step, a load, a `.data` write), continue with a new cache or a `reset` one.
+
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
         mitigation_state: what each mitigation fixed at prefill, by option name (a `MitigationState` each, made and read

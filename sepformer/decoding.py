@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_statistics, blockwise, rms_normed_rows
 from .cache_sepformer import derived_store, kept_in
-from .mitigation_base import InputScale, LayerHooks, QueryKeyProjection
+from .mitigation_base import InputScale, LayerHooks
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -149,12 +149,8 @@ class FusedProjections:
         query_states, key_states = attention.apply_positions(
             query_states, key_states, position_embeddings, hidden_states, attention_mask, hooks
         )
-        projection = None
-        if hooks.rewrites_inputs:
-            attention_input = normed.view(hidden_states.shape)
-            projection = QueryKeyProjection(
-                attention, attention_input, position_embeddings, hidden_states, attention_mask, hooks
-            )
+        attention_input = normed.view(hidden_states.shape)
+        projection = attention.projection(attention_input, position_embeddings, hidden_states, attention_mask, hooks)
         attn_output, _ = attention.attend(
             query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
         )

@@ -100,9 +100,7 @@ class SepFormerAttention(nn.Module):
         query_states, key_states = self.apply_positions(
             query_states, key_states, position_embeddings, residual, attention_mask, hooks
         )
-        projection = None
-        if hooks.rewrites_inputs:  # an attention wrapper may attend with other readings of the same input
-            projection = QueryKeyProjection(self, hidden_states, position_embeddings, residual, attention_mask, hooks)
+        projection = self.projection(hidden_states, position_embeddings, residual, attention_mask, hooks)
         attn_output, attn_weights = self.attend(
             query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
         )
@@ -127,6 +125,13 @@ class SepFormerAttention(nn.Module):
         if position_embeddings is not None:
             return apply_partial_rotary(query_states, key_states, *position_embeddings)
         return query_states, key_states
+
+    def projection(self, attention_input, position_embeddings, residual, attention_mask, hooks):
+        """What the attention wrappers get where a hook rewrites the query and key inputs: the input and how this layer
+        projects it (`QueryKeyProjection`), so that they may attend with other readings of it; `None` elsewhere."""
+        if not hooks.rewrites_inputs:
+            return None
+        return QueryKeyProjection(self, attention_input, position_embeddings, residual, attention_mask, hooks)
 
     def attend(
         self, query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
