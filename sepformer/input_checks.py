@@ -170,13 +170,15 @@ def generation_setting(model, generation_config, kwargs: dict, name: str):
 
 
 def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a `pad_token_id` or `bos_token_id` that `generate` would feed the model (a row
-    that has finished is fed padding) and the embedding cannot read."""
+    """Refuse, before the first step, a `pad_token_id` that `generate` would feed the model and the embedding cannot
+    read: a row that ends (on an `eos_token_id` of the vocabulary) is fed padding. transformers' "never stop"
+    (`eos_token_id=-1`) feeds none."""
     vocab_size = model.config.vocab_size
-    for name in ("pad_token_id", "bos_token_id"):
-        value = generation_setting(model, generation_config, kwargs, name)
-        if isinstance(value, int) and not 0 <= value < vocab_size:
-            raise ValueError(
-                f"generate: {name}={value} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
-                f"model (padding after a row ends): give {name} a token id."
-            )
+    eos = generation_setting(model, generation_config, kwargs, "eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos]
+    pad = generation_setting(model, generation_config, kwargs, "pad_token_id")
+    if isinstance(pad, int) and not 0 <= pad < vocab_size and any(e is not None and 0 <= e < vocab_size for e in eos):
+        raise ValueError(
+            f"generate: pad_token_id={pad} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
+            "model after a row ends (eos_token_id is set): give pad_token_id a token id."
+        )

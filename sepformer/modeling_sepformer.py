@@ -506,7 +506,7 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """`GenerationMixin.generate`, with the prompt and its padding mask checked first (an empty or 1-D prompt fails
-        deep inside it), the last position it may reach (`check_last_position`) and the ids it feeds
+        deep inside it), the last position it may reach (`check_last_position`) and the padding it feeds
         (`check_fed_token_ids`)."""
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if prompt is not None:
