@@ -177,7 +177,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
-        fused = decoding_weights(self, past_key_values, hooks, kwargs.get("output_attentions"))
+        records_attentions = kwargs.get("output_attentions", self.config.output_attentions)
+        fused = decoding_weights(self, past_key_values, hooks, records_attentions)
         if fused is not None:  # a decoding step: the same function on 2D rows, with fewer kernels
             step_inputs = (hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
             return fused.step(self, *step_inputs, **kwargs)

@@ -669,6 +669,10 @@ def test_attentions_asked_for_at_a_decoding_step_are_recorded():
         assert fused_projections(cache)[0] is not None
         step = model(ids[:, -1:], past_key_values=cache, use_cache=True, output_attentions=True)
         assert len(step.attentions) == 2 and step.attentions[0].shape == (2, 4, 1, 9)
+        model.config.output_attentions = True  # asked for by the config rather than the call
+        step = model(ids[:, -1:], past_key_values=cache, use_cache=True)
+        assert len(step.attentions) == 2 and step.attentions[0].shape == (2, 4, 1, 10)
+        model.config.output_attentions = False
         fused, cache = decode_steps(model, ids, 6)  # transformers' recording hooks are installed by now
     assert all(value is not None for value in fused_projections(cache).values())
     torch.testing.assert_close(fused, decode_steps(model, ids, 6)[0].detach(), rtol=1e-5, atol=1e-5)
