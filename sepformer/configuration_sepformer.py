@@ -1,21 +1,17 @@
-"""SepFormer configuration: sizes, the positional map, and every check on them in one place.
+"""SepFormer configuration, in the style of transformers' `LlamaConfig`: `@strict` dataclass fields, choices as
+`Literal`, ranges as `interval` and validated fields, combinations in `validate_architecture`. Torch-free: it imports
+the names of the positional maps and extrapolation methods (`positional_options`), not their code.
 
 Every mistake is refused before anything is built or written, by an error that names the field, the value and what
-is allowed: a value of the wrong type is a `TypeError` (also huggingface_hub's `StrictDataclassFieldValidationError`),
-a wrong value or combination a `ValueError`, a keyword the config would ignore (misspelt, another architecture's, a
-generation parameter, any other that is no field) a `TypeError`, a field that the config's settings never read
-(`rope_theta` without rotary) a `ValueError`. In a saved config (one that carries `transformers_version`) the last
-two are warnings, so that older and tool-written `config.json` files still load. A single value is checked whenever
-it is set: at construction, from a `config.json`, and on assignment (`config.norm_eps = float("nan")` raises).
-Combinations are checked when the config is made, loaded and saved and when a model is built from it, not on
-assignment, so that related fields can be changed one after the other (`config.vocab_size = 4; config.pad_token_id =
-3`). Special token ids are checked against the vocabulary only when the config is saved (alone or with a model):
-transformers' workflows set them after the vocabulary.
+is allowed: a wrong type is a `TypeError` (also `StrictDataclassFieldValidationError`), a wrong value or combination a
+`ValueError`, a keyword the config would ignore a `TypeError`, a field its settings never read a `ValueError`; in a
+saved config (one with `transformers_version`) the last two warn, so that older `config.json` files still load. A value
+is checked whenever it is set (also on assignment); combinations when the config is made, loaded and saved and when a
+model is built from it, so that related fields can be assigned one after the other. Special token ids are checked
+against the vocabulary only on saving: transformers' workflows set them after the vocabulary.
 
-The derived sizes `position_size`, `position_table_size`, `position_intermediate_size` and
-`semantic_intermediate_size` keep what the user gave: `None` (the default) follows the fields it derives from, also
-when those are assigned later (`config.max_position_embeddings = 1024` gives a table of 1024 rows), and is saved as
-`null`. Reading one always gives the resolved integer.
+The derived sizes (`DERIVED_SIZES`) keep what the user gave: `None` (the default) follows the fields it derives from,
+also when those are assigned later, and is saved as `null`. Reading one always gives the resolved integer.
 """
 
 import copy
@@ -26,26 +22,24 @@ import warnings
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import as_validated_field, strict
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import GenerationConfig, PreTrainedConfig
-from transformers.activations import ACT2FN
+from transformers.utils.type_validators import activation_fn_key, interval
 
 from .mitigation_options import StableMask
-from .positional_maps import POSITIONAL_MAP_CLASSES, SPLINE_EXTENSIONS, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES, SPLINE_EXTENSIONS, PositionExtrapolation
 
-POSITIONAL_MAPS = tuple(POSITIONAL_MAP_CLASSES)
-NORM_TYPES = ("rmsnorm", "layernorm")
-LM_HEAD_INPUTS = ("semantic", "all")
-RANDOMIZED_RANGES = ("fixed", "per_sequence")
-
-# Sizes that `None` derives from other fields, and what it means (for the messages).
+# Sizes that `None` derives from other fields: how, in one place (also what the messages say).
 DERIVED_SIZES = {
-    "position_size": "head_dim",
-    "position_table_size": "max_position_embeddings",
-    "position_intermediate_size": "4 * position_size",
-    "semantic_intermediate_size": "4 * (hidden_size - position_size)",
+    "position_size": ("head_dim", lambda config: config.head_dim),
+    "position_table_size": ("max_position_embeddings", lambda config: config.max_position_embeddings),
+    "position_intermediate_size": ("4 * position_size", lambda config: 4 * config.position_size),
+    "semantic_intermediate_size": ("4 * (hidden_size - position_size)", lambda config: 4 * config.semantic_size),
 }
+
+# Fields of older configs that `position_extrapolation` now holds, and the parameter each became.
+LEGACY_EXTRAPOLATION_FIELDS = {"fourier_components": "components", "interpolation_length": "length"}
 
 # Keywords of other architectures' configs that SepFormer does not read, and what to do instead.
 FOREIGN_KEYWORDS = {
@@ -87,21 +81,14 @@ class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
 
 
 def _check_fields_on_every_assignment(cls):
-    """Run each field's type and value checks before `@strict`'s own setattr, raising `ConfigTypeError` for a wrong
-    type and `ValueError` for a wrong value; make the derived sizes properties over their stored values."""
+    """Run each field's `@strict` validators with messages that name the field: a wrong type is a `ConfigTypeError`, a
+    string outside a `Literal` or a wrong value a `ValueError`. Make the derived sizes properties over stored values."""
     strict_setattr = cls.__setattr__
     field_types = {field.name: field.type for field in dataclasses.fields(cls)}
 
     def __setattr__(self, name, value):
         if name in field_types:
-            try:
-                for validator in cls.__validators__.get(name, ()):
-                    validator(value)
-            except (TypeError, ValueError):
-                raise ConfigTypeError(_type_message(name, value, field_types[name])) from None
-            check = FIELD_CHECKS.get(name)
-            if check is not None:
-                check(name, value)
+            _check_field(cls, name, value, field_types[name])
         strict_setattr(self, name, value)
 
     cls.__setattr__ = __setattr__
@@ -110,8 +97,26 @@ def _check_fields_on_every_assignment(cls):
     return cls
 
 
+def _check_field(cls, name, value, annotation) -> None:
+    type_check, *value_checks = cls.__validators__[name]  # `@strict` puts the type's check first
+    try:
+        type_check(value)
+    except (TypeError, ValueError):
+        if get_origin(annotation) is Literal and isinstance(value, str):
+            raise ValueError(
+                f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, get_args(annotation)))}."
+            ) from None
+        raise ConfigTypeError(_type_message(name, value, annotation)) from None
+    for check in value_checks:
+        try:
+            check(value)
+        except ValueError as error:
+            reason = str(error)
+            raise ValueError(f"{name}={value!r} is not allowed: {reason[:1].lower()}{reason[1:]}") from None
+
+
 def _derived_size(name: str) -> property:
-    resolve = _RESOLVE[name]
+    meaning, resolve = DERIVED_SIZES[name]
 
     def get(self):
         value = self.__dict__.get(name)
@@ -120,15 +125,40 @@ def _derived_size(name: str) -> property:
     def set_(self, value):
         self.__dict__[name] = value
 
-    return property(get, set_, doc=f"`{name}`; `None` (stored and saved as such) reads as {DERIVED_SIZES[name]}.")
+    return property(get, set_, doc=f"`{name}`; `None` (stored and saved as such) reads as {meaning}.")
 
 
-_RESOLVE = {
-    "position_size": lambda config: config.head_dim,
-    "position_table_size": lambda config: config.max_position_embeddings,
-    "position_intermediate_size": lambda config: 4 * config.position_size,
-    "semantic_intermediate_size": lambda config: 4 * config.semantic_size,
-}
+def _allowed(condition, allowed: str):
+    """A validated field whose value must satisfy `condition`; `allowed` says what is (the field and value are added)."""
+
+    def check(value):
+        if not condition(value):
+            raise ValueError(allowed)
+
+    return as_validated_field(check)
+
+
+def _size_or_derived(name: str, minimum: int = 1):
+    """A size that `None` derives; `minimum` 0 for the positional MLP, whose width is 0 in a `position_size=0` model
+    (configs saved before the sizes were derived store it; whether it must be positive is `validate_architecture`'s)."""
+    allowed = f"it must be a positive integer, or None for {DERIVED_SIZES[name][0]}."
+    return _allowed(lambda value: value is None or value >= minimum, allowed)(default=None)
+
+
+def _stable_mask(value):
+    if value is None:
+        return
+    try:
+        StableMask.parse(value)  # raises ValueError on unknown keys or bad values
+    except TypeError as error:  # a required field missing: the dataclass's own message
+        fields = ", ".join(repr(field.name) for field in dataclasses.fields(StableMask))
+        raise ValueError(f"it must be a dict of StableMask's fields ({fields}), with at least 'gamma' ({error}).") from None
+
+
+positive = interval(min=1)
+finite_positive = interval(min=0, max=math.inf, exclude_min=True, exclude_max=True)
+probability = interval(min=0, max=1, exclude_max=True)
+token_id = _allowed(lambda value: value != [], "it must be None, a token id or a non-empty list of token ids.")
 
 
 @_check_fields_on_every_assignment
@@ -151,10 +181,11 @@ class SepFormerConfig(PreTrainedConfig):
         max_position_embeddings: `L`, the training length (rows of the learned positional table).
         positional_map: `"learned"` (a table of `L` rows), `"sinusoidal"` (fixed, over `d_pos` dimensions) or
             `"bspline"` (`p(t) = Σ_i N_{i,k}(t) c_i`, learned control points, knots over `[0, position_table_size-1]`).
-        position_extrapolation: how a learned table answers positions past its rows: `"none"` (an error),
-            `"clamp"`, `"sinusoidal"`, `"fourier"` or `"interpolate"`. Overridable per call.
-        fourier_components: `K` of the `"fourier"` method.
-        interpolation_length: the length `"interpolate"` compresses positions for; `None` is the current length.
+        position_extrapolation: how a learned table answers positions past its rows: a method of
+            `EXTRAPOLATION_PARAMETERS` by name (`"none"`: an error, `"clamp"`, `"sinusoidal"`, `"fourier"`,
+            `"interpolate"`) or a dict of it and its parameters (`{"method": "fourier", "components": 16}`,
+            `{"method": "interpolate", "length": 2048}`). Overridable per call. The fields `fourier_components` and
+            `interpolation_length` of older configs still load, folded into it.
         position_table_size: `M`, the positions a map is trained on: rows of the learned table, the end of the
             B-spline's knots, the range of randomized positions. `None` means `max_position_embeddings` (following
             later assignments of it). Larger than `L` it needs `random_position_offsets` or `randomized_positions`.
@@ -192,51 +223,84 @@ class SepFormerConfig(PreTrainedConfig):
     model_type = "sepformer"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    vocab_size: int = 259
-    hidden_size: int = 256
-    position_size: int | None = None
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    position_intermediate_size: int | None = None
-    semantic_intermediate_size: int | None = None
-    hidden_act: str = "gelu_pytorch_tanh"
-    max_position_embeddings: int = 512
-    positional_map: str = "learned"
-    position_extrapolation: str = "none"
-    fourier_components: int = 16
-    interpolation_length: int | None = None
-    position_table_size: int | None = None
+    vocab_size: int = positive(default=259)
+    hidden_size: int = positive(default=256)
+    position_size: int | None = _allowed(
+        lambda value: value is None or value >= 0,
+        "it must be None (head_dim), 0 (a model without positions) or a positive integer smaller than hidden_size.",
+    )(default=None)
+    num_hidden_layers: int = positive(default=4)
+    num_attention_heads: int = positive(default=4)
+    position_intermediate_size: int | None = _size_or_derived("position_intermediate_size", minimum=0)
+    semantic_intermediate_size: int | None = _size_or_derived("semantic_intermediate_size")
+    hidden_act: str = activation_fn_key(default="gelu_pytorch_tanh")
+    max_position_embeddings: int = positive(default=512)
+    positional_map: Literal[POSITIONAL_MAP_NAMES] = "learned"
+    position_extrapolation: str | dict = as_validated_field(PositionExtrapolation.parse)(default="none")
+    position_table_size: int | None = _size_or_derived("position_table_size")
     random_position_offsets: bool = False
     randomized_positions: bool = False
-    randomized_range: str = "fixed"
-    spline_control_points: int = 16
-    spline_degree: int = 3
-    spline_extension: str = "clamp"
-    norm_type: str = "rmsnorm"
-    norm_eps: float | int = 1e-6
-    lm_head_input: str = "semantic"
+    randomized_range: Literal["fixed", "per_sequence"] = "fixed"
+    spline_control_points: int = interval(min=2)(default=16)
+    spline_degree: int = positive(default=3)
+    spline_extension: Literal[SPLINE_EXTENSIONS] = "clamp"
+    norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float | int = finite_positive(default=1e-6)
+    lm_head_input: Literal["semantic", "all"] = "semantic"
     tie_word_embeddings: bool = False
-    rotary_dim: int = 0
-    rope_theta: float | int = 10000.0
-    attention_dropout: float | int = 0.0
-    hidden_dropout: float | int = 0.0
+    rotary_dim: int = _allowed(
+        lambda value: value >= 0 and value % 2 == 0,
+        "it must be 0 (off) or an even number <= head_dim (the rotated dimensions of each head come in pairs).",
+    )(default=0)
+    rope_theta: float | int = finite_positive(default=10000.0)
+    attention_dropout: float | int = probability(default=0.0)
+    hidden_dropout: float | int = probability(default=0.0)
     attention_bias: bool = False
     mlp_bias: bool = False
-    initializer_range: float | int = 0.02
-    stable_mask: dict | None = None
+    initializer_range: float | int = interval(min=0, max=math.inf, exclude_max=True)(default=0.02)
+    stable_mask: dict | None = as_validated_field(_stable_mask)(default=None)
     fuse_decoding_projections: bool = True
     use_cache: bool = True
-    pad_token_id: int | None = 256
-    bos_token_id: int | None = 257
-    eos_token_id: int | list[int] | None = 258
+    pad_token_id: int | None = token_id(default=256)
+    bos_token_id: int | None = token_id(default=257)
+    eos_token_id: int | list[int] | None = token_id(default=258)
 
     def __post_init__(self, **kwargs):
         # Fields were checked one by one as they were set; the keywords that are no field come here.
-        _check_ignored_keywords(kwargs, saved=self.transformers_version is not None)
+        saved = self.transformers_version is not None
+        self._fold_legacy_extrapolation(kwargs, saved)
+        _check_ignored_keywords(kwargs, saved)
         super().__post_init__(**kwargs)
         # `@strict` runs the `validate_*` methods too, but wraps their errors; calling it here raises the plain
         # `ValueError` (from the constructor, `from_pretrained` and the Auto classes alike).
         self.validate_architecture()
+
+    def _fold_legacy_extrapolation(self, kwargs: dict, saved: bool) -> None:
+        """`fourier_components` / `interpolation_length` (older configs' fields, or keywords) into
+        `position_extrapolation`. At its default a field the method does not read is what every older config saved."""
+        extrapolation = PositionExtrapolation.parse(self.position_extrapolation)
+        reads = EXTRAPOLATION_PARAMETERS[extrapolation.method]
+        folded = {}
+        for old, parameter in LEGACY_EXTRAPOLATION_FIELDS.items():
+            if old not in kwargs:
+                continue
+            value = kwargs.pop(old)
+            if parameter in reads:
+                if isinstance(self.position_extrapolation, dict) and parameter in self.position_extrapolation:
+                    raise ValueError(
+                        f"{old}={value!r} and position_extrapolation={self.position_extrapolation!r} both set "
+                        f"{parameter}: give it once, in position_extrapolation."
+                    )
+                folded[parameter] = value
+            elif value != PositionExtrapolation.__dataclass_fields__[parameter].default:
+                reader = next(method for method, names in EXTRAPOLATION_PARAMETERS.items() if parameter in names)
+                message = (
+                    f"{old}={value!r} is read only with {reader!r} (it would be ignored); this config has "
+                    f"position_extrapolation={self.position_extrapolation!r}. Set that, or leave {old} out."
+                )
+                _refuse(ValueError(message), saved)
+        if folded:
+            self.position_extrapolation = dataclasses.replace(extrapolation, **folded).as_config_value()
 
     def check_combinations(self) -> None:
         """Every check that involves more than one field (`validate_architecture`, `check_token_ids`), raising the
@@ -269,8 +333,9 @@ class SepFormerConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Every invalid value or combination, with the field, the value and what is allowed."""
-        for name, check in FIELD_CHECKS.items():  # also values that reached `__dict__` without an assignment
-            check(name, self.__dict__.get(name))
+        field_types = {field.name: field.type for field in dataclasses.fields(self)}
+        for name, annotation in field_types.items():  # also values that reached `__dict__` without an assignment
+            _check_field(type(self), name, self.__dict__.get(name), annotation)
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -282,32 +347,29 @@ class SepFormerConfig(PreTrainedConfig):
                 f"hidden_size={self.hidden_size} (0 is a model without positions; position_size = hidden_size "
                 "would leave no semantic dimensions)."
             )
-        if self.position_size > 0:
-            _require_positive("position_intermediate_size", self.position_intermediate_size)
-        elif self.__dict__.get("position_intermediate_size") not in (None, 0):  # 0: as saved before it was derived
+        if self.position_size > 0 and self.position_intermediate_size < 1:
+            raise ValueError(
+                f"position_intermediate_size={self.position_intermediate_size} is not allowed: it must be a positive "
+                "integer, or None for 4 * position_size."
+            )
+        if self.position_size == 0 and self.__dict__.get("position_intermediate_size") not in (None, 0):  # 0: as saved before it was derived
             raise ValueError(
                 f"position_intermediate_size={self.position_intermediate_size} is not used: position_size=0 has no "
                 "positional block and no positional MLP; leave it None."
             )
-        _require_positive("semantic_intermediate_size", self.semantic_intermediate_size)
+        if self.semantic_intermediate_size < 1:  # derived from a semantic block of width 0 or less
+            raise ValueError(f"semantic_intermediate_size={self.semantic_intermediate_size} must be a positive integer.")
         if self.positional_map == "sinusoidal" and self.position_size % 2 == 1:
             raise ValueError(
                 f"position_size={self.position_size} is odd, but positional_map='sinusoidal' needs an even "
                 "position_size (sine/cosine pairs)."
             )
-        method = f"position_extrapolation={self.position_extrapolation!r}"
-        read_only_with = [  # a field, its default, whether this config reads it, what would, what this config has
-            ("fourier_components", 16, self.position_extrapolation == "fourier", "'fourier'", method),
-            ("interpolation_length", None, self.position_extrapolation == "interpolate", "'interpolate'", method),
-            ("rope_theta", 10000.0, self.rotary_dim > 0, "rotary_dim > 0", f"rotary_dim={self.rotary_dim}"),
-        ]
-        for name, default, read, reader, setting in read_only_with:
-            if not read and getattr(self, name) != default:
-                message = (
-                    f"{name}={getattr(self, name)!r} is read only with {reader} (it would be ignored); this config "
-                    f"has {setting}. Set that, or leave {name} at its default {default!r}."
-                )
-                _refuse(ValueError(message), saved=self.transformers_version is not None)
+        if self.rotary_dim == 0 and self.rope_theta != 10000.0:
+            message = (
+                f"rope_theta={self.rope_theta!r} is read only with rotary_dim > 0 (it would be ignored); this config "
+                "has rotary_dim=0. Set that, or leave rope_theta at its default 10000.0."
+            )
+            _refuse(ValueError(message), saved=self.transformers_version is not None)
         self.check_extrapolation(self.default_extrapolation())  # raises on an unknown method or bad values
         has_table = self.has_positional_table
         if self.position_table_size < self.max_position_embeddings:
@@ -430,157 +492,8 @@ class SepFormerConfig(PreTrainedConfig):
             )
 
     def default_extrapolation(self) -> PositionExtrapolation:
-        # only the field its method reads (a saved config may hold the other: `validate_architecture` warns)
-        method = self.position_extrapolation
-        if method == "fourier":
-            return PositionExtrapolation(method=method, components=self.fourier_components)
-        if method == "interpolate":
-            return PositionExtrapolation(method=method, length=self.interpolation_length)
-        return PositionExtrapolation(method=method)
+        return PositionExtrapolation.parse(self.position_extrapolation)
 
-
-# ------------------------------------------------------------------------------------------- checks of one field
-
-
-def _require_positive(name, value):
-    if value is None or value <= 0:
-        raise ValueError(f"{name}={value} is not allowed: it must be a positive integer.")
-
-
-def _require_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, allowed))}.")
-
-
-def _size_or_derived(minimum: int):
-    """A size that `None` derives; `minimum` 0 for the positional MLP, whose width is 0 in a `position_size=0` model
-    (configs saved before the sizes were derived store it; whether it must be positive is `validate_architecture`'s)."""
-
-    def check(name, value):
-        if value is not None and value < minimum:
-            raise ValueError(
-                f"{name}={value} is not allowed: it must be a positive integer, or None for {DERIVED_SIZES[name]}."
-            )
-
-    return check
-
-
-def _position_size(name, value):
-    if value is not None and value < 0:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be None (head_dim), 0 (a model without positions) or a "
-            "positive integer smaller than hidden_size."
-        )
-
-
-def _finite(low: float, inclusive: bool):
-    def check(name, value):
-        if not math.isfinite(value) or (value < low if inclusive else value <= low):
-            relation = ">=" if inclusive else ">"
-            raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number {relation} {low:g}.")
-
-    return check
-
-
-def _probability(name, value):
-    if not 0.0 <= value < 1.0:  # NaN fails too
-        raise ValueError(f"{name}={value!r} must be in [0, 1): a dropout probability.")
-
-
-def _choice(allowed):
-    return lambda name, value: _require_choice(name, value, allowed)
-
-
-def _extrapolation_method(name, value):
-    PositionExtrapolation(method=value)  # raises on an unknown method, naming the allowed ones
-
-
-def _fourier_components(name, value):
-    if value < 1:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be a positive integer (the coefficients kept per dimension)."
-        )
-
-
-def _interpolation_length(name, value):
-    if value is not None and value < 1:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be None (the current length) or a positive integer larger than "
-            "the positional table (position_table_size)."
-        )
-
-
-def _spline_degree(name, value):
-    if value < 1:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be a positive integer (3: cubic) < spline_control_points."
-        )
-
-
-def _spline_control_points(name, value):
-    if value < 2:
-        raise ValueError(f"{name}={value} is not allowed: it must be an integer >= 2, larger than spline_degree.")
-
-
-def _rotary_dim(name, value):
-    if value < 0 or value % 2 == 1:
-        raise ValueError(
-            f"{name}={value} is not allowed: it must be 0 (off) or an even number <= head_dim (the rotated "
-            "dimensions of each head come in pairs)."
-        )
-
-
-def _stable_mask(name, value):
-    if value is None:
-        return
-    try:
-        StableMask.parse(value)  # raises ValueError on unknown keys or bad values
-    except TypeError as error:  # a required field missing: the dataclass's own message
-        fields = ", ".join(repr(field.name) for field in dataclasses.fields(StableMask))
-        raise ValueError(
-            f"{name}={value!r} is not allowed: it must be a dict of StableMask's fields ({fields}), with at least "
-            f"'gamma' ({error})."
-        ) from None
-
-
-def _token_id(name, value):
-    # whether the ids are inside the vocabulary is `check_token_ids`'s
-    if isinstance(value, list) and not value:
-        raise ValueError(f"{name}=[] is not allowed: it must be None, a token id or a non-empty list of token ids.")
-
-
-FIELD_CHECKS = {
-    "vocab_size": _require_positive,
-    "hidden_size": _require_positive,
-    "num_hidden_layers": _require_positive,
-    "num_attention_heads": _require_positive,
-    "max_position_embeddings": _require_positive,
-    "position_size": _position_size,
-    "position_table_size": _size_or_derived(1),
-    "position_intermediate_size": _size_or_derived(0),
-    "semantic_intermediate_size": _size_or_derived(1),
-    "hidden_act": _choice(tuple(ACT2FN)),
-    "positional_map": _choice(POSITIONAL_MAPS),
-    "norm_type": _choice(NORM_TYPES),
-    "lm_head_input": _choice(LM_HEAD_INPUTS),
-    "position_extrapolation": _extrapolation_method,
-    "fourier_components": _fourier_components,
-    "interpolation_length": _interpolation_length,
-    "spline_control_points": _spline_control_points,
-    "spline_degree": _spline_degree,
-    "spline_extension": _choice(SPLINE_EXTENSIONS),
-    "randomized_range": _choice(RANDOMIZED_RANGES),
-    "norm_eps": _finite(0.0, inclusive=False),
-    "rope_theta": _finite(0.0, inclusive=False),
-    "initializer_range": _finite(0.0, inclusive=True),
-    "attention_dropout": _probability,
-    "hidden_dropout": _probability,
-    "rotary_dim": _rotary_dim,
-    "stable_mask": _stable_mask,
-    "pad_token_id": _token_id,
-    "bos_token_id": _token_id,
-    "eos_token_id": _token_id,
-}
 
 
 # ----------------------------------------------------------------------------------- types and unknown keywords

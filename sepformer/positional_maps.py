@@ -16,72 +16,16 @@ extrapolation method:
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
-
-
-@dataclass(frozen=True)
-class PositionExtrapolation:
-    """How a learned table answers positions past its last row.
-
-    Args:
-        method: one of `EXTRAPOLATION_METHODS`.
-        components: `K`, Fourier coefficients kept per dimension (`fourier`).
-        length: `interpolate` only: the sequence length the positions are compressed for. `None` compresses for the
-            length of the current call, which is what a full forward pass needs; cached decoding past `L` needs a
-            fixed `length` (the final length), or the cached keys would have been computed with another scale.
-    """
-
-    method: str = "none"
-    components: int = 16
-    length: int | None = None
-
-    def __post_init__(self):
-        if self.method not in EXTRAPOLATION_METHODS:
-            raise ValueError(
-                f"position_extrapolation method {self.method!r} is unknown: choose one of "
-                f"{', '.join(map(repr, EXTRAPOLATION_METHODS))}."
-            )
-        if not isinstance(self.components, int) or self.components < 1:
-            raise ValueError(f"fourier components={self.components!r} must be a positive integer.")
-        if self.length is not None and (not isinstance(self.length, int) or self.length < 1):
-            raise ValueError(f"interpolate length={self.length!r} must be None or a positive integer.")
-        unread = [
-            f"{name}={getattr(self, name)!r}"
-            for name, method, default in (("components", "fourier", 16), ("length", "interpolate", None))
-            if getattr(self, name) != default and self.method != method
-        ]
-        if unread:
-            raise ValueError(
-                f"position_extrapolation {', '.join(unread)} is read only by its method (components by 'fourier', "
-                f"length by 'interpolate'; it would be ignored), not by {self.method!r}: drop it or use that method."
-            )
-
-    @classmethod
-    def parse(cls, value) -> "PositionExtrapolation":
-        """A method name, a dict `{"method": ..., "components": ..., "length": ...}`, or an instance."""
-        if all(hasattr(value, name) for name in ("method", "components", "length")):
-            # duck-typed: an instance from another copy of this module (installed package vs. Hub custom code)
-            return cls(method=value.method, components=value.components, length=value.length)
-        if isinstance(value, str):
-            return cls(method=value)
-        if isinstance(value, dict):
-            unknown = set(value) - {"method", "components", "length"}
-            if unknown:
-                raise ValueError(
-                    f"position_extrapolation got unknown keys {sorted(unknown)}: allowed are 'method', "
-                    "'components', 'length'."
-                )
-            return cls(**value)
-        raise ValueError(
-            f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
-        )
-
+from .positional_options import (
+    EXTRAPOLATION_METHODS,
+    POSITIONAL_MAP_NAMES,
+    PositionExtrapolation,
+)
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -134,6 +78,28 @@ def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     high = (low + 1).clamp(max=table.shape[0] - 1)
     weight = (positions - low).unsqueeze(-1).to(table.dtype)
     return torch.lerp(table[low], table[high], weight)
+
+
+def clamp_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+    """`p(L-1)` at every position."""
+    return table[-1:].expand(positions.shape[0], -1)
+
+
+def sinusoidal_rows(
+    table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation
+) -> torch.Tensor:
+    """`σ · PE(i)`, `σ` the std of the table."""
+    return (table.float().std() * sinusoid(positions, table.shape[1])).to(table.dtype)
+
+
+# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows, each
+# registered under its name in `positional_options.EXTRAPOLATION_PARAMETERS`, which lists the parameters it reads.
+EXTRAPOLATIONS = {
+    "clamp": clamp_rows,
+    "sinusoidal": sinusoidal_rows,
+    "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
+}
+assert set(EXTRAPOLATIONS) == set(EXTRAPOLATION_METHODS) - {"none", "interpolate"}, "name a new method in both"
 
 
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
@@ -284,13 +250,13 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         make them once per doubling of the length rather than at every step.
         """
         length, method = self.num_embeddings, extrapolation.method
-        if method in ("none", "interpolate"):
+        if method not in EXTRAPOLATIONS:
+            choices = [name for name in (*EXTRAPOLATIONS, "interpolate") if name != method]
             raise ValueError(
                 f"position {needed - 1} is past the learned positional table of L={length} rows and "
                 f"position_extrapolation={method!r}"
                 + (" (which compresses integer positions only)" if method == "interpolate" else "")
-                + f". Choose an extrapolation method: {', '.join(repr(m) for m in EXTRAPOLATION_METHODS[1:4])}"
-                + (", 'interpolate'" if method == "none" else "")
+                + f". Choose an extrapolation method: {', '.join(map(repr, choices))}"
                 + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."
             )
         def make(count: int) -> torch.Tensor:
@@ -299,14 +265,9 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         return kept_rows(store, ("rows past the table", extrapolation), capacity_for(needed, length) - length, make)
 
     def method_rows(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """`p(i)` of `clamp`, `sinusoidal` or `fourier` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
-        weight = self.weight
-        with torch.autocast(weight.device.type, enabled=False):  # a cached extension must not carry autocast's dtype
-            if extrapolation.method == "clamp":
-                return weight[-1:].expand(positions.shape[0], -1)
-            if extrapolation.method == "sinusoidal":
-                return (weight.float().std() * sinusoid(positions, self.embedding_dim)).to(weight.dtype)
-            return fourier_rows(weight, positions, extrapolation.components)
+        """`p(i)` of a method of `EXTRAPOLATIONS` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
+        with torch.autocast(self.weight.device.type, enabled=False):  # a cached extension must not carry autocast's
+            return EXTRAPOLATIONS[extrapolation.method](self.weight, positions, extrapolation)  # dtype
 
     def traceable(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """The same rows without data-dependent branches (under `torch.compile`): every method is evaluated at every
@@ -316,7 +277,7 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
             if extrapolation.length is None or extrapolation.length <= length:
                 return super().forward(position_ids)
             return interpolate_rows(self.weight, compress_positions(position_ids, length, extrapolation.length))
-        if method == "none":
+        if method not in EXTRAPOLATIONS:  # `none`
             return super().forward(position_ids)
         inside = super().forward(position_ids.clamp(max=length - 1))
         past = self.method_rows(position_ids.flatten(), extrapolation).view(*position_ids.shape, -1)
@@ -346,9 +307,6 @@ class SinusoidalPositions(nn.Module, TrainingPositions):
 
     def extra_repr(self):
         return f"dim={self.dim}"
-
-
-SPLINE_EXTENSIONS = ("clamp", "linear")
 
 
 def bspline_knots(control_points: int, degree: int, end: float) -> torch.Tensor:
@@ -451,7 +409,8 @@ class BSplinePositions(nn.Module, TrainingPositions):
         )
 
 
-POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
+POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
+assert tuple(POSITIONAL_MAPS) == POSITIONAL_MAP_NAMES, "register a map under the name the config knows it by"
 
 
 def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:

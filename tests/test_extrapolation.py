@@ -246,11 +246,12 @@ def test_training_past_L_sends_gradients_to_the_table():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_method_survives_save_and_reload(tmp_folder, method):
-    read = {"fourier": {"fourier_components": 5}, "interpolate": {"interpolation_length": 3 * L}}.get(method, {})
-    model = model_with_table(position_extrapolation=method, **read)
+    read = {"fourier": {"components": 5}, "interpolate": {"length": 3 * L}}.get(method, {})
+    value = {"method": method, **read} if read else method
+    model = model_with_table(position_extrapolation=value)
     model.save_pretrained(tmp_folder)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
-    assert reloaded.config.position_extrapolation == method
+    assert reloaded.config.position_extrapolation == value
     assert reloaded.config.default_extrapolation() == model.config.default_extrapolation()
     ids = torch.randint(0, 256, (1, 2 * L))  # shorter than interpolation_length: a dropped length would show
     with torch.no_grad():
