@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache
+from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache, SepFormerConfig
 from sepformer.positional_maps import fourier_rows
 
 L = 16
@@ -375,3 +375,29 @@ def test_ms_poe_identity_under_interpolate_is_the_base_model_at_every_length(n):
     table = model.model.embed_positions
     coordinates = table.table_coordinates(torch.arange(n)[None], PositionExtrapolation("interpolate"))
     assert coordinates[0, -1].item() == L - 1
+
+
+def test_the_fields_of_older_configs_fold_into_position_extrapolation():
+    config = SepFormerConfig(position_extrapolation="fourier", fourier_components=5, interpolation_length=None)
+    assert config.position_extrapolation == {"method": "fourier", "components": 5}
+    assert "fourier_components" not in config.to_dict()
+    with pytest.raises(ValueError, match=r"interpolation_length=64 and position_extrapolation=.* both set length"):
+        SepFormerConfig(position_extrapolation={"method": "interpolate", "length": 1024}, interpolation_length=64)
+
+
+def test_the_config_imports_no_torch_code_of_the_package():
+    import ast
+    import pathlib
+
+    package, seen, todo = pathlib.Path("sepformer"), set(), ["configuration_sepformer"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for node in ast.walk(ast.parse((package / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.split(".")[0] == "torch" for alias in node.names), name
+            if isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "torch", name
+                if node.level == 1 and node.module not in seen:
+                    todo.append(node.module)
+    assert "positional_options" in seen and "positional_maps" not in seen
