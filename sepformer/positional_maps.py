@@ -21,11 +21,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .positional_options import (
-    EXTRAPOLATION_METHODS,
-    POSITIONAL_MAP_NAMES,
-    PositionExtrapolation,
-)
+from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_NAMES, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -126,9 +122,17 @@ def kept_rows(store: dict | None, key, count: int, make) -> torch.Tensor:
     return rows
 
 
-class TrainingPositions:
-    """Where a map is read in training: the positions themselves, shifted by random offsets (a learned table only),
-    or randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
+class PositionalMap:
+    """What every positional map is: an `nn.Module` built from the config, registered in `POSITIONAL_MAPS` under a
+    name of `positional_options.POSITIONAL_MAP_NAMES`, with
+
+    - `forward(position_ids, extrapolation, store=None) -> (b or 1, seq, d_pos)`: `p(i)` at integer or fractional
+      positions; `extrapolation` is the call's `PositionExtrapolation` (a map defined everywhere ignores it), `store`
+      where a generation keeps rows it made from the weights (`derived_store`), or `None`. A map whose reading has a
+      base also takes `base=` (Attention Buckets read the sinusoid with other bases);
+    - `table_coordinates(position_ids, extrapolation)`: where those positions read the map (`interpolate` compresses);
+    - the training positions below: the positions themselves, shifted by random offsets (a learned table only), or
+      randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
 
     def setup_training_positions(self, config) -> None:
         self.random_offsets = config.random_position_offsets
@@ -180,7 +184,7 @@ def randomized_positions(
     return chosen.gather(-1, position_ids)  # (b, seq)
 
 
-class LearnedPositions(nn.Embedding, TrainingPositions):
+class LearnedPositions(nn.Embedding, PositionalMap):
     """A table of learned rows (the default map), extended past its end by a `PositionExtrapolation`."""
 
     def __init__(self, config):
@@ -284,7 +288,7 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         return torch.where((position_ids >= length).unsqueeze(-1), past, inside)
 
 
-class SinusoidalPositions(nn.Module, TrainingPositions):
+class SinusoidalPositions(nn.Module, PositionalMap):
     """The fixed sinusoid of "Attention Is All You Need" over `d_pos` dimensions, defined at every position."""
 
     def __init__(self, config):
@@ -347,7 +351,7 @@ def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tens
     return torch.where(denominator > 0, numerator / denominator.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
 
 
-class BSplinePositions(nn.Module, TrainingPositions):
+class BSplinePositions(nn.Module, PositionalMap):
     """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`spline_control_points`, `n ≪ L`) and the
     B-spline basis of degree `k` (`spline_degree`) on clamped uniform knots over `[0, T-1]`, `T` the
     `position_table_size` (`L`, or the range of randomized positions). Defined at every real position; past `T-1`

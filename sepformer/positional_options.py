@@ -55,7 +55,9 @@ class PositionExtrapolation:
         ]
         if unread:
             readers = ", ".join(
-                f"{name} by {method!r}" for method, parameters in EXTRAPOLATION_PARAMETERS.items() for name in parameters
+                f"{name} by {method!r}"
+                for method, parameters in EXTRAPOLATION_PARAMETERS.items()
+                for name in parameters
             )
             raise ValueError(
                 f"position_extrapolation {', '.join(unread)} is read only by its method ({readers}; it would be "

@@ -333,7 +333,7 @@ def test_invalid_per_call_extrapolation(value, message):
 @pytest.mark.parametrize("overrides", [{"positional_map": "sinusoidal"}, {"position_size": 0}])
 def test_per_call_method_without_a_learned_table_is_refused(overrides):
     model = tiny_model(max_position_embeddings=L, **overrides)
-    with pytest.raises(ValueError, match="applies to a learned positional table"):
+    with pytest.raises(ValueError, match="needs a learned positional table"):
         model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation="fourier")
     with pytest.raises(ValueError, match="must be a method name"):
         model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation=3)

@@ -102,7 +102,7 @@ def test_added_tokens_the_byte_vocabulary_cannot_hold_are_refused(token, message
         ({"rotary_dim": 10}, r"rotary_dim=10 .*head_dim=8"),
         ({"rope_theta": 0.0}, "rope_theta=0.0"),
         ({"norm_eps": 0.0}, "norm_eps=0.0"),
-        ({"attention_dropout": 1.0}, r"attention_dropout=1.0 is not allowed: .*greater or equal to 0 and smaller than 1"),
+        ({"attention_dropout": 1.0}, r"attention_dropout=1.0 is not allowed: .*or equal to 0 and smaller than 1"),
         ({"hidden_dropout": -0.1}, "hidden_dropout=-0.1"),
         ({"initializer_range": -1.0}, "initializer_range=-1.0"),
         ({"position_intermediate_size": 0}, "position_intermediate_size=0"),
