@@ -19,7 +19,7 @@ from .mitigation_options import (
     StableMask,
 )
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
-from .positional_maps import EXTRAPOLATION_METHODS, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_METHODS, PositionExtrapolation
 from .tokenization_sepformer import SepFormerTokenizer
 
 AutoConfig.register(SepFormerConfig.model_type, SepFormerConfig, exist_ok=True)

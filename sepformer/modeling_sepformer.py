@@ -31,7 +31,7 @@ from .input_checks import check_fed_token_ids, check_inputs, check_labels, check
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, check_assisted_decoding, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
-    POSITIONAL_MAP_CLASSES,
+    POSITIONAL_MAPS,
     BSplinePositions,
     apply_partial_rotary,
     call_extrapolation,
@@ -309,7 +309,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         config = self.config  # with its sizes fixed
         self.embed_tokens = nn.Embedding(config.vocab_size, config.semantic_size)
         self.embed_positions = (
-            POSITIONAL_MAP_CLASSES[config.positional_map](config) if config.position_size > 0 else None
+            POSITIONAL_MAPS[config.positional_map](config) if config.position_size > 0 else None
         )
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(

@@ -16,72 +16,12 @@ extrapolation method:
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
-
-
-@dataclass(frozen=True)
-class PositionExtrapolation:
-    """How a learned table answers positions past its last row.
-
-    Args:
-        method: one of `EXTRAPOLATION_METHODS`.
-        components: `K`, Fourier coefficients kept per dimension (`fourier`).
-        length: `interpolate` only: the sequence length the positions are compressed for. `None` compresses for the
-            length of the current call, which is what a full forward pass needs; cached decoding past `L` needs a
-            fixed `length` (the final length), or the cached keys would have been computed with another scale.
-    """
-
-    method: str = "none"
-    components: int = 16
-    length: int | None = None
-
-    def __post_init__(self):
-        if self.method not in EXTRAPOLATION_METHODS:
-            raise ValueError(
-                f"position_extrapolation method {self.method!r} is unknown: choose one of "
-                f"{', '.join(map(repr, EXTRAPOLATION_METHODS))}."
-            )
-        if not isinstance(self.components, int) or self.components < 1:
-            raise ValueError(f"fourier components={self.components!r} must be a positive integer.")
-        if self.length is not None and (not isinstance(self.length, int) or self.length < 1):
-            raise ValueError(f"interpolate length={self.length!r} must be None or a positive integer.")
-        unread = [
-            f"{name}={getattr(self, name)!r}"
-            for name, method, default in (("components", "fourier", 16), ("length", "interpolate", None))
-            if getattr(self, name) != default and self.method != method
-        ]
-        if unread:
-            raise ValueError(
-                f"position_extrapolation {', '.join(unread)} is read only by its method (components by 'fourier', "
-                f"length by 'interpolate'; it would be ignored), not by {self.method!r}: drop it or use that method."
-            )
-
-    @classmethod
-    def parse(cls, value) -> "PositionExtrapolation":
-        """A method name, a dict `{"method": ..., "components": ..., "length": ...}`, or an instance."""
-        if all(hasattr(value, name) for name in ("method", "components", "length")):
-            # duck-typed: an instance from another copy of this module (installed package vs. Hub custom code)
-            return cls(method=value.method, components=value.components, length=value.length)
-        if isinstance(value, str):
-            return cls(method=value)
-        if isinstance(value, dict):
-            unknown = set(value) - {"method", "components", "length"}
-            if unknown:
-                raise ValueError(
-                    f"position_extrapolation got unknown keys {sorted(unknown)}: allowed are 'method', "
-                    "'components', 'length'."
-                )
-            return cls(**value)
-        raise ValueError(
-            f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
-        )
-
+from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_NAMES, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -136,6 +76,28 @@ def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return torch.lerp(table[low], table[high], weight)
 
 
+def clamp_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+    """`p(L-1)` at every position."""
+    return table[-1:].expand(positions.shape[0], -1)
+
+
+def sinusoidal_rows(
+    table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation
+) -> torch.Tensor:
+    """`σ · PE(i)`, `σ` the std of the table."""
+    return (table.float().std() * sinusoid(positions, table.shape[1])).to(table.dtype)
+
+
+# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows, each
+# registered under its name in `positional_options.EXTRAPOLATION_PARAMETERS`, which lists the parameters it reads.
+EXTRAPOLATIONS = {
+    "clamp": clamp_rows,
+    "sinusoidal": sinusoidal_rows,
+    "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
+}
+assert set(EXTRAPOLATIONS) == set(EXTRAPOLATION_METHODS) - {"none", "interpolate"}, "name a new method in both"
+
+
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
     """(lowest, highest) position as Python numbers, from one reduction; a negative position is an error."""
     low, high = (value.item() for value in torch.aminmax(positions))
@@ -160,9 +122,17 @@ def kept_rows(store: dict | None, key, count: int, make) -> torch.Tensor:
     return rows
 
 
-class TrainingPositions:
-    """Where a map is read in training: the positions themselves, shifted by random offsets (a learned table only),
-    or randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
+class PositionalMap:
+    """What every positional map is: an `nn.Module` built from the config, registered in `POSITIONAL_MAPS` under a
+    name of `positional_options.POSITIONAL_MAP_NAMES`, with
+
+    - `forward(position_ids, extrapolation, store=None) -> (b or 1, seq, d_pos)`: `p(i)` at integer or fractional
+      positions; `extrapolation` is the call's `PositionExtrapolation` (a map defined everywhere ignores it), `store`
+      where a generation keeps rows it made from the weights (`derived_store`), or `None`. A map whose reading has a
+      base also takes `base=` (Attention Buckets read the sinusoid with other bases);
+    - `table_coordinates(position_ids, extrapolation)`: where those positions read the map (`interpolate` compresses);
+    - the training positions below: the positions themselves, shifted by random offsets (a learned table only), or
+      randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
 
     def setup_training_positions(self, config) -> None:
         self.random_offsets = config.random_position_offsets
@@ -214,7 +184,7 @@ def randomized_positions(
     return chosen.gather(-1, position_ids)  # (b, seq)
 
 
-class LearnedPositions(nn.Embedding, TrainingPositions):
+class LearnedPositions(nn.Embedding, PositionalMap):
     """A table of learned rows (the default map), extended past its end by a `PositionExtrapolation`."""
 
     def __init__(self, config):
@@ -284,13 +254,13 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         make them once per doubling of the length rather than at every step.
         """
         length, method = self.num_embeddings, extrapolation.method
-        if method in ("none", "interpolate"):
+        if method not in EXTRAPOLATIONS:
+            choices = [name for name in (*EXTRAPOLATIONS, "interpolate") if name != method]
             raise ValueError(
                 f"position {needed - 1} is past the learned positional table of L={length} rows and "
                 f"position_extrapolation={method!r}"
                 + (" (which compresses integer positions only)" if method == "interpolate" else "")
-                + f". Choose an extrapolation method: {', '.join(repr(m) for m in EXTRAPOLATION_METHODS[1:4])}"
-                + (", 'interpolate'" if method == "none" else "")
+                + f". Choose an extrapolation method: {', '.join(map(repr, choices))}"
                 + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."
             )
         def make(count: int) -> torch.Tensor:
@@ -299,14 +269,9 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
         return kept_rows(store, ("rows past the table", extrapolation), capacity_for(needed, length) - length, make)
 
     def method_rows(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """`p(i)` of `clamp`, `sinusoidal` or `fourier` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
-        weight = self.weight
-        with torch.autocast(weight.device.type, enabled=False):  # a cached extension must not carry autocast's dtype
-            if extrapolation.method == "clamp":
-                return weight[-1:].expand(positions.shape[0], -1)
-            if extrapolation.method == "sinusoidal":
-                return (weight.float().std() * sinusoid(positions, self.embedding_dim)).to(weight.dtype)
-            return fourier_rows(weight, positions, extrapolation.components)
+        """`p(i)` of a method of `EXTRAPOLATIONS` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
+        with torch.autocast(self.weight.device.type, enabled=False):  # a cached extension must not carry autocast's
+            return EXTRAPOLATIONS[extrapolation.method](self.weight, positions, extrapolation)  # dtype
 
     def traceable(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """The same rows without data-dependent branches (under `torch.compile`): every method is evaluated at every
@@ -316,14 +281,14 @@ class LearnedPositions(nn.Embedding, TrainingPositions):
             if extrapolation.length is None or extrapolation.length <= length:
                 return super().forward(position_ids)
             return interpolate_rows(self.weight, compress_positions(position_ids, length, extrapolation.length))
-        if method == "none":
+        if method not in EXTRAPOLATIONS:  # `none`
             return super().forward(position_ids)
         inside = super().forward(position_ids.clamp(max=length - 1))
         past = self.method_rows(position_ids.flatten(), extrapolation).view(*position_ids.shape, -1)
         return torch.where((position_ids >= length).unsqueeze(-1), past, inside)
 
 
-class SinusoidalPositions(nn.Module, TrainingPositions):
+class SinusoidalPositions(nn.Module, PositionalMap):
     """The fixed sinusoid of "Attention Is All You Need" over `d_pos` dimensions, defined at every position."""
 
     def __init__(self, config):
@@ -346,9 +311,6 @@ class SinusoidalPositions(nn.Module, TrainingPositions):
 
     def extra_repr(self):
         return f"dim={self.dim}"
-
-
-SPLINE_EXTENSIONS = ("clamp", "linear")
 
 
 def bspline_knots(control_points: int, degree: int, end: float) -> torch.Tensor:
@@ -389,7 +351,7 @@ def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tens
     return torch.where(denominator > 0, numerator / denominator.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
 
 
-class BSplinePositions(nn.Module, TrainingPositions):
+class BSplinePositions(nn.Module, PositionalMap):
     """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`spline_control_points`, `n ≪ L`) and the
     B-spline basis of degree `k` (`spline_degree`) on clamped uniform knots over `[0, T-1]`, `T` the
     `position_table_size` (`L`, or the range of randomized positions). Defined at every real position; past `T-1`
@@ -451,7 +413,8 @@ class BSplinePositions(nn.Module, TrainingPositions):
         )
 
 
-POSITIONAL_MAP_CLASSES = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
+POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
+assert tuple(POSITIONAL_MAPS) == POSITIONAL_MAP_NAMES, "register a map under the name the config knows it by"
 
 
 def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:

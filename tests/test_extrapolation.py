@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache
+from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache, SepFormerConfig
 from sepformer.positional_maps import fourier_rows
 
 L = 16
@@ -246,11 +246,12 @@ def test_training_past_L_sends_gradients_to_the_table():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_method_survives_save_and_reload(tmp_folder, method):
-    read = {"fourier": {"fourier_components": 5}, "interpolate": {"interpolation_length": 3 * L}}.get(method, {})
-    model = model_with_table(position_extrapolation=method, **read)
+    read = {"fourier": {"components": 5}, "interpolate": {"length": 3 * L}}.get(method, {})
+    value = {"method": method, **read} if read else method
+    model = model_with_table(position_extrapolation=value)
     model.save_pretrained(tmp_folder)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
-    assert reloaded.config.position_extrapolation == method
+    assert reloaded.config.position_extrapolation == value
     assert reloaded.config.default_extrapolation() == model.config.default_extrapolation()
     ids = torch.randint(0, 256, (1, 2 * L))  # shorter than interpolation_length: a dropped length would show
     with torch.no_grad():
@@ -332,7 +333,7 @@ def test_invalid_per_call_extrapolation(value, message):
 @pytest.mark.parametrize("overrides", [{"positional_map": "sinusoidal"}, {"position_size": 0}])
 def test_per_call_method_without_a_learned_table_is_refused(overrides):
     model = tiny_model(max_position_embeddings=L, **overrides)
-    with pytest.raises(ValueError, match="applies to a learned positional table"):
+    with pytest.raises(ValueError, match="needs a learned positional table"):
         model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation="fourier")
     with pytest.raises(ValueError, match="must be a method name"):
         model(torch.zeros(1, 4, dtype=torch.long), position_extrapolation=3)
@@ -374,3 +375,29 @@ def test_ms_poe_identity_under_interpolate_is_the_base_model_at_every_length(n):
     table = model.model.embed_positions
     coordinates = table.table_coordinates(torch.arange(n)[None], PositionExtrapolation("interpolate"))
     assert coordinates[0, -1].item() == L - 1
+
+
+def test_the_fields_of_older_configs_fold_into_position_extrapolation():
+    config = SepFormerConfig(position_extrapolation="fourier", fourier_components=5, interpolation_length=None)
+    assert config.position_extrapolation == {"method": "fourier", "components": 5}
+    assert "fourier_components" not in config.to_dict()
+    with pytest.raises(ValueError, match=r"interpolation_length=64 and position_extrapolation=.* both set length"):
+        SepFormerConfig(position_extrapolation={"method": "interpolate", "length": 1024}, interpolation_length=64)
+
+
+def test_the_config_imports_no_torch_code_of_the_package():
+    import ast
+    import pathlib
+
+    package, seen, todo = pathlib.Path("sepformer"), set(), ["configuration_sepformer"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for node in ast.walk(ast.parse((package / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.split(".")[0] == "torch" for alias in node.names), name
+            if isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "torch", name
+                if node.level == 1 and node.module not in seen:
+                    todo.append(node.module)
+    assert "positional_options" in seen and "positional_maps" not in seen

@@ -102,7 +102,7 @@ def test_added_tokens_the_byte_vocabulary_cannot_hold_are_refused(token, message
         ({"rotary_dim": 10}, r"rotary_dim=10 .*head_dim=8"),
         ({"rope_theta": 0.0}, "rope_theta=0.0"),
         ({"norm_eps": 0.0}, "norm_eps=0.0"),
-        ({"attention_dropout": 1.0}, r"attention_dropout=1.0 must be in \[0, 1\)"),
+        ({"attention_dropout": 1.0}, r"attention_dropout=1.0 is not allowed: .*or equal to 0 and smaller than 1"),
         ({"hidden_dropout": -0.1}, "hidden_dropout=-0.1"),
         ({"initializer_range": -1.0}, "initializer_range=-1.0"),
         ({"position_intermediate_size": 0}, "position_intermediate_size=0"),
@@ -325,6 +325,9 @@ def test_keywords_transformers_passes_are_accepted(tmp_path):
 UNREAD_FIELDS = [
     ({"rope_theta": 500000.0}, r"rope_theta=500000.0 is read only with rotary_dim > 0 \(it would be ignored\); this "
      r"config has rotary_dim=0\. Set that, or leave rope_theta at its default 10000.0"),
+]
+# the fields before `position_extrapolation` held its parameters: keywords and saved configs only
+LEGACY_UNREAD = [
     ({"interpolation_length": 2048}, r"interpolation_length=2048 is read only with 'interpolate' .* has position_"
      r"extrapolation='none'"),
     ({"position_extrapolation": "clamp", "fourier_components": 8}, r"fourier_components=8 is read only with 'fourier'"),
@@ -340,6 +343,12 @@ def test_a_field_the_settings_never_read_is_refused(overrides, message):
         setattr(config, field, value)
     with pytest.raises(ValueError, match=message):
         SepFormerForCausalLM(config)
+
+
+@pytest.mark.parametrize(("overrides", "message"), LEGACY_UNREAD, ids=[str(o) for o, _ in LEGACY_UNREAD])
+def test_a_legacy_extrapolation_field_its_method_does_not_read_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SepFormerConfig(**SMALL, **overrides)
 
 
 @pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])

@@ -1,0 +1,178 @@
+"""How `SepFormerConfig` checks its fields, torch-free: each field's `@strict` validators run on every assignment
+with errors naming the field and the value, `None` sizes derived from other fields, older configs' extrapolation fields
+as properties over `position_extrapolation`, and the keywords a config would ignore."""
+
+import dataclasses
+import difflib
+import warnings
+from typing import Literal, get_args, get_origin
+
+from huggingface_hub.dataclasses import as_validated_field
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers import GenerationConfig
+
+from .positional_options import EXTRAPOLATION_PARAMETERS, PositionExtrapolation
+
+# Other architectures' names for SepFormer's fields, and keywords SepFormer has no use for: what to do instead.
+FOREIGN_KEYWORDS = {
+    **dict.fromkeys(["rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"], "use norm_eps"),
+    **dict.fromkeys(["n_positions", "max_seq_len"], "use max_position_embeddings"),
+    **dict.fromkeys(["n_embd", "d_model"], "use hidden_size"),
+    **dict.fromkeys(["n_layer", "num_layers"], "use num_hidden_layers"),
+    **dict.fromkeys(["n_head", "num_heads"], "use num_attention_heads"),
+    **dict.fromkeys(["hidden_dropout_prob", "resid_pdrop", "embd_pdrop"], "use hidden_dropout"),
+    **dict.fromkeys(["attention_probs_dropout_prob", "attn_pdrop"], "use attention_dropout"),
+    **dict.fromkeys(["activation_function", "hidden_activation"], "use hidden_act"),
+    **dict.fromkeys(["intermediate_size", "n_inner"], "use position_intermediate_size and semantic_intermediate_size"),
+    "dropout": "use hidden_dropout and attention_dropout",
+    "num_key_value_heads": "SepFormer has no grouped-query attention (every head has its own keys and values)",
+    "rope_scaling": "SepFormer's rotary embedding (rotary_dim, rope_theta) has no scaling; positions past the table "
+    "use position_extrapolation",
+    "rope_parameters": "use rotary_dim and rope_theta (SepFormer's rotary embedding has no scaling types)",
+    "head_dim": "set hidden_size and num_attention_heads (head_dim = hidden_size / num_attention_heads)",
+    "semantic_size": "set hidden_size and position_size (semantic_size = hidden_size - position_size)",
+}
+
+# Keywords that are no field but that transformers itself passes to a config or reads from it (`__post_init__`,
+# `from_dict`, `to_dict`, Hub code, quantisation, loading, `AutoTokenizer`), and those it moves to `generation_config`.
+TRANSFORMERS_KEYWORDS = frozenset(
+    "model_type name_or_path num_labels torch_dtype output_attentions attn_implementation experts_implementation "
+    "auto_map quantization_config transformers_weights tokenizer_class".split()
+)
+GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
+
+
+class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
+    """A field set to a value of the wrong type: a `TypeError`, and the error `@strict` dataclasses raise."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+
+
+def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
+    """A class decorator: run a field's `@strict` validators whenever it is set, with errors that name the field and
+    the value; make `derived_sizes` (`{name: (meaning, resolve)}`) and `legacy_fields` (`{old field: parameter of
+    position_extrapolation}`) properties."""
+
+    def decorate(cls):
+        strict_setattr = cls.__setattr__
+        fields = {field.name: field.type for field in dataclasses.fields(cls)}
+
+        def __setattr__(self, name, value):
+            if name in fields:
+                check_field(cls, name, value, fields[name])
+            strict_setattr(self, name, value)
+
+        cls.__setattr__ = __setattr__
+        for name, (meaning, resolve) in derived_sizes.items():
+            setattr(cls, name, _derived_size(name, meaning, resolve))
+        for old, parameter in legacy_fields.items():
+            setattr(cls, old, _extrapolation_parameter(old, parameter))
+        return cls
+
+    return decorate
+
+
+def check_field(cls, name, value, annotation) -> None:
+    type_check, *value_checks = cls.__validators__[name]  # `@strict` puts the type's check first
+    try:
+        type_check(value)
+    except (TypeError, ValueError) as error:
+        if get_origin(annotation) is Literal and isinstance(value, str):
+            allowed = ", ".join(map(repr, get_args(annotation)))
+            raise ValueError(f"{name}={value!r} is not allowed: choose one of {allowed}.") from None
+        raise ConfigTypeError(f"{name}={value!r} is not allowed: {error}") from None
+    for check in value_checks:
+        try:
+            check(value)
+        except ValueError as error:
+            reason = str(error)
+            raise ValueError(f"{name}={value!r} is not allowed: {reason[:1].lower()}{reason[1:]}") from None
+
+
+def _derived_size(name: str, meaning: str, resolve) -> property:
+
+    def get(self):
+        value = self.__dict__.get(name)
+        return resolve(self) if value is None else value
+
+    def set_(self, value):
+        self.__dict__[name] = value
+
+    return property(get, set_, doc=f"`{name}`; `None` (stored and saved as such) reads as {meaning}.")
+
+
+def _extrapolation_parameter(old: str, parameter: str) -> property:
+    """An older config's field, now the parameter of `position_extrapolation`: what `lm_eval --model_args` and
+    `from_pretrained(..., interpolation_length=2048)` set, after the method. At its default a field the method does
+    not read is what every older config saved; another value is refused."""
+    default = PositionExtrapolation.__dataclass_fields__[parameter].default
+    reader = next(method for method, names in EXTRAPOLATION_PARAMETERS.items() if parameter in names)
+
+    def get(self):
+        return getattr(self.default_extrapolation(), parameter)
+
+    def set_(self, value):
+        extrapolation = self.default_extrapolation()
+        if parameter in EXTRAPOLATION_PARAMETERS[extrapolation.method]:
+            self.position_extrapolation = dataclasses.replace(extrapolation, **{parameter: value}).as_config_value()
+        elif value != default:
+            raise ValueError(
+                f"{old}={value!r} is read only with {reader!r} (it would be ignored); this config has "
+                f"position_extrapolation={self.position_extrapolation!r}. Set that first, or leave {old} out."
+            )
+
+    return property(get, set_, doc=f"`position_extrapolation`'s `{parameter}` (a field of older configs).")
+
+
+def allowed(condition, allowed: str):
+    """A validated field whose value must satisfy `condition`; `allowed` says what is (field and value are added)."""
+
+    def check(value):
+        if not condition(value):
+            raise ValueError(allowed)
+
+    return as_validated_field(check)
+
+
+def derived_or(minimum: int, meaning: str):
+    return allowed(
+        lambda value: value is None or value >= minimum,
+        f"it must be a positive integer, or None for {meaning}.",
+    )(default=None)
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def refuse_unless_saved(error: Exception, saved: bool) -> None:
+    """Raise `error`; for a `saved` config (it carries `transformers_version`) warn with its message instead, so that a
+    `config.json` saved before SepFormer checked this, or written by a tool, still loads."""
+    if not saved:
+        raise error
+    warnings.warn(f"{error} (A saved config: it loads all the same.)", stacklevel=3)
+
+
+def _ignored_keyword(key: str, value, fields: list[str]) -> str | None:
+    """Why SepFormer would ignore the keyword `key`, or `None` for those transformers reads. `None` sets nothing
+    (tools copy `rope_scaling=None` from other configs); extra special tokens are checked against the vocabulary."""
+    if value is None or key.startswith("_") or key.endswith("_token_id") or key in TRANSFORMERS_KEYWORDS:
+        return None
+    if key in GENERATION_KEYWORDS:
+        return (
+            f"{key}={value!r}, a generation parameter: transformers does not keep it on the config (only a model "
+            "loaded from a folder without generation_config.json reads it, from config.json); set it on "
+            "model.generation_config or pass it to generate()."
+        )
+    if key in FOREIGN_KEYWORDS:
+        return f"{key}={value!r}, which SepFormer does not read (it would be ignored): {FOREIGN_KEYWORDS[key]}."
+    close = difflib.get_close_matches(key, fields, n=3)
+    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "the class docstring lists the fields."
+    return f"an unknown keyword {key}={value!r} (it would be ignored): {hint}"
+
+
+def ignored_keywords(kwargs: dict, fields: list[str]) -> str:
+    """What is wrong with each keyword of `kwargs` that SepFormer would ignore ("" if none)."""
+    return " ".join(problem for key, value in kwargs.items() if (problem := _ignored_keyword(key, value, fields)))
