@@ -293,3 +293,12 @@ def test_bad_orders_and_scores_are_refused():
         relevance_order([])
     with pytest.raises(ValueError, match=r"strategy='best' is not one of"):
         relevance_order([1.0], "best")
+
+
+def test_generate_scores_with_its_position_extrapolation():
+    """A prompt past the positional table: the scoring passes read it as the generation does."""
+    model, (ids, mask) = eager_model(max_position_embeddings=12), left_padded_batch()
+    option = {"spans": SPANS, "by": "position_free", "strategy": "last"}
+    reordered, _, _ = reorder_documents(model, ids, mask, option, position_extrapolation="clamp")
+    got = generate(model, ids, mask, reorder_documents=option, position_extrapolation="clamp")
+    assert torch.equal(got, generate(model, reordered, mask, position_extrapolation="clamp"))
