@@ -20,6 +20,7 @@ from .mitigation_options import (
 )
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
 from .positional_options import EXTRAPOLATION_METHODS, PositionExtrapolation
+from .reordering import ReorderDocuments, document_relevance, relevance_order, reorder_documents, reorder_prompt
 from .tokenization_sepformer import SepFormerTokenizer
 
 AutoConfig.register(SepFormerConfig.model_type, SepFormerConfig, exist_ok=True)
@@ -36,6 +37,7 @@ __all__ = [
     "MSPoE",
     "ParallelContextWindows",
     "PositionalScaling",
+    "ReorderDocuments",
     "StableMask",
     "PositionExtrapolation",
     "SepFormerCache",
@@ -44,5 +46,9 @@ __all__ = [
     "SepFormerModel",
     "SepFormerPreTrainedModel",
     "SepFormerTokenizer",
+    "document_relevance",
     "prepare_for_hub",
+    "relevance_order",
+    "reorder_documents",
+    "reorder_prompt",
 ]

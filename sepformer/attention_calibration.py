@@ -63,12 +63,12 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
     return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / documents.sizes
 
 
-def dummy_batch(options: AttentionCalibration, call: CallContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dummy_batch(options, config, input_ids: torch.Tensor, mask: torch.Tensor | None):
     """One left-padded sequence per (row, document): the prompt with the dummy document in place of document `k`.
 
+    `options`: anything with the documents' `spans` and a `dummy_document` (calibration's, reordering's options).
     Returns ids and padding mask (rows × K, width) and the dummy's keys (rows × K, width), row-major.
     """
-    config, input_ids, mask = call.model.config, call.input_ids, call.attention_mask
     sequences, probes = [], []
     for row, spans in enumerate(options.spans):
         tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
@@ -88,6 +88,20 @@ def dummy_batch(options: AttentionCalibration, call: CallContext) -> tuple[torch
         ids[index, pad:], padding[index, pad:] = sequence, 1
         probe[index, pad + start : pad + end] = True
     return ids, padding, probe
+
+
+def check_dummy_document(options, config) -> None:
+    """`options.dummy_document` (or the default, `pad_token_id` repeated) is made of ids in the vocabulary."""
+    if options.dummy_document is None and config.pad_token_id is None:
+        raise ValueError(
+            f"{options.name}'s default dummy document is pad_token_id repeated, but the config has no "
+            "pad_token_id: give dummy_document=(token ids) explicitly."
+        )
+    bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
+    if bad:
+        raise ValueError(
+            f"{options.name} dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
+        )
 
 
 @dataclass(eq=False)
@@ -176,19 +190,9 @@ class CalibrationMitigation(Mitigation):
 
     @staticmethod
     def check_dummy_passes(options: AttentionCalibration, call: CallContext) -> None:
-        config = call.model.config
         if call.input_ids is None:
             raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
-        if options.dummy_document is None and config.pad_token_id is None:
-            raise ValueError(
-                "attention_calibration's default dummy document is pad_token_id repeated, but the config has no "
-                "pad_token_id: give dummy_document=(token ids) explicitly."
-            )
-        bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"attention_calibration dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
-            )
+        check_dummy_document(options, call.model.config)
 
     def prepare(self, call: CallContext, others) -> None:
         """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
@@ -199,7 +203,7 @@ class CalibrationMitigation(Mitigation):
         call.state.mitigation_state[options.name] = CalibrationState(spans)
         if options.bias_estimate == "positional":  # measured in the call's own layers
             return
-        ids, padding, probe = dummy_batch(options, call)
+        ids, padding, probe = dummy_batch(options, config, call.input_ids, call.attention_mask)
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(
             call,

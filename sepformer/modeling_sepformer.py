@@ -37,6 +37,7 @@ from .positional_maps import (
     call_extrapolation,
     positions_from_mask,
 )
+from .reordering import reorder_generate_prompt
 
 
 class SepFormerRotaryEmbedding(nn.Module):
@@ -508,13 +509,20 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """`GenerationMixin.generate`, with the prompt and its padding mask checked first (an empty or 1-D prompt fails
         deep inside it), the last position it may reach (`check_last_position`) and the padding it feeds
-        (`check_fed_token_ids`)."""
+        (`check_fed_token_ids`).
+
+        `reorder_documents` (a `ReorderDocuments` or the dict of its fields, *optional*): the prompt's documents are
+        reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
+        begins the returned sequences."""
+        reordering = kwargs.pop("reorder_documents", None)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if prompt is not None:
             check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
             generation_config = args[0] if args else kwargs.get("generation_config")
             check_last_position(self, prompt, generation_config, kwargs)
             check_fed_token_ids(self, generation_config, kwargs)
+        if reordering is not None:
+            inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs)
         return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

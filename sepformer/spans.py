@@ -10,14 +10,18 @@ from .positional_maps import positions_from_mask
 def check_spans_in_prompt(options, call: CallContext) -> None:
     """`options.spans`: one row of spans per batch row, each span inside its row's prompt (spans count from the row's
     first real token); the lengths are checked at prefill (a decoding step only adds tokens)."""
-    name = options.name
     if len(options.spans) != call.batch:
-        raise ValueError(f"{name} has spans for {len(options.spans)} rows; the batch has {call.batch} rows.")
+        raise ValueError(f"{options.name} has spans for {len(options.spans)} rows; the batch has {call.batch} rows.")
     if call.continuing:
         return
     mask = call.attention_mask
     lengths = mask.sum(-1).tolist() if mask is not None else [call.new_tokens] * call.batch
-    for row, (spans, length) in enumerate(zip(options.spans, lengths, strict=True)):
+    check_spans_in_lengths(options.name, options.spans, lengths)
+
+
+def check_spans_in_lengths(name: str, rows, lengths: list[int]) -> None:
+    """Each row's spans end within its prompt's `lengths[row]` tokens; `name` begins the error."""
+    for row, (spans, length) in enumerate(zip(rows, lengths, strict=True)):
         for start, end in spans:
             if end > length:
                 raise ValueError(

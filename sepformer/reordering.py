@@ -1,0 +1,383 @@
+"""Reordering the documents of a prompt by relevance ("Lost in the Middle"; attention sorting, arXiv 2310.01427).
+
+- `relevance_order(scores, strategy)`: the new order of `K` documents from their relevance scores;
+- `reorder_prompt(input_ids, attention_mask, spans, order)`: the prompt with its documents moved to that order;
+- `document_relevance(model, input_ids, attention_mask, spans, by)`: relevance read from a model's attention;
+- `reorder_documents(model, input_ids, attention_mask, options)`: all three, for several rounds; `generate`'s
+  `reorder_documents=` option runs it on the prompt before generating.
+
+Spans count from each row's first real token, like calibration's, so a left-padded row has the spans it has alone.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .attention_calibration import check_dummy_document, dummy_batch
+from .mitigation_options import (
+    MitigationOptions,
+    PositionalScaling,
+    _as_int_tuple,
+    _as_spans,
+    _check_number,
+)
+from .spans import check_spans_in_lengths, key_documents, key_positions
+
+STRATEGIES = ("ends", "last", "first")
+SOURCES = ("attention", "calibrated", "position_free")
+REFUSED_WITH = {
+    name: f"its spans would describe the documents where they were before reordering: reorder first "
+    f"(sepformer.reorder_documents returns the prompt and the documents' new spans), then generate with {name} on "
+    "the new spans"
+    for name in ("attention_calibration", "parallel_context_windows")
+}
+
+
+def check_strategy(strategy) -> None:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"reorder_documents strategy={strategy!r} is not one of {list(STRATEGIES)}.")
+
+
+@dataclass(frozen=True)
+class ReorderDocuments(MitigationOptions):
+    """`generate`'s `reorder_documents=`: the prompt's documents reordered by relevance before generating.
+
+    Args:
+        spans: per batch row, the documents' `(start, end)` token spans (end exclusive), counted from the row's first
+            real token; the same number of documents in every row, not overlapping, inside the prompt.
+        by: the relevance: per row, one score per document (a (b, K) tensor or nested sequence, e.g. a retriever's),
+            or read from the model (see `document_relevance`): `"attention"`, `"calibrated"`, `"position_free"`.
+        strategy: where the most relevant documents go (see `relevance_order`): `"ends"`, `"last"`, `"first"`.
+        rounds: attention sorting's rounds: `rounds - 1` times the documents are scored and sorted with the most
+            relevant last (`"last"`), each time on the prompt the previous round made; the last round's scores are
+            then placed by `strategy`. Only relevance read from the model changes with the order: given scores take 1.
+        layers: the layers whose attention is averaged (`None`: all); read only by relevance from the model.
+        dummy_document: token ids of the dummy document that measures `bias(k)` for `by="calibrated"`; `None` is
+            `pad_token_id` repeated to document `k`'s length, as in `attention_calibration`.
+    """
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    by: str | tuple[tuple[float, ...], ...] = "attention"
+    strategy: str = "ends"
+    rounds: int = 1
+    layers: tuple[int, ...] | None = None
+    dummy_document: tuple[int, ...] | None = None
+    name: ClassVar[str] = "reorder_documents"
+
+    def __post_init__(self):
+        object.__setattr__(self, "spans", _as_spans(self.name, self.spans))
+        object.__setattr__(self, "by", self._as_source(self.by))
+        check_strategy(self.strategy)
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"reorder_documents rounds={self.rounds!r} must be an integer >= 1.")
+        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
+        object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
+        if self.dummy_document is not None and len(self.dummy_document) == 0:
+            raise ValueError("reorder_documents dummy_document=() is empty: give at least one token id.")
+        if self.dummy_document is not None and self.by != "calibrated":
+            raise ValueError(
+                f"reorder_documents dummy_document is only read by by='calibrated' (which measures bias(k) with it); "
+                f"got by={self.by!r}."
+            )
+        if not self.from_model:
+            for field, value, allowed in (("rounds", self.rounds, 1), ("layers", self.layers, None)):
+                if value != allowed:
+                    raise ValueError(
+                        f"reorder_documents {field}={value!r} is read only by relevance from the model "
+                        f"(by in {list(SOURCES)}); given scores do not change with the order: leave it at {allowed}."
+                    )
+
+    def _as_source(self, by):
+        if isinstance(by, str):
+            if by not in SOURCES:
+                raise ValueError(
+                    f"reorder_documents by={by!r} is not one of {list(SOURCES)}, nor scores (one per document)."
+                )
+            return by
+        rows, documents = len(self.spans), len(self.spans[0])
+        try:
+            scores = tuple(tuple(row) for row in (by.tolist() if hasattr(by, "tolist") else by))
+        except TypeError:
+            scores = None
+        if scores is None or len(scores) != rows or any(len(row) != documents for row in scores):
+            shape = "not a (rows, documents) array" if scores is None else [len(row) for row in scores]
+            raise ValueError(
+                f"reorder_documents by={by!r} must be one of {list(SOURCES)} or one score per document: shape "
+                f"({rows}, {documents}) for these spans; got {shape} (scores per row)."
+            )
+        for row in scores:
+            for score in row:
+                _check_number(self.name, "by score", score)
+        return tuple(tuple(float(score) for score in row) for row in scores)
+
+    @property
+    def from_model(self) -> bool:
+        return isinstance(self.by, str)
+
+
+def as_scores(scores) -> torch.Tensor:
+    """`scores` as a (K,) or (b, K) float64 tensor of finite numbers (K >= 1)."""
+    if isinstance(scores, torch.Tensor) and (scores.dtype == torch.bool or scores.is_complex()):
+        raise ValueError(f"relevance scores must be real numbers; got a tensor of {scores.dtype}.")
+    try:
+        tensor = torch.as_tensor(scores, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"relevance scores must be a (K,) or (b, K) tensor or sequence of numbers; got {scores!r} ({error})."
+        ) from None
+    if tensor.dim() not in (1, 2) or tensor.shape[-1] == 0:
+        raise ValueError(
+            f"relevance scores must have shape (K,) or (b, K) with K >= 1 documents; got shape {tuple(tensor.shape)}."
+        )
+    if not tensor.isfinite().all():
+        raise ValueError(f"relevance scores must be finite; got {scores!r}.")
+    return tensor
+
+
+def relevance_order(scores, strategy: str = "ends") -> torch.LongTensor:
+    """For each row of `scores` ((K,) or (b, K), higher is more relevant), the new order of its `K` documents: entry
+    `j` is the (old) index of the document that goes to place `j`.
+
+    - `"ends"`: the most relevant first, the second last, the third second, the fourth second to last, ...: the least
+      relevant end up in the middle. (LangChain's `LongContextReorder` gives this order's mirror image, best last,
+      when `K` is even.)
+    - `"last"`: ascending, the most relevant last (closest to the question).
+    - `"first"`: descending, the most relevant first.
+
+    Ties keep the documents' original order: in `"first"` and `"last"` tied documents appear in it, and in `"ends"`
+    the earlier of two tied documents takes the place of the more relevant.
+    """
+    check_strategy(strategy)
+    scores = as_scores(scores)
+    if strategy == "last":
+        return scores.sort(dim=-1, stable=True).indices
+    ranked = scores.sort(dim=-1, descending=True, stable=True).indices  # best first, ties in original order
+    if strategy == "first":
+        return ranked
+    rank = torch.arange(ranked.shape[-1])
+    place = torch.where(rank % 2 == 0, rank // 2, ranked.shape[-1] - 1 - rank // 2)
+    return torch.empty_like(ranked).index_copy_(-1, place, ranked)
+
+
+def as_order(order, rows: int, documents: int) -> list[list[int]]:
+    """`order` as `rows` lists, each a permutation of `0..documents - 1`."""
+    try:
+        values = torch.as_tensor(order)
+    except (TypeError, ValueError, RuntimeError):
+        values = None
+    if values is None or values.shape != (rows, documents) or values.is_floating_point() or values.dtype == torch.bool:
+        shape = "not an integer array" if values is None else f"{tuple(values.shape)} of {values.dtype}"
+        raise ValueError(
+            f"reorder_prompt order must be integer indices of shape (rows, documents) = ({rows}, {documents}); got "
+            f"{shape}."
+        )
+    lists = values.tolist()
+    for row, permutation in enumerate(lists):
+        if sorted(permutation) != list(range(documents)):
+            raise ValueError(
+                f"reorder_prompt order of row {row} is {permutation}: it must be a permutation of 0..{documents - 1} "
+                "(each document's index once)."
+            )
+    return lists
+
+
+def check_prompt(name: str, input_ids, attention_mask, spans) -> list[int]:
+    """`input_ids` (b, n) integer ids with `attention_mask` None or (b, n), one row of spans per row, inside the row's
+    real tokens. Returns each row's number of real tokens."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(
+            f"{name} needs input_ids as a 2-D tensor of token ids (batch, sequence); got "
+            f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}."
+        )
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
+    ):
+        raise ValueError(
+            f"{name} needs attention_mask None or a 2-D padding mask of input_ids' shape {tuple(input_ids.shape)}; "
+            f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
+        )
+    if len(spans) != len(input_ids):
+        raise ValueError(f"{name} has spans for {len(spans)} rows; the batch has {len(input_ids)} rows.")
+    lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
+    check_spans_in_lengths(name, spans, lengths)
+    return lengths
+
+
+def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, spans, order):
+    """The prompt with each row's documents moved to `order` ((b, K): entry `j` the index in `spans` of the document
+    that goes to place `j`, as `relevance_order` gives it). Returns `(input_ids, spans)`: the new ids (same shape,
+    same padding: `attention_mask` still describes them) and, per row, the documents' new spans in place order.
+
+    Rule: the documents' block runs from the first document's start to the last one's end; the tokens between two
+    documents (separators) keep their order, the `i`-th gap following the document in place `i`. Documents of other
+    lengths shift the gaps' positions; with equal lengths, every gap stays where it was. Tokens before and after the
+    block do not move. Spans count from the row's first real token (padding, left or right, is never moved).
+    """
+    spans = _as_spans("reorder_prompt", spans)
+    check_prompt("reorder_prompt", input_ids, attention_mask, spans)
+    order = as_order(order, len(spans), len(spans[0]))
+    reordered, new_spans = input_ids.clone(), []
+    for row, (row_spans, row_order) in enumerate(zip(spans, order, strict=True)):
+        columns = (
+            attention_mask[row].nonzero().flatten()
+            if attention_mask is not None
+            else torch.arange(input_ids.shape[1], device=input_ids.device)
+        )
+        tokens = input_ids[row, columns]
+        by_start = sorted(row_spans)
+        gaps = [tokens[end:start] for (_, end), (start, _) in zip(by_start, by_start[1:], strict=False)]
+        pieces, placed, cursor = [tokens[: by_start[0][0]]], [], by_start[0][0]
+        for place, document in enumerate(row_order):
+            start, end = row_spans[document]
+            pieces.append(tokens[start:end])
+            placed.append((cursor, cursor + end - start))
+            cursor += end - start
+            if place < len(gaps):
+                pieces.append(gaps[place])
+                cursor += len(gaps[place])
+        pieces.append(tokens[by_start[-1][1] :])
+        reordered[row, columns] = torch.cat(pieces)
+        new_spans.append(tuple(placed))
+    return reordered, tuple(new_spans)
+
+
+def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask) -> None:
+    """Everything `reorder_documents` needs from the model and the prompt, before any work."""
+    check_prompt(options.name, input_ids, attention_mask, options.spans)
+    if not options.from_model:
+        return
+    config = model.config
+    options.layer_set(config.num_hidden_layers)
+    if config._attn_implementation != "eager":
+        raise ValueError(
+            f"reorder_documents by={options.by!r} reads the attention probabilities (output_attentions), which only "
+            f"attn_implementation 'eager' returns; this model runs {config._attn_implementation!r}: call "
+            "model.set_attn_implementation('eager') first."
+        )
+    if attention_mask is not None and not attention_mask[:, -1].all():
+        padded = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"reorder_documents by={options.by!r} reads the last prompt token's attention from the last column, but "
+            f"rows {padded} end in padding there (attention_mask[:, -1] == 0): pad on the left."
+        )
+    if options.by == "calibrated":
+        check_dummy_document(options, config)
+    if options.by == "position_free":
+        if config.model_type != "sepformer":
+            raise ValueError(
+                f"reorder_documents by='position_free' zeroes SepFormer's positional block; this is a "
+                f"{type(model).__name__} ({config.model_type!r}), whose positions are not in known channels: use "
+                "by='attention' or by='calibrated'."
+            )
+        if config.position_size == 0 or config.rotary_dim > 0:
+            raise ValueError(
+                f"reorder_documents by='position_free' needs positions only in the positional block "
+                f"(position_size > 0, rotary_dim = 0); this model has position_size={config.position_size}, "
+                f"rotary_dim={config.rotary_dim}: use by='attention' or by='calibrated'."
+            )
+
+
+def last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs) -> torch.Tensor:
+    """(b, n) the last token's attention probabilities, averaged over the heads of `layers`."""
+    with torch.no_grad():
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_attentions=True,
+            use_cache=False,
+            logits_to_keep=1,
+            **model_kwargs,
+        )
+    return torch.stack([outputs.attentions[layer][:, :, -1].float() for layer in sorted(layers)], 1).mean((1, 2))
+
+
+def relevance(model, options: ReorderDocuments, input_ids, attention_mask, **model_kwargs) -> torch.Tensor:
+    """(b, K) `options.by`'s relevance of the documents at `options.spans` (checked by `check_reordering`)."""
+    if not options.from_model:
+        return torch.tensor(options.by, dtype=torch.float64)
+    layers = options.layer_set(model.config.num_hidden_layers)
+    if options.by == "position_free":
+        all_layers = tuple(range(model.config.num_hidden_layers))
+        model_kwargs = {**model_kwargs, "positional_scaling": PositionalScaling(factor=0.0, layers=all_layers)}
+    attention = last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs)  # (b, n)
+    positions = key_positions(attention_mask, input_ids.shape[1], input_ids.device)
+    membership = key_documents(torch.tensor(options.spans, device=input_ids.device), positions)  # (b, n, K)
+    scores = torch.einsum("bn,bnk->bk", attention, membership) / membership.sum(1)
+    if options.by == "calibrated":
+        ids, padding, probe = dummy_batch(options, model.config, input_ids, attention_mask)
+        dummy = last_row_attention(model, ids, padding, layers, **model_kwargs)  # (b · K, width)
+        bias = (dummy * probe).sum(-1) / probe.sum(-1)
+        scores = scores - bias.view(scores.shape)
+    return scores.double().cpu()
+
+
+def document_relevance(
+    model, input_ids, attention_mask, spans, by="attention", layers=None, dummy_document=None, **model_kwargs
+) -> torch.Tensor:
+    """(b, K) the relevance of each row's documents (`spans`, counted from the row's first real token).
+
+    `by`: scores given by the caller ((b, K), returned as float64), or read from any Hugging Face causal LM run with
+    `attn_implementation="eager"` (`output_attentions`), with `a_l(x)` the last prompt token's attention on token
+    `x` averaged over the heads and the chosen `layers` (default all):
+
+    - `"attention"`: `Attn(doc_k) = mean_{x in doc_k} a_l(x)`;
+    - `"calibrated"`: `Attn(doc_k) - bias(k)`, `bias(k)` the same mean on a dummy document put in document `k`'s
+      place (one extra sequence per document, as `attention_calibration`'s dummy passes: `dummy_document`, default
+      `pad_token_id` repeated);
+    - `"position_free"` (SepFormer, positions in the positional block only): `Attn(doc_k)` with the positional block
+      of the attention input scaled to 0 for the last query and every key, in every layer (`positional_scaling` with
+      factor 0: the rows before the last are the base model's).
+
+    `model_kwargs` go to every forward (e.g. SepFormer's `position_extrapolation`).
+    """
+    options = ReorderDocuments(spans=spans, by=by, layers=layers, dummy_document=dummy_document)
+    check_reordering(model, options, input_ids, attention_mask)
+    return relevance(model, options, input_ids, attention_mask, **model_kwargs)
+
+
+def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs):
+    """The prompt with its documents reordered by `options` (a `ReorderDocuments` or the dict of its fields):
+    `options.rounds` rounds of scoring and sorting, each on the prompt the previous one made (see `ReorderDocuments`).
+
+    Returns `(input_ids, spans, order)`: the new ids (`attention_mask` still describes them), the documents' new spans
+    in place order, and (b, K) `order`, entry `j` the index in `options.spans` of the document now in place `j`.
+    Everything is checked before the first forward; `model_kwargs` go to every forward.
+    """
+    options = ReorderDocuments.parse(options)
+    check_reordering(model, options, input_ids, attention_mask)
+    documents = len(options.spans[0])
+    order = torch.arange(documents).expand(len(input_ids), documents)
+    for done in range(1, options.rounds + 1):
+        scores = relevance(model, options, input_ids, attention_mask, **model_kwargs)
+        step = relevance_order(scores, options.strategy if done == options.rounds else "last")
+        input_ids, spans = reorder_prompt(input_ids, attention_mask, options.spans, step)
+        options, order = dataclasses.replace(options, spans=spans), order.gather(1, step)
+    return input_ids, options.spans, order
+
+
+def reorder_generate_prompt(model, options, inputs, kwargs: dict):
+    """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
+    return sequences; the options whose spans would describe the old order are refused."""
+    options = ReorderDocuments.parse(options)
+    for name, why in REFUSED_WITH.items():
+        if kwargs.get(name) not in (None, False):
+            raise ValueError(f"reorder_documents cannot be combined with {name}: {why}.")
+    prompt = inputs if inputs is not None else kwargs.get("input_ids")
+    if prompt is None:
+        raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
+    forward_kwargs = {key: kwargs[key] for key in ("position_extrapolation",) if kwargs.get(key) is not None}
+    reordered = reorder_documents(model, prompt, kwargs.get("attention_mask"), options, **forward_kwargs)[0]
+    if inputs is not None:
+        return reordered, kwargs
+    return None, {**kwargs, "input_ids": reordered}
+
+
+__all__ = [
+    "ReorderDocuments",
+    "document_relevance",
+    "relevance_order",
+    "reorder_documents",
+    "reorder_prompt",
+]

@@ -1,0 +1,304 @@
+"""Reordering documents by relevance: orders, prompts and relevance against references written out by hand."""
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+from test_llama_mitigations import tiny_gpt2, tiny_llama
+from test_mitigations import sharp_attention
+
+from sepformer import (
+    ReorderDocuments,
+    document_relevance,
+    relevance_order,
+    reorder_documents,
+    reorder_prompt,
+)
+
+# Two rows of 14 columns, the second padded on the left by 3: three documents each, separators between them.
+SPANS = (((1, 4), (5, 8), (9, 12)), ((0, 2), (3, 7), (8, 10)))
+
+
+def eager_model(**overrides):
+    model = sharp_attention(tiny_model(**overrides))
+    model.set_attn_implementation("eager")
+    return model
+
+
+def left_padded_batch():
+    ids = random_ids(2, 14, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------- relevance_order
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        # ranks (best first): 3, 1, 2, 4, 0; the ends from the outside in
+        ("ends", [3, 2, 0, 4, 1]),
+        ("first", [3, 1, 2, 4, 0]),
+        ("last", [0, 4, 2, 1, 3]),
+    ],
+)
+def test_relevance_order_of_each_strategy(strategy, expected):
+    assert relevance_order([0.1, 0.5, 0.3, 0.9, 0.2], strategy).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        ("first", [0, 2, 1, 3]),  # tied documents in their original order
+        ("last", [1, 3, 0, 2]),
+        ("ends", [0, 1, 3, 2]),  # ranks 0, 2, 1, 3: the earlier of a tie ranks higher
+    ],
+)
+def test_relevance_order_breaks_ties_by_original_index(strategy, expected):
+    assert relevance_order(torch.tensor([2.0, 1.0, 2.0, 1.0]), strategy).tolist() == expected
+
+
+def test_relevance_order_orders_each_row_of_a_batch():
+    order = relevance_order([[0.1, 0.5, 0.3, 0.9], [2, 1, 2, 1]])
+    assert order.tolist() == [[3, 2, 0, 1], [0, 1, 3, 2]]
+
+
+# ----------------------------------------------------------------------------------------------------- reorder_prompt
+
+
+def test_reorder_prompt_moves_the_documents_and_keeps_the_separators_between_them():
+    # row 0: documents [1 1] [2 2 2] [3] between 100 ... 101, separators 200 and 201
+    # row 1: left-padded by 2, documents [5] [6 6] [7]
+    ids = torch.tensor([[100, 1, 1, 200, 2, 2, 2, 201, 3, 101], [0, 0, 100, 5, 200, 6, 6, 201, 7, 101]])
+    mask = torch.tensor([[1] * 10, [0, 0] + [1] * 8])
+    spans = (((1, 3), (4, 7), (8, 9)), ((1, 2), (3, 5), (6, 7)))
+    reordered, new_spans = reorder_prompt(ids, mask, spans, [[2, 0, 1], [1, 2, 0]])
+    expected = torch.tensor([[100, 3, 200, 1, 1, 201, 2, 2, 2, 101], [0, 0, 100, 6, 6, 200, 7, 201, 5, 101]])
+    assert torch.equal(reordered, expected)
+    assert new_spans == (((1, 2), (3, 5), (6, 9)), ((1, 3), (4, 5), (6, 7)))
+
+
+def test_reorder_prompt_reads_spans_in_the_order_given():
+    ids = torch.tensor([[9, 1, 8, 2, 2, 7]])
+    reordered, new_spans = reorder_prompt(ids, None, [((3, 5), (1, 2))], [[1, 0]])  # document 0 is [2 2]
+    assert reordered.tolist() == [[9, 1, 8, 2, 2, 7]]
+    assert new_spans == (((1, 2), (3, 5)),)
+    reordered, new_spans = reorder_prompt(ids, None, [((3, 5), (1, 2))], [[0, 1]])
+    assert reordered.tolist() == [[9, 2, 2, 8, 1, 7]]
+    assert new_spans == (((1, 3), (4, 5)),)
+
+
+# -------------------------------------------------------------------------------------------------------- relevance
+
+
+def attention_reference(model, ids, mask, spans, layers, **kwargs):
+    """(b, K): the last row's attention, from `outputs.attentions`, averaged over heads, layers and each document's
+    columns (found from the left padding by hand)."""
+    with torch.no_grad():
+        attentions = model(ids, attention_mask=mask, output_attentions=True, **kwargs).attentions
+    rows = []
+    for row, row_spans in enumerate(spans):
+        pad = int((mask[row] == 0).sum()) if mask is not None else 0
+        last = torch.stack([attentions[layer][row, :, -1] for layer in layers]).float()  # (L, H, n)
+        rows.append([last[:, :, pad + start : pad + end].mean().item() for start, end in row_spans])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layers", [None, (1,)])
+def test_attention_relevance_is_the_last_rows_mean_attention_on_each_document(layers):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    got = document_relevance(model, ids, mask, SPANS, by="attention", layers=layers)
+    expected = attention_reference(model, ids, mask, SPANS, layers or (0, 1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert got.shape == (2, 3) and got.std(-1).min() > 1e-2  # documents differ: a wrong column would show
+
+
+def test_calibrated_relevance_subtracts_the_dummy_documents_attention_at_each_slot():
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    dummy = (7, 7)
+    got = document_relevance(model, ids, mask, SPANS, by="calibrated", dummy_document=dummy)
+    attention = attention_reference(model, ids, mask, SPANS, (0, 1))
+    for row, row_spans in enumerate(SPANS):
+        tokens = ids[row][mask[row].bool()]
+        for k, (start, end) in enumerate(row_spans):
+            spliced = torch.cat((tokens[:start], torch.tensor(dummy), tokens[end:]))[None]
+            bias = attention_reference(model, spliced, None, [[(start, start + len(dummy))]], (0, 1))
+            torch.testing.assert_close(got[row, k], attention[row, k] - bias[0, 0], rtol=1e-4, atol=1e-7)
+
+
+def test_position_free_relevance_is_the_attention_with_the_positional_block_of_query_and_keys_zeroed():
+    """Layer 0 reads the embeddings, the same in both passes: its last row with the positional block of the last
+    query's and every key's input zeroed is the position-free attention there."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    d_pos, attention = model.config.position_size, model.model.layers[0].self_attn
+
+    def zero_positions(last_only):
+        def hook(module, args):
+            (hidden,) = args
+            hidden = hidden.clone()
+            hidden[:, -1 if last_only else slice(None), :d_pos] = 0
+            return (hidden,)
+
+        return hook
+
+    handles = [
+        attention.q_proj.register_forward_pre_hook(zero_positions(last_only=True)),
+        attention.k_proj.register_forward_pre_hook(zero_positions(last_only=False)),
+    ]
+    try:
+        expected = attention_reference(model, ids, mask, SPANS, (0,))
+    finally:
+        for handle in handles:
+            handle.remove()
+    got = document_relevance(model, ids, mask, SPANS, by="position_free", layers=(0,))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    plain = document_relevance(model, ids, mask, SPANS, by="attention", layers=(0,))
+    assert (got - plain).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_attention_and_calibrated_relevance_on_hugging_face_models(make):
+    model, (ids, mask) = make("eager"), left_padded_batch()
+    got = document_relevance(model, ids, mask, SPANS, by="attention")
+    torch.testing.assert_close(got, attention_reference(model, ids, mask, SPANS, (0, 1)), rtol=1e-5, atol=1e-7)
+    calibrated = document_relevance(model, ids, mask, SPANS, by="calibrated", dummy_document=(5,))
+    assert calibrated.shape == (2, 3) and not torch.allclose(calibrated, got)
+    with pytest.raises(ValueError, match=r"by='position_free' zeroes SepFormer's positional block; this is a"):
+        document_relevance(model, ids, mask, SPANS, by="position_free")
+    with pytest.raises(ValueError, match=r"only attn_implementation 'eager' returns; this model runs 'sdpa'"):
+        document_relevance(make("sdpa"), ids, mask, SPANS, by="attention")
+
+
+def test_rounds_score_and_sort_the_reordered_prompt_then_place_by_the_strategy():
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    got_ids, got_spans, got_order = reorder_documents(model, ids, mask, {"spans": SPANS, "rounds": 3})
+    prompt, spans, order = ids, SPANS, torch.arange(3).expand(2, 3)
+    for strategy in ("last", "last", "ends"):
+        step = relevance_order(document_relevance(model, prompt, mask, spans), strategy)
+        prompt, spans = reorder_prompt(prompt, mask, spans, step)
+        order = order.gather(1, step)
+    assert torch.equal(got_ids, prompt) and got_spans == spans and torch.equal(got_order, order)
+    assert torch.equal(reorder_prompt(ids, mask, SPANS, order)[0], prompt)  # the composed order, in one move
+
+
+# --------------------------------------------------------------------------------------------------------- generate
+
+
+def generate(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, **kwargs)
+
+
+BEAMS = [{}, {"num_beams": 3, "num_return_sequences": 2}]
+
+
+@pytest.mark.parametrize("beams", BEAMS)
+def test_generate_with_given_scores_is_generate_on_the_prompt_reordered_by_hand(beams):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    scores = [[0.2, 0.9, 0.5], [0.1, 0.3, 0.7]]  # "ends": row 0 -> documents [1, 0, 2], row 1 -> [2, 0, 1]
+    by_hand = ids.clone()
+    by_hand[0, 1:12] = torch.cat((ids[0, 5:8], ids[0, 4:5], ids[0, 1:4], ids[0, 8:9], ids[0, 9:12]))
+    row = ids[1]  # left-padded by 3: document k's columns are its span + 3
+    by_hand[1, 3:] = torch.cat((row[11:13], row[5:6], row[3:5], row[10:11], row[6:10], row[13:]))
+    got = generate(model, ids, mask, reorder_documents={"spans": SPANS, "by": scores}, **beams)
+    assert torch.equal(got, generate(model, by_hand, mask, **beams))
+    assert torch.equal(got[:: len(got) // 2, :14], by_hand)  # the sequences begin with the reordered prompt
+
+
+@pytest.mark.parametrize("beams", BEAMS)
+def test_generate_with_relevance_from_the_model_is_generate_on_the_reordered_prompt(beams):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    option = ReorderDocuments(spans=SPANS, by="position_free", strategy="first", rounds=2)
+    reordered, _, order = reorder_documents(model, ids, mask, option)
+    assert not torch.equal(order, torch.arange(3).expand(2, 3))
+    got = generate(model, ids, mask, reorder_documents=option, **beams)
+    assert torch.equal(got, generate(model, reordered, mask, **beams))
+
+
+# ------------------------------------------------------------------------------------------------------ bad options
+
+SCORES = [[0.2, 0.9, 0.5], [0.1, 0.3, 0.7]]
+REFUSED = [
+    ({"strategy": "middle"}, r"strategy='middle' is not one of \['ends', 'last', 'first'\]"),
+    ({"by": "relevance"}, r"by='relevance' is not one of \['attention', 'calibrated', 'position_free'\]"),
+    ({"by": [[0.2, 0.9]] * 2}, r"one score per document: shape \(2, 3\) for these spans; got \[2, 2\]"),
+    ({"by": torch.ones(3)}, r"one score per document: shape \(2, 3\) for these spans; got not a \(rows, documents\)"),
+    ({"by": [[0.2, float("nan"), 0.5]] * 2}, r"reorder_documents by score=nan must be a finite number"),
+    ({"rounds": 0}, r"rounds=0 must be an integer >= 1"),
+    ({"by": SCORES, "rounds": 2}, r"rounds=2 is read only by relevance from the model .* leave it at 1"),
+    ({"by": SCORES, "layers": (1,)}, r"layers=\(1,\) is read only by relevance from the model .* leave it at None"),
+    ({"dummy_document": (5,)}, r"dummy_document is only read by by='calibrated' .*; got by='attention'"),
+    ({"layers": (0, 5)}, r"reorder_documents layers \[5\] are out of range: this model has layers 0..1"),
+    ({"spans": (((1, 4), (5, 8), (9, 20)), SPANS[1])}, r"span \(9, 20\) of row 0 is out of range: .* has 14 tokens"),
+    ({"spans": (((1, 6), (5, 8), (9, 12)), SPANS[1])}, r"reorder_documents spans of row 0 overlap"),
+    ({"spans": (SPANS[0], SPANS[1][:2])}, r"the same number \(>= 1\) of documents; got \[3, 2\]"),
+    ({"spans": SPANS[:1]}, r"reorder_documents has spans for 1 rows; the batch has 2 rows"),
+    ({"sharpness": 2}, r"reorder_documents got unknown keys \['sharpness'\]"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), REFUSED)
+def test_bad_options_are_refused_before_any_forward(fields, message):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids, mask, reorder_documents={"spans": SPANS, **fields})
+    assert not calls
+
+
+@pytest.mark.parametrize(
+    ("model_overrides", "fields", "kwargs", "message"),
+    [
+        ({}, {}, {"attention_calibration": {"spans": SPANS}}, r"cannot be combined with attention_calibration: its"),
+        ({}, {}, {"parallel_context_windows": {"spans": SPANS}}, r"cannot be combined with parallel_context_windows"),
+        ({"rotary_dim": 4}, {}, {}, r"by='position_free' needs .* position_size=8, rotary_dim=4"),
+        ({"attn": "sdpa"}, {}, {}, r"only attn_implementation 'eager' returns; this model runs 'sdpa'"),
+        ({"pad_token_id": None}, {"by": "calibrated"}, {}, r"reorder_documents's default dummy document is pad_token"),
+        ({}, {"by": "calibrated", "dummy_document": (300,)}, {}, r"dummy_document has ids \[300\] outside the vocab"),
+    ],
+)
+def test_what_the_model_or_the_call_lacks_is_refused_before_any_forward(model_overrides, fields, kwargs, message):
+    attn = model_overrides.pop("attn", "eager")
+    model, (ids, mask) = eager_model(**model_overrides), left_padded_batch()
+    model.set_attn_implementation(attn)
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids, mask, reorder_documents={"spans": SPANS, "by": "position_free", **fields}, **kwargs)
+    assert not calls
+
+
+def test_a_right_padded_prompt_and_a_prompt_without_ids_are_refused():
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    with pytest.raises(ValueError, match=r"rows \[1\] end in padding there .* pad on the left"):
+        reorder_documents(model, ids, mask.flip(-1), {"spans": SPANS})
+    embeds = model.model.embed_tokens(ids)
+    with pytest.raises(
+        ValueError, match=r"reorder_documents moves the prompt's token ids: give the prompt as input_ids"
+    ):
+        model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=2, reorder_documents={"spans": SPANS})
+
+
+def test_bad_orders_and_scores_are_refused():
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match=r"order of row 1 is \[0, 0, 2\]: it must be a permutation of 0..2"):
+        reorder_prompt(ids, mask, SPANS, [[0, 1, 2], [0, 0, 2]])
+    with pytest.raises(ValueError, match=r"order must be integer indices of shape \(rows, documents\) = \(2, 3\)"):
+        reorder_prompt(ids, mask, SPANS, [0, 1, 2])
+    with pytest.raises(ValueError, match=r"relevance scores must be finite"):
+        relevance_order([1.0, float("inf")])
+    with pytest.raises(ValueError, match=r"shape \(K,\) or \(b, K\) with K >= 1 documents; got shape \(0,\)"):
+        relevance_order([])
+    with pytest.raises(ValueError, match=r"strategy='best' is not one of"):
+        relevance_order([1.0], "best")
+
+
+def test_generate_scores_with_its_position_extrapolation():
+    """A prompt past the positional table: the scoring passes read it as the generation does."""
+    model, (ids, mask) = eager_model(max_position_embeddings=12), left_padded_batch()
+    option = {"spans": SPANS, "by": "position_free", "strategy": "last"}
+    reordered, _, _ = reorder_documents(model, ids, mask, option, position_extrapolation="clamp")
+    got = generate(model, ids, mask, reorder_documents=option, position_extrapolation="clamp")
+    assert torch.equal(got, generate(model, reordered, mask, position_extrapolation="clamp"))
