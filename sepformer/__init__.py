@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
+from .in2 import in2_dataset
 from .lora import LORA_TARGET_MODULES
 from .mitigation_options import (
     AttentionBuckets,
@@ -44,5 +45,6 @@ __all__ = [
     "SepFormerModel",
     "SepFormerPreTrainedModel",
     "SepFormerTokenizer",
+    "in2_dataset",
     "prepare_for_hub",
 ]
