@@ -5,6 +5,8 @@ answer-only loss."""
 
 import itertools
 import math
+import re
+from pathlib import Path
 from pydoc_data.topics import topics
 
 import numpy as np
@@ -244,3 +246,13 @@ def test_the_collator_pads_labels_with_minus_100():
     assert batch["labels"][0, short:].tolist() == [-100] * (long - short)
     assert batch["attention_mask"][0, short:].tolist() == [0] * (long - short)
     assert batch["input_ids"][0, short:].tolist() == [TOKENIZER.pad_token_id] * (long - short)
+
+
+def test_the_docs_recipe_runs(tmp_path, monkeypatch):
+    text = (Path(__file__).resolve().parent.parent / "docs" / "in2.md").read_text()
+    recipe = next(code for code in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "Trainer(" in code)
+    monkeypatch.chdir(tmp_path)  # its output_dir
+    namespace = {}
+    exec(recipe, namespace)
+    state = namespace["trainer"].state
+    assert state.global_step == 4 and math.isfinite(state.log_history[-1]["train_loss"])
