@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
+from .in2 import in2_dataset
 from .lora import LORA_TARGET_MODULES
 from .mitigation_options import (
     AttentionBuckets,
@@ -47,6 +48,7 @@ __all__ = [
     "SepFormerPreTrainedModel",
     "SepFormerTokenizer",
     "document_relevance",
+    "in2_dataset",
     "prepare_for_hub",
     "relevance_order",
     "reorder_documents",

@@ -1,0 +1,204 @@
+"""IN2 training data ("INformation-INtensive" training, arXiv 2404.16811), made by rule and offline.
+
+The paper cuts a corpus into short segments, concatenates randomly chosen segments into a long context and asks a
+question whose answer needs a segment placed anywhere (or several segments together); the loss is on the answer only.
+Here the questions are made from the text itself, so that no large LM is needed: a span quoted from a gold segment,
+and the answer is the text that follows it (or precedes it) in that segment. See docs/in2.md.
+"""
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import datasets
+
+QUESTIONS = ("follows", "precedes")
+# the words around the quoted spans, per question: (before the first span, between spans, after the last)
+QUESTION_WORDS = {
+    "follows": ('Which text follows "', '", "', '"?'),
+    "precedes": ('Which text precedes "', '", "', '"?'),
+}
+MAX_TRIES = 100  # draws of an example's spans (then of its segments) before the text is declared too repetitive
+
+
+def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_length: int = 128, num_examples: int,
+                question: str = "follows", segments_per_question: int = 1, span_length: int = 8,
+                answer_length: int = 8, seed: int = 0, text_column: str = "text") -> "datasets.Dataset":
+    """IN2 examples: `[bos] segment_1 ... segment_n [sep] question [sep] answer eos`, at most `context_length` tokens.
+
+    The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, or the path of a text file
+    read as one document) is tokenized without special tokens and each document cut into segments of
+    `segment_length` tokens (a shorter tail is dropped). Every example holds `n` distinct segments drawn at random, `n`
+    as many as fit beside the question and answer (the same for every example: all examples have the same length).
+
+    The question quotes `span_length` tokens of each of `segments_per_question` gold segments, each span occurring
+    exactly once in the context (otherwise redrawn), so that the context determines the answer. `question="follows"`:
+    the answer is the `answer_length` tokens that follow each span in its segment; `"precedes"`: the tokens before it.
+    With several gold segments the spans are quoted in a random order and the answers are concatenated in the order
+    of the context: the model must find every span and order them, not copy one piece.
+
+    Gold slots: with one gold segment, each run of `n` consecutive examples uses every slot once, in a shuffled order,
+    so that the slots' counts over the dataset differ by at most one. With several, each example's slots are a uniform
+    random subset (every slot equally likely, i.i.d. over examples).
+
+    Separator: the tokenizer's `sep_token`, or its `eos_token` if it has none; the bos token leads where there is one.
+    `labels` are the input ids on the answer and the eos that ends it (so that generation learns to stop), -100
+    elsewhere. Metadata: `gold_slots` (in context order), `answer_positions` (where each answer piece stands in the
+    context, in input ids), `answer_start` (the first answer token after the question), `num_segments` (`n`).
+    Deterministic for a given `seed`.
+    """
+    check_arguments(context_length=context_length, segment_length=segment_length, num_examples=num_examples,
+                    question=question, segments_per_question=segments_per_question, span_length=span_length,
+                    answer_length=answer_length, seed=seed, text_column=text_column)
+    texts = source_texts(texts_or_dataset, text_column)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no eos_token: IN2 examples end with eos; "
+                         "set tokenizer.eos_token.")
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    sep = tokenizer.eos_token_id if tokenizer.sep_token_id is None else tokenizer.sep_token_id
+    opening, between, closing = (tokenizer(words, add_special_tokens=False)["input_ids"]
+                                 for words in QUESTION_WORDS[question])
+    question_length = (len(opening) + segments_per_question * span_length + (segments_per_question - 1) * len(between)
+                       + len(closing))
+    overhead = len(bos) + 1 + question_length + 1 + segments_per_question * answer_length + 1
+    num_segments = (context_length - overhead) // segment_length
+    if num_segments < segments_per_question:
+        raise ValueError(
+            f"context_length={context_length} leaves room for {max(num_segments, 0)} segment(s) of {segment_length} "
+            f"tokens beside the question and answer ({overhead} tokens), fewer than segments_per_question="
+            f"{segments_per_question}: give a context_length of at least "
+            f"{overhead + segments_per_question * segment_length}, or shorter segments."
+        )
+    segments = cut_segments(tokenizer(texts, add_special_tokens=False)["input_ids"], segment_length)
+    if len(segments) < num_segments:
+        raise ValueError(
+            f"the text gives {len(segments)} segment(s) of {segment_length} tokens; an example of context_length="
+            f"{context_length} holds {num_segments} distinct ones: give more text, shorter segments or a shorter "
+            "context_length."
+        )
+
+    rng = np.random.default_rng(seed)
+    columns = {name: [] for name in ("input_ids", "attention_mask", "labels", "gold_slots", "answer_positions",
+                                     "answer_start", "num_segments")}
+    for slots in gold_slots(rng, num_examples, num_segments, segments_per_question):
+        context, positions, spans, answers = draw_example(rng, segments, num_segments, slots, question, span_length,
+                                                          answer_length)
+        order = rng.permutation(len(spans))  # quoted in a random order; answered in the context's
+        quoted = [*opening]
+        for rank, piece in enumerate(order):
+            quoted += ([] if rank == 0 else between) + spans[piece]
+        prompt = [*bos, *context, sep, *quoted, *closing, sep]
+        answer = [token for piece in answers for token in piece] + [tokenizer.eos_token_id]
+        columns["input_ids"].append(prompt + answer)
+        columns["attention_mask"].append([1] * (len(prompt) + len(answer)))
+        columns["labels"].append([-100] * len(prompt) + answer)
+        columns["gold_slots"].append(slots)
+        columns["answer_positions"].append([len(bos) + position for position in positions])
+        columns["answer_start"].append(len(prompt))
+        columns["num_segments"].append(num_segments)
+    import datasets  # here, not at the top: `import sepformer` would take half a second longer
+
+    return datasets.Dataset.from_dict(columns)
+
+
+def check_arguments(*, question, text_column, **counts) -> None:
+    minimum = {"context_length": 1, "segment_length": 1, "num_examples": 1, "segments_per_question": 1,
+               "span_length": 1, "answer_length": 1, "seed": 0}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name}={value!r} is a {type(value).__name__}: give an integer >= {minimum[name]}.")
+        if value < minimum[name]:
+            raise ValueError(f"{name}={value} is out of range: give an integer >= {minimum[name]}.")
+    if question not in QUESTIONS:
+        raise ValueError(f"question={question!r} is not a question type: choose one of {', '.join(QUESTIONS)}.")
+    if not isinstance(text_column, str):
+        raise TypeError(f"text_column={text_column!r} is a {type(text_column).__name__}: give a column name (str).")
+    window = counts["span_length"] + counts["answer_length"]
+    if window > counts["segment_length"]:
+        raise ValueError(
+            f"span_length={counts['span_length']} plus answer_length={counts['answer_length']} is {window} tokens, "
+            f"more than segment_length={counts['segment_length']}: the span and its answer lie in one segment."
+        )
+
+
+def source_texts(source, text_column: str) -> list[str]:
+    if isinstance(source, str | os.PathLike):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"{str(source)!r} is not a file: give the path of a text file, a list of strings or a "
+                             "datasets.Dataset.")
+        return [path.read_text(encoding="utf-8")]
+    import datasets
+
+    if isinstance(source, datasets.Dataset):
+        if text_column not in source.column_names:
+            raise ValueError(f"the dataset has no column text_column={text_column!r}: its columns are "
+                             f"{source.column_names}.")
+        texts = source[text_column]
+    elif isinstance(source, list | tuple):
+        texts = source
+    else:
+        raise TypeError(f"the source is a {type(source).__name__}: give a list of strings, a datasets.Dataset or the "
+                        "path of a text file.")
+    wrong = next((text for text in texts if not isinstance(text, str)), None)
+    if wrong is not None:
+        raise TypeError(f"the source holds a {type(wrong).__name__} ({wrong!r:.60}): every text must be a str.")
+    if not texts:
+        raise ValueError("the source holds no text: give at least one document.")
+    return list(texts)
+
+
+def cut_segments(documents: list[list[int]], segment_length: int) -> np.ndarray:
+    """Each document's consecutive runs of `segment_length` tokens (its shorter tail dropped), as rows."""
+    rows = [ids[start:start + segment_length] for ids in documents
+            for start in range(0, len(ids) - segment_length + 1, segment_length)]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), segment_length)
+
+
+def gold_slots(rng: np.random.Generator, num_examples: int, num_segments: int, per_question: int):
+    """The gold slots of each example, in increasing order (see `in2_dataset`)."""
+    if per_question == 1:
+        for block in range(0, num_examples, num_segments):
+            for slot in rng.permutation(num_segments)[:num_examples - block]:
+                yield [int(slot)]
+    else:
+        for _ in range(num_examples):
+            yield sorted(int(slot) for slot in rng.choice(num_segments, per_question, replace=False))
+
+
+def draw_example(rng, segments: np.ndarray, num_segments: int, slots: list[int], question: str, span_length: int,
+                 answer_length: int):
+    """A context of `num_segments` distinct segments and, in each gold slot, a span found once in the context and
+    its answer: the context's ids, each answer piece's position in it, the spans and the answer pieces."""
+    segment_length = segments.shape[1]
+    window = span_length + answer_length
+    for _ in range(MAX_TRIES):
+        chosen = segments[rng.choice(len(segments), num_segments, replace=False)]
+        context = chosen.reshape(-1)
+        for _ in range(MAX_TRIES):
+            starts = [slot * segment_length + int(rng.integers(segment_length - window + 1)) for slot in slots]
+            span_starts = [start + (answer_length if question == "precedes" else 0) for start in starts]
+            if all(occurrences(context, context[start:start + span_length]) == 1 for start in span_starts):
+                break
+        else:
+            continue  # every span drawn in these segments repeats: draw other segments
+        answer_starts = [start + (0 if question == "precedes" else span_length) for start in starts]
+        spans = [context[start:start + span_length].tolist() for start in span_starts]
+        answers = [context[start:start + answer_length].tolist() for start in answer_starts]
+        return context.tolist(), answer_starts, spans, answers
+    raise ValueError(
+        f"found no span of span_length={span_length} tokens that occurs once in its context in {MAX_TRIES} draws of "
+        f"segments: the text repeats itself too much for spans this short; give a longer span_length or other text."
+    )
+
+
+def occurrences(ids: np.ndarray, span: np.ndarray) -> int:
+    """How often `span` occurs in `ids` (overlaps counted)."""
+    windows = np.lib.stride_tricks.sliding_window_view(ids, len(span))
+    return int((windows == span).all(axis=1).sum())
+
+
+__all__ = ["in2_dataset"]
