@@ -764,7 +764,7 @@ def curves(rows: list[dict]) -> list[Curve]:
         if row["status"] != "ok":  # not evaluated on one seed: the cell says why
             cell.status = row["status"]
         cell.per_seed.setdefault(row["seed"], []).append(row["accuracy"])  # rows come slot by slot
-        if row["gold_at_end"] is not None:
+        if row.get("gold_at_end") is not None:  # reordering's rows
             cell.gold_at_end.append(row["gold_at_end"])
     return list(cells.values())
 
