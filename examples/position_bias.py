@@ -36,8 +36,22 @@ on validation prompts that are not the test prompts). Exact match of the greedy 
 package's `accuracy_by_position` metric. Also the last token's attention to each group of key positions,
 `A_G = (1/|G|) Σ_{j∈G} a_{l,j}` (groups: <bos>, each document, the <sep> and the query), per layer and head.
 
+IN2 ("Make Your LLM Fully Utilize the Context"), on every model: a copy of the trained model fine-tuned on lists of
+this task with the answer at every slot uniformly (the training's generator with `gold_at_ends` 0, its own data
+stream), through the same `Trainer` recipe with the same learning rate, batch size and weight decay (a fresh
+optimiser, warm-up and cosine decay), for `--in2-fractions` of the training steps (default 5% and 20%: 75 and 300 of
+1500), then evaluated with no other mitigation. The fine-tuned copies are not saved: with `--reuse-models` they are
+fine-tuned again from the saved model.
+
+Reordering by relevance, on every model: each test prompt's documents reordered with strategy "ends" (the most
+relevant first, the second last, ...) by the model's own attention, attention sorting (3 rounds), calibrated
+attention (the calibration rows' dummy document) and, on SepFormer, position-free attention, scored in eager
+attention; the model then predicts on the reordered prompt. Accuracy is by the gold's slot before reordering (a flat
+curve: the method found the gold), and `gold_at_end` is the fraction of prompts whose gold landed in the first or
+last `--end-slots` slots.
+
 Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting, seed, num_pairs, slot, accuracy`,
-then the run's details), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
+then the run's details: `gold_at_end` on reordering's rows, the fine-tune's `finetune_*` on IN2's), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
 intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps),
 and each trained model under `--models-dir` (default `models/` there), in `<model>-seed<seed>/` (`save_pretrained`,
 with `training.json`: its training settings, every config field, final loss and training time). `--reuse-models`
