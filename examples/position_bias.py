@@ -51,8 +51,9 @@ curve: the method found the gold), and `gold_at_end` is the fraction of prompts 
 last `--end-slots` slots.
 
 Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting, seed, num_pairs, slot, accuracy`,
-then the run's details: `gold_at_end` on reordering's rows, the fine-tune's `finetune_*` on IN2's), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
-intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps),
+then the run's details: `gold_at_end` on reordering's rows, the fine-tune's `finetune_*` on IN2's), `results.md`
+(the tables, printed too), `position_bias.png` (accuracy by slot with 95% intervals over seeds, one panel per model),
+`attention.csv` and `attention_by_position.png` (the A_G heatmaps),
 and each trained model under `--models-dir` (default `models/` there), in `<model>-seed<seed>/` (`save_pretrained`,
 with `training.json`: its training settings, every config field, final loss and training time). `--reuse-models`
 evaluates those again without training them (other mitigations, more test prompts); a model saved under other
