@@ -635,7 +635,7 @@ def in2_rows(model, contender: Contender, seed: int, vocab: Vocabulary, evaluati
         for pairs, data in evaluation.items():
             rows += [{**row, **record} for row in evaluate_model(tuned, [condition], data, pairs, metric, args,
                                                                  contender)]
-        tqdm.write(f"seed {seed} · {contender.name}: IN2 fine-tune of {in2_args.max_steps} steps in "
+        tqdm.write(f"seed {seed} · {contender.name}: IN2 fine-tune of {steps} in "
                    f"{record['finetune_seconds']:.1f} s to loss {loss:.3f}")
     return rows
 
