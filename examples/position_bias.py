@@ -36,9 +36,24 @@ on validation prompts that are not the test prompts). Exact match of the greedy 
 package's `accuracy_by_position` metric. Also the last token's attention to each group of key positions,
 `A_G = (1/|G|) Σ_{j∈G} a_{l,j}` (groups: <bos>, each document, the <sep> and the query), per layer and head.
 
+IN2 ("Make Your LLM Fully Utilize the Context"), on every model: a copy of the trained model fine-tuned on lists of
+this task with the answer at every slot uniformly (the training's generator with `gold_at_ends` 0, its own data
+stream), through the same `Trainer` recipe with the same learning rate, batch size and weight decay (a fresh
+optimiser, warm-up and cosine decay), for `--in2-fractions` of the training steps (default 5% and 20%: 75 and 300 of
+1500), then evaluated with no other mitigation. The fine-tuned copies are not saved: with `--reuse-models` they are
+fine-tuned again from the saved model.
+
+Reordering by relevance, on every model: each test prompt's documents reordered with strategy "ends" (the most
+relevant first, the second last, ...) by the model's own attention, attention sorting (3 rounds), calibrated
+attention (the calibration rows' dummy document) and, on SepFormer, position-free attention, scored in eager
+attention; the model then predicts on the reordered prompt. Accuracy is by the gold's slot before reordering (a flat
+curve: the method found the gold), and `gold_at_end` is the fraction of prompts whose gold landed in the first or
+last `--end-slots` slots.
+
 Writes under `--output-dir`: `results.csv` (columns `model, mitigation, setting, seed, num_pairs, slot, accuracy`,
-then the run's details), `results.md` (the tables, printed too), `position_bias.png` (accuracy by slot with 95%
-intervals over seeds, one panel per model), `attention.csv` and `attention_by_position.png` (the A_G heatmaps),
+then the run's details: `gold_at_end` on reordering's rows, the fine-tune's `finetune_*` on IN2's), `results.md`
+(the tables, printed too), `position_bias.png` (accuracy by slot with 95% intervals over seeds, one panel per model),
+`attention.csv` and `attention_by_position.png` (the A_G heatmaps),
 and each trained model under `--models-dir` (default `models/` there), in `<model>-seed<seed>/` (`save_pretrained`,
 with `training.json`: its training settings, every config field, final loss and training time). `--reuse-models`
 evaluates those again without training them (other mitigations, more test prompts); a model saved under other
@@ -58,6 +73,9 @@ it data-parallel unchanged, `--bf16`/`--fp16` train in mixed precision, `--save-
 continue checkpoints under `OUTPUT_DIR/checkpoints`.
 """
 
+import argparse
+import contextlib
+import copy
 import functools
 import json
 import statistics
@@ -75,6 +93,7 @@ from cli_arguments import (
     Distinct,
     nonnegative_float,
     output_directory,
+    positive_float,
     positive_int,
     probability,
 )
@@ -104,7 +123,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from sepformer import SepFormerCache
+from sepformer import ReorderDocuments, SepFormerCache, reorder_documents
 from sepformer.metrics import metric_path
 from sepformer.positional_search import NoPositionalChannelError, scale_attention_input, search_positional_scaling
 
@@ -123,6 +142,8 @@ PRESETS = {
                  eval_per_slot=6, validation_per_slot=4, seeds=[0]),
 }
 NONE = "none"
+IN2, REORDER = "in2", "reorder"
+IN2_FRACTIONS = (0.05, 0.2)  # the IN2 fine-tune's budgets, as fractions of the training steps
 SEARCH_PICK = "search's pick"  # the setting of positional scaling at the search's channels and factor
 
 
@@ -250,12 +271,15 @@ def train_length(num_pairs: int) -> int:
 
 @dataclass
 class Condition:
-    """One evaluation of a model: `logits(model, input_ids)` gives the last token's logits (b, V)."""
+    """One evaluation of a model: `logits(model, input_ids)` gives the last token's logits (b, V); with `reorder`,
+    `reorder(model, input_ids)` first gives the prompts with their documents reordered and the (b, K) orders (entry
+    `j`: the original slot of the document now in place `j`), and the logits are read on the reordered prompts."""
 
     mitigation: str
     setting: str  # the same on every seed: rows of one setting are averaged over seeds
     logits: Callable
     details: str = ""  # what this seed's run chose (the search's channels and factor), in results.csv
+    reorder: Callable | None = None
 
 
 def plain_logits(model, input_ids, **kwargs):
@@ -282,7 +306,9 @@ def sepformer_conditions(spans, vocab: Vocabulary) -> list[Condition]:
                    for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))]
     conditions += [keyword("parallel_context_windows", setting, lambda b, w=windows: {"spans": [w] * b})
                    for setting, windows in window_settings(spans)]
-    return conditions
+    # the experiment's SepFormer has no rotary (rotary_dim 0): its positions are in the positional block only
+    return conditions + reorder_conditions(spans, vocab) + [
+        reordered("position-free attention (SepFormer)", spans, by="position_free")]
 
 
 def window_settings(spans) -> list[tuple[str, list]]:
@@ -309,6 +335,39 @@ def pcw(spans) -> list[Condition]:
             for setting, windows in window_settings(spans)]
 
 
+@contextlib.contextmanager
+def eager_attention(model):
+    """The model in attn_implementation "eager", the only one that returns the attention probabilities; then back to
+    its own."""
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(implementation)
+
+
+def reordered(setting: str, spans, **options) -> Condition:
+    """Each prompt's documents reordered by relevance read from the model (`reorder_documents` with strategy "ends":
+    the most relevant first, the second last, ...; scored in eager attention), then the model, as it is, predicts on
+    the reordered prompt."""
+    def reorder(model, ids):
+        with eager_attention(model):
+            ids, _, order = reorder_documents(
+                model, ids, None, ReorderDocuments(spans=[spans] * len(ids), strategy="ends", **options))
+        return ids, order
+
+    return Condition(REORDER, setting, plain_logits, reorder=reorder)
+
+
+def reorder_conditions(spans, vocab: Vocabulary) -> list[Condition]:
+    """The relevance sources every model has: its attention, attention sorting, and calibrated attention (`bias(k)`
+    measured with the calibration rows' dummy document)."""
+    return [reordered("by attention", spans, by="attention"),
+            reordered("attention sorting, 3 rounds", spans, by="attention", rounds=3),
+            reordered("by calibrated attention", spans, by="calibrated", dummy_document=vocab.dummy_document)]
+
+
 def llama_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     conditions = [Condition(NONE, "-", plain_logits)]
     conditions += [Condition("ms_poe", f"r_max={r}",
@@ -317,11 +376,11 @@ def llama_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     conditions += [Condition("attention_buckets", f"bases={list(b)}",
                              lambda model, ids, b=b: attention_buckets_logits(model, ids, None, b)[:, -1])
                    for b in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
-    return conditions + pcw(spans)
+    return conditions + pcw(spans) + reorder_conditions(spans, vocab)
 
 
 def gpt2_conditions(spans, vocab: Vocabulary) -> list[Condition]:
-    return [Condition(NONE, "-", plain_logits), *pcw(spans)]
+    return [Condition(NONE, "-", plain_logits), *pcw(spans), *reorder_conditions(spans, vocab)]
 
 
 def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[Condition]:
@@ -539,30 +598,92 @@ def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.D
     return model, record
 
 
+def in2_steps(args, fraction: float) -> int:
+    return round(fraction * args.max_steps)
+
+
+def in2_arguments(args, fraction: float) -> argparse.Namespace:
+    """The IN2 fine-tune's settings: the training's (same learning rate, batch size and weight decay; a fresh AdamW
+    with its own warm-up and cosine decay), for `fraction` of its steps, on lists whose answers sit at every slot
+    uniformly (`gold_at_ends` 0), without checkpoints (fine-tuned models are not saved)."""
+    return argparse.Namespace(**{**vars(args), "max_steps": in2_steps(args, fraction), "gold_at_ends": 0.0,
+                                 "save_steps": None, "resume": False})
+
+
+def in2_set(seed: int, vocab: Vocabulary, in2_args) -> datasets.Dataset:
+    """The IN2 fine-tune's batches (`in2_arguments`), from a stream of their own: neither the training's, the test's
+    nor the validation's."""
+    return training_set(30_000 + seed, vocab, in2_args)
+
+
+def in2_rows(model, contender: Contender, seed: int, vocab: Vocabulary, evaluation: dict, metric, args
+             ) -> list[dict]:
+    """IN2 ("Make Your LLM Fully Utilize the Context", made by rule from the experiment's own task): for each of
+    `--in2-fractions`, a copy of the trained model fine-tuned by `in2_arguments`, evaluated on the test prompts with no
+    other mitigation; the rows record the fine-tune's steps, loss and time (`finetune_*`)."""
+    rows = []
+    for fraction in args.in2_fractions:
+        in2_args = in2_arguments(args, fraction)
+        tuned = copy.deepcopy(model)  # the base rows stay the trained model's
+        started = time.time()
+        loss = train(tuned, in2_set(seed, vocab, in2_args), in2_args,
+                     f"seed {seed} · IN2 {fraction:g} {contender.name}", seed)
+        record = dict(finetune_steps=in2_args.max_steps, finetune_loss=round(loss, 4),
+                      finetune_seconds=round(time.time() - started, 1))
+        steps = f"{in2_args.max_steps} step" + "s" * (in2_args.max_steps != 1)
+        condition = Condition(IN2, f"{fraction * 100:g}% of training steps ({steps})", plain_logits)
+        for pairs, data in evaluation.items():
+            rows += [{**row, **record} for row in evaluate_model(tuned, [condition], data, pairs, metric, args,
+                                                                 contender)]
+        tqdm.write(f"seed {seed} · {contender.name}: IN2 fine-tune of {steps} in "
+                   f"{record['finetune_seconds']:.1f} s to loss {loss:.3f}")
+    return rows
+
+
 @torch.no_grad()
-def predict(model, prompts: torch.Tensor, condition: Condition, args) -> torch.Tensor:
-    """The greedy next token after every prompt (the value: one token). One forward of the whole prompt, no cache."""
-    return torch.cat([condition.logits(model, batch.to(model.device)).argmax(-1).cpu()
-                      for batch in prompts.split(args.eval_batch_size)])
+def predict(model, prompts: torch.Tensor, condition: Condition, args) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The greedy next token after every prompt (the value: one token), one forward of the whole prompt, no cache;
+    and, for a condition that reorders the documents, the (N, K) orders it predicted on (else None)."""
+    predictions, orders = [], []
+    for batch in prompts.split(args.eval_batch_size):
+        batch = batch.to(model.device)
+        if condition.reorder is not None:
+            batch, order = condition.reorder(model, batch)
+            orders.append(order.cpu())
+        predictions.append(condition.logits(model, batch).argmax(-1).cpu())
+    return torch.cat(predictions), torch.cat(orders) if orders else None
+
+
+def gold_at_an_end(orders: torch.Tensor, gold_slot: torch.Tensor, end_slots: int) -> torch.Tensor:
+    """(N,) whether each prompt's gold document (at `gold_slot` before reordering) is, in `orders` (N, K), in one of
+    the first or last `end_slots` places."""
+    place = (orders == gold_slot[:, None]).int().argmax(-1)
+    return (place < end_slots) | (place >= orders.shape[-1] - end_slots)
 
 
 def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: int, metric, args,
                    contender: Contender) -> list[dict]:
-    """One row per condition and gold slot."""
+    """One row per condition and gold slot. The slot is the gold's slot in the test prompt, before any reordering; a
+    reordering condition's rows also hold `gold_at_end`: the fraction of the slot's prompts whose gold document the
+    reordering put in the first or last `--end-slots` places (None on other rows)."""
     rows = []
     for condition in tqdm(conditions, desc=f"  evaluate {contender.name}", leave=False, dynamic_ncols=True):
-        status = "ok"
+        status, at_end = "ok", None
         try:
-            predictions = predict(model, data["input_ids"], condition, args)
+            predictions, orders = predict(model, data["input_ids"], condition, args)
             result = metric.compute(predictions=predictions.tolist(), references=data["answer"].tolist(),
                                     positions=data["gold_slot"].tolist())
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
+            if orders is not None:
+                at_end = gold_at_an_end(orders, data["gold_slot"], args.end_slots)
         except NoPositionalChannelError as error:  # the search's pick where the search found no candidate
             status = f"not evaluated: {first_line(error)}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
         rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
                       num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
-                      status=status, details=condition.details) for slot in range(num_pairs)]
+                      status=status, details=condition.details,
+                      gold_at_end=None if at_end is None else at_end[data["gold_slot"] == slot].float().mean().item())
+                 for slot in range(num_pairs)]
     return rows
 
 
@@ -574,13 +695,9 @@ def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args) -> tu
     """
     groups = [("<bos>", (0, 1))] + [(f"slot {k + 1}", span) for k, span in enumerate(document_spans(num_pairs))]
     groups.append(("<sep> query", (1 + num_pairs, 3 + num_pairs)))
-    implementation = model.config._attn_implementation
-    model.set_attn_implementation("eager")  # the only implementation that returns the probabilities
-    try:
-        batch = prompts[::max(1, len(prompts) // args.eval_batch_size)][:args.eval_batch_size].to(model.device)
+    batch = prompts[::max(1, len(prompts) // args.eval_batch_size)][:args.eval_batch_size].to(model.device)
+    with eager_attention(model):
         attentions = model(input_ids=batch, use_cache=False, output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(implementation)
     last = torch.stack([layer[:, :, -1].float() for layer in attentions], 1).mean(0)  # (layers, heads, keys)
     return [name for name, _ in groups], torch.stack([last[..., a:b].mean(-1) for _, (a, b) in groups], -1).cpu()
 
@@ -603,6 +720,8 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
                 conditions += calibration_without_dummy_passes(model, evaluation[pairs]["input_ids"], spans[pairs],
                                                                vocab)
             new_rows += evaluate_model(model, conditions, evaluation[pairs], pairs, metric, args, contender)
+        if IN2 in args.mitigations:
+            new_rows += in2_rows(model, contender, seed, vocab, evaluation, metric, args)
         for row in new_rows:
             row.update(seed=seed, train_pairs=args.num_pairs, parameters=model.num_parameters(),
                        train_steps=args.max_steps, train_loss=train_loss, train_seconds=train_seconds)
@@ -632,6 +751,7 @@ class Curve:
     num_pairs: int
     status: str
     per_seed: dict  # {seed: [accuracy by slot]}
+    gold_at_end: list = field(default_factory=list)  # reordering's rows: each slot's and seed's fraction
 
     @property
     def mean_by_slot(self) -> list[float]:
@@ -659,6 +779,8 @@ def curves(rows: list[dict]) -> list[Curve]:
         if row["status"] != "ok":  # not evaluated on one seed: the cell says why
             cell.status = row["status"]
         cell.per_seed.setdefault(row["seed"], []).append(row["accuracy"])  # rows come slot by slot
+        if row.get("gold_at_end") is not None:  # reordering's rows
+            cell.gold_at_end.append(row["gold_at_end"])
     return list(cells.values())
 
 
@@ -688,6 +810,12 @@ def markdown_table(rows: list[dict], args) -> str:
                           f"{curve.worst_over_best:.2f}", delta, *(f"{a:.2f}" for a in means)])
         lines += [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds", "",
                   *table_lines(header, table, left=3), ""]
+        if reordered_curves := [c for c in every if c.num_pairs == pairs and c.gold_at_end]:
+            lines += [f"Gold at an end after reordering ({pairs} pairs): the fraction of test prompts whose gold "
+                      f"document the reordering put in the first or last {args.end_slots} slots (the trained end "
+                      "slots); the table's slots are the gold's before reordering.", ""]
+            lines += [f"- {c.model}, {c.setting}: {statistics.fmean(c.gold_at_end):.3f}" for c in reordered_curves]
+            lines.append("")
     picks = [f"{r['model']}, seed {r['seed']}: {r['details']}" for r in rows
              if r["setting"] == SEARCH_PICK and r["slot"] == 1 and r["num_pairs"] == args.num_pairs]
     if picks:
@@ -699,14 +827,20 @@ def markdown_table(rows: list[dict], args) -> str:
         f"otherwise, {args.max_steps} steps of {args.batch_size}; {args.eval_per_slot} test prompts per gold slot; "
         + (f"mean over seeds {seeds}, ± the 95% interval of the mean over seeds. " if len(seeds) > 1
            else f"seed {seeds[0]}. ")
-        + "Δ mean: against the same model with no mitigation.")
+        + "Δ mean: against the same model with no mitigation."
+        + (f" IN2: a copy of each trained model fine-tuned for the stated fraction of its {args.max_steps} steps on "
+           "lists of the same task with the answer at every slot uniformly (its own data stream; the same learning "
+           f"rate {args.learning_rate:g}, batch size {args.batch_size} and weight decay, a fresh optimiser and "
+           "schedule), evaluated with no other mitigation." if IN2 in args.mitigations else ""))
     return "\n".join(lines)
 
 
 RESULT_FIELDS = ["model", "mitigation", "setting", "seed", "num_pairs", "slot", "accuracy", "examples", "status",
-                 "details", "train_pairs", "parameters", "train_steps", "train_loss", "train_seconds"]
+                 "details", "gold_at_end", "train_pairs", "parameters", "train_steps", "train_loss", "train_seconds",
+                 "finetune_steps", "finetune_loss", "finetune_seconds"]
 COLOURS = {NONE: "black", "stable_mask": "tab:blue", "ms_poe": "tab:orange", "attention_calibration": "tab:green",
-           "positional_scaling": "tab:red", "attention_buckets": "tab:purple", "parallel_context_windows": "tab:brown"}
+           "positional_scaling": "tab:red", "attention_buckets": "tab:purple", "parallel_context_windows": "tab:brown",
+           IN2: "tab:pink", REORDER: "tab:olive"}
 
 
 def plot_curves(rows: list[dict], args, path: Path) -> None:
@@ -774,7 +908,7 @@ def plot_attention(attention_rows: list[dict], path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------- main
 
 MITIGATION_NAMES = (NONE, "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
-                    "parallel_context_windows")
+                    "parallel_context_windows", IN2, REORDER)
 
 
 def parse_args(argv=None):
@@ -783,6 +917,9 @@ def parse_args(argv=None):
                         help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
                         help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
+    parser.add_argument("--in2-fractions", type=positive_float, nargs="+", action=Distinct,
+                        help="IN2 fine-tunes' budgets as fractions of --max-steps, one row each (default: "
+                             f"{' '.join(map(str, IN2_FRACTIONS))}); needs 'in2' in --mitigations")
     parser.add_argument("--num-pairs", type=positive_int, help="key-value pairs per training list")
     parser.add_argument("--eval-pairs", type=positive_int, nargs="+", action=Distinct,
                         help="numbers of pairs evaluated, at most --num-pairs (default: the training's)")
@@ -816,6 +953,13 @@ def parse_args(argv=None):
     apply_preset(parser, args, PRESETS)
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
+    if args.in2_fractions is not None and IN2 not in args.mitigations:
+        raise SystemExit(f"--in2-fractions {' '.join(map(str, args.in2_fractions))}: read only by the IN2 rows, and "
+                         f"--mitigations {' '.join(args.mitigations)} has no '{IN2}': add it or drop the flag")
+    args.in2_fractions = tuple(args.in2_fractions or IN2_FRACTIONS)
+    if none_steps := [fraction for fraction in args.in2_fractions if in2_steps(args, fraction) < 1]:
+        raise SystemExit(f"--in2-fractions {' '.join(map(str, none_steps))}: of --max-steps {args.max_steps} "
+                         "rounds to 0 fine-tuning steps; give fractions that round to at least one step")
     args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
     if not 1 <= 2 * args.end_slots <= args.num_pairs:
         raise SystemExit(f"--end-slots {args.end_slots}: the first and the last {args.end_slots} slots must fit in "
@@ -865,7 +1009,7 @@ def run(args) -> list[dict]:
 
     def write_results(rows, attention_rows):  # after each seed: a long run keeps what it did
         if is_main_process():
-            write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("accuracy",))
+            write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("accuracy", "gold_at_end"))
 
     rows, attention_rows = every_seed(args.seeds, lambda seed: run_seed(seed, vocab, metric, args), write_results)
     table = markdown_table(rows, args)

@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import evaluate
 import pytest
 import torch
 from conftest import run_script
@@ -17,7 +18,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import position_bias  # noqa: E402  (after the path)
 
+from sepformer import reordering  # noqa: E402
+from sepformer.metrics import metric_path  # noqa: E402
 from sepformer.positional_search import NoPositionalChannelError  # noqa: E402
+from sepformer.reordering import relevance_order, reorder_prompt  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -31,10 +35,12 @@ def run(tmp_path_factory):
 
 EXPECTED_MITIGATIONS = {
     "SepFormer": {"none", "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
-                  "parallel_context_windows"},
-    "Llama (rotary)": {"none", "ms_poe", "positional_scaling", "attention_buckets", "parallel_context_windows"},
-    "GPT-2 (learned absolute)": {"none", "positional_scaling", "parallel_context_windows"},
+                  "parallel_context_windows", "in2", "reorder"},
+    "Llama (rotary)": {"none", "ms_poe", "positional_scaling", "attention_buckets", "parallel_context_windows", "in2",
+                       "reorder"},
+    "GPT-2 (learned absolute)": {"none", "positional_scaling", "parallel_context_windows", "in2", "reorder"},
 }
+REORDER_SETTINGS = {"by attention", "attention sorting, 3 rounds", "by calibrated attention"}
 
 
 def test_every_slot_of_every_setting_has_a_row(run):
@@ -56,6 +62,140 @@ def test_every_slot_of_every_setting_has_a_row(run):
     assert len(calibrations) == 6 and sum(", positional bias(k)" in setting for setting in calibrations) == 3
     assert all(details.startswith("bias(k) vs the dummy passes': Pearson r ")
                for setting, details in calibrations.items() if "positional" in setting)
+
+
+def test_in2_and_reorder_rows_of_every_model(run):
+    """IN2 at 5% and 20% of the tiny preset's 20 steps (1 and 4 steps), with the fine-tune's record; reordering by
+    each relevance source the model has, with the gold-at-an-end fraction; both columns empty on the other rows."""
+    _, rows, _ = run
+    for model in EXPECTED_MITIGATIONS:
+        mine = [r for r in rows if r["model"] == model]
+        in2 = {(r["setting"], r["finetune_steps"]) for r in mine if r["mitigation"] == "in2"}
+        assert in2 == {("5% of training steps (1 step)", "1"), ("20% of training steps (4 steps)", "4")}, model
+        assert all(float(r["finetune_loss"]) > 0 and float(r["finetune_seconds"]) >= 0 for r in mine
+                   if r["mitigation"] == "in2")
+        reorder = {r["setting"] for r in mine if r["mitigation"] == "reorder"}
+        extra = {"position-free attention (SepFormer)"} if model == "SepFormer" else set()
+        assert reorder == REORDER_SETTINGS | extra, model
+        for row in mine:
+            assert (row["gold_at_end"] != "") == (row["mitigation"] == "reorder"), row
+            assert (row["finetune_steps"] != "") == (row["mitigation"] == "in2"), row
+            if row["mitigation"] == "reorder":
+                assert 0 <= float(row["gold_at_end"]) <= 1
+
+
+def test_in2_data_has_the_gold_at_every_slot_uniformly():
+    """The IN2 fine-tune's data: the training's generator with the answers at every slot uniformly (the training's
+    sit only at the ends), from a stream of its own, for the stated fraction of the steps."""
+    args = position_bias.parse_args(["--tiny"])
+    vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
+
+    def gold_slots(data):
+        slots = []
+        for ids in data["input_ids"].tolist():
+            place = {vocab.query(document // vocab.num_values): slot
+                     for slot, document in enumerate(ids[1:args.num_pairs + 1])}
+            slots += [place[query] for query in ids[args.num_pairs + 2::2]]
+        return torch.bincount(torch.tensor(slots), minlength=args.num_pairs)
+
+    in2_args = position_bias.in2_arguments(args, 1.0)
+    in2 = position_bias.in2_set(0, vocab, in2_args)
+    counts = gold_slots(in2[:])
+    assert counts.sum() == args.max_steps * args.batch_size * args.num_pairs == 1280
+    assert (counts / counts.sum() - 1 / args.num_pairs).abs().max() < 0.05, counts  # 4 standard deviations
+    base = position_bias.training_set(0, vocab, args)
+    assert gold_slots(base[:])[1:-1].sum() == 0  # the training's: never in the middle
+    assert not torch.equal(in2[:16]["input_ids"], base[:16]["input_ids"])
+    short = position_bias.in2_arguments(args, 0.2)
+    assert (short.max_steps, short.learning_rate, short.batch_size, short.weight_decay) == (
+        4, args.learning_rate, args.batch_size, args.weight_decay)
+    assert len(position_bias.in2_set(0, vocab, short)) == 4 * args.batch_size
+    assert position_bias.in2_steps(position_bias.parse_args([]), 0.05) == 75  # the default run's 5% of 1500
+
+
+def test_in2_rows_leave_the_base_rows_unchanged(tmp_path):
+    """The fine-tunes train copies: the base model's rows and its attention (measured after the fine-tunes) are the
+    same with and without IN2."""
+    argv = ["--tiny", "--mitigations", "none"]
+    base = position_bias.main([*argv, "--output-dir", str(tmp_path / "base")])
+    with_in2 = position_bias.main([*argv, "in2", "--in2-fractions", "0.5", "--output-dir", str(tmp_path / "in2")])
+    def timeless(rows):
+        return [{key: value for key, value in row.items() if key != "train_seconds"} for row in rows]
+
+    assert timeless(r for r in with_in2 if r["mitigation"] == "none") == timeless(base)
+    assert {r["setting"] for r in with_in2 if r["mitigation"] == "in2"} == {"50% of training steps (10 steps)"}
+    attention = [(tmp_path / run / "attention.csv").read_text() for run in ("base", "in2")]
+    assert attention[0] == attention[1]
+
+
+def test_in2_fractions_are_checked():
+    assert position_bias.parse_args(["--tiny"]).in2_fractions == (0.05, 0.2)
+    with pytest.raises(SystemExit, match="--in2-fractions 0.5: read only by the IN2 rows"):
+        position_bias.parse_args(["--tiny", "--mitigations", "none", "--in2-fractions", "0.5"])
+    with pytest.raises(SystemExit, match="--in2-fractions 0.01: of --max-steps 20 rounds to 0 fine-tuning steps"):
+        position_bias.parse_args(["--tiny", "--in2-fractions", "0.01", "0.5"])
+    with pytest.raises(SystemExit):
+        position_bias.parse_args(["--tiny", "--in2-fractions", "0"])
+
+
+def untrained(name: str):
+    """The tiny preset's args and vocabulary, and contender `name` freshly built (seed 0)."""
+    args = position_bias.parse_args(["--tiny"])
+    vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
+    contender = next(c for c in position_bias.contenders(args, vocab) if c.slug == name)
+    torch.manual_seed(0)
+    return args, vocab, contender, contender.build().eval()
+
+
+def reorder_rows(monkeypatch, scores, name="gpt2"):
+    """The reorder rows of an untrained model with the relevance replaced by `scores(input_ids)`, and what they ran
+    on."""
+    args, vocab, contender, model = untrained(name)
+    monkeypatch.setattr(reordering, "relevance", lambda model, options, ids, mask, **kwargs: scores(ids, vocab))
+    data = position_bias.evaluation_set(0, args.num_pairs, vocab, args)
+    conditions = [c for c in contender.conditions(position_bias.document_spans(args.num_pairs), vocab)
+                  if c.setting == "by attention"]
+    metric = evaluate.load(metric_path("accuracy_by_position"))
+    rows = position_bias.evaluate_model(model, conditions, data, args.num_pairs, metric, args, contender)
+    return rows, data, model, args
+
+
+def oracle(ids, vocab):
+    """1 for the document whose key the last token queries, 0 for the others."""
+    pairs = ids.shape[1] - 3
+    keys = ids[:, 1:pairs + 1] // vocab.num_values
+    return (keys == (ids[:, -1:] - vocab.query(0))).double()
+
+
+def test_reorder_rows_are_keyed_by_the_gold_slot_before_reordering(monkeypatch):
+    """With relevance that finds the gold, "ends" puts it first in every prompt: keyed by the new slot, every prompt
+    would be at slot 1; keyed by the original slot, each slot keeps its prompts, and its accuracy is the model's on
+    the prompts reordered by hand."""
+    rows, data, model, args = reorder_rows(monkeypatch, oracle)
+    ids = data["input_ids"]
+    order = relevance_order(oracle(ids, position_bias.Vocabulary(args.num_keys, args.num_values)), "ends")
+    assert (order[:, 0] == data["gold_slot"]).all()
+    moved, _ = reorder_prompt(ids, None, [position_bias.document_spans(args.num_pairs)] * len(ids), order)
+    with torch.no_grad():
+        correct = position_bias.plain_logits(model, moved).argmax(-1) == data["answer"]
+    assert [r["examples"] for r in rows] == [args.eval_per_slot] * args.num_pairs
+    assert [r["gold_at_end"] for r in rows] == [1.0] * args.num_pairs
+    assert [r["accuracy"] for r in rows] == pytest.approx(
+        [correct[data["gold_slot"] == slot].float().mean().item() for slot in range(args.num_pairs)])
+
+
+def test_gold_at_an_end_is_a_hand_count(monkeypatch):
+    """Scores falling with the original slot: "ends" places the documents 0, 2, 3, 1 in every prompt, so with one end
+    slot the gold ends at an end from original slots 1 and 2 (places 1 and 4), not from 3 and 4 (places 2, 3)."""
+    rows, _, _, args = reorder_rows(monkeypatch, lambda ids, vocab: -torch.arange(4.0).expand(len(ids), 4), "sepformer")
+    assert args.end_slots == 1 and args.num_pairs == 4
+    assert [r["gold_at_end"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
+    table = position_bias.markdown_table([{**r, "seed": 0} for r in rows], args)
+    assert "- SepFormer, by attention: 0.500" in table
+    orders = torch.tensor([[2, 0, 3, 1]] * 4)
+    gold = torch.tensor([2, 0, 3, 1])
+    assert position_bias.gold_at_an_end(orders, gold, 1).tolist() == [True, False, False, True]
+    assert position_bias.gold_at_an_end(orders, gold, 2).tolist() == [True, True, True, True]
 
 
 def test_a_search_without_candidates_is_a_row_that_says_why(monkeypatch, tmp_path, capsys):
@@ -306,7 +446,8 @@ def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
 
 
 def test_every_condition_acts_on_its_model():
-    """Each mitigation row changes the model's logits (an option that silently did nothing would not), and PCW on the
+    """Each mitigation row changes the model's logits (an option that silently did nothing would not; reordering: on
+    the prompts it reorders, and it leaves the model's attention implementation as it was), and PCW on the
     experiment's Llama applies its window mask, not only its positions."""
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
@@ -320,8 +461,12 @@ def test_every_condition_acts_on_its_model():
             conditions = contender.conditions(spans, vocab) + position_bias.searched_scaling(
                 model, contender.is_sepformer, validation)
             base = position_bias.plain_logits(model, ids)
+            implementation = model.config._attn_implementation
             for condition in conditions[1:]:
-                assert not torch.allclose(condition.logits(model, ids), base, atol=1e-6), (contender.name, condition)
+                prompts = condition.reorder(model, ids)[0] if condition.reorder else ids
+                assert model.config._attn_implementation == implementation
+                logits = condition.logits(model, prompts)
+                assert not torch.allclose(logits, base, atol=1e-6), (contender.name, condition)
             if contender.name.startswith("Llama"):
                 windows = next(c for c in conditions if c.mitigation == "parallel_context_windows")
                 positions = torch.tensor([[0, 1, 1, 1, 1, 2, 3]])  # one-token windows at 1, the task from 2
