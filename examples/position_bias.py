@@ -74,7 +74,6 @@ continue checkpoints under `OUTPUT_DIR/checkpoints`.
 """
 
 import argparse
-import contextlib
 import copy
 import functools
 import json
@@ -126,6 +125,7 @@ from tqdm.auto import tqdm
 from sepformer import ReorderDocuments, SepFormerCache, reorder_documents
 from sepformer.metrics import metric_path
 from sepformer.positional_search import NoPositionalChannelError, scale_attention_input, search_positional_scaling
+from sepformer.reordering import eager_attention
 
 PRESETS = {
     # 12.5 minutes for the three seeds on 2 CPU cores
@@ -335,26 +335,13 @@ def pcw(spans) -> list[Condition]:
             for setting, windows in window_settings(spans)]
 
 
-@contextlib.contextmanager
-def eager_attention(model):
-    """The model in attn_implementation "eager", the only one that returns the attention probabilities; then back to
-    its own."""
-    implementation = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(implementation)
-
-
 def reordered(setting: str, spans, **options) -> Condition:
     """Each prompt's documents reordered by relevance read from the model (`reorder_documents` with strategy "ends":
     the most relevant first, the second last, ...; scored in eager attention), then the model, as it is, predicts on
     the reordered prompt."""
     def reorder(model, ids):
-        with eager_attention(model):
-            ids, _, order = reorder_documents(
-                model, ids, None, ReorderDocuments(spans=[spans] * len(ids), strategy="ends", **options))
+        ids, _, order = reorder_documents(
+            model, ids, None, ReorderDocuments(spans=[spans] * len(ids), strategy="ends", **options))
         return ids, order
 
     return Condition(REORDER, setting, plain_logits, reorder=reorder)

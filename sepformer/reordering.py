@@ -9,6 +9,7 @@
 Spans count from each row's first real token, like calibration's, so a left-padded row has the spans it has alone.
 """
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -250,12 +251,6 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
         return
     config = model.config
     options.layer_set(config.num_hidden_layers)
-    if config._attn_implementation != "eager":
-        raise ValueError(
-            f"reorder_documents by={options.by!r} reads the attention probabilities (output_attentions), which only "
-            f"attn_implementation 'eager' returns; this model runs {config._attn_implementation!r}: call "
-            "model.set_attn_implementation('eager') first."
-        )
     if attention_mask is not None and not attention_mask[:, -1].all():
         padded = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
         raise ValueError(
@@ -279,9 +274,25 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
             )
 
 
+@contextlib.contextmanager
+def eager_attention(model):
+    """`model` running attention "eager", the implementation that returns the probabilities (`output_attentions`);
+    then its own implementation again, also after an error."""
+    implementation = model.config._attn_implementation
+    if implementation == "eager":
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(implementation)
+
+
 def last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs) -> torch.Tensor:
-    """(b, n) the last token's attention probabilities, averaged over the heads of `layers`."""
-    with torch.no_grad():
+    """(b, n) the last token's attention probabilities, averaged over the heads of `layers` (read in eager attention,
+    whatever the model runs: sdpa and flash attention return no probabilities)."""
+    with torch.no_grad(), eager_attention(model):
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -318,9 +329,9 @@ def document_relevance(
 ) -> torch.Tensor:
     """(b, K) the relevance of each row's documents (`spans`, counted from the row's first real token).
 
-    `by`: scores given by the caller ((b, K), returned as float64), or read from any Hugging Face causal LM run with
-    `attn_implementation="eager"` (`output_attentions`), with `a_l(x)` the last prompt token's attention on token
-    `x` averaged over the heads and the chosen `layers` (default all):
+    `by`: scores given by the caller ((b, K), returned as float64), or read from any Hugging Face causal LM
+    (`output_attentions`, in eager attention for the scoring passes, whatever the model runs otherwise), with `a_l(x)`
+    the last prompt token's attention on token `x` averaged over the heads and the chosen `layers` (default all):
 
     - `"attention"`: `Attn(doc_k) = mean_{x in doc_k} a_l(x)`;
     - `"calibrated"`: `Attn(doc_k) - bias(k)`, `bias(k)` the same mean on a dummy document put in document `k`'s

@@ -167,8 +167,30 @@ def test_attention_and_calibrated_relevance_on_hugging_face_models(make):
     assert calibrated.shape == (2, 3) and not torch.allclose(calibrated, got)
     with pytest.raises(ValueError, match=r"by='position_free' zeroes SepFormer's positional block; this is a"):
         document_relevance(model, ids, mask, SPANS, by="position_free")
-    with pytest.raises(ValueError, match=r"only attn_implementation 'eager' returns; this model runs 'sdpa'"):
-        document_relevance(make("sdpa"), ids, mask, SPANS, by="attention")
+    sdpa = make("sdpa")
+    sdpa.load_state_dict(model.state_dict())
+    torch.testing.assert_close(document_relevance(sdpa, ids, mask, SPANS, by="attention"), got, rtol=1e-5, atol=1e-7)
+    assert sdpa.config._attn_implementation == "sdpa"  # scored in eager attention, then back to its own
+
+
+def test_a_model_running_sdpa_is_scored_in_eager_attention_and_keeps_sdpa():
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    options = {"spans": SPANS, "by": "attention", "rounds": 2}
+    expected = reorder_documents(model, ids, mask, options)[0]
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(reorder_documents(model, ids, mask, options)[0], expected)
+    assert model.config._attn_implementation == "sdpa"
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    by_hand = model.generate(input_ids=expected, attention_mask=mask, **greedy)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, reorder_documents=options, **greedy), by_hand)
+
+    def fail(*args):
+        raise RuntimeError("a scoring pass failed")
+
+    model.model.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="a scoring pass failed"):
+        reorder_documents(model, ids, mask, options)
+    assert model.config._attn_implementation == "sdpa"  # restored after the error too
 
 
 def test_rounds_score_and_sort_the_reordered_prompt_then_place_by_the_strategy():
@@ -254,7 +276,6 @@ def test_bad_options_are_refused_before_any_forward(fields, message):
         ({}, {}, {"attention_calibration": {"spans": SPANS}}, r"cannot be combined with attention_calibration: its"),
         ({}, {}, {"parallel_context_windows": {"spans": SPANS}}, r"cannot be combined with parallel_context_windows"),
         ({"rotary_dim": 4}, {}, {}, r"by='position_free' needs .* position_size=8, rotary_dim=4"),
-        ({"attn": "sdpa"}, {}, {}, r"only attn_implementation 'eager' returns; this model runs 'sdpa'"),
         ({"pad_token_id": None}, {"by": "calibrated"}, {}, r"reorder_documents's default dummy document is pad_token"),
         ({}, {"by": "calibrated", "dummy_document": (300,)}, {}, r"dummy_document has ids \[300\] outside the vocab"),
     ],
