@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from .attention_calibration import check_dummy_document, dummy_batch
+from .input_checks import generation_setting
 from .mitigation_options import (
     MitigationOptions,
     PositionalScaling,
@@ -368,7 +369,19 @@ def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs)
     return input_ids, options.spans, order
 
 
-def reorder_generate_prompt(model, options, inputs, kwargs: dict):
+def generation_padding(model, prompt, generation_config, kwargs: dict) -> torch.Tensor | None:
+    """The padding mask `generate` runs with: the given one, or the one it infers without it (`pad_token_id` in the
+    prompt and not an eos: transformers' `_prepare_attention_mask_for_generation`), so that spans count from the
+    first real token that generation sees."""
+    if kwargs.get("attention_mask") is not None:
+        return kwargs["attention_mask"]
+    pad, eos = (generation_setting(model, generation_config, kwargs, name) for name in ("pad_token_id", "eos_token_id"))
+    if pad is None or pad in (eos if isinstance(eos, list) else [eos]) or not (prompt == pad).any():
+        return None
+    return prompt.ne(pad).long()
+
+
+def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_config=None):
     """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
     return sequences; the options whose spans would describe the old order are refused."""
     options = ReorderDocuments.parse(options)
@@ -379,7 +392,8 @@ def reorder_generate_prompt(model, options, inputs, kwargs: dict):
     if prompt is None:
         raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
     forward_kwargs = {key: kwargs[key] for key in ("position_extrapolation",) if kwargs.get(key) is not None}
-    reordered = reorder_documents(model, prompt, kwargs.get("attention_mask"), options, **forward_kwargs)[0]
+    mask = generation_padding(model, prompt, generation_config, kwargs)
+    reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
     if inputs is not None:
         return reordered, kwargs
     return None, {**kwargs, "input_ids": reordered}

@@ -238,6 +238,19 @@ def test_generate_with_relevance_from_the_model_is_generate_on_the_reordered_pro
     assert torch.equal(got, generate(model, reordered, mask, **beams))
 
 
+def test_generate_without_attention_mask_reorders_within_the_padding_it_infers():
+    """`generate` infers the padding of a prompt given without `attention_mask` from `pad_token_id`: the spans count
+    from the first real token of that padding, and the padding stays where it is."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    ids[ids == model.config.pad_token_id] = 5  # pad_token_id only in the padding
+    ids[1, :3] = model.config.pad_token_id
+    option = {"spans": SPANS, "by": SCORES}
+    got = model.generate(ids, max_new_tokens=3, do_sample=False, reorder_documents=option)
+    assert torch.equal(got[1, :3], ids[1, :3])
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                           reorder_documents=option))
+
+
 # ------------------------------------------------------------------------------------------------------ bad options
 
 SCORES = [[0.2, 0.9, 0.5], [0.1, 0.3, 0.7]]
