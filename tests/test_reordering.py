@@ -329,6 +329,24 @@ def test_bad_orders_and_scores_are_refused():
         relevance_order([1.0], "best")
 
 
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"positional_scaling": {"factor": 0.5}}, r"by='position_free' sets positional_scaling itself .* got"),
+        ({"attention_calibration": {"spans": SPANS}}, r"cannot be combined with attention_calibration: its spans"),
+    ],
+)
+def test_forward_keywords_the_scoring_would_override_or_misread_are_refused_before_any_forward(keywords, message):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        document_relevance(model, ids, mask, SPANS, by="position_free", **keywords)
+    with pytest.raises(ValueError, match=message):
+        reorder_documents(model, ids, mask, {"spans": SPANS, "by": "position_free"}, **keywords)
+    assert not calls
+
+
 def test_generate_scores_with_its_position_extrapolation():
     """A prompt past the positional table: the scoring passes read it as the generation does."""
     model, (ids, mask) = eager_model(max_position_embeddings=12), left_padded_batch()
