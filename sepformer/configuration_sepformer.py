@@ -45,6 +45,13 @@ DERIVED_SIZES = {
 LEGACY_EXTRAPOLATION_FIELDS = {"fourier_components": "components", "interpolation_length": "length"}
 
 
+def refuse_both(old: str, value, extrapolation) -> None:
+    """An older field and a `position_extrapolation` dict that both set its parameter."""
+    parameter = LEGACY_EXTRAPOLATION_FIELDS[old]
+    if isinstance(extrapolation, dict) and parameter in extrapolation:
+        raise ValueError(f"{old}={value!r} and position_extrapolation={extrapolation!r} both set {parameter}.")
+
+
 def _stable_mask(value):
     if value is not None:
         try:
@@ -136,11 +143,10 @@ class SepFormerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # Fields were checked one by one as they were set; the keywords that are no field come here.
         saved = self.transformers_version is not None
-        for old, parameter in LEGACY_EXTRAPOLATION_FIELDS.items():
+        for old in LEGACY_EXTRAPOLATION_FIELDS:
             if old in kwargs:
-                value, given = kwargs.pop(old), self.position_extrapolation
-                if isinstance(given, dict) and parameter in given:
-                    raise ValueError(f"{old}={value!r} and position_extrapolation={given!r} both set {parameter}.")
+                value = kwargs.pop(old)
+                refuse_both(old, value, self.position_extrapolation)
                 try:
                     setattr(self, old, value)
                 except ValueError as error:
@@ -151,6 +157,17 @@ class SepFormerConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         # `@strict` runs the `validate_*` methods too, but wraps their errors: here they are the plain `ValueError`.
         self.validate_architecture()
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers sets `from_pretrained`'s keywords on the loaded config one by one, in the caller's order: an
+        older field (`interpolation_length=4096`) is set after `position_extrapolation`, whose method would otherwise
+        replace the parameter it sets."""
+        for old in LEGACY_EXTRAPOLATION_FIELDS:
+            if old in kwargs:
+                refuse_both(old, kwargs[old], kwargs.get("position_extrapolation"))
+                kwargs[old] = kwargs.pop(old)  # last
+        return super().from_dict(config_dict, **kwargs)
 
     def check_combinations(self) -> None:
         """Every check that involves more than one field; `save_pretrained` and a model's constructor need a pass."""

@@ -26,11 +26,11 @@ MAX_TRIES = 100  # draws of an example's spans (then of its segments) before the
 
 def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_length: int = 128, num_examples: int,
                 question: str = "follows", segments_per_question: int = 1, span_length: int = 8,
-                answer_length: int = 8, seed: int = 0, text_column: str = "text") -> "datasets.Dataset":
+                answer_length: int = 8, seed: int = 0, text_column: str | None = None) -> "datasets.Dataset":
     """IN2 examples: `[bos] segment_1 ... segment_n [sep] question [sep] answer eos`, at most `context_length` tokens.
 
-    The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, or the path of a text file
-    read as one document) is tokenized without special tokens and each document cut into segments of
+    The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, `"text"` by default, or the
+    path of a text file read as one document) is tokenized without special tokens and each document cut into segments of
     `segment_length` tokens (a shorter tail is dropped). Every example holds `n` distinct segments drawn at random, `n`
     as many as fit beside the question and answer (the same for every example: all examples have the same length).
 
@@ -114,7 +114,7 @@ def check_arguments(*, question, text_column, **counts) -> None:
             raise ValueError(f"{name}={value} is out of range: give an integer >= {minimum[name]}.")
     if question not in QUESTIONS:
         raise ValueError(f"question={question!r} is not a question type: choose one of {', '.join(QUESTIONS)}.")
-    if not isinstance(text_column, str):
+    if text_column is not None and not isinstance(text_column, str):
         raise TypeError(f"text_column={text_column!r} is a {type(text_column).__name__}: give a column name (str).")
     window = counts["span_length"] + counts["answer_length"]
     if window > counts["segment_length"]:
@@ -124,16 +124,20 @@ def check_arguments(*, question, text_column, **counts) -> None:
         )
 
 
-def source_texts(source, text_column: str) -> list[str]:
+def source_texts(source, text_column: str | None) -> list[str]:
+    import datasets
+
+    if text_column is not None and not isinstance(source, datasets.Dataset):
+        raise ValueError(f"text_column={text_column!r} is read only from a datasets.Dataset (it would be ignored); the "
+                         f"source is a {type(source).__name__}: leave text_column out.")
     if isinstance(source, str | os.PathLike):
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"{str(source)!r} is not a file: give the path of a text file, a list of strings or a "
                              "datasets.Dataset.")
         return [path.read_text(encoding="utf-8")]
-    import datasets
-
     if isinstance(source, datasets.Dataset):
+        text_column = text_column or "text"
         if text_column not in source.column_names:
             raise ValueError(f"the dataset has no column text_column={text_column!r}: its columns are "
                              f"{source.column_names}.")

@@ -516,13 +516,13 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
         begins the returned sequences."""
         reordering = kwargs.pop("reorder_documents", None)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        generation_config = args[0] if args else kwargs.get("generation_config")
         if prompt is not None:
             check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
-            generation_config = args[0] if args else kwargs.get("generation_config")
             check_last_position(self, prompt, generation_config, kwargs)
             check_fed_token_ids(self, generation_config, kwargs)
         if reordering is not None:
-            inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs)
+            inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs, generation_config)
         return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from .attention_calibration import check_dummy_document, dummy_batch
+from .input_checks import generation_setting
 from .mitigation_options import (
     MitigationOptions,
     PositionalScaling,
@@ -244,9 +245,23 @@ def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     return reordered, tuple(new_spans)
 
 
-def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask) -> None:
-    """Everything `reorder_documents` needs from the model and the prompt, before any work."""
+def check_combinable(options: ReorderDocuments, keywords: dict) -> None:
+    """The mitigations of `keywords` (`generate`'s, or the scoring passes') that reordering cannot run with."""
+    for name, why in REFUSED_WITH.items():
+        if keywords.get(name) not in (None, False):
+            raise ValueError(f"reorder_documents cannot be combined with {name}: {why}.")
+    if options.by == "position_free" and keywords.get("positional_scaling") is not None:
+        raise ValueError(
+            "reorder_documents by='position_free' sets positional_scaling itself (factor 0 on the positional block "
+            f"in every layer); got positional_scaling={keywords['positional_scaling']!r}: drop it."
+        )
+
+
+def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask, model_kwargs: dict) -> None:
+    """Everything `reorder_documents` needs from the model, the prompt and the forwards' `model_kwargs`, before any
+    work."""
     check_prompt(options.name, input_ids, attention_mask, options.spans)
+    check_combinable(options, model_kwargs)
     if not options.from_model:
         return
     config = model.config
@@ -344,7 +359,7 @@ def document_relevance(
     `model_kwargs` go to every forward (e.g. SepFormer's `position_extrapolation`).
     """
     options = ReorderDocuments(spans=spans, by=by, layers=layers, dummy_document=dummy_document)
-    check_reordering(model, options, input_ids, attention_mask)
+    check_reordering(model, options, input_ids, attention_mask, model_kwargs)
     return relevance(model, options, input_ids, attention_mask, **model_kwargs)
 
 
@@ -357,7 +372,7 @@ def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs)
     Everything is checked before the first forward; `model_kwargs` go to every forward.
     """
     options = ReorderDocuments.parse(options)
-    check_reordering(model, options, input_ids, attention_mask)
+    check_reordering(model, options, input_ids, attention_mask, model_kwargs)
     documents = len(options.spans[0])
     order = torch.arange(documents).expand(len(input_ids), documents)
     for done in range(1, options.rounds + 1):
@@ -368,18 +383,30 @@ def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs)
     return input_ids, options.spans, order
 
 
-def reorder_generate_prompt(model, options, inputs, kwargs: dict):
+def generation_padding(model, prompt, generation_config, kwargs: dict) -> torch.Tensor | None:
+    """The padding mask `generate` runs with: the given one, or the one it infers without it (`pad_token_id` in the
+    prompt and not an eos: transformers' `_prepare_attention_mask_for_generation`), so that spans count from the
+    first real token that generation sees."""
+    if kwargs.get("attention_mask") is not None:
+        return kwargs["attention_mask"]
+    pad, eos = (generation_setting(model, generation_config, kwargs, name) for name in ("pad_token_id", "eos_token_id"))
+    if pad is None or pad in (eos if isinstance(eos, list) else [eos]) or not (prompt == pad).any():
+        return None
+    return prompt.ne(pad).long()
+
+
+def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_config=None):
     """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
     return sequences; the options whose spans would describe the old order are refused."""
     options = ReorderDocuments.parse(options)
-    for name, why in REFUSED_WITH.items():
-        if kwargs.get(name) not in (None, False):
-            raise ValueError(f"reorder_documents cannot be combined with {name}: {why}.")
+    # generate's other mitigations do not reach the scoring passes: only those that read the spans matter
+    check_combinable(options, {name: kwargs.get(name) for name in REFUSED_WITH})
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     if prompt is None:
         raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
     forward_kwargs = {key: kwargs[key] for key in ("position_extrapolation",) if kwargs.get(key) is not None}
-    reordered = reorder_documents(model, prompt, kwargs.get("attention_mask"), options, **forward_kwargs)[0]
+    mask = generation_padding(model, prompt, generation_config, kwargs)
+    reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
     if inputs is not None:
         return reordered, kwargs
     return None, {**kwargs, "input_ids": reordered}

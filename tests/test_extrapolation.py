@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_model
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache, SepFormerConfig
 from sepformer.positional_maps import fourier_rows
@@ -383,6 +383,22 @@ def test_the_fields_of_older_configs_fold_into_position_extrapolation():
     assert "fourier_components" not in config.to_dict()
     with pytest.raises(ValueError, match=r"interpolation_length=64 and position_extrapolation=.* both set length"):
         SepFormerConfig(position_extrapolation={"method": "interpolate", "length": 1024}, interpolation_length=64)
+
+
+@pytest.mark.parametrize("order", ["old field first", "method first"])
+def test_from_pretrained_sets_an_older_field_after_the_method_whatever_the_keywords_order(tmp_path, order):
+    """transformers sets `from_pretrained`'s keywords one by one in the caller's order: the method set after the older
+    field would drop its parameter without a word."""
+    SepFormerConfig(position_extrapolation={"method": "interpolate", "length": 2048}).save_pretrained(tmp_path)
+    keywords = {"interpolation_length": 4096, "position_extrapolation": "interpolate"}
+    if order == "method first":
+        keywords = dict(reversed(keywords.items()))
+    for load in (SepFormerConfig.from_pretrained, AutoConfig.from_pretrained):
+        assert load(tmp_path, **keywords).position_extrapolation == {"method": "interpolate", "length": 4096}
+    with pytest.raises(ValueError, match=r"interpolation_length=64 and position_extrapolation=.* both set length"):
+        SepFormerConfig.from_pretrained(
+            tmp_path, interpolation_length=64, position_extrapolation={"method": "interpolate", "length": 1024}
+        )
 
 
 def test_the_config_imports_no_torch_code_of_the_package():

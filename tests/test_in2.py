@@ -166,6 +166,7 @@ def test_sources_a_list_a_dataset_and_a_file_give_the_same_examples(tmp_path):
         (dict(seed=True), TypeError, "seed=True is a bool"),
         (dict(seed=-1), ValueError, "seed=-1 is out of range: give an integer >= 0"),
         (dict(text_column=0), TypeError, "text_column=0 is a int"),
+        (dict(text_column="body"), ValueError, r"text_column='body' is read only from a datasets.Dataset .* a list"),
         (dict(context_length=10**6), ValueError,
          r"segment\(s\) of 32 tokens; an example of context_length=1000000 holds 31248 distinct"),
     ],

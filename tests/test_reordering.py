@@ -238,6 +238,19 @@ def test_generate_with_relevance_from_the_model_is_generate_on_the_reordered_pro
     assert torch.equal(got, generate(model, reordered, mask, **beams))
 
 
+def test_generate_without_attention_mask_reorders_within_the_padding_it_infers():
+    """`generate` infers the padding of a prompt given without `attention_mask` from `pad_token_id`: the spans count
+    from the first real token of that padding, and the padding stays where it is."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    ids[ids == model.config.pad_token_id] = 5  # pad_token_id only in the padding
+    ids[1, :3] = model.config.pad_token_id
+    option = {"spans": SPANS, "by": SCORES}
+    got = model.generate(ids, max_new_tokens=3, do_sample=False, reorder_documents=option)
+    assert torch.equal(got[1, :3], ids[1, :3])
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                           reorder_documents=option))
+
+
 # ------------------------------------------------------------------------------------------------------ bad options
 
 SCORES = [[0.2, 0.9, 0.5], [0.1, 0.3, 0.7]]
@@ -314,6 +327,24 @@ def test_bad_orders_and_scores_are_refused():
         relevance_order([])
     with pytest.raises(ValueError, match=r"strategy='best' is not one of"):
         relevance_order([1.0], "best")
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"positional_scaling": {"factor": 0.5}}, r"by='position_free' sets positional_scaling itself .* got"),
+        ({"attention_calibration": {"spans": SPANS}}, r"cannot be combined with attention_calibration: its spans"),
+    ],
+)
+def test_forward_keywords_the_scoring_would_override_or_misread_are_refused_before_any_forward(keywords, message):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        document_relevance(model, ids, mask, SPANS, by="position_free", **keywords)
+    with pytest.raises(ValueError, match=message):
+        reorder_documents(model, ids, mask, {"spans": SPANS, "by": "position_free"}, **keywords)
+    assert not calls
 
 
 def test_generate_scores_with_its_position_extrapolation():
