@@ -94,15 +94,15 @@ def test_reorder_prompt_reads_spans_in_the_order_given():
 
 
 def attention_reference(model, ids, mask, spans, layers, **kwargs):
-    """(b, K): the last row's attention, from `outputs.attentions`, averaged over heads, layers and each document's
-    columns (found from the left padding by hand)."""
-    with torch.no_grad():
-        attentions = model(ids, attention_mask=mask, output_attentions=True, **kwargs).attentions
+    """(b, K): each row run alone, without its padding: the last row's attention, from `outputs.attentions`, averaged
+    over heads, layers and each document's columns."""
     rows = []
     for row, row_spans in enumerate(spans):
-        pad = int((mask[row] == 0).sum()) if mask is not None else 0
-        last = torch.stack([attentions[layer][row, :, -1] for layer in layers]).float()  # (L, H, n)
-        rows.append([last[:, :, pad + start : pad + end].mean().item() for start, end in row_spans])
+        tokens = ids[row] if mask is None else ids[row][mask[row].bool()]
+        with torch.no_grad():
+            attentions = model(tokens[None], output_attentions=True, **kwargs).attentions
+        last = torch.stack([attentions[layer][0, :, -1] for layer in layers]).float()  # (L, H, n)
+        rows.append([last[:, :, start:end].mean().item() for start, end in row_spans])
     return torch.tensor(rows, dtype=torch.float64)
 
 
