@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers.cache_utils import Cache
 
 from .attention_calibration import check_dummy_document, dummy_batch
 from .input_checks import check_position_readable, generation_setting
@@ -457,11 +458,11 @@ def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_con
     return sequences; the options whose spans would describe the old order are refused."""
     options = ReorderDocuments.parse(options)
     cache = kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
+    if cache is not None and (not isinstance(cache, Cache) or cache.get_seq_length() > 0):
+        held = f"{cache.get_seq_length()} tokens" if isinstance(cache, Cache) else f"a {type(cache).__name__}"
         raise ValueError(
-            f"reorder_documents moves the prompt's documents, but past_key_values already holds "
-            f"{cache.get_seq_length()} tokens of the prompt in its old order: generate without past_key_values (or "
-            "with an empty cache)."
+            f"reorder_documents moves the prompt's documents, but past_key_values already holds {held} of the prompt "
+            "in its old order: generate without past_key_values (or with an empty cache)."
         )
     # generate's other mitigations do not reach the scoring passes: only those that read the spans matter
     check_combinable(options, {name: kwargs.get(name) for name in REFUSED_WITH})

@@ -475,6 +475,8 @@ def test_generate_refuses_a_cache_that_already_holds_the_prompt_before_any_forwa
     option = {"spans": SPANS, "by": SCORES}
     with pytest.raises(ValueError, match=r"past_key_values already holds 8 tokens of the prompt in its old order"):
         generate(model, ids, mask, reorder_documents=option, past_key_values=cache)
+    with pytest.raises(ValueError, match=r"past_key_values already holds a tuple of the prompt in its old order"):
+        generate(model, ids, mask, reorder_documents=option, past_key_values=((ids, ids),))
     assert not calls
     empty = SepFormerCache(config=model.config)
     assert torch.equal(
