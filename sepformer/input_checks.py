@@ -141,22 +141,27 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
     the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
     `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
     position would fail with the same error."""
-    table = model.model.embed_positions
 
     def setting(name):
         return generation_setting(model, generation_config, kwargs, name)
 
     new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
     final_length = length + new_tokens if new_tokens is not None else setting("max_length")
-    if final_length is None or not isinstance(table, LearnedPositions):
-        # by default generate makes 20 tokens up to max_position_embeddings, which the table holds; the other maps
-        # are defined at every position
+    if final_length is None:  # by default generate makes 20 tokens up to max_position_embeddings
         return
     mask = kwargs.get("attention_mask")
     longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
-    last = longest - 1 + final_length - length
     use_cache = setting("use_cache") is not False
     extrapolation = call_extrapolation(model.config, kwargs.get("position_extrapolation"), continuing=use_cache)
+    check_position_readable(model, longest - 1 + final_length - length, extrapolation)
+
+
+def check_position_readable(model, last: int, extrapolation) -> None:
+    """Refuse position `last` where the learned table of `model` (a `SepFormerForCausalLM`) cannot read it under
+    `extrapolation`, with the error reading it would raise; the other maps are defined at every position."""
+    table = model.model.embed_positions
+    if not isinstance(table, LearnedPositions):
+        return
     if extrapolation.method == "none" and last >= table.num_embeddings:
         table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
     if extrapolation.method == "interpolate":

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers.cache_utils import Cache
 
 from .attention_calibration import check_dummy_document, dummy_batch
-from .input_checks import generation_setting
+from .input_checks import check_position_readable, generation_setting
 from .mitigation_options import (
     MitigationOptions,
     PositionalScaling,
@@ -25,6 +26,7 @@ from .mitigation_options import (
     _as_spans,
     _check_number,
 )
+from .positional_maps import call_extrapolation, positions_from_mask
 from .spans import check_spans_in_lengths, key_documents, key_positions
 
 STRATEGIES = ("ends", "last", "first")
@@ -35,6 +37,7 @@ REFUSED_WITH = {
     "the new spans"
     for name in ("attention_calibration", "parallel_context_windows")
 }
+SCORING_KEYWORDS = ("position_ids", "output_attentions", "use_cache", "logits_to_keep", "past_key_values")
 
 
 def check_strategy(strategy) -> None:
@@ -200,10 +203,26 @@ def check_prompt(name: str, input_ids, attention_mask, spans) -> list[int]:
             f"{name} needs attention_mask None or a 2-D padding mask of input_ids' shape {tuple(input_ids.shape)}; "
             f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
         )
+    if attention_mask is not None:
+        other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+        if other.numel():
+            raise ValueError(
+                f"{name} attention_mask contains {other[0].item()}: a padding mask holds only 0 (padding) and 1 (a "
+                "token)."
+            )
     if len(spans) != len(input_ids):
         raise ValueError(f"{name} has spans for {len(spans)} rows; the batch has {len(input_ids)} rows.")
-    lengths = attention_mask.sum(-1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
+    lengths = (
+        attention_mask.long().sum(-1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
+    )
     check_spans_in_lengths(name, spans, lengths)
+    for row, (row_spans, length) in enumerate(zip(spans, lengths, strict=True)):
+        last = max(row_spans, key=lambda span: span[1])
+        if last[1] == length:
+            raise ValueError(
+                f"{name} span {last} of row {row} holds the prompt's last token ({length - 1}, counted from the row's "
+                "first real token): that is the question, which stays after the documents: end the documents before it."
+            )
     return lengths
 
 
@@ -260,10 +279,21 @@ def check_combinable(options: ReorderDocuments, keywords: dict) -> None:
 def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask, model_kwargs: dict) -> None:
     """Everything `reorder_documents` needs from the model, the prompt and the forwards' `model_kwargs`, before any
     work."""
-    check_prompt(options.name, input_ids, attention_mask, options.spans)
+    lengths = check_prompt(options.name, input_ids, attention_mask, options.spans)
     check_combinable(options, model_kwargs)
+    own = sorted(set(SCORING_KEYWORDS) & set(model_kwargs))
+    if own:
+        raise TypeError(
+            f"reorder_documents sets {own} of its scoring passes itself (they read the last token's attention of the "
+            f"whole prompt, uncached, at the positions of its padding mask): drop them."
+        )
     if not options.from_model:
         return
+    if model.training:
+        raise ValueError(
+            f"reorder_documents by={options.by!r} scores the documents with the model, whose dropout is on in train "
+            "mode: put the model in eval mode (model.eval())."
+        )
     config = model.config
     options.layer_set(config.num_hidden_layers)
     if attention_mask is not None and not attention_mask[:, -1].all():
@@ -274,6 +304,7 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
         )
     if options.by == "calibrated":
         check_dummy_document(options, config)
+        check_dummy_length(model, options, lengths, model_kwargs)
     if options.by == "position_free":
         if config.model_type != "sepformer":
             raise ValueError(
@@ -287,6 +318,30 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
                 f"(position_size > 0, rotary_dim = 0); this model has position_size={config.position_size}, "
                 f"rotary_dim={config.rotary_dim}: use by='attention' or by='calibrated'."
             )
+
+
+def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], model_kwargs: dict) -> None:
+    """The dummy passes of `by="calibrated"` read no position past what the model reads: a dummy document longer than
+    the document it replaces makes a sequence longer than the prompt."""
+    longest = max(
+        length - (end - start) + len(options.dummy_document or range(start, end))
+        for row_spans, length in zip(options.spans, lengths, strict=True)
+        for start, end in row_spans
+    )
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if longest <= max(lengths) or limit is None or longest <= limit:
+        return
+    why = f"past max_position_embeddings={limit} and the prompt's {max(lengths)} tokens"
+    if model.config.model_type == "sepformer":  # reads positions past L by its position_extrapolation
+        extrapolation = call_extrapolation(model.config, model_kwargs.get("position_extrapolation"), continuing=False)
+        try:
+            return check_position_readable(model, longest - 1, extrapolation)
+        except ValueError as error:
+            why = str(error)
+    raise ValueError(
+        f"reorder_documents dummy_document of {len(options.dummy_document)} tokens makes dummy passes of {longest} "
+        f"tokens, {why}: give a shorter dummy_document."
+    )
 
 
 @contextlib.contextmanager
@@ -307,10 +362,13 @@ def eager_attention(model):
 def last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs) -> torch.Tensor:
     """(b, n) the last token's attention probabilities, averaged over the heads of `layers` (read in eager attention,
     whatever the model runs: sdpa and flash attention return no probabilities)."""
+    # positions from the padding mask, as generate gives them: a left-padded row is read as the row alone
+    positions = None if attention_mask is None else positions_from_mask(attention_mask).clamp(min=0)
     with torch.no_grad(), eager_attention(model):
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=positions,
             output_attentions=True,
             use_cache=False,
             logits_to_keep=1,
@@ -399,6 +457,13 @@ def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_con
     """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
     return sequences; the options whose spans would describe the old order are refused."""
     options = ReorderDocuments.parse(options)
+    cache = kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, Cache) or cache.get_seq_length() > 0):
+        held = f"{cache.get_seq_length()} tokens" if isinstance(cache, Cache) else f"a {type(cache).__name__}"
+        raise ValueError(
+            f"reorder_documents moves the prompt's documents, but past_key_values already holds {held} of the prompt "
+            "in its old order: generate without past_key_values (or with an empty cache)."
+        )
     # generate's other mitigations do not reach the scoring passes: only those that read the spans matter
     check_combinable(options, {name: kwargs.get(name) for name in REFUSED_WITH})
     prompt = inputs if inputs is not None else kwargs.get("input_ids")

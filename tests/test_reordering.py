@@ -7,12 +7,15 @@ from test_llama_mitigations import tiny_gpt2, tiny_llama
 from test_mitigations import sharp_attention
 
 from sepformer import (
+    PositionalScaling,
     ReorderDocuments,
+    SepFormerCache,
     document_relevance,
     relevance_order,
     reorder_documents,
     reorder_prompt,
 )
+from sepformer.reordering import SCORING_KEYWORDS
 
 # Two rows of 14 columns, the second padded on the left by 3: three documents each, separators between them.
 SPANS = (((1, 4), (5, 8), (9, 12)), ((0, 2), (3, 7), (8, 10)))
@@ -94,15 +97,15 @@ def test_reorder_prompt_reads_spans_in_the_order_given():
 
 
 def attention_reference(model, ids, mask, spans, layers, **kwargs):
-    """(b, K): the last row's attention, from `outputs.attentions`, averaged over heads, layers and each document's
-    columns (found from the left padding by hand)."""
-    with torch.no_grad():
-        attentions = model(ids, attention_mask=mask, output_attentions=True, **kwargs).attentions
+    """(b, K): each row run alone, without its padding: the last row's attention, from `outputs.attentions`, averaged
+    over heads, layers and each document's columns."""
     rows = []
     for row, row_spans in enumerate(spans):
-        pad = int((mask[row] == 0).sum()) if mask is not None else 0
-        last = torch.stack([attentions[layer][row, :, -1] for layer in layers]).float()  # (L, H, n)
-        rows.append([last[:, :, pad + start : pad + end].mean().item() for start, end in row_spans])
+        tokens = ids[row] if mask is None else ids[row][mask[row].bool()]
+        with torch.no_grad():
+            attentions = model(tokens[None], output_attentions=True, **kwargs).attentions
+        last = torch.stack([attentions[layer][0, :, -1] for layer in layers]).float()  # (L, H, n)
+        rows.append([last[:, :, start:end].mean().item() for start, end in row_spans])
     return torch.tensor(rows, dtype=torch.float64)
 
 
@@ -115,16 +118,20 @@ def test_attention_relevance_is_the_last_rows_mean_attention_on_each_document(la
     assert got.shape == (2, 3) and got.std(-1).min() > 1e-2  # documents differ: a wrong column would show
 
 
-def test_calibrated_relevance_subtracts_the_dummy_documents_attention_at_each_slot():
-    model, (ids, mask) = eager_model(), left_padded_batch()
+@pytest.mark.parametrize(
+    ("overrides", "kwargs"), [({}, {}), ({"max_position_embeddings": 12}, {"position_extrapolation": "clamp"})]
+)
+def test_calibrated_relevance_subtracts_the_dummy_documents_attention_at_each_slot(overrides, kwargs):
+    """Also past the positional table: the dummy passes run with the forward keywords of the scoring pass."""
+    model, (ids, mask) = eager_model(**overrides), left_padded_batch()
     dummy = (7, 7)
-    got = document_relevance(model, ids, mask, SPANS, by="calibrated", dummy_document=dummy)
-    attention = attention_reference(model, ids, mask, SPANS, (0, 1))
+    got = document_relevance(model, ids, mask, SPANS, by="calibrated", dummy_document=dummy, **kwargs)
+    attention = attention_reference(model, ids, mask, SPANS, (0, 1), **kwargs)
     for row, row_spans in enumerate(SPANS):
         tokens = ids[row][mask[row].bool()]
         for k, (start, end) in enumerate(row_spans):
             spliced = torch.cat((tokens[:start], torch.tensor(dummy), tokens[end:]))[None]
-            bias = attention_reference(model, spliced, None, [[(start, start + len(dummy))]], (0, 1))
+            bias = attention_reference(model, spliced, None, [[(start, start + len(dummy))]], (0, 1), **kwargs)
             torch.testing.assert_close(got[row, k], attention[row, k] - bias[0, 0], rtol=1e-4, atol=1e-7)
 
 
@@ -156,6 +163,35 @@ def test_position_free_relevance_is_the_attention_with_the_positional_block_of_q
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     plain = document_relevance(model, ids, mask, SPANS, by="attention", layers=(0,))
     assert (got - plain).abs().max() > 1e-4
+
+
+def test_position_free_relevance_zeroes_the_positional_block_in_every_layer_not_only_those_it_reads():
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    every_layer = PositionalScaling(factor=0.0, layers=(0, 1))
+    expected = attention_reference(model, ids, mask, SPANS, (1,), positional_scaling=every_layer)
+    got = document_relevance(model, ids, mask, SPANS, by="position_free", layers=(1,))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    last_layer_only = PositionalScaling(factor=0.0, layers=(1,))
+    last_layer_only = attention_reference(model, ids, mask, SPANS, (1,), positional_scaling=last_layer_only)
+    assert (got - last_layer_only).abs().max() > 1e-4  # the layers before it change what it reads
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama, lambda attn: eager_model()])
+@pytest.mark.parametrize("by", ["attention", "calibrated"])
+def test_a_left_padded_row_gets_the_scores_and_the_order_it_gets_alone(make, by):
+    """GPT-2 reads absolute positions: a left-padded row (and its dummy passes) must be run at its own positions."""
+    model, (ids, mask) = make("eager"), left_padded_batch()
+    fields = {"by": by, "rounds": 2, **({"dummy_document": (5, 6)} if by == "calibrated" else {})}
+    alone = [(ids[:1], SPANS[:1]), (ids[1:, 3:], SPANS[1:])]  # row 1 without its 3 columns of padding
+    scores = document_relevance(model, ids, mask, SPANS, by, dummy_document=fields.get("dummy_document"))
+    expected = [
+        document_relevance(model, row, None, spans, by, dummy_document=fields.get("dummy_document"))
+        for row, spans in alone
+    ]
+    torch.testing.assert_close(scores, torch.cat(expected), rtol=1e-5, atol=1e-7)
+    order = reorder_documents(model, ids, mask, {"spans": SPANS, **fields})[2]
+    expected = [reorder_documents(model, row, None, {"spans": spans, **fields})[2] for row, spans in alone]
+    assert torch.equal(order, torch.cat(expected))
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
@@ -205,6 +241,21 @@ def test_rounds_score_and_sort_the_reordered_prompt_then_place_by_the_strategy()
     assert torch.equal(reorder_prompt(ids, mask, SPANS, order)[0], prompt)  # the composed order, in one move
 
 
+@pytest.mark.parametrize("strategy", ["first", "last"])
+def test_the_order_of_two_rounds_places_the_second_rounds_order_on_the_first_rounds_prompt(strategy):
+    """Place `j` holds the original document `first[second[j]]`: the second round orders the first round's places.
+    (With these scores the two orders do not commute, so composing them the other way round shows.)"""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    first_ids, first_spans, first = reorder_documents(model, ids, mask, {"spans": SPANS, "strategy": "last"})
+    _, _, second = reorder_documents(model, first_ids, mask, {"spans": first_spans, "strategy": strategy})
+    expected = torch.tensor([[a[j] for j in b] for a, b in zip(first.tolist(), second.tolist(), strict=True)])
+    other_way = torch.tensor([[b[j] for j in a] for a, b in zip(first.tolist(), second.tolist(), strict=True)])
+    assert not torch.equal(expected, other_way)
+    got_ids, _, got = reorder_documents(model, ids, mask, {"spans": SPANS, "strategy": strategy, "rounds": 2})
+    assert torch.equal(got, expected)
+    assert torch.equal(reorder_prompt(ids, mask, SPANS, got)[0], got_ids)
+
+
 # --------------------------------------------------------------------------------------------------------- generate
 
 
@@ -247,8 +298,22 @@ def test_generate_without_attention_mask_reorders_within_the_padding_it_infers()
     option = {"spans": SPANS, "by": SCORES}
     got = model.generate(ids, max_new_tokens=3, do_sample=False, reorder_documents=option)
     assert torch.equal(got[1, :3], ids[1, :3])
-    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
-                                           reorder_documents=option))
+    assert torch.equal(
+        got, model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, reorder_documents=option)
+    )
+
+
+def test_generate_without_attention_mask_infers_no_padding_where_pad_token_id_is_an_eos():
+    """transformers infers no padding when `pad_token_id` is an `eos_token_id`: spans count from column 0."""
+    model, (ids, _) = eager_model(), left_padded_batch()
+    pad = model.config.pad_token_id
+    ids[ids == pad] = 5
+    ids[:, 0] = pad  # would read as one column of left padding
+    option = {"spans": SPANS, "by": SCORES}
+    got = model.generate(
+        ids, max_new_tokens=3, do_sample=False, eos_token_id=pad, pad_token_id=pad, reorder_documents=option
+    )
+    assert torch.equal(got[:, :14], reorder_documents(model, ids, None, option)[0])
 
 
 # ------------------------------------------------------------------------------------------------------ bad options
@@ -330,6 +395,28 @@ def test_bad_orders_and_scores_are_refused():
 
 
 @pytest.mark.parametrize(
+    ("twos", "spans", "message"),
+    [
+        (True, SPANS, r"attention_mask contains 2: a padding mask holds only 0 \(padding\) and 1"),
+        (True, (((1, 4), (5, 8), (9, 20)), SPANS[1]), r"attention_mask contains 2: a padding mask holds only 0"),
+        (False, (SPANS[0], ((0, 2), (3, 7), (8, 11))), r"span \(8, 11\) of row 1 holds the prompt's last token \(10,"),
+    ],
+)
+def test_reorder_prompt_refuses_a_mask_of_other_values_and_a_span_holding_the_question(twos, spans, message):
+    """A mask of 2s would count each row twice as long (spans past the row cut short, silently); the prompt's last
+    token is the question, which a document holding it would take along."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    mask = mask * 2 if twos else mask
+    with pytest.raises(ValueError, match=message):
+        reorder_prompt(ids, mask, spans, [[2, 1, 0]] * 2)
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        document_relevance(model, ids, mask, spans)
+    assert not calls
+
+
+@pytest.mark.parametrize(
     ("keywords", "message"),
     [
         ({"positional_scaling": {"factor": 0.5}}, r"by='position_free' sets positional_scaling itself .* got"),
@@ -345,6 +432,74 @@ def test_forward_keywords_the_scoring_would_override_or_misread_are_refused_befo
     with pytest.raises(ValueError, match=message):
         reorder_documents(model, ids, mask, {"spans": SPANS, "by": "position_free"}, **keywords)
     assert not calls
+
+
+@pytest.mark.parametrize("keyword", SCORING_KEYWORDS)
+def test_the_scoring_passes_own_keywords_are_refused_by_name_before_any_forward(keyword):
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    message = rf"reorder_documents sets \['{keyword}'\] of its scoring passes itself .*: drop them"
+    with pytest.raises(TypeError, match=message):
+        document_relevance(model, ids, mask, SPANS, **{keyword: True})
+    with pytest.raises(TypeError, match=message):
+        reorder_documents(model, ids, mask, {"spans": SPANS}, **{keyword: True})
+    assert not calls
+
+
+def test_a_dummy_document_taking_the_dummy_passes_past_the_positions_the_model_reads_is_refused_before_any_forward():
+    """GPT-2 has 64 positions: dummy passes of 71 tokens would fail after the first scoring pass. SepFormer reads
+    past its table with a position_extrapolation."""
+    long = {"spans": SPANS, "by": "calibrated", "dummy_document": (5,) * 60}
+    gpt2, sepformer, (ids, mask) = tiny_gpt2("eager"), eager_model(max_position_embeddings=16), left_padded_batch()
+    calls = []
+    for model in (gpt2, sepformer):
+        model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=r"dummy_document of 60 tokens makes dummy passes of 71 tokens, past max_posi"):
+        reorder_documents(gpt2, ids, mask, long)
+    long["dummy_document"] = (5,) * 8
+    with pytest.raises(ValueError, match=r"of 8 tokens makes dummy passes of 19 tokens, position 18 is past the learn"):
+        reorder_documents(sepformer, ids, mask, long)
+    assert not calls
+    reorder_documents(sepformer, ids, mask, long, position_extrapolation="clamp")
+    assert calls
+
+
+def test_generate_refuses_a_cache_that_already_holds_the_prompt_before_any_forward():
+    """transformers' prefix-cache recipe: the cache holds the prompt in its old order."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    with torch.no_grad():
+        cache = model(ids[:, :8], attention_mask=mask[:, :8], use_cache=True).past_key_values
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    option = {"spans": SPANS, "by": SCORES}
+    with pytest.raises(ValueError, match=r"past_key_values already holds 8 tokens of the prompt in its old order"):
+        generate(model, ids, mask, reorder_documents=option, past_key_values=cache)
+    with pytest.raises(ValueError, match=r"past_key_values already holds a tuple of the prompt in its old order"):
+        generate(model, ids, mask, reorder_documents=option, past_key_values=((ids, ids),))
+    assert not calls
+    empty = SepFormerCache(config=model.config)
+    assert torch.equal(
+        generate(model, ids, mask, reorder_documents=option, past_key_values=empty),
+        generate(model, ids, mask, reorder_documents=option),
+    )
+
+
+def test_relevance_from_a_model_in_train_mode_is_refused_before_any_forward():
+    """Dropout would score the documents anew at every call, as search_positional_scaling refuses it too."""
+    model, (ids, mask) = eager_model(attention_dropout=0.5), left_padded_batch()
+    model.train()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    message = r"by='attention' scores the documents with the model, whose dropout is on in train mode: put the model"
+    with pytest.raises(ValueError, match=message):
+        document_relevance(model, ids, mask, SPANS)
+    with pytest.raises(ValueError, match=message):
+        reorder_documents(model, ids, mask, {"spans": SPANS})
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids, mask, reorder_documents={"spans": SPANS})
+    assert not calls
+    reorder_documents(model, ids, mask, {"spans": SPANS, "by": SCORES})  # given scores run no model
 
 
 def test_generate_scores_with_its_position_extrapolation():
