@@ -288,6 +288,11 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
             f"whole prompt, uncached, at the positions of its padding mask): drop them."
         )
     if not options.from_model:
+        if model_kwargs:
+            raise TypeError(
+                f"reorder_documents with relevance scores given runs no forward, so the forward keywords "
+                f"{sorted(model_kwargs)} would be ignored: drop them, or score with the model (by='attention')."
+            )
         return
     if model.training:
         raise ValueError(
@@ -469,7 +474,9 @@ def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_con
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     if prompt is None:
         raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
-    forward_kwargs = {key: kwargs[key] for key in ("position_extrapolation",) if kwargs.get(key) is not None}
+    forward_kwargs = {}  # for the scoring passes only: given scores run none
+    if options.from_model and kwargs.get("position_extrapolation") is not None:
+        forward_kwargs["position_extrapolation"] = kwargs["position_extrapolation"]
     mask = generation_padding(model, prompt, generation_config, kwargs)
     reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
     if inputs is not None:

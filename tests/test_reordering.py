@@ -509,3 +509,22 @@ def test_generate_scores_with_its_position_extrapolation():
     reordered, _, _ = reorder_documents(model, ids, mask, option, position_extrapolation="clamp")
     got = generate(model, ids, mask, reorder_documents=option, position_extrapolation="clamp")
     assert torch.equal(got, generate(model, reordered, mask, position_extrapolation="clamp"))
+
+
+@pytest.mark.parametrize("call", ["document_relevance", "reorder_documents"])
+def test_forward_keywords_with_given_scores_are_refused_not_ignored(call):
+    """Given scores run no forward: a forward keyword would be silently ignored."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    with pytest.raises(TypeError, match=r"position_extrapolation.*would be ignored"):
+        if call == "document_relevance":
+            document_relevance(model, ids, mask, SPANS, by=SCORES, position_extrapolation="clamp")
+        else:
+            reorder_documents(model, ids, mask, {"spans": SPANS, "by": SCORES}, position_extrapolation="clamp")
+
+
+def test_generate_with_given_scores_and_a_forward_keyword_reorders_and_generates_with_it():
+    model, (ids, mask) = eager_model(), left_padded_batch()
+    option = {"spans": SPANS, "by": SCORES}
+    got = generate(model, ids, mask, reorder_documents=option, position_extrapolation="clamp")
+    reordered = reorder_documents(model, ids, mask, option)[0]
+    assert torch.equal(got, generate(model, reordered, mask, position_extrapolation="clamp"))
