@@ -75,6 +75,14 @@ REFUSED = [
     ("benchmark", ["--reps", "0"], f"--reps: 0 {AT_LEAST_1}"),
     ("benchmark", ["--threads", "0"], f"--threads: 0 {AT_LEAST_1}"),
     ("benchmark", ["--seed", "-1"], f"--seed: -1 {AT_LEAST_0}"),
+    # the memory workers' own flags: argparse's error, not a traceback from the run
+    ("benchmark", ["--memory-worker", "SepFormer,Bloom"], "--memory-worker: 'Bloom' in 'SepFormer,Bloom': give a "
+                                                          "comma-separated list of SepFormer, GPT-2, Llama"),
+    ("benchmark", ["--shape-json", "{"], "--shape-json: '{' is not JSON (Expecting property name"),
+    ("benchmark", ["--shape-json", "[1]"], "--shape-json: '[1]' is not a JSON object of Shape fields (hidden_size, "),
+    ("benchmark", ["--shape-json", '{"width": 8}'], """--shape-json: '{"width": 8}' is not a JSON object of Shape"""),
+    ("benchmark", ["--shape-json", '{"prefill_lengths": 64, "reps": 0, "layers": 2}'],
+     "--shape-json: prefill_lengths, reps in '{"),
     ("count_kernels", ["--tokens", "0"], f"--tokens: 0 {AT_LEAST_1}"),
     ("count_kernels", ["--top", "-1"], f"--top: -1 {AT_LEAST_1}"),
     *[("count_params_flops", [flag, "0"], f"{flag}: 0 {AT_LEAST_1}")
