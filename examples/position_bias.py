@@ -517,9 +517,10 @@ def differences(saved: dict, wanted: dict) -> str:
 
 def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module, dict] | None:
     """With `--reuse-models`, the model a run saved for this contender and seed, loaded, and its training record;
-    `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record
-    that does not read, other training settings or config fields in the record or in `config.json` (reusing it would
-    report another experiment), and weights that do not load, of another dtype than the model's or not finite."""
+    `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record that does
+    not read or lacks a field of `TRAINING_RECORD`, other training settings or config fields in the record or in
+    `config.json` (reusing it would report another experiment), and weights that do not load, of another dtype than
+    the model's or not finite."""
     folder = model_dir(args, contender, seed)
     if not args.reuse_models or not (folder / "training.json").exists():
         return None
