@@ -128,7 +128,7 @@ def test_in2_rows_leave_the_base_rows_unchanged(tmp_path):
     assert attention[0] == attention[1]
 
 
-def test_in2_rows_are_the_fine_tuned_copy_s(monkeypatch):
+def test_in2_rows_evaluate_the_fine_tuned_copy(monkeypatch):
     """The fine-tune (here replaced by one that makes the copy answer every prompt right) is what the IN2 rows
     evaluate: evaluating the base model instead would give its own accuracy, not 1 at every slot."""
     args, vocab, contender, model = untrained("gpt2")
