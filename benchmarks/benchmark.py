@@ -679,6 +679,39 @@ def header(shape: Shape, args, load_before: float, elapsed: float) -> str:
     return text
 
 
+def model_names(text: str) -> list[str]:
+    """--memory-worker: a comma-separated list of `MODELS`."""
+    names = text.split(",")
+    if unknown := [name for name in names if name not in MODELS]:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))} in {text!r}: give a comma-separated list "
+                                         f"of {', '.join(MODELS)}")
+    return names
+
+
+def shape_json(text: str) -> Shape:
+    """--shape-json: a JSON object of `Shape` fields, each a positive integer (a list of them for a tuple field)."""
+    try:
+        fields = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error})") from None
+    defaults = dataclasses.asdict(Shape())
+    if not isinstance(fields, dict) or set(fields) - set(defaults):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of Shape fields ({', '.join(defaults)})")
+
+    def positive(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    def fits(name, value) -> bool:
+        if isinstance(defaults[name], tuple):
+            return isinstance(value, list) and len(value) > 0 and all(map(positive, value))
+        return positive(value)
+
+    if wrong := [name for name, value in fields.items() if not fits(name, value)]:
+        raise argparse.ArgumentTypeError(f"{', '.join(wrong)} in {text!r}: each field is a positive integer (a list "
+                                         "of them for prefill_lengths and generate_batches)")
+    return Shape(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the smoke preset (tiny shape, 3 repetitions)")
@@ -688,19 +721,16 @@ def main(argv=None):
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
-    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
-    parser.add_argument("--shape-json", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", type=model_names, help=argparse.SUPPRESS)  # what measure_memory runs
+    parser.add_argument("--shape-json", type=shape_json, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()
 
-    shape = TINY if args.tiny else FULL
-    if args.shape_json:
-        fields = json.loads(args.shape_json)
-        shape = Shape(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    shape = args.shape_json or (TINY if args.tiny else FULL)
     if args.reps is not None:
         shape = dataclasses.replace(shape, reps=args.reps)
     if args.memory_worker:
-        memory_worker(args.memory_worker.split(","), shape, args.seed, shape.reps)
+        memory_worker(args.memory_worker, shape, args.seed, shape.reps)
         return
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -1,13 +1,16 @@
-"""Argument types shared by the command lines of the examples and the benchmarks.
+"""Argument types shared by the command lines of the examples and the benchmarks, and checks of flags given together.
 
-Each is an argparse `type=` (or `action=`): a bad value stops the command before any work, with argparse's usage line
-and `argument --flag: <what was given and what is allowed>`. The benchmarks import this module from `examples/`.
+Each type is an argparse `type=` (or `action=`): a bad value stops the command before any work, with argparse's usage
+line and `argument --flag: <what was given and what is allowed>`; so do flags that a run would not read beside another
+(`refuse_beside`). The benchmarks import this module from `examples/`.
 """
 
 import argparse
 import math
 import os
 from pathlib import Path
+
+import torch
 
 
 def int_at_least(minimum: int):
@@ -66,6 +69,42 @@ def existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text!r} is not a file")
     return text
+
+
+def trainer_device(text: str) -> str:
+    """A device type that `Trainer` trains on: the CPU or this machine's accelerator (`torch.accelerator`). Another
+    (`cuda` on a machine without a GPU) is refused, where Trainer would silently train on the CPU, and so is a device
+    index: Trainer places the model on each process's own device."""
+    accelerator = torch.accelerator.current_accelerator()
+    available = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; give {' or '.join(available)}") from None
+    if device.index is not None:
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: Trainer places the model on each process's own "
+                                         f"device; give {device.type} (and choose GPUs with CUDA_VISIBLE_DEVICES)")
+    if device.type not in available:
+        raise argparse.ArgumentTypeError(f"{text} is not available on this machine (it has {' and '.join(available)}): "
+                                         f"give {' or '.join(available)}")
+    return text
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The flags that `argv` gives (each by its first option string), whatever their values: a flag given its default
+    counts. Argparse leaves alone what the namespace it fills already holds, so a marker left in place is a flag not
+    given."""
+    unset = object()
+    namespace = parser.parse_args(argv, argparse.Namespace(**{action.dest: unset for action in parser._actions}))
+    return {action.option_strings[0] for action in parser._actions
+            if action.option_strings and getattr(namespace, action.dest) is not unset}
+
+
+def refuse_beside(parser: argparse.ArgumentParser, given: set[str], flag: str, others, why: str) -> None:
+    """`flag`, given, beside any of `others` (flags that a run with `flag` would not read): argparse's error, naming
+    them, rather than a silently ignored flag."""
+    if flag in given and (unread := sorted(set(others) & given)):
+        parser.error(f"argument {flag}: not allowed with {', '.join(unread)}: {why}")
 
 
 class Distinct(argparse.Action):

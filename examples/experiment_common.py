@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 # examples/ is on the path of every script that imports this module
-from cli_arguments import Distinct, nonnegative_int, positive_float, positive_int
+from cli_arguments import Distinct, nonnegative_int, positive_float, positive_int, trainer_device
 from tqdm.auto import tqdm
 from transformers import (
     BloomConfig,
@@ -108,7 +108,8 @@ def experiment_parser(description: str, quick: str) -> argparse.ArgumentParser:
     parser.add_argument("--num-heads", type=positive_int)
     parser.add_argument("--batch-size", type=positive_int, help="sequences per step, over all processes")
     parser.add_argument("--learning-rate", type=positive_float)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=trainer_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or this machine's accelerator (default: cuda where there is a GPU)")
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs that have it, or CPU)")
     precision.add_argument("--fp16", action="store_true", help="fp16 mixed precision (CUDA GPUs only)")
@@ -141,11 +142,7 @@ def check_training_arguments(parser: argparse.ArgumentParser, args) -> None:
     if args.batch_size % world_size():
         parser.error(f"argument --batch-size: {args.batch_size} does not split over {world_size()} processes: give a "
                      f"multiple of {world_size()} (each process takes an equal share of every step's batch)")
-    device = torch.device(args.device)
-    if device.index is not None:
-        parser.error(f"argument --device: {args.device} is not allowed: Trainer places the model on each process's "
-                     f"own device; give {device.type} (and choose GPUs with CUDA_VISIBLE_DEVICES)")
-    if args.fp16 and device.type != "cuda":
+    if args.fp16 and torch.device(args.device).type != "cuda":
         parser.error(f"argument --fp16: not allowed with --device {args.device}: fp16 mixed precision needs a CUDA "
                      "GPU; give --bf16 instead")
 

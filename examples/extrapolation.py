@@ -61,9 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_arguments import (  # noqa: E402
     Distinct,
     existing_file,
+    given_flags,
     int_at_least,
     output_directory,
     positive_int,
+    refuse_beside,
 )
 from demo import byte_blocks, stdlib_sources  # noqa: E402
 from experiment_common import (  # noqa: E402
@@ -180,9 +182,7 @@ def check_models(args, vocab_size: int) -> None:
 
 def load_texts(args) -> tuple[list[str], list[str]]:
     """Train and validation documents: files, a Hub data set, or (default) the standard library's source."""
-    if args.train_file or args.validation_file:
-        if not (args.train_file and args.validation_file):
-            raise SystemExit("--train-file and --validation-file go together")
+    if args.train_file:
         def read(paths):
             return [Path(path).read_text(encoding="utf-8", errors="replace") for path in paths]
 
@@ -406,16 +406,31 @@ RESULT_FIELDS = ["model", "method", "seed", "train_length", "length", "bits_per_
 
 def read_csv(paths: list[str], args) -> list[dict]:
     """The rows of earlier runs' `results.csv` (e.g. one run per seed, run side by side), typed as a run makes them.
-    The preset's flags must be those of the runs: the table's caption and lengths come from them."""
-    rows = []
+    The preset's flags must be those of the runs: the table's caption and lengths come from them. A file that lacks a
+    column or a value, or a cell (model, method, seed, length) that two files (or one) hold twice, is refused: the
+    table would count it twice."""
+    rows, origin = [], {}
     for path in paths:
         with open(path, newline="") as handle:
-            for row in csv.DictReader(handle):
-                for name in ("seed", "train_length", "length", "tokens_scored", "parameters", "train_steps"):
-                    row[name] = int(row[name])
-                for name in ("bits_per_byte", "bits_per_byte_beyond_L"):
-                    row[name] = float(row[name])
+            reader = csv.DictReader(handle)
+            if missing := [name for name in RESULT_FIELDS if name not in (reader.fieldnames or ())]:
+                raise SystemExit(f"--from-csv {path} has no column {', '.join(missing)}: give the results.csv that "
+                                 "an extrapolation run wrote")
+            for row in reader:
+                try:
+                    typed(row, ("seed", "train_length", "length", "tokens_scored", "parameters", "train_steps"), int)
+                    typed(row, ("bits_per_byte", "bits_per_byte_beyond_L"), float)
+                except ValueError as error:
+                    raise SystemExit(f"--from-csv {path}, line {reader.line_num}: {error}") from None
+                cell = (row["model"], row["method"], row["seed"], row["length"])
+                if cell in origin:
+                    raise SystemExit(f"--from-csv {origin[cell]} and {path} both hold {row['model']} / "
+                                     f"{row['method']}, seed {row['seed']}, length {row['length']}: give each run's "
+                                     "results once")
+                origin[cell] = path
                 rows.append(row)
+    if not rows:
+        raise SystemExit(f"--from-csv {' '.join(paths)}: no rows; give the results.csv that an extrapolation run wrote")
     if {row["train_length"] for row in rows} != {args.block_size} or {row["train_steps"] for row in rows} != {
             args.max_steps}:
         raise SystemExit(f"--from-csv rows were trained at L={sorted({r['train_length'] for r in rows})} for "
@@ -424,6 +439,16 @@ def read_csv(paths: list[str], args) -> list[dict]:
     first = next(row for row in rows if row["length"] == args.block_size)
     args.eval_tokens_used = first["tokens_scored"] * args.block_size // (args.block_size - 1)
     return rows
+
+
+def typed(row: dict, names, kind) -> None:
+    """`row[name]` as `kind` (int or float) for each of `names`; a ValueError that names the column and value."""
+    for name in names:
+        try:
+            row[name] = kind(row[name])
+        except (TypeError, ValueError):  # TypeError: a row shorter than the header (None)
+            raise ValueError(f"column {name} holds {row[name]!r}, not {'an integer' if kind is int else 'a number'}"
+                             ) from None
 
 
 def plot(rows: list[dict], args, path: Path) -> None:
@@ -484,14 +509,34 @@ def parse_args(argv=None):
     parser.add_argument("--dataset-name", help="a Hub data set with train and validation (or test) splits")
     parser.add_argument("--dataset-config")
     parser.add_argument("--text-column", default="text")
-    parser.add_argument("--from-csv", type=existing_file, nargs="+", metavar="RESULTS_CSV",
+    parser.add_argument("--from-csv", type=existing_file, nargs="+", action=Distinct, metavar="RESULTS_CSV",
                         help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
                              "seed, side by side), with the preset flags those runs had")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/extrapolation")
     args = parser.parse_args(argv)
+    check_flags_given(parser, given_flags(parser, argv))
     apply_preset(parser, args, PRESETS)
     args.methods = tuple(args.methods or sepformer.EXTRAPOLATION_METHODS)
     return args
+
+
+# What a table made --from-csv reads: the rest (seeds, models, data, training) is the runs' that wrote the CSV.
+FROM_CSV_READS = {"--from-csv", "--output-dir", "--quick", "--tiny", "--block-size", "--max-steps", "--batch-size"}
+
+
+def check_flags_given(parser, given: set[str]) -> None:
+    """Refuse flags that the run would not read: beside --from-csv all but the table's, and all but one source of
+    text (the files, a Hub data set or --text)."""
+    refuse_beside(parser, given, "--from-csv", given - FROM_CSV_READS,
+                  "the table is made from the CSV's rows, their seeds, models and methods; give only the preset flags "
+                  "of the runs that wrote them")
+    refuse_beside(parser, given, "--train-file", ["--dataset-name", "--dataset-config", "--text-column", "--text"],
+                  "the text is the files'")
+    refuse_beside(parser, given, "--dataset-name", ["--text"], "the text is the data set's")
+    for flag, needed in (("--train-file", "--validation-file"), ("--validation-file", "--train-file"),
+                         ("--dataset-config", "--dataset-name"), ("--text-column", "--dataset-name")):
+        if flag in given and needed not in given:
+            parser.error(f"argument {flag}: read only with {needed}: give both or neither")
 
 
 def main(argv=None):
@@ -505,7 +550,6 @@ def run(args) -> list[dict]:
     transformers.logging.set_verbosity_error()  # config chatter of the peers (e.g. GPT-2's default loss_type)
     datasets.disable_progress_bars()  # the bars that matter are training's and evaluation's
     output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     if args.from_csv:
@@ -526,6 +570,7 @@ def run(args) -> list[dict]:
     print("\n" + table + "\n")
     if not is_main_process():
         return rows
+    output_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("bits_per_byte", "bits_per_byte_beyond_L"))
     (output_dir / "results.md").write_text(table + "\n")
     plot(rows, args, output_dir / "extrapolation.png")

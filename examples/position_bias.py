@@ -487,6 +487,10 @@ TRAINING_SETTINGS = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_a
 UNRECORDED_CONFIG = ("dtype", "architectures", "transformers_version", "_name_or_path")
 
 
+# What `training.json` holds (`trained_model` writes it), and the type of each.
+TRAINING_RECORD = {"settings": dict, "config": dict, "train_loss": float | int, "train_seconds": float | int}
+
+
 def seeded_build(contender: Contender, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)  # the same initial weights for a given seed, trained here or rebuilt to load saved ones
     return contender.build()
@@ -513,9 +517,10 @@ def differences(saved: dict, wanted: dict) -> str:
 
 def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module, dict] | None:
     """With `--reuse-models`, the model a run saved for this contender and seed, loaded, and its training record;
-    `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record
-    that does not read, other training settings or config fields in the record or in `config.json` (reusing it would
-    report another experiment), and weights that do not load, of another dtype than the model's or not finite."""
+    `None` when there is none (or without the flag). Refuses, naming the folder and what is wrong, a record that does
+    not read or lacks a field of `TRAINING_RECORD`, other training settings or config fields in the record or in
+    `config.json` (reusing it would report another experiment), and weights that do not load, of another dtype than
+    the model's or not finite."""
     folder = model_dir(args, contender, seed)
     if not args.reuse_models or not (folder / "training.json").exists():
         return None
@@ -526,9 +531,15 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
 
     try:
         record = json.loads((folder / "training.json").read_text())
-        settings, config = record["settings"], record["config"]
-    except (ValueError, KeyError, TypeError) as error:
+    except ValueError as error:
         refuse(f"has a training.json that does not read ({type(error).__name__}: {error})")
+    if not isinstance(record, dict):
+        refuse(f"has a training.json that holds a {type(record).__name__}, not an object")
+    if wrong := [f"{key} is {'missing' if key not in record else 'a ' + type(record[key]).__name__}"
+                 for key, kind in TRAINING_RECORD.items() if not isinstance(record.get(key), kind)]:
+        refuse(f"has a training.json where {', '.join(wrong)} (a record holds the objects settings and config and the "
+               "numbers train_loss and train_seconds)")
+    settings, config = record["settings"], record["config"]
     if differing := differences(settings, training_settings(args, seed)):
         refuse(f"was trained with other settings ({differing})")
     model = seeded_build(contender, seed)
@@ -903,7 +914,8 @@ def parse_args(argv=None):
     parser.add_argument("--models", nargs="+",
                         help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
-                        help="mitigations to evaluate (default: all); 'none' alone: no mitigation")
+                        help="mitigations to evaluate (default: all), always beside 'none', the models as they "
+                             "are, that every mitigation is compared with; 'none' alone: no mitigation")
     parser.add_argument("--in2-fractions", type=positive_float, nargs="+", action=Distinct,
                         help="IN2 fine-tunes' budgets as fractions of --max-steps, one row each (default: "
                              f"{' '.join(map(str, IN2_FRACTIONS))}); needs 'in2' in --mitigations")
@@ -939,12 +951,12 @@ def parse_args(argv=None):
         args.max_steps = preset["max_steps"] * args.num_pairs // preset["num_pairs"]
     apply_preset(parser, args, PRESETS)
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
-    args.mitigations = tuple(args.mitigations or MITIGATION_NAMES)
+    args.mitigations = tuple(dict.fromkeys((NONE, *(args.mitigations or MITIGATION_NAMES))))  # the baseline first
     if args.in2_fractions is not None and IN2 not in args.mitigations:
         raise SystemExit(f"--in2-fractions {' '.join(map(str, args.in2_fractions))}: read only by the IN2 rows, and "
                          f"--mitigations {' '.join(args.mitigations)} has no '{IN2}': add it or drop the flag")
     args.in2_fractions = tuple(args.in2_fractions or IN2_FRACTIONS)
-    if none_steps := [fraction for fraction in args.in2_fractions if in2_steps(args, fraction) < 1]:
+    if IN2 in args.mitigations and (none_steps := [f for f in args.in2_fractions if in2_steps(args, f) < 1]):
         raise SystemExit(f"--in2-fractions {' '.join(map(str, none_steps))}: of --max-steps {args.max_steps} "
                          "rounds to 0 fine-tuning steps; give fractions that round to at least one step")
     args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])

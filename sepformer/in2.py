@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     import datasets
@@ -33,6 +34,8 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
     path of a text file read as one document) is tokenized without special tokens and each document cut into segments of
     `segment_length` tokens (a shorter tail is dropped). Every example holds `n` distinct segments drawn at random, `n`
     as many as fit beside the question and answer (the same for every example: all examples have the same length).
+    `context_length` is at most the model's length (its `max_position_embeddings`: a learned positional table has no
+    row past it); only the tokenizer is given, so it is checked against the tokenizer's `model_max_length`.
 
     The question quotes `span_length` tokens of each of `segments_per_question` gold segments, each span occurring
     exactly once in the context (otherwise redrawn), so that the context determines the answer. `question="follows"`:
@@ -53,6 +56,12 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
     check_arguments(context_length=context_length, segment_length=segment_length, num_examples=num_examples,
                     question=question, segments_per_question=segments_per_question, span_length=span_length,
                     answer_length=answer_length, seed=seed, text_column=text_column)
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(f"tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}: give a transformers tokenizer "
+                        "(a PreTrainedTokenizerBase, e.g. SepFormerTokenizer() or AutoTokenizer.from_pretrained(...)).")
+    if context_length > tokenizer.model_max_length:
+        raise ValueError(f"context_length={context_length} is longer than the tokenizer's model_max_length="
+                         f"{tokenizer.model_max_length}: give at most the model's length (max_position_embeddings).")
     texts = source_texts(texts_or_dataset, text_column)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no eos_token: IN2 examples end with eos; "
@@ -132,10 +141,18 @@ def source_texts(source, text_column: str | None) -> list[str]:
                          f"source is a {type(source).__name__}: leave text_column out.")
     if isinstance(source, str | os.PathLike):
         path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"{str(source)!r} is not a file: give the path of a text file, a list of strings or a "
-                             "datasets.Dataset.")
-        return [path.read_text(encoding="utf-8")]
+        try:
+            is_file = path.is_file()
+        except OSError:  # a text given as the source: "File name too long"
+            is_file = False
+        if not is_file:
+            raise ValueError(f"{str(source)!r:.80} is not a file: a str source is the path of a text file; give a text "
+                             "as a list of strings ([text]), or a datasets.Dataset.")
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as error:
+            raise ValueError(f"the source file {str(path)!r} is not UTF-8 text ({error}): give a UTF-8 file, or its "
+                             "text decoded as a list of strings.") from None
     if isinstance(source, datasets.Dataset):
         text_column = text_column or "text"
         if text_column not in source.column_names:
@@ -147,9 +164,10 @@ def source_texts(source, text_column: str | None) -> list[str]:
     else:
         raise TypeError(f"the source is a {type(source).__name__}: give a list of strings, a datasets.Dataset or the "
                         "path of a text file.")
-    wrong = next((text for text in texts if not isinstance(text, str)), None)
+    wrong = next((index for index, text in enumerate(texts) if not isinstance(text, str)), None)
     if wrong is not None:
-        raise TypeError(f"the source holds a {type(wrong).__name__} ({wrong!r:.60}): every text must be a str.")
+        raise TypeError(f"the source holds a {type(texts[wrong]).__name__} ({texts[wrong]!r:.60}) at index {wrong}: "
+                        "every text must be a str.")
     if not texts:
         raise ValueError("the source holds no text: give at least one document.")
     return list(texts)

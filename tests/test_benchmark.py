@@ -1,5 +1,7 @@
 """`benchmarks/benchmark.py`: the speed and memory comparison, run end to end at its `--tiny` preset."""
 
+import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -67,3 +69,10 @@ def test_every_mitigation_is_timed_against_plain_sepformer(run):
         for batch in (1, 2):
             row = overhead[(f"generate_b{batch}_mitigation_{mitigation}", f"SepFormer + {mitigation} / SepFormer")]
             assert math.isfinite(float(row["median"])) and float(row["median"]) > 0 and row["n"] == "2", row
+
+
+def test_the_memory_workers_shape_travels_as_json():
+    """`measure_memory` hands each worker its shape as JSON: read back, it is the same shape."""
+    for shape in (benchmark.TINY, benchmark.FULL):
+        assert benchmark.shape_json(json.dumps(dataclasses.asdict(shape))) == shape
+    assert benchmark.model_names("GPT-2,Llama") == ["GPT-2", "Llama"]

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
@@ -44,6 +45,22 @@ REFUSED = [
     ("extrapolation", ["--train-file", "missing.txt", "--validation-file", "README.md"],
      "--train-file: 'missing.txt' is not a file"),
     ("extrapolation", ["--from-csv", "missing.csv"], "--from-csv: 'missing.csv' is not a file"),
+    # flags that the run would not read beside another: refused, not silently dropped
+    *[("extrapolation", ["--train-file", "README.md", "--validation-file", "README.md", *other],
+       f"--train-file: not allowed with {other[0]}: the text is the files'") for other in (
+        ["--dataset-name", "x"], ["--text", "source"], ["--text", "docs"])],
+    ("extrapolation", ["--train-file", "README.md", "--validation-file", "README.md", "--dataset-config", "c",
+                       "--text-column", "body"], "--train-file: not allowed with --dataset-config, --text-column"),
+    ("extrapolation", ["--dataset-name", "x", "--text", "docs"], "--dataset-name: not allowed with --text"),
+    ("extrapolation", ["--train-file", "README.md"], "--train-file: read only with --validation-file"),
+    ("extrapolation", ["--validation-file", "README.md"], "--validation-file: read only with --train-file"),
+    ("extrapolation", ["--dataset-config", "c"], "--dataset-config: read only with --dataset-name"),
+    ("extrapolation", ["--text-column", "body"], "--text-column: read only with --dataset-name"),
+    ("extrapolation", ["--from-csv", "README.md", "--seeds", "0", "1"], "--from-csv: not allowed with --seeds: the "
+                                                                        "table is made from the CSV's rows"),
+    ("extrapolation", ["--tiny", "--from-csv", "README.md", "--models", "llama", "--methods", "clamp", "--device",
+                       "cpu"], "--from-csv: not allowed with --device, --methods, --models"),
+    ("extrapolation", ["--from-csv", "README.md", "README.md"], "--from-csv: README.md given more than once"),
     ("position_bias", ["--seeds", "1", "0", "1"], "--seeds: 1 given more than once in 1 0 1"),
     ("position_bias", ["--eval-pairs", "2", "2"], "--eval-pairs: 2 given more than once"),
     ("position_bias", ["--mitigations", "none", "none"], "--mitigations: none given more than once"),
@@ -58,6 +75,14 @@ REFUSED = [
     ("benchmark", ["--reps", "0"], f"--reps: 0 {AT_LEAST_1}"),
     ("benchmark", ["--threads", "0"], f"--threads: 0 {AT_LEAST_1}"),
     ("benchmark", ["--seed", "-1"], f"--seed: -1 {AT_LEAST_0}"),
+    # the memory workers' own flags: argparse's error, not a traceback from the run
+    ("benchmark", ["--memory-worker", "SepFormer,Bloom"], "--memory-worker: 'Bloom' in 'SepFormer,Bloom': give a "
+                                                          "comma-separated list of SepFormer, GPT-2, Llama"),
+    ("benchmark", ["--shape-json", "{"], "--shape-json: '{' is not JSON (Expecting property name"),
+    ("benchmark", ["--shape-json", "[1]"], "--shape-json: '[1]' is not a JSON object of Shape fields (hidden_size, "),
+    ("benchmark", ["--shape-json", '{"width": 8}'], """--shape-json: '{"width": 8}' is not a JSON object of Shape"""),
+    ("benchmark", ["--shape-json", '{"prefill_lengths": 64, "reps": 0, "layers": 2}'],
+     "--shape-json: prefill_lengths, reps in '{"),
     ("count_kernels", ["--tokens", "0"], f"--tokens: 0 {AT_LEAST_1}"),
     ("count_kernels", ["--top", "-1"], f"--top: -1 {AT_LEAST_1}"),
     *[("count_params_flops", [flag, "0"], f"{flag}: 0 {AT_LEAST_1}")
@@ -113,6 +138,23 @@ def test_no_numeric_argument_is_a_bare_int_or_float(script, monkeypatch):
     actions = parsed.value.args[0]._actions
     assert any(action.type is not None for action in actions)  # the capture saw this script's own parser
     assert [action.dest for action in actions if action.type in (int, float)] == []
+
+
+@pytest.mark.parametrize("script", EXPERIMENTS)
+def test_a_device_the_machine_lacks_is_refused(script, monkeypatch, capsys):
+    """Not trained on the CPU instead, as Trainer does where `--device cuda` finds no GPU."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: None)
+    message = refusal(script, ["--tiny", "--device", "cuda"], capsys)
+    assert "argument --device: cuda is not available on this machine (it has cpu): give cpu" in message
+    assert "argument --device: 'gpu' is not a torch device; give cpu" in refusal(script, ["--device", "gpu"], capsys)
+
+
+def test_flags_read_together_are_accepted():
+    args = extrapolation.parse_args(["--dataset-name", "x", "--dataset-config", "c", "--text-column", "body"])
+    assert (args.dataset_name, args.dataset_config, args.text_column, args.text) == ("x", "c", "body", "source")
+    args = extrapolation.parse_args(["--tiny", "--from-csv", "README.md", "--block-size", "8", "--max-steps", "3",
+                                     "--batch-size", "4", "--output-dir", "elsewhere"])
+    assert (args.from_csv, args.block_size, args.seeds) == (["README.md"], 8, [0])
 
 
 def test_the_limits_themselves_are_accepted(tmp_path):

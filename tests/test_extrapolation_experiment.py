@@ -90,6 +90,40 @@ def test_table_and_plot_from_the_csv_of_runs_made_side_by_side(run, tmp_path):
     assert (tmp_path / "extrapolation.png").exists()
 
 
+FIELDS = extrapolation.RESULT_FIELDS
+
+
+def write_results(path, rows, fields=FIELDS):
+    """A results.csv of `rows`, each a row of the tiny preset's run with some fields changed."""
+    row = dict(model="Llama (rotary)", method="-", seed=0, train_length=16, length=16, bits_per_byte=2.0,
+               bits_per_byte_beyond_L="nan", tokens_scored=960, status="ok", parameters=1, train_steps=3,
+               train_bits_per_byte=2.0, train_seconds=1.0)
+    extrapolation.write_csv([{**row, **changes} for changes in rows], path, fields)
+    return str(path)
+
+
+@pytest.mark.parametrize("fields, rows, message", [
+    ([f for f in FIELDS if f not in ("seed", "length")], [{}], " has no column seed, length: give"),
+    (FIELDS, [{}, {"seed": 1, "length": "x"}], r", line 3: column length holds 'x', not an integer"),
+    (FIELDS, [{"bits_per_byte": ""}], r", line 2: column bits_per_byte holds '', not a number"),
+    (FIELDS, [], r": no rows; give the results.csv"),
+], ids=["columns missing", "not an integer", "not a number", "no rows"])
+def test_a_malformed_csv_is_refused_naming_the_file_and_what_is_wrong(fields, rows, message, tmp_path):
+    path = write_results(tmp_path / "results.csv", rows, fields)
+    with pytest.raises(SystemExit, match=re.escape(f"--from-csv {path}") + message):
+        extrapolation.read_csv([path], extrapolation.parse_args(["--tiny"]))
+
+
+def test_rows_of_a_cell_given_twice_are_refused(tmp_path):
+    """Two copies of a run's results.csv would count every row twice in the mean over seeds."""
+    args = extrapolation.parse_args(["--tiny"])
+    first, other = (write_results(tmp_path / name, [{}, {"seed": 1}]) for name in ("a.csv", "b.csv"))
+    assert len(extrapolation.read_csv([first], args)) == 2
+    with pytest.raises(SystemExit, match=f"--from-csv {first} and {other} both hold Llama \\(rotary\\) / -, seed 0, "
+                                         "length 16: give each run's results once"):
+        extrapolation.read_csv([first, other], args)
+
+
 def csv_rows(path):
     import csv
 

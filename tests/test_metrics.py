@@ -105,6 +105,16 @@ def test_perplexity_allows_impossible_tokens_and_infinite_losses():
     assert result["perplexity"] == math.inf
 
 
+def test_perplexity_past_the_float_range_is_inf_not_an_error():
+    """A mean loss over about 709.8 nats (a diverged model): exp overflows float64, the perplexity is inf."""
+    result = evaluate.load(metric_path("perplexity"), "losses").compute(predictions=[[800.0], [709.0]])
+    assert result["perplexity"] == math.inf and result["mean_loss"] == pytest.approx(754.5)
+    assert result["perplexities"] == [math.inf, pytest.approx(math.exp(709.0))]
+    logits = [[0.0, -1000.0], [0.0, 0.0]]  # position 0 predicts the label 1: a loss of 1000 nats
+    result = evaluate.load(metric_path("perplexity")).compute(predictions=[logits], references=[[0, 1]])
+    assert result["perplexity"] == math.inf and result["mean_loss"] == pytest.approx(1000.0)
+
+
 def test_accuracy_by_position_takes_tensors_and_arrays(accuracy_by_position):
     result = accuracy_by_position.compute(predictions=torch.tensor([[1, 2], [3, 4]]), references=np.array([[1, 2],
                                           [3, 5]]), positions=torch.tensor([0, 1]))

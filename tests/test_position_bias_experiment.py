@@ -128,6 +128,48 @@ def test_in2_rows_leave_the_base_rows_unchanged(tmp_path):
     assert attention[0] == attention[1]
 
 
+def test_in2_rows_evaluate_the_fine_tuned_copy(monkeypatch):
+    """The fine-tune (here replaced by one that makes the copy answer every prompt right) is what the IN2 rows
+    evaluate: evaluating the base model instead would give its own accuracy, not 1 at every slot."""
+    args, vocab, contender, model = untrained("gpt2")
+    args.in2_fractions = (0.05,)
+
+    def perfect(module, inputs, kwargs, output):
+        ids = kwargs["input_ids"]
+        documents = ids[torch.arange(len(ids)), 1 + oracle(ids, vocab).argmax(-1)]  # the gold document of each
+        answers = vocab.value(documents % vocab.num_values)
+        output.logits = torch.nn.functional.one_hot(answers, len(vocab)).float()[:, None]
+        return output
+
+    tuned = []
+
+    def fine_tune(copy, data, in2_args, description, seed):
+        assert copy is not model and in2_args.max_steps == 1 and "IN2 0.05" in description
+        tuned.append(copy.register_forward_hook(perfect, with_kwargs=True))
+        return 0.5
+
+    monkeypatch.setattr(position_bias, "train", fine_tune)
+    evaluation = {args.num_pairs: position_bias.evaluation_set(0, args.num_pairs, vocab, args)}
+    metric = evaluate.load(metric_path("accuracy_by_position"))
+    rows = position_bias.in2_rows(model, contender, 0, vocab, evaluation, metric, args)
+    assert len(tuned) == 1 and [r["accuracy"] for r in rows] == [1.0] * args.num_pairs
+    assert {(r["mitigation"], r["finetune_steps"], r["finetune_loss"]) for r in rows} == {("in2", 1, 0.5)}
+    base = position_bias.evaluate_model(model, contender.conditions(position_bias.document_spans(4), vocab)[:1],
+                                        evaluation[args.num_pairs], args.num_pairs, metric, args, contender)
+    assert [r["accuracy"] for r in base] != [1.0] * args.num_pairs  # the base model, left as it was
+
+
+def test_mitigations_without_none_run_beside_it(tmp_path, capsys):
+    """Every mitigation row is compared with the model as it is (Δ mean, the progress line): 'none' is evaluated
+    even where --mitigations leaves it out."""
+    rows = position_bias.main(["--tiny", "--max-steps", "2", "--models", "gpt", "--mitigations",
+                               "parallel_context_windows", "--output-dir", str(tmp_path)])
+    assert [mitigation for mitigation in dict.fromkeys(r["mitigation"] for r in rows)] == [
+        "none", "parallel_context_windows"]
+    table = (tmp_path / "results.md").read_text()
+    assert table.count("| parallel_context_windows |") == 2 and "nan" not in table
+
+
 def test_in2_fractions_are_checked():
     assert position_bias.parse_args(["--tiny"]).in2_fractions == (0.05, 0.2)
     with pytest.raises(SystemExit, match="--in2-fractions 0.5: read only by the IN2 rows"):
@@ -529,6 +571,13 @@ def spoil_record(folder):
     (folder / "training.json").write_text("{")
 
 
+def spoil_record_key(folder):
+    record = json.loads((folder / "training.json").read_text())
+    del record["train_loss"]
+    record["train_seconds"] = "1.5"
+    (folder / "training.json").write_text(json.dumps(record))
+
+
 def spoil_config_json(folder):
     config = json.loads((folder / "config.json").read_text())
     config["n_inner"] = 7  # the record left as it was
@@ -562,12 +611,13 @@ def saved_gpt2(tmp_path_factory):
         (spoil_config, r"holds a model of another config \(n_inner 7 there, None here\)"),
         (spoil_weights, r"has weights that do not load \(SafetensorError"),
         (spoil_record, r"has a training.json that does not read \(JSONDecodeError"),
+        (spoil_record_key, r"has a training.json where train_loss is missing, train_seconds is a str \(a record "),
         (spoil_config_json, r"has a config.json of another model \(n_inner 7 there, None here\)"),
         (spoil_tensors(torch.Tensor.half),
          r"has weights of another dtype \(\S+ torch.float16 there, torch.float32 here"),
         (spoil_tensors(lambda tensor: torch.full_like(tensor, math.nan)), r"has weights that are not finite \(\S+, "),
     ],
-    ids=["settings", "config", "weights", "record", "config.json", "fp16", "nan"],
+    ids=["settings", "config", "weights", "record", "record key", "config.json", "fp16", "nan"],
 )
 def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monkeypatch, tmp_path, saved_gpt2, spoil,
                                                                             message):

@@ -32,11 +32,12 @@ ignore_index, logits or losses that are no numbers (bools, strings), logits whos
 whose vocabulary differs between examples, a NaN loss (NaN or +inf logits), a negative or NaN loss in "losses" (a
 log-probability passed for a loss), and inputs with no scored token at all.
 Returns:
-    perplexity: exp of the mean loss over all scored tokens.
+    perplexity: exp of the mean loss over all scored tokens (inf past float64's range, a mean loss above about
+        709.8 nats).
     mean_loss: that mean, in nats.
     bits_per_token: mean_loss / ln 2.
     num_tokens: scored tokens.
-    perplexities: per example, exp of its mean loss (nan for an example with no scored token).
+    perplexities: per example, exp of its mean loss (nan for an example with no scored token, inf as above).
 Example:
     >>> metric = evaluate.load(metric_path("perplexity"), "losses")
     >>> metric.compute(predictions=[[math.log(2), math.log(2)], [math.log(8)]])["perplexity"]  # exp(mean) = 4
@@ -142,12 +143,17 @@ class Perplexity(evaluate.Metric):
         # float64 sums: the mean of many float32 losses should not depend on the order they were added in
         mean_loss = sum(float(row.sum()) for row in losses) / num_tokens
         return {
-            "perplexity": math.exp(mean_loss),
+            "perplexity": _exp(mean_loss),
             "mean_loss": mean_loss,
             "bits_per_token": mean_loss / math.log(2),
             "num_tokens": num_tokens,
-            "perplexities": [math.exp(row.mean()) if len(row) else float("nan") for row in losses],
+            "perplexities": [_exp(row.mean()) if len(row) else float("nan") for row in losses],
         }
+
+
+def _exp(loss: float) -> float:
+    """exp(loss), inf where it overflows float64 (math.exp would raise OverflowError past a loss of about 709.8)."""
+    return math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
 
 
 def _sized(value) -> bool:
