@@ -11,6 +11,7 @@ from huggingface_hub.dataclasses import as_validated_field
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import GenerationConfig
 
+from .mitigation_options import plain_number
 from .positional_options import EXTRAPOLATION_PARAMETERS, PositionExtrapolation
 
 # Other architectures' names for SepFormer's fields, and keywords SepFormer has no use for: what to do instead.
@@ -60,6 +61,7 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
 
         def __setattr__(self, name, value):
             if name in fields:
+                value = plain_numbers(value)
                 check_field(cls, name, value, fields[name])
             strict_setattr(self, name, value)
 
@@ -71,6 +73,17 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
         return cls
 
     return decorate
+
+
+def plain_numbers(value):
+    """`value` with each number in it (also in a dict or a list) a plain `int` or `float` (`plain_number`): fields take
+    NumPy and torch numbers as Python's, and the config saves them as JSON."""
+    if isinstance(value, dict):
+        return {key: plain_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_numbers(item) for item in value]
+    number = plain_number(value)
+    return value if number is None else number
 
 
 def check_field(cls, name, value, annotation) -> None:
