@@ -35,12 +35,18 @@ FOREIGN_KEYWORDS = {
 }
 
 # Keywords that are no field but that transformers itself passes to a config or reads from it (`__post_init__`,
-# `from_dict`, `to_dict`, Hub code, quantisation, loading, `AutoTokenizer`), and those it moves to `generation_config`.
+# `from_dict`, `to_dict`, Hub code, quantisation, loading, `AutoTokenizer`).
 TRANSFORMERS_KEYWORDS = frozenset(
     "model_type name_or_path num_labels torch_dtype output_attentions attn_implementation experts_implementation "
     "auto_map quantization_config transformers_weights tokenizer_class".split()
 )
-GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
+# Generation parameters given to a config, as transformers treats them: those with a default generation value it drops
+# (`PreTrainedConfig.__post_init__`); every other parameter of `GenerationConfig` it keeps on the config, where the
+# model's `generation_config` reads it (`GenerationConfig.from_model_config`), also after saving and loading.
+DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
+KEPT_GENERATION_KEYWORDS = frozenset(
+    name for name in vars(GenerationConfig()) if not name.startswith("_")
+) - DROPPED_GENERATION_KEYWORDS
 
 
 class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
@@ -171,9 +177,11 @@ def refuse_unless_saved(error: Exception, saved: bool) -> None:
 def _ignored_keyword(key: str, value, fields: list[str]) -> str | None:
     """Why SepFormer would ignore the keyword `key`, or `None` for those transformers reads. `None` sets nothing
     (tools copy `rope_scaling=None` from other configs); extra special tokens are checked against the vocabulary."""
-    if value is None or key.startswith("_") or key.endswith("_token_id") or key in TRANSFORMERS_KEYWORDS:
+    if value is None or key.startswith("_") or key.endswith("_token_id"):
         return None
-    if key in GENERATION_KEYWORDS:
+    if key in TRANSFORMERS_KEYWORDS or key in KEPT_GENERATION_KEYWORDS:
+        return None
+    if key in DROPPED_GENERATION_KEYWORDS:
         return (
             f"{key}={value!r}, a generation parameter: transformers does not keep it on the config (only a model "
             "loaded from a folder without generation_config.json reads it, from config.json); set it on "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_NAMES, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -95,7 +95,7 @@ EXTRAPOLATIONS = {
     "sinusoidal": sinusoidal_rows,
     "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
 }
-assert set(EXTRAPOLATIONS) == set(EXTRAPOLATION_METHODS) - {"none", "interpolate"}, "name a new method in both"
+LEARNED_TABLE_METHODS = ("none", "interpolate")  # answered by `LearnedPositions` itself, not by a function here
 
 
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
@@ -421,7 +421,26 @@ class BSplinePositions(nn.Module, PositionalMap):
 
 
 POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
-assert tuple(POSITIONAL_MAPS) == POSITIONAL_MAP_NAMES, "register a map under the name the config knows it by"
+
+
+def check_registries(methods=EXTRAPOLATION_PARAMETERS, extrapolations=EXTRAPOLATIONS, map_names=POSITIONAL_MAP_NAMES,
+                     maps=POSITIONAL_MAPS) -> None:
+    """The names the config knows (`positional_options`) and the implementations here agree: a method or map named in
+    one registry only would be accepted by the config and fail in the model, or never be reachable."""
+    for kind, named, implemented, where in (
+        ("extrapolation method", set(methods) - set(LEARNED_TABLE_METHODS), set(extrapolations), "EXTRAPOLATIONS"),
+        ("positional map", set(map_names), set(maps), "POSITIONAL_MAPS"),
+    ):
+        unimplemented, unnamed = sorted(named - implemented), sorted(implemented - named)
+        if unimplemented or unnamed:
+            raise ValueError(
+                f"the {kind} registries disagree: {unimplemented or 'none'} named in positional_options without an "
+                f"implementation in positional_maps.{where}, {unnamed or 'none'} implemented there without a name in "
+                "positional_options. Register each under the same name in both."
+            )
+
+
+check_registries()
 
 
 def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
