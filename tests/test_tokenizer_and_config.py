@@ -10,6 +10,7 @@ import torch
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub
+from sepformer.configuration_sepformer import LEGACY_EXTRAPOLATION_FIELDS
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
 
@@ -349,6 +350,22 @@ def test_a_field_the_settings_never_read_is_refused(overrides, message):
 def test_a_legacy_extrapolation_field_its_method_does_not_read_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         SepFormerConfig(**SMALL, **overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), LEGACY_UNREAD, ids=[str(o) for o, _ in LEGACY_UNREAD])
+def test_a_saved_config_with_a_legacy_extrapolation_field_its_method_does_not_read_loads_with_a_warning(
+    tmp_path, overrides, message
+):
+    SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, **overrides}))
+    for load in (SepFormerConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.warns(UserWarning, match=rf"{message}.* \(A saved config: it loads all the same\.\)"):
+            loaded = load(tmp_path)
+        config = getattr(loaded, "config", loaded)
+        assert config.position_extrapolation == overrides.get("position_extrapolation", "none")  # the field dropped
+        assert not set(LEGACY_EXTRAPOLATION_FIELDS) & set(config.to_dict())
 
 
 @pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])
