@@ -308,6 +308,33 @@ def test_a_saved_config_with_a_key_sepformer_ignores_loads_with_a_warning(tmp_pa
         AutoConfig.from_pretrained(tmp_path)
 
 
+# Generation parameters given to a config: some transformers keeps on it (the model's generation_config reads them),
+# others it drops. LlamaConfig says which.
+GENERATION_PARAMETERS = {"max_new_tokens": 3, "min_new_tokens": 2, "max_time": 5.0, "min_p": 0.1, "max_length": 7,
+                         "num_beams": 2, "temperature": 0.5, "do_sample": True, "repetition_penalty": 1.3}
+
+
+@pytest.mark.parametrize("key", list(GENERATION_PARAMETERS))
+def test_a_generation_parameter_is_accepted_where_llama_keeps_it_and_refused_where_llama_drops_it(tmp_path, key):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    value = GENERATION_PARAMETERS[key]
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, **{key: value}))
+    llama.save_pretrained(tmp_path / "llama")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    kept = getattr(llama.generation_config, key) == value
+    assert getattr(reloaded.generation_config, key) == getattr(llama.generation_config, key)
+    if not kept:
+        with pytest.raises(TypeError, match=rf"{key}={value!r}, a generation parameter: transformers does not keep"):
+            SepFormerConfig(**SMALL, **{key: value})
+        return
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL, **{key: value}))
+    assert getattr(model.generation_config, key) == value
+    model.save_pretrained(tmp_path / "sepformer")
+    assert getattr(AutoModelForCausalLM.from_pretrained(tmp_path / "sepformer").generation_config, key) == value
+
+
 def test_keywords_transformers_passes_are_accepted(tmp_path):
     given = dict(num_labels=3, output_attentions=True, attn_implementation="eager", torch_dtype="float32")
     given.update(name_or_path="somewhere", tokenizer_class="SepFormerTokenizer", sep_token_id=5)
