@@ -1,5 +1,6 @@
 """Attention Buckets (arXiv 2312.04455): copies of the input reading positions with other bases, mixed by confidence."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache_sepformer import MitigationState, SepFormerCache
 from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import AttentionBuckets
+from .positional_maps import EXTRAPOLATIONS
 
 
 def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,8 @@ class AttentionBucketsMitigation(Mitigation):
     rotary_base: float | None = None
     map_base: float | None = None
     scale: float = 1.0
+    table_rows: int | None = None  # the rows of a learned table whose extrapolation makes none past them, or None
+    extrapolation: str = "none"  # the call's method
 
     @classmethod
     def resolve(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
@@ -87,14 +91,31 @@ class AttentionBucketsMitigation(Mitigation):
                 "attention_buckets scales rescale positions, but this model reads none (position_size=0, no rotary)."
             )
         scale = options.scales[0] if options.scales is not None else 1.0
-        return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale)
+        method = call.extrapolation.method
+        rows = config.position_table_size if config.has_positional_table and method not in EXTRAPOLATIONS else None
+        return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale, rows, method)
 
     @classmethod
     def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:
         return True  # the cached keys were read with the bucket's positions: later calls need the same reading
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return position_ids if self.scale == 1.0 else position_ids * self.scale
+        if self.scale == 1.0:
+            return position_ids
+        if self.table_rows is not None and position_ids.numel() and not torch.compiler.is_compiling():
+            self.check_inside_table(int(position_ids.max()))
+        return position_ids * self.scale
+
+    def check_inside_table(self, highest: int) -> None:
+        """The scaled positions stay on the learned table, which this call's extrapolation does not extend."""
+        rows, read = self.table_rows, highest * self.scale
+        if math.ceil(read) >= rows:
+            raise ValueError(
+                f"attention_buckets scale {self.scale:g} reads position {highest} at {read:g}, past the learned "
+                f"positional table's {rows} rows, which position_extrapolation={self.extrapolation!r} does not "
+                f"extend: give scales <= {(rows - 1) / highest:g} for positions up to {highest}, or an extrapolation "
+                f"method that makes rows past the table ({', '.join(map(repr, EXTRAPOLATIONS))})."
+            )
 
     def position_bases(self) -> tuple[float | None, float | None]:
         return self.rotary_base, self.map_base
@@ -155,18 +176,21 @@ class AttentionBucketsMitigation(Mitigation):
         inputs = {key: value for key, value in inputs.items() if key not in ("past_key_values", "use_cache")}
         if cache is not None:
             state.running = True
+        # The bucket reading the farthest positions first: refused past the table, it is so before any bucket's cache
+        # holds keys.
+        scales = options.scales or (1.0,) * options.num_buckets
+        order = sorted(range(options.num_buckets), key=lambda index: -scales[index])
         try:
-            logits = torch.stack(
-                [
-                    model(
-                        **inputs,
-                        **{**options_of_call, options.name: options.bucket(index)},
-                        past_key_values=bucket_cache,
-                        use_cache=use_cache,
-                    ).logits
-                    for index, bucket_cache in enumerate(caches)
-                ]
-            )  # (B, b, seq, V)
+            by_bucket = {
+                index: model(
+                    **inputs,
+                    **{**options_of_call, options.name: options.bucket(index)},
+                    past_key_values=caches[index],
+                    use_cache=use_cache,
+                ).logits
+                for index in order
+            }
+            logits = torch.stack([by_bucket[index] for index in range(options.num_buckets)])  # (B, b, seq, V)
         finally:
             if cache is not None:
                 state.running = False

@@ -11,6 +11,7 @@ from huggingface_hub.dataclasses import as_validated_field
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import GenerationConfig
 
+from .mitigation_options import plain_number
 from .positional_options import EXTRAPOLATION_PARAMETERS, PositionExtrapolation
 
 # Other architectures' names for SepFormer's fields, and keywords SepFormer has no use for: what to do instead.
@@ -34,12 +35,18 @@ FOREIGN_KEYWORDS = {
 }
 
 # Keywords that are no field but that transformers itself passes to a config or reads from it (`__post_init__`,
-# `from_dict`, `to_dict`, Hub code, quantisation, loading, `AutoTokenizer`), and those it moves to `generation_config`.
+# `from_dict`, `to_dict`, Hub code, quantisation, loading, `AutoTokenizer`).
 TRANSFORMERS_KEYWORDS = frozenset(
     "model_type name_or_path num_labels torch_dtype output_attentions attn_implementation experts_implementation "
     "auto_map quantization_config transformers_weights tokenizer_class".split()
 )
-GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
+# Generation parameters given to a config, as transformers treats them: those with a default generation value it drops
+# (`PreTrainedConfig.__post_init__`); every other parameter of `GenerationConfig` it keeps on the config, where the
+# model's `generation_config` reads it (`GenerationConfig.from_model_config`), also after saving and loading.
+DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
+KEPT_GENERATION_KEYWORDS = frozenset(
+    name for name in vars(GenerationConfig()) if not name.startswith("_")
+) - DROPPED_GENERATION_KEYWORDS
 
 
 class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
@@ -60,6 +67,7 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
 
         def __setattr__(self, name, value):
             if name in fields:
+                value = plain_numbers(value)
                 check_field(cls, name, value, fields[name])
             strict_setattr(self, name, value)
 
@@ -71,6 +79,17 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
         return cls
 
     return decorate
+
+
+def plain_numbers(value):
+    """`value` with each number in it (also in a dict or a list) a plain `int` or `float` (`plain_number`): fields take
+    NumPy and torch numbers as Python's, and the config saves them as JSON."""
+    if isinstance(value, dict):
+        return {key: plain_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_numbers(item) for item in value]
+    number = plain_number(value)
+    return value if number is None else number
 
 
 def check_field(cls, name, value, annotation) -> None:
@@ -158,9 +177,11 @@ def refuse_unless_saved(error: Exception, saved: bool) -> None:
 def _ignored_keyword(key: str, value, fields: list[str]) -> str | None:
     """Why SepFormer would ignore the keyword `key`, or `None` for those transformers reads. `None` sets nothing
     (tools copy `rope_scaling=None` from other configs); extra special tokens are checked against the vocabulary."""
-    if value is None or key.startswith("_") or key.endswith("_token_id") or key in TRANSFORMERS_KEYWORDS:
+    if value is None or key.startswith("_") or key.endswith("_token_id"):
         return None
-    if key in GENERATION_KEYWORDS:
+    if key in TRANSFORMERS_KEYWORDS or key in KEPT_GENERATION_KEYWORDS:
+        return None
+    if key in DROPPED_GENERATION_KEYWORDS:
         return (
             f"{key}={value!r}, a generation parameter: transformers does not keep it on the config (only a model "
             "loaded from a folder without generation_config.json reads it, from config.json); set it on "

@@ -7,7 +7,7 @@ takes its dataclass, the dict of its fields (`{"gamma": 0.05}`), or `None` (off)
 
 import dataclasses
 import math
-import operator
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,23 +17,35 @@ MIN_TEMPERATURE = 1e-38  # calibration's float32 logits (Attn(doc) - bias) / t, 
 MIN_BUCKET_BASE, MAX_BUCKET_SCALE = 1e-9, 1e9
 
 
-def _as_int(value) -> int | None:
-    """`value` as a Python int if it is an integer (int, NumPy or torch integer), else `None` (floats, bools)."""
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+def plain_number(value) -> int | float | None:
+    """`value` as a plain Python `int` or `float` if it is a real number of any numeric type (Python's, NumPy's, a
+    `Fraction`, a 0-d array or tensor), else `None` (bools, NumPy's and torch's too, strings, sequences, complex
+    numbers). The one check of every number that an option or a config field takes: what it keeps is plain, so a
+    config saves as JSON."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # NumPy scalars, 0-d arrays and tensors
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def plain_integer(value) -> int | None:
+    """`value` as a plain Python `int` if it is an integer of any integer type (`plain_number`), else `None`."""
+    number = plain_number(value)
+    return number if isinstance(number, int) else None
+
+
+def _is_sequence(value) -> bool:
+    return not isinstance(value, str) and plain_number(value) is None and hasattr(value, "__iter__")
 
 
 def _as_int_tuple(name: str, field: str, value):
     if value is None:
         return None
-    if isinstance(value, int | str) or not hasattr(value, "__iter__"):
+    if not _is_sequence(value):
         raise ValueError(f"{name} {field}={value!r} must be a sequence of integers.")
     items = tuple(value)  # a generator is read once, here
-    integers = tuple(_as_int(item) for item in items)
+    integers = tuple(plain_integer(item) for item in items)
     if None in integers:
         raise ValueError(f"{name} {field}={items!r} must be a sequence of integers.")
     return integers
@@ -47,14 +59,17 @@ def _check_number(
     strict: bool = True,
     high: float | None = None,
     why: str = "",
-) -> None:
-    """A finite number above `low` (or equal, unless `strict`) and at most `high`; `why` ends the error."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+) -> int | float:
+    """`value` as a plain number (`plain_number`): finite, above `low` (or equal, unless `strict`) and at most `high`;
+    `why` ends the error."""
+    number = plain_number(value)
+    if number is None or not math.isfinite(number):
         raise ValueError(f"{name} {field}={value!r} must be a finite number.")
-    if low is not None and (value <= low if strict else value < low):
+    if low is not None and (number <= low if strict else number < low):
         raise ValueError(f"{name} {field}={value!r} must be {'>' if strict else '>='} {low}{why}.")
-    if high is not None and value > high:
+    if high is not None and number > high:
         raise ValueError(f"{name} {field}={value!r} must be <= {high:g}{why}.")
+    return number
 
 
 def _as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, ...] | None:
@@ -62,14 +77,12 @@ def _as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float,
     floats, or `None`."""
     if value is None:
         return None
-    if isinstance(value, int | float | str) or not hasattr(value, "__iter__"):
+    if not _is_sequence(value):
         raise ValueError(f"{name} {field}={value!r} must be a non-empty sequence of positive numbers.")
     items = tuple(value)
     if not items:
         raise ValueError(f"{name} {field}=() is empty: give one number per bucket.")
-    for item in items:
-        _check_number(name, field[:-1], item, **{"low": 0.0, **bounds})
-    return tuple(float(item) for item in items)
+    return tuple(float(_check_number(name, field[:-1], item, **{"low": 0.0, **bounds})) for item in items)
 
 
 def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -82,12 +95,12 @@ def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
         raise ValueError(f"{name} spans={spans!r} must be, per batch row, a sequence of (start, end).")
     for row_index, row in enumerate(rows):
         for span in row:
-            if None in (_as_int(bound) for bound in span):
+            if None in (plain_integer(bound) for bound in span):
                 raise ValueError(
                     f"{name} span {span!r} of row {row_index} must be two integers (token indices), not "
                     f"{', '.join(type(bound).__name__ for bound in span)}."
                 )
-    rows = tuple(tuple((_as_int(start), _as_int(end)) for start, end in row) for row in rows)
+    rows = tuple(tuple((plain_integer(start), plain_integer(end)) for start, end in row) for row in rows)
     if not rows or len({len(row) for row in rows}) != 1 or len(rows[0]) == 0:
         raise ValueError(
             f"{name} spans must give every batch row the same number (>= 1) of documents; got "
@@ -118,7 +131,7 @@ class MitigationOptions:
     def parse(cls, value):
         if value is None or isinstance(value, cls):  # frozen and validated when made
             return value
-        fields = [field.name for field in dataclasses.fields(cls)]
+        fields = cls.__match_args__  # the dataclass's fields; `dataclasses.fields(cls)` does not trace (torch.compile)
         if type(value).__name__ == cls.__name__ and all(hasattr(value, name) for name in fields):
             return cls(**{name: getattr(value, name) for name in fields})
         if isinstance(value, dict):
@@ -181,14 +194,14 @@ class StableMask(MitigationOptions):
     renamed: ClassVar[dict[str, str]] = {"length": "columns"}
 
     def __post_init__(self):
-        _check_number(self.name, "gamma", self.gamma, low=0.0)
-        if self.columns is not None and (
-            isinstance(self.columns, bool) or not isinstance(self.columns, int) or not 1 <= self.columns <= INT64_MAX
-        ):
+        object.__setattr__(self, "gamma", _check_number(self.name, "gamma", self.gamma, low=0.0))
+        columns = plain_integer(self.columns)
+        if self.columns is not None and (columns is None or not 1 <= columns <= INT64_MAX):
             raise ValueError(
                 f"stable_mask columns={self.columns!r} must be None or a positive integer, at most 2**63 - 1 "
                 "(positions are int64)."
             )
+        object.__setattr__(self, "columns", columns)
 
 
 @dataclass(frozen=True)
@@ -211,8 +224,9 @@ class MSPoE(MitigationOptions):
     name: ClassVar[str] = "ms_poe"
 
     def __post_init__(self):
-        _check_number(self.name, "r_min", self.r_min, low=1.0, strict=False)
-        _check_number(self.name, "r_max", self.r_max, low=1.0, strict=False)
+        for field in ("r_min", "r_max"):
+            ratio = _check_number(self.name, field, getattr(self, field), low=1.0, strict=False)
+            object.__setattr__(self, field, ratio)
         if self.r_max < self.r_min:
             raise ValueError(f"ms_poe r_max={self.r_max} must be >= r_min={self.r_min}.")
         object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
@@ -254,14 +268,9 @@ class AttentionCalibration(SpanOptions):
     bias_estimates: ClassVar[tuple[str, ...]] = ("dummy_passes", "positional")
 
     def __post_init__(self):
-        _check_number(
-            self.name,
-            "temperature",
-            self.temperature,
-            low=MIN_TEMPERATURE,
-            strict=False,
-            why=": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it",
-        )
+        why = ": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it"
+        temperature = _check_number(self.name, "temperature", self.temperature, MIN_TEMPERATURE, strict=False, why=why)
+        object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
         object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
         if self.dummy_document is not None and len(self.dummy_document) == 0:
@@ -307,13 +316,13 @@ class PositionalScaling(MitigationOptions):
     name: ClassVar[str] = "positional_scaling"
 
     def __post_init__(self):
-        _check_number(self.name, "factor", self.factor)
+        object.__setattr__(self, "factor", _check_number(self.name, "factor", self.factor))
         object.__setattr__(self, "channels", _as_int_tuple(self.name, "channels", self.channels))
         object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
         if self.channels is not None and (len(self.channels) == 0 or len(set(self.channels)) != len(self.channels)):
             raise ValueError(f"positional_scaling channels={self.channels!r} must be distinct and non-empty.")
         for field, low in (("skip_first", 0), ("last_recompute_tokens", 1)):
-            value = _as_int(getattr(self, field))
+            value = plain_integer(getattr(self, field))
             if value is None or value < low:
                 raise ValueError(f"positional_scaling {field}={getattr(self, field)!r} must be an integer >= {low}.")
             object.__setattr__(self, field, value)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_NAMES, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -95,7 +95,7 @@ EXTRAPOLATIONS = {
     "sinusoidal": sinusoidal_rows,
     "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
 }
-assert set(EXTRAPOLATIONS) == set(EXTRAPOLATION_METHODS) - {"none", "interpolate"}, "name a new method in both"
+LEARNED_TABLE_METHODS = ("none", "interpolate")  # answered by `LearnedPositions` itself, not by a function here
 
 
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
@@ -195,10 +195,10 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, store: dict | None = None
     ) -> torch.Tensor:
         """`store`: where the generation keeps rows past the table between its steps (`derived_store`), or `None`."""
-        if position_ids.is_floating_point():
-            return self.fractional(position_ids, extrapolation, store)
         if torch.compiler.is_compiling():
             return self.traceable(position_ids, extrapolation)
+        if position_ids.is_floating_point():
+            return self.fractional(position_ids, extrapolation, store)
         if position_ids.numel() == 0:
             return super().forward(position_ids)
         low, high = position_range(position_ids)
@@ -226,7 +226,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         length = self.num_embeddings
         row_needed = position_ids.amax(-1, keepdim=True) + 1  # (b or 1, 1): each row's own length
         if extrapolation.length is not None:
-            if int(row_needed.max()) > extrapolation.length:
+            if not torch.compiler.is_compiling() and int(row_needed.max()) > extrapolation.length:
                 raise ValueError(
                     f"position {int(row_needed.max()) - 1} is past position_extrapolation 'interpolate' "
                     f"length={extrapolation.length}. Past the table (L={length}), cached decoding with 'interpolate' "
@@ -275,14 +275,21 @@ class LearnedPositions(nn.Embedding, PositionalMap):
 
     def traceable(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """The same rows without data-dependent branches (under `torch.compile`): every method is evaluated at every
-        position and selected where the position is past the table. `none` indexes the table as it is."""
+        position and selected where the position is past the table; fractional positions lie between the rows at their
+        floor and the next. `none` indexes the table as it is; `interpolate` compresses each row as eagerly."""
         length, method = self.num_embeddings, extrapolation.method
+        fractional = position_ids.is_floating_point()  # table coordinates already (MS-PoE's `p(m / r)`)
+        if fractional and method not in EXTRAPOLATIONS:  # `none`, `interpolate`: between the table's rows
+            return interpolate_rows(self.weight, position_ids)
         if method == "interpolate":
-            if extrapolation.length is None or extrapolation.length <= length:
-                return super().forward(position_ids)
-            return interpolate_rows(self.weight, compress_positions(position_ids, length, extrapolation.length))
+            return self.interpolated(position_ids, extrapolation)
         if method not in EXTRAPOLATIONS:  # `none`
             return super().forward(position_ids)
+        if fractional:
+            low = position_ids.floor()
+            weight = (position_ids - low).unsqueeze(-1).to(self.weight.dtype)
+            low = low.long()
+            return torch.lerp(self.traceable(low, extrapolation), self.traceable(low + 1, extrapolation), weight)
         inside = super().forward(position_ids.clamp(max=length - 1))
         past = self.method_rows(position_ids.flatten(), extrapolation).view(*position_ids.shape, -1)
         return torch.where((position_ids >= length).unsqueeze(-1), past, inside)
@@ -414,7 +421,26 @@ class BSplinePositions(nn.Module, PositionalMap):
 
 
 POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
-assert tuple(POSITIONAL_MAPS) == POSITIONAL_MAP_NAMES, "register a map under the name the config knows it by"
+
+
+def check_registries(methods=EXTRAPOLATION_PARAMETERS, extrapolations=EXTRAPOLATIONS, map_names=POSITIONAL_MAP_NAMES,
+                     maps=POSITIONAL_MAPS) -> None:
+    """The names the config knows (`positional_options`) and the implementations here agree: a method or map named in
+    one registry only would be accepted by the config and fail in the model, or never be reachable."""
+    for kind, named, implemented, where in (
+        ("extrapolation method", set(methods) - set(LEARNED_TABLE_METHODS), set(extrapolations), "EXTRAPOLATIONS"),
+        ("positional map", set(map_names), set(maps), "POSITIONAL_MAPS"),
+    ):
+        unimplemented, unnamed = sorted(named - implemented), sorted(implemented - named)
+        if unimplemented or unnamed:
+            raise ValueError(
+                f"the {kind} registries disagree: {unimplemented or 'none'} named in positional_options without an "
+                f"implementation in positional_maps.{where}, {unnamed or 'none'} implemented there without a name in "
+                "positional_options. Register each under the same name in both."
+            )
+
+
+check_registries()
 
 
 def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:

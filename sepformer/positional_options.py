@@ -4,6 +4,8 @@ method's parameters, and `PositionExtrapolation`. `positional_maps` registers th
 
 from dataclasses import dataclass
 
+from .mitigation_options import plain_integer
+
 POSITIONAL_MAP_NAMES = ("learned", "sinusoidal", "bspline")
 SPLINE_EXTENSIONS = ("clamp", "linear")
 
@@ -43,10 +45,13 @@ class PositionExtrapolation:
     def __post_init__(self):
         if self.method not in EXTRAPOLATION_PARAMETERS:
             raise ValueError(f"position_extrapolation method {self.method!r} is unknown: choose one of {_methods()}.")
-        if not isinstance(self.components, int) or self.components < 1:
+        components, length = plain_integer(self.components), plain_integer(self.length)
+        if components is None or components < 1:
             raise ValueError(f"fourier components={self.components!r} must be a positive integer.")
-        if self.length is not None and (not isinstance(self.length, int) or self.length < 1):
+        if self.length is not None and (length is None or length < 1):
             raise ValueError(f"interpolate length={self.length!r} must be None or a positive integer.")
+        object.__setattr__(self, "components", components)  # plain integers: a config saves them as JSON
+        object.__setattr__(self, "length", length)
         unread = [
             f"{name}={getattr(self, name)!r}"
             for method, parameters in EXTRAPOLATION_PARAMETERS.items()

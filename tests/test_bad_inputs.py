@@ -2,9 +2,11 @@
 ValueError or TypeError that names what was wrong, the value and what is allowed. (Bad inputs of a model call:
 `test_bad_call_inputs.py`; the config's original checks: `test_tokenizer_and_config.py`.)"""
 
+import dataclasses
 import json
 import math
 import os
+from fractions import Fraction
 
 import evaluate
 import numpy as np
@@ -118,6 +120,7 @@ BAD_VALUES = [
     ({"eos_token_id": []}, r"eos_token_id=\[\] is not allowed: it must be None, a token id or a non-empty list"),
     ({"stable_mask": {}}, r"stable_mask=\{\} is not allowed: it must be a dict of StableMask's fields .*'gamma'"),
     ({"stable_mask": {"gamma": NAN}}, r"stable_mask gamma=nan must be a finite number"),
+    ({"position_extrapolation": {"method": "fourier", "components": True}}, r"fourier components=True must be a pos"),
     ({"position_size": 0, "position_intermediate_size": 16}, r"position_intermediate_size=16 is not used: position_"),
 ]
 
@@ -447,3 +450,86 @@ def test_an_unknown_extrapolation_method_is_refused_when_assigned():
     with pytest.raises(ValueError, match="position_extrapolation method 'Clamp' is unknown: choose one of 'none'"):
         config.position_extrapolation = "Clamp"
     assert config.position_extrapolation == "none"  # nothing written half-way
+
+
+# ------------------------------------------------------------------------------ numbers of any numeric type
+
+# (integer kind, real kind): what NumPy, torch and the standard library hand a user
+NUMERIC_KINDS = {
+    "numpy scalars": (np.int64, np.float32),
+    "numpy int32, float64": (np.int32, np.float64),
+    "0-d tensors": (torch.tensor, torch.tensor),
+    "0-d arrays": (np.array, np.array),
+    "Fraction": (int, Fraction),
+}
+
+
+@pytest.mark.parametrize("kinds", list(NUMERIC_KINDS.values()), ids=list(NUMERIC_KINDS))
+def test_config_fields_take_numbers_of_any_numeric_type_as_plain_python_numbers(tmp_path, kinds):
+    integer, real = kinds
+    config = SepFormerConfig(
+        **SMALL, max_position_embeddings=integer(64), norm_eps=real(0.25), eos_token_id=[integer(258)],
+        position_extrapolation={"method": "interpolate", "length": integer(128)},
+        stable_mask={"gamma": real(0.5), "columns": integer(64)},
+    )
+    plain = SepFormerConfig(
+        **SMALL, max_position_embeddings=64, norm_eps=0.25, eos_token_id=[258],
+        position_extrapolation={"method": "interpolate", "length": 128}, stable_mask={"gamma": 0.5, "columns": 64},
+    )
+    assert json.loads(config.to_json_string()) == json.loads(plain.to_json_string())  # plain numbers: JSON
+    config.save_pretrained(tmp_path)
+    assert SepFormerConfig.from_pretrained(tmp_path).to_dict() == plain.to_dict()
+
+
+@pytest.mark.parametrize("kinds", list(NUMERIC_KINDS.values()), ids=list(NUMERIC_KINDS))
+def test_options_take_numbers_of_any_numeric_type_as_plain_python_numbers(kinds):
+    from sepformer import PositionExtrapolation
+    from sepformer.mitigations import MITIGATIONS
+
+    integer, real = kinds
+    given = {
+        PositionExtrapolation: [dict(method="fourier", components=4), dict(method="interpolate", length=64)],
+        "stable_mask": [dict(gamma=0.5, columns=8)],
+        "ms_poe": [dict(r_min=1.5, r_max=1.75, layers=[0], head_order=[1, 0])],
+        "attention_calibration": [dict(spans=[[(0, 3)]], temperature=0.5, layers=[1], dummy_document=[5])],
+        "positional_scaling": [dict(factor=0.5, channels=[0], layers=[1], skip_first=1, last_recompute_tokens=2)],
+        "attention_buckets": [dict(bases=[0.5], scales=[0.25])],
+        "parallel_context_windows": [dict(spans=[[(0, 2), (2, 4)]])],
+    }
+
+    def of_kinds(value):
+        if isinstance(value, list):
+            return [of_kinds(item) for item in value]
+        if isinstance(value, tuple):
+            return tuple(of_kinds(item) for item in value)
+        return value if isinstance(value, str) else (integer if isinstance(value, int) else real)(value)
+
+    for name, fields in given.items():
+        options_class = MITIGATIONS[name].options_class if isinstance(name, str) else name
+        for plain in fields:
+            option = options_class(**{field: of_kinds(value) for field, value in plain.items()})
+            assert option == options_class(**plain)
+            json.dumps(dataclasses.asdict(option))  # plain Python numbers, as a config saves them
+
+
+REFUSED_BOOLS = [  # (options class, fields, message): a bool is no number, whatever its type
+    ("position_extrapolation", dict(method="fourier", components=True), r"fourier components=True must be a pos"),
+    ("position_extrapolation", dict(method="interpolate", length=np.bool_(True)), r"length=(np\.)?(bool_\()?True"),
+    ("stable_mask", dict(gamma=True), r"stable_mask gamma=True must be a finite number"),
+    ("stable_mask", dict(gamma=1.0, columns=torch.tensor(True)), r"columns=tensor\(True\) must be None or a pos"),
+    ("ms_poe", dict(r_min=True), r"ms_poe r_min=True must be a finite number"),
+    ("ms_poe", dict(head_order=[True, False]), r"ms_poe head_order=\(True, False\) must be a sequence of integers"),
+    ("attention_calibration", dict(spans=[[(0, 3)]], temperature=np.bool_(True)), r"temperature=.*True.* must be a f"),
+    ("positional_scaling", dict(skip_first=True), r"positional_scaling skip_first=True must be an integer >= 0"),
+    ("attention_buckets", dict(scales=[True]), r"attention_buckets scale=True must be a finite number"),
+]
+
+
+@pytest.mark.parametrize(("name", "fields", "message"), REFUSED_BOOLS, ids=[str(f) for _, f, _ in REFUSED_BOOLS])
+def test_a_bool_is_no_number_for_an_option(name, fields, message):
+    from sepformer import PositionExtrapolation
+    from sepformer.mitigations import MITIGATIONS
+
+    options_class = PositionExtrapolation if name == "position_extrapolation" else MITIGATIONS[name].options_class
+    with pytest.raises(ValueError, match=message):
+        options_class(**fields)

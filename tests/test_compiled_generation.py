@@ -7,28 +7,69 @@ import torch
 from conftest import random_ids, tiny_model
 from transformers import CompileConfig
 
-VARIANTS = {
-    "learned table": dict(),
-    "rotary": dict(rotary_dim=4),
-    "learned table, fourier past L": dict(max_position_embeddings=16, position_extrapolation="fourier"),
-    "B-spline map past L": dict(max_position_embeddings=16, positional_map="bspline", spline_control_points=6),
+PAST_L = dict(max_position_embeddings=16)  # 10 prompt tokens and 12 new ones reach past L
+FIXED_HEADS = {"ms_poe": {"layers": [0, 1], "head_order": [3, 2, 1, 0]}}
+VARIANTS = {  # (config, options of generate)
+    "learned table": (dict(), {}),
+    "rotary": (dict(rotary_dim=4), {}),
+    "learned table, fourier past L": (dict(PAST_L, position_extrapolation="fourier"), {}),
+    "B-spline map past L": (dict(PAST_L, positional_map="bspline", spline_control_points=6), {}),
+    "interpolate past L": (PAST_L, {"position_extrapolation": {"method": "interpolate", "length": 22}}),
+    "MS-PoE head_order, fourier past L": (dict(PAST_L, position_extrapolation="fourier"), FIXED_HEADS),
+    "MS-PoE head_order, rotary": (dict(rotary_dim=4), FIXED_HEADS),
+    "StableMask": (dict(), {"stable_mask": {"gamma": 0.5}}),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_static_cache_compiled_generation_equals_eager_greedy(variant):
     torch._dynamo.reset()
-    model = tiny_model(**VARIANTS[variant])
+    config, options = VARIANTS[variant]
+    model = tiny_model(**config)
     ids = random_ids(2, 10)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, **options)
     eager = model.generate(ids, **kwargs)
     compile_config = CompileConfig(fullgraph=True, backend="eager")
     compile_config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
     compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
     assert torch.equal(compiled, eager)
     assert model._compiled_call is not None  # the decoding steps did run compiled
+
+
+SPANS = [[[1, 4], [4, 8]]] * 2
+COMPILED_OPTIONS = {  # (config, options as a user passes them: dicts)
+    "fourier": (PAST_L, {"position_extrapolation": {"method": "fourier", "components": 4}}),
+    "interpolate without length": (PAST_L, {"position_extrapolation": "interpolate"}),
+    "stable_mask": ({}, {"stable_mask": {"gamma": 0.5}}),
+    "ms_poe ranked at prefill": ({}, {"ms_poe": {"layers": [0, 1]}}),
+    "ms_poe head_order, fourier past L": (dict(PAST_L, position_extrapolation="fourier"), FIXED_HEADS),
+    "ms_poe head_order, interpolate": (PAST_L, {**FIXED_HEADS, "position_extrapolation": {"method": "interpolate",
+                                                                                          "length": 30}}),
+    "positional_scaling": ({}, {"positional_scaling": {"layers": [1], "factor": 0.5}}),
+    "attention_calibration": ({}, {"attention_calibration": {"spans": SPANS}}),
+    "attention_calibration positional": ({}, {"attention_calibration": dict(spans=SPANS, bias_estimate="positional")}),
+    "parallel_context_windows": ({}, {"parallel_context_windows": {"spans": SPANS}}),
+    "attention_buckets, one scale": ({}, {"attention_buckets": {"scales": [0.5]}}),
+    "attention_buckets, fourier past L": (dict(PAST_L, position_extrapolation="fourier"),
+                                          {"attention_buckets": {"scales": [1.5, 0.5]}}),
+    "attention_buckets, rotary bases": (dict(rotary_dim=4), {"attention_buckets": {"bases": [100.0, 10000.0]}}),
+}
+
+
+@pytest.mark.parametrize("variant", list(COMPILED_OPTIONS))
+def test_every_option_given_as_a_dict_runs_under_fullgraph_compile_as_eagerly(variant):
+    """Options are parsed inside the traced call: parsing traces, and the positions they read (fractional ones past
+    the table among them) take no data-dependent branch."""
+    torch._dynamo.reset()
+    config, options = COMPILED_OPTIONS[variant]
+    model = tiny_model(**config)
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        eager = model(ids, **options).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, **options).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

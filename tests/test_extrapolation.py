@@ -156,6 +156,17 @@ def test_interpolate_without_a_length_refuses_cached_decoding_past_L():
         decode_step_by_step(model, ids, 10, position_extrapolation="interpolate")
 
 
+def test_interpolate_without_a_length_continues_a_cache_up_to_the_whole_table():
+    """A continued call fixes the length at the table's `position_table_size` rows, not at `L`: a table trained past
+    `L` (random offsets) decodes past `L` without compressing anything, as the full forward pass does."""
+    model = tiny_model(max_position_embeddings=L, position_table_size=4 * L, random_position_offsets=True)
+    ids = torch.randint(0, 256, (2, 3 * L), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids, position_extrapolation="interpolate").logits
+    torch.testing.assert_close(decode_step_by_step(model, ids, 6, position_extrapolation="interpolate"), full,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_cached_generation_past_L_equals_uncached(method):
     model = model_with_table()

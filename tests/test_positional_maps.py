@@ -8,7 +8,16 @@ from conftest import tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from sepformer import MSPoE, PositionExtrapolation, SepFormerCache
-from sepformer.positional_maps import bspline_basis, bspline_knots, capacity_for, randomized_positions
+from sepformer.positional_maps import (
+    EXTRAPOLATIONS,
+    POSITIONAL_MAPS,
+    bspline_basis,
+    bspline_knots,
+    capacity_for,
+    check_registries,
+    randomized_positions,
+)
+from sepformer.positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES
 
 L = 16
 D_POS = 8  # tiny_model: hidden_size 32, 4 heads
@@ -324,3 +333,22 @@ def test_a_call_continuing_a_cache_in_training_mode_reads_plain_positions():
             getattr(model, mode)()
             steps[mode] = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(steps["train"], steps["eval"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("registry", "entry", "message"),
+    [
+        ("methods", {"bogus": {}}, r"extrapolation method registries disagree: \['bogus'\] named in positional_opti"),
+        ("extrapolations", {"bogus": None}, r"\['bogus'\] implemented there without a name in positional_options"),
+        ("map_names", ("bogus",), r"positional map registries disagree: \['bogus'\] named in positional_options"),
+        ("maps", {"bogus": None}, r"positional map registries disagree: none named .* \['bogus'\] implemented"),
+    ],
+)
+def test_the_registries_of_names_and_implementations_are_checked_to_agree(registry, entry, message):
+    registries = dict(methods=EXTRAPOLATION_PARAMETERS, extrapolations=EXTRAPOLATIONS, map_names=POSITIONAL_MAP_NAMES,
+                      maps=POSITIONAL_MAPS)
+    check_registries(**registries)  # as at import
+    current = registries[registry]
+    registries[registry] = (*current, *entry) if isinstance(current, tuple) else {**current, **entry}
+    with pytest.raises(ValueError, match=message):
+        check_registries(**registries)

@@ -10,6 +10,7 @@ import torch
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub
+from sepformer.configuration_sepformer import LEGACY_EXTRAPOLATION_FIELDS
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
 
@@ -307,6 +308,33 @@ def test_a_saved_config_with_a_key_sepformer_ignores_loads_with_a_warning(tmp_pa
         AutoConfig.from_pretrained(tmp_path)
 
 
+# Generation parameters given to a config: some transformers keeps on it (the model's generation_config reads them),
+# others it drops. LlamaConfig says which.
+GENERATION_PARAMETERS = {"max_new_tokens": 3, "min_new_tokens": 2, "max_time": 5.0, "min_p": 0.1, "max_length": 7,
+                         "num_beams": 2, "temperature": 0.5, "do_sample": True, "repetition_penalty": 1.3}
+
+
+@pytest.mark.parametrize("key", list(GENERATION_PARAMETERS))
+def test_a_generation_parameter_is_accepted_where_llama_keeps_it_and_refused_where_llama_drops_it(tmp_path, key):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    value = GENERATION_PARAMETERS[key]
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, **{key: value}))
+    llama.save_pretrained(tmp_path / "llama")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    kept = getattr(llama.generation_config, key) == value
+    assert getattr(reloaded.generation_config, key) == getattr(llama.generation_config, key)
+    if not kept:
+        with pytest.raises(TypeError, match=rf"{key}={value!r}, a generation parameter: transformers does not keep"):
+            SepFormerConfig(**SMALL, **{key: value})
+        return
+    model = SepFormerForCausalLM(SepFormerConfig(**SMALL, **{key: value}))
+    assert getattr(model.generation_config, key) == value
+    model.save_pretrained(tmp_path / "sepformer")
+    assert getattr(AutoModelForCausalLM.from_pretrained(tmp_path / "sepformer").generation_config, key) == value
+
+
 def test_keywords_transformers_passes_are_accepted(tmp_path):
     given = dict(num_labels=3, output_attentions=True, attn_implementation="eager", torch_dtype="float32")
     given.update(name_or_path="somewhere", tokenizer_class="SepFormerTokenizer", sep_token_id=5)
@@ -349,6 +377,22 @@ def test_a_field_the_settings_never_read_is_refused(overrides, message):
 def test_a_legacy_extrapolation_field_its_method_does_not_read_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         SepFormerConfig(**SMALL, **overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), LEGACY_UNREAD, ids=[str(o) for o, _ in LEGACY_UNREAD])
+def test_a_saved_config_with_a_legacy_extrapolation_field_its_method_does_not_read_loads_with_a_warning(
+    tmp_path, overrides, message
+):
+    SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, **overrides}))
+    for load in (SepFormerConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.warns(UserWarning, match=rf"{message}.* \(A saved config: it loads all the same\.\)"):
+            loaded = load(tmp_path)
+        config = getattr(loaded, "config", loaded)
+        assert config.position_extrapolation == overrides.get("position_extrapolation", "none")  # the field dropped
+        assert not set(LEGACY_EXTRAPOLATION_FIELDS) & set(config.to_dict())
 
 
 @pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])
