@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from .mitigation_options import plain_integer
+
 if TYPE_CHECKING:
     import datasets
 
@@ -53,9 +55,10 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
     context, in input ids), `answer_start` (the first answer token after the question), `num_segments` (`n`).
     Deterministic for a given `seed`.
     """
-    check_arguments(context_length=context_length, segment_length=segment_length, num_examples=num_examples,
-                    question=question, segments_per_question=segments_per_question, span_length=span_length,
-                    answer_length=answer_length, seed=seed, text_column=text_column)
+    counts = check_arguments(context_length=context_length, segment_length=segment_length, num_examples=num_examples,
+                             segments_per_question=segments_per_question, span_length=span_length,
+                             answer_length=answer_length, seed=seed, question=question, text_column=text_column)
+    context_length, segment_length, num_examples, segments_per_question, span_length, answer_length, seed = counts
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(f"tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}: give a transformers tokenizer "
                         "(a PreTrainedTokenizerBase, e.g. SepFormerTokenizer() or AutoTokenizer.from_pretrained(...)).")
@@ -113,12 +116,14 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
     return datasets.Dataset.from_dict(columns)
 
 
-def check_arguments(*, question, text_column, **counts) -> None:
+def check_arguments(*, question, text_column, **counts) -> tuple[int, ...]:
+    """The counts as plain ints, in the order given, once every argument is checked."""
     minimum = {"context_length": 1, "segment_length": 1, "num_examples": 1, "segments_per_question": 1,
                "span_length": 1, "answer_length": 1, "seed": 0}
-    for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name}={value!r} is a {type(value).__name__}: give an integer >= {minimum[name]}.")
+    for name, given in counts.items():
+        value = counts[name] = plain_integer(given)
+        if value is None:
+            raise TypeError(f"{name}={given!r} is a {type(given).__name__}: give an integer >= {minimum[name]}.")
         if value < minimum[name]:
             raise ValueError(f"{name}={value} is out of range: give an integer >= {minimum[name]}.")
     if question not in QUESTIONS:
@@ -131,6 +136,7 @@ def check_arguments(*, question, text_column, **counts) -> None:
             f"span_length={counts['span_length']} plus answer_length={counts['answer_length']} is {window} tokens, "
             f"more than segment_length={counts['segment_length']}: the span and its answer lie in one segment."
         )
+    return tuple(counts.values())
 
 
 def source_texts(source, text_column: str | None) -> list[str]:

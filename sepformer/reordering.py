@@ -25,6 +25,7 @@ from .mitigation_options import (
     _as_int_tuple,
     _as_spans,
     _check_number,
+    plain_integer,
 )
 from .positional_maps import call_extrapolation, positions_from_mask
 from .spans import check_spans_in_lengths, key_documents, key_positions
@@ -75,8 +76,10 @@ class ReorderDocuments(MitigationOptions):
         object.__setattr__(self, "spans", _as_spans(self.name, self.spans))
         object.__setattr__(self, "by", self._as_source(self.by))
         check_strategy(self.strategy)
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+        rounds = plain_integer(self.rounds)
+        if rounds is None or rounds < 1:
             raise ValueError(f"reorder_documents rounds={self.rounds!r} must be an integer >= 1.")
+        object.__setattr__(self, "rounds", rounds)
         object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
         object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
         if self.dummy_document is not None and len(self.dummy_document) == 0:

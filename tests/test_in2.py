@@ -288,3 +288,8 @@ def test_the_docs_recipe_runs(tmp_path, monkeypatch):
     exec(recipe, namespace)
     state = namespace["trainer"].state
     assert state.global_step == 4 and math.isfinite(state.log_history[-1]["train_loss"])
+
+
+def test_counts_of_any_integer_type_give_the_examples_plain_ints_give():
+    numpy_and_torch = build(num_examples=np.int64(4), seed=torch.tensor(0))
+    assert numpy_and_torch.to_dict() == build(num_examples=4, seed=0).to_dict()

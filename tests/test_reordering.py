@@ -1,5 +1,6 @@
 """Reordering documents by relevance: orders, prompts and relevance against references written out by hand."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -528,3 +529,10 @@ def test_generate_with_given_scores_and_a_forward_keyword_reorders_and_generates
     got = generate(model, ids, mask, reorder_documents=option, position_extrapolation="clamp")
     reordered = reorder_documents(model, ids, mask, option)[0]
     assert torch.equal(got, generate(model, reordered, mask, position_extrapolation="clamp"))
+
+
+def test_rounds_of_any_integer_type_are_a_plain_int():
+    assert ReorderDocuments(spans=SPANS, rounds=np.int64(2)).rounds == 2
+    assert type(ReorderDocuments(spans=SPANS, rounds=torch.tensor(3)).rounds) is int
+    with pytest.raises(ValueError, match="rounds=True must be an integer"):
+        ReorderDocuments(spans=SPANS, rounds=True)
