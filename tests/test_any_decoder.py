@@ -105,6 +105,20 @@ def test_without_options_the_model_computes_what_it_computed_before(name, attn):
     assert add_mitigations(model) is model
 
 
+def test_an_implementation_set_after_add_mitigations_is_refused_until_wrapped_again():
+    model = mitigated("llama")
+    ids = random_ids(1, 8)
+    with_sdpa = logits(model, ids, stable_mask={"gamma": 0.5})
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="implementation was set to 'eager' since: call sepformer.add_mitigations"):
+        model(ids, stable_mask={"gamma": 0.5})
+    assert add_mitigations(model) is model and model.config._attn_implementation == "sepformer_mitigations_eager"
+    with torch.no_grad():
+        with_eager = model(ids, stable_mask={"gamma": 0.5}, output_attentions=True)
+    torch.testing.assert_close(with_eager.logits, with_sdpa, rtol=1e-5, atol=1e-5)
+    assert len(with_eager.attentions) == 3 and (with_eager.attentions[0].sum(-1) < 1).all()  # the sink's share
+
+
 def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
     model = mitigated("qwen2")
     ids = random_ids(1, 8)
