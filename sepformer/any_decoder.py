@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_sepformer import SepFormerCache
 from .mitigated_generation import MitigationGenerationMixin
-from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, attention_implementation
+from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigations import MITIGATIONS, parse_options, resolve_plan, with_mitigation_keywords
 from .modeling_sepformer import default_position_ids
 
@@ -162,7 +162,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             )
         inputs = forward_inputs(self, args, kwargs)
         if plan is None:
-            check_defined(self.decoder_positions, options)
+            self.check_served(options)
             cache = inputs.get("past_key_values")
             use_cache = inputs.get("use_cache")
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
@@ -224,21 +224,26 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if not layer_types:  # one kind of layer: sliding windows when the config has one (Mistral)
             sliding = getattr(config, "sliding_window", None) is not None
             return (create_sliding_window_causal_mask if sliding else create_causal_mask)(**arguments)
-        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        unknown = layer_types - set(makers)
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} has layer types {sorted(unknown)}, whose masks a mitigation's mask (parallel "
-                "context windows) cannot be added to."
-            )
-        masks = {kind: makers[kind](**arguments) for kind in layer_types}
+        masks = {kind: MASK_MAKERS[kind](**arguments) for kind in layer_types}
         return masks["full_attention"] if layer_types == {"full_attention"} else masks
 
+    def check_served(self, options: dict) -> None:
+        """Refuse, before any work, the options this model cannot serve."""
+        given = [name for name, value in options.items() if value not in (None, False)]
+        for name in given:
+            if name in NOT_ON_HF_MODELS:
+                raise ValueError(
+                    f"{name} is not available on {self.decoder_positions.description}: {NOT_ON_HF_MODELS[name]}."
+                )
+            unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
+            if unknown and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
+                raise ValueError(
+                    f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
+                    f"whose masks are not transformers' causal or sliding-window ones."
+                )
 
-def check_defined(decoder: DecoderPositions, options: dict) -> None:
-    for name, why in NOT_ON_HF_MODELS.items():
-        if options.get(name) not in (None, False):
-            raise ValueError(f"{name} is not available on {decoder.description}: {why}.")
+
+MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 @functools.cache

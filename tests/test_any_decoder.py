@@ -345,6 +345,20 @@ def test_windows_are_read_alone_and_the_task_reads_them_all(model_name):
     assert (ours[:, 14:] - logits(plain, ids)[:, 14:]).abs().max() > 1e-3
 
 
+def test_windows_keep_the_sliding_window_of_the_layers_that_have_one():
+    """Qwen2 with sliding-window layers beside full ones: each kind of layer gets its own mask with the windows."""
+    sliding = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model, plain = mitigated("qwen2", "eager", **sliding), plain_model("qwen2", "eager", **sliding)
+    spans, ids = ((2, 6), (6, 9), (9, 14)), random_ids(1, 18)
+    positions, full = windows_by_hand(ids, spans)
+    within_window = full.clone()
+    for i in range(18):
+        within_window[0, 0, i, : max(i - 7, 0)] = torch.finfo(torch.float32).min  # keys 8 or more tokens back
+    masks = {"full_attention": full, "sliding_attention": within_window}
+    reference = logits(plain, ids, attention_mask=masks, position_ids=positions)
+    torch.testing.assert_close(logits(model, ids, parallel_context_windows={"spans": [spans]}), reference)
+
+
 # ----------------------------------------------------------------------------------------------------- calibration
 
 
