@@ -293,6 +293,12 @@ def check_servable(model) -> None:
             f"add_mitigations wraps the attention implementation {implementation!r}, which has no mask function in "
             f"transformers' AttentionMaskInterface: use 'sdpa' or 'eager' (model.set_attn_implementation)."
         )
+    if implementation == "eager" and getattr(model.config, "reorder_and_upcast_attn", False):
+        raise ValueError(
+            f"{type(model).__name__} with reorder_and_upcast_attn=True computes its eager attention with code of its "
+            "own, which it runs only under the name 'eager': a registered wrapper would change what it computes. Use "
+            "attn_implementation='sdpa', or reorder_and_upcast_attn=False."
+        )
     parameters = inspect.signature(model.forward).parameters
     missing = [name for name in ("attention_mask", "position_ids", "past_key_values") if name not in parameters]
     if missing or list(parameters.values())[-1].kind is not inspect.Parameter.VAR_KEYWORD:

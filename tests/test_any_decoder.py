@@ -158,6 +158,8 @@ def test_a_model_it_cannot_serve_is_refused_naming_what_is_missing():
         add_mitigations(model)
     assert type(model) is LlamaForCausalLM and model.config._attn_implementation == "sdpa"
     assert torch.equal(logits(model, ids), before)
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=True computes its eager attention with code of its"):
+        add_mitigations(plain_model("gpt2", "eager", reorder_and_upcast_attn=True))
 
 
 def attention_of_its_own(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
