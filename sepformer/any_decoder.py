@@ -21,6 +21,7 @@ whose `forward` takes the option keywords, and whose `generate` passes them to e
 Without options, `forward` is the model's own, and its attention the wrapped function itself.
 """
 
+import copy
 import functools
 import inspect
 import sys
@@ -37,18 +38,16 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache_sepformer import SepFormerCache
+from .cache_sepformer import SepFormerCache, derived_store, kept_in
+from .decoder_attention import query_key_layout_problem, serve_attention
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, attention_implementation
-from .mitigations import MITIGATIONS, parse_options, resolve_plan, with_mitigation_keywords
-from .modeling_sepformer import default_position_ids
+from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
+from .modeling_sepformer import LOSS_KEYWORDS, default_position_ids
 
 PREFIX = "sepformer_mitigations_"
-# Options not (yet) defined on Hugging Face models by this module, with why.
-NOT_ON_HF_MODELS = {
-    "attention_buckets": "it runs the model once per rotary base, which add_mitigations does not do yet",
-    "positional_scaling": "it scales channels of the attention input, which add_mitigations does not reach yet",
-}
+# Rotary types whose frequencies change with the sequence length while the model runs: another base is not one table.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,11 +56,37 @@ class DecoderPositions:
 
     model_name: str  # the causal LM's class name, for errors
     rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
+    query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
 
     @property
     def description(self) -> str:
         kind = "rotary positions" if self.rotary is not None else "no rotary embedding, e.g. GPT-2's learned positions"
         return f"{self.model_name} ({kind})"
+
+    def check_rotary_base(self) -> None:
+        """Refuse a rotary whose tables another `rope_theta` does not define (Attention Buckets' bases)."""
+        parameters = getattr(getattr(self.rotary, "config", None), "rope_parameters", None)
+        rope_type = getattr(self.rotary, "rope_type", None)
+        if not isinstance(parameters, dict) or "rope_theta" not in parameters or rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"attention_buckets bases replace the rotary base rope_theta of {self.description}, whose rotary "
+                f"({type(self.rotary).__name__}, rope_type {rope_type!r}) "
+                + ("changes its frequencies with the sequence length" if rope_type in LENGTH_DEPENDENT_ROPE else
+                   "has no rope_parameters['rope_theta']")
+                + ": give scales=[...] instead, or use a model with a fixed rotary."
+            )
+
+    def rotary_at_base(self, base: float, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
+        """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
+        (a rotary of the model's class, built from its config with that base, kept for the generation)."""
+
+        def build() -> nn.Module:
+            config = copy.deepcopy(self.rotary.config)
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
+            return type(self.rotary)(config).to(self.rotary.inv_freq.device)
+
+        rotary = kept_in(derived_store(cache), ("rotary at base", base), build)
+        return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
 
 
 class ExpandedHeads:
@@ -82,6 +107,7 @@ class AttentionProbe:
 
     def __init__(self):
         self.layers: list[int | None] = []
+        self.modules: list[nn.Module] = []
 
 
 @functools.cache
@@ -96,20 +122,25 @@ def wrapped_function(implementation: str, module: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
-def mitigated_attention(implementation, module, query, key, value, attention_mask, mitigation_plan=None, **kwargs):
-    """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`."""
+def mitigated_attention(
+    implementation, module, query, key, value, attention_mask, mitigation_plan=None, mitigation_projection=None,
+    **kwargs,
+):
+    """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`
+    (`mitigation_projection`: the module's input and projections, where the plan rewrites them, `decoder_attention`)."""
     function = wrapped_function(implementation, module)
     if mitigation_plan is None:
         return function(module, query, key, value, attention_mask, **kwargs)
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
+        mitigation_plan.modules.append(module)
         return function(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
         key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
         module = ExpandedHeads(module)
     hooks = mitigation_plan.layers[module.layer_idx]
-    function = hooks.attention_function(module.layer_idx, function, None)
+    function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
     return function(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -133,24 +164,29 @@ class MitigatedDecoder(MitigationGenerationMixin):
     """The mixin `add_mitigations` puts in front of a Hugging Face causal LM's class."""
 
     decoder_positions: DecoderPositions
+    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes (several attention buckets)
 
     def forward(self, *args, **kwargs):
         """The model's `forward`; the option keywords (`sepformer.mitigations`), or `mitigation_plan` (mitigations
         already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
         options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
         plan = kwargs.pop("mitigation_plan", None)
-        if plan is None and not parse_options(self.config, options):
+        inputs = forward_inputs(self, args, kwargs)
+        cache = inputs.get("past_key_values")
+        if plan is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
         if plan is not None and options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
-        inputs = forward_inputs(self, args, kwargs)
         if plan is None:
-            check_defined(self.decoder_positions, options)
-            cache = inputs.get("past_key_values")
+            wrapper = causal_lm_wrapper(options, cache)  # also every option's rule on continuing the cache
+            if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
+                mitigation, parsed = wrapper
+                inputs = {"labels": None, "use_cache": None, "past_key_values": None, **inputs}
+                return mitigation.run_causal_lm(parsed, self, inputs, options)
             use_cache = inputs.get("use_cache")
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
                 inputs["past_key_values"] = SepFormerCache(config=self.config)
-            plan = resolve_plan(self.call_context(inputs), options)
+            plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
         return super().forward(**self.with_plan(inputs, plan))
 
     def call_context(self, inputs: dict) -> CallContext:
@@ -188,7 +224,12 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if mask_function is not None:
             mask = self.masks_with(mask_function, padding_mask, cache, position_ids, batch, new_tokens)
         run = LayerRun(position_ids, read_positions, None, padding_mask, cache, self.dtype, tokens.device)
-        return {**inputs, "position_ids": read_positions, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        inputs = {**inputs, "position_ids": read_positions, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        rotary_base, _ = plan.position_bases()
+        if rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
+            tables = self.decoder_positions.rotary_at_base(rotary_base, read_positions, self.dtype, cache)
+            inputs["mitigation_position_embeddings"] = tables
+        return inputs
 
     def masks_with(self, and_mask_function, padding_mask, cache, position_ids, batch, new_tokens):
         """The model's causal masks (4D, in the form its attention takes) with `and_mask_function` applied: one for
@@ -218,10 +259,9 @@ class MitigatedDecoder(MitigationGenerationMixin):
         return masks["full_attention"] if layer_types == {"full_attention"} else masks
 
 
-def check_defined(decoder: DecoderPositions, options: dict) -> None:
-    for name, why in NOT_ON_HF_MODELS.items():
-        if options.get(name) not in (None, False):
-            raise ValueError(f"{name} is not available on {decoder.description}: {why}.")
+def holds_prefill_state(cache) -> bool:
+    """Whether `cache` holds what a prefill with options fixed: a call continuing it is checked against them."""
+    return isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
 
 
 @functools.cache
@@ -281,7 +321,7 @@ def check_servable(model) -> None:
         )
 
 
-def probe_attention(model) -> None:
+def probe_attention(model) -> list[nn.Module]:
     """One token through the model (its own `forward`, the registered attention on): every layer's attention must be
     the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
     silently skip layers."""
@@ -300,6 +340,7 @@ def probe_attention(model) -> None:
             + (" and by modules without layer_idx" if None in probe.layers else "")
             + "."
         )
+    return probe.modules
 
 
 def add_mitigations(model):
@@ -325,11 +366,15 @@ def add_mitigations(model):
             )
     model.set_attn_implementation(register_wrapper(implementation))
     try:
-        probe_attention(model)
+        attention_modules = probe_attention(model)
     except Exception:
         model.set_attn_implementation(implementation)
         raise
-    model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model))
+    problems = [query_key_layout_problem(module) for module in attention_modules]
+    problem = next((problem for problem in problems if problem is not None), None)
+    model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model), problem)
+    for module in attention_modules:
+        serve_attention(module)
     model.__class__ = mitigated_class(type(model))
     return model
 
