@@ -41,7 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_sepformer import SepFormerCache, derived_store, kept_in
 from .decoder_attention import query_key_layout_problem, serve_attention
 from .mitigated_generation import MitigationGenerationMixin
-from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, attention_implementation
+from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
 from .modeling_sepformer import LOSS_KEYWORDS, default_position_ids
 
@@ -135,11 +135,13 @@ def mitigated_attention(
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         mitigation_plan.modules.append(module)
         return function(module, query, key, value, attention_mask, **kwargs)
+    hooks = mitigation_plan.layers[module.layer_idx]
+    if not hooks.attention_wrappers:
+        return function(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
         key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
         module = ExpandedHeads(module)
-    hooks = mitigation_plan.layers[module.layer_idx]
     function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
     return function(module, query, key, value, attention_mask, **kwargs)
 
@@ -156,8 +158,16 @@ def register_wrapper(implementation: str) -> str:
 
 def forward_inputs(model, args, kwargs) -> dict:
     """The arguments of a call of the model's own `forward`, by name (its `**kwargs` spread out)."""
-    arguments = dict(inspect.signature(model.unmitigated_forward).bind(*args, **kwargs).arguments)
-    return {**arguments, **arguments.pop("kwargs", {})}
+    signature = forward_signature(type(model))
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    del arguments[next(iter(signature.parameters))]  # self
+    variadic = [name for name, parameter in signature.parameters.items() if parameter.kind is parameter.VAR_KEYWORD]
+    return {**arguments, **arguments.pop(variadic[0], {})}
+
+
+@functools.cache
+def forward_signature(mitigated: type) -> inspect.Signature:
+    return inspect.signature(mitigated.unmitigated_forward)
 
 
 class MitigatedDecoder(MitigationGenerationMixin):
@@ -177,7 +187,15 @@ class MitigatedDecoder(MitigationGenerationMixin):
             return super().forward(*args, **kwargs)
         if plan is not None and options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
+        implementation = self.config._attn_implementation
+        if implementation not in WRAPPED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"the mitigations run in the attention add_mitigations registered, but this model's attention "
+                f"implementation was set to {implementation!r} since: call sepformer.add_mitigations(model) again, "
+                "which wraps it."
+            )
         if plan is None:
+            self.check_served(options)
             wrapper = causal_lm_wrapper(options, cache)  # also every option's rule on continuing the cache
             if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
                 mitigation, parsed = wrapper
@@ -248,15 +266,22 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if not layer_types:  # one kind of layer: sliding windows when the config has one (Mistral)
             sliding = getattr(config, "sliding_window", None) is not None
             return (create_sliding_window_causal_mask if sliding else create_causal_mask)(**arguments)
-        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        unknown = layer_types - set(makers)
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} has layer types {sorted(unknown)}, whose masks a mitigation's mask (parallel "
-                "context windows) cannot be added to."
-            )
-        masks = {kind: makers[kind](**arguments) for kind in layer_types}
+        masks = {kind: MASK_MAKERS[kind](**arguments) for kind in layer_types}
         return masks["full_attention"] if layer_types == {"full_attention"} else masks
+
+    def check_served(self, options: dict) -> None:
+        """Refuse, before any work, the options this model cannot serve."""
+        given = [name for name, value in options.items() if value not in (None, False)]
+        for name in given:
+            unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
+            if unknown and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
+                raise ValueError(
+                    f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
+                    f"whose masks are not transformers' causal or sliding-window ones."
+                )
+
+
+MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 def holds_prefill_state(cache) -> bool:
@@ -311,6 +336,12 @@ def check_servable(model) -> None:
             f"add_mitigations wraps the attention implementation {implementation!r}, which has no mask function in "
             f"transformers' AttentionMaskInterface: use 'sdpa' or 'eager' (model.set_attn_implementation)."
         )
+    if implementation == "eager" and getattr(model.config, "reorder_and_upcast_attn", False):
+        raise ValueError(
+            f"{type(model).__name__} with reorder_and_upcast_attn=True computes its eager attention with code of its "
+            "own, which it runs only under the name 'eager': a registered wrapper would change what it computes. Use "
+            "attn_implementation='sdpa', or reorder_and_upcast_attn=False."
+        )
     parameters = inspect.signature(model.forward).parameters
     missing = [name for name in ("attention_mask", "position_ids", "past_key_values") if name not in parameters]
     if missing or list(parameters.values())[-1].kind is not inspect.Parameter.VAR_KEYWORD:
@@ -326,8 +357,9 @@ def probe_attention(model) -> list[nn.Module]:
     the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
     silently skip layers."""
     probe = AttentionProbe()
+    forward = model.unmitigated_forward if isinstance(model, MitigatedDecoder) else model.forward
     with torch.no_grad():
-        model(
+        forward(
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False, mitigation_plan=probe
         )
     layers = model.config.num_hidden_layers
@@ -345,17 +377,17 @@ def probe_attention(model) -> list[nn.Module]:
 
 def add_mitigations(model):
     """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
-    `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows` (and `reorder_documents` for
-    `generate`), each its dataclass or the dict of its fields. Returns `model` itself, its class replaced by a subclass
+    `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
+    `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns `model` itself, its class replaced by a subclass
     of the same name; without options it computes what it computed before, with its own attention implementation.
 
     Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
     """
-    if isinstance(model, MitigatedDecoder):
+    implementation = model.config._attn_implementation
+    if isinstance(model, MitigatedDecoder) and implementation in WRAPPED_IMPLEMENTATIONS:
         return model
     check_servable(model)
-    implementation = model.config._attn_implementation
     if implementation == "eager":
         attention_classes = {type(module) for module in model.modules() if hasattr(module, "layer_idx")}
         without = sorted(cls.__name__ for cls in attention_classes if eager_function(cls) is None)
@@ -370,12 +402,13 @@ def add_mitigations(model):
     except Exception:
         model.set_attn_implementation(implementation)
         raise
-    problems = [query_key_layout_problem(module) for module in attention_modules]
-    problem = next((problem for problem in problems if problem is not None), None)
-    model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model), problem)
-    for module in attention_modules:
-        serve_attention(module)
-    model.__class__ = mitigated_class(type(model))
+    if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
+        problems = [query_key_layout_problem(module) for module in attention_modules]
+        problem = next((problem for problem in problems if problem is not None), None)
+        model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model), problem)
+        for module in attention_modules:
+            serve_attention(module)
+        model.__class__ = mitigated_class(type(model))
     return model
 
 
