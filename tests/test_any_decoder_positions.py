@@ -158,7 +158,7 @@ def test_positional_scaling_equals_the_search_hooks_and_factor_one_is_the_plain_
 )
 def test_left_padded_rows_beams_and_return_sequences_give_each_prompt_what_it_gives_alone(option, name, beams):
     keywords = {"buckets": {"attention_buckets": AttentionBuckets(bases=BASES)}}
-    keywords["scaling"] = {"positional_scaling": SCALING}
+    keywords["scaling"] = {"positional_scaling": PositionalScaling(-0.5, channels=(1, 7, 30), skip_first=2)}
     model = mitigated(name)
     prompts = [random_ids(1, 13, seed=1)[0], random_ids(1, 10, seed=2)[0]]
     ids, mask = left_padded(prompts)
