@@ -16,15 +16,19 @@ BASES = (10000.0, 500.0, 3e5)
 SCALING = PositionalScaling(-0.5, channels=(1, 7, 30), layers=(1, 2))
 
 
-def at_base(name: str, base: float, scale: float, ids: torch.Tensor) -> torch.Tensor:
-    """The plain model built with `rope_theta=base`, read at positions `m · scale`: one bucket, written out."""
+def built_at_base(name: str, base: float):
+    """The plain model `name` built with `rope_theta=base`."""
     plain = plain_model(name)
-    config = plain.config
-    config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
-    model = type(plain)(config).eval()
+    plain.config.rope_parameters = {**plain.config.rope_parameters, "rope_theta": base}
+    model = type(plain)(plain.config).eval()
     model.load_state_dict(plain.state_dict())
+    return model
+
+
+def at_base(name: str, base: float, scale: float, ids: torch.Tensor) -> torch.Tensor:
+    """The model built with `rope_theta=base`, read at positions `m · scale`: one bucket, written out."""
     positions = torch.arange(ids.shape[1])[None] * scale
-    return logits(model, ids, attention_mask=torch.ones_like(ids), position_ids=positions)
+    return logits(built_at_base(name, base), ids, attention_mask=torch.ones_like(ids), position_ids=positions)
 
 
 # ------------------------------------------------------------------------------------------------ Attention Buckets
@@ -45,6 +49,14 @@ def test_buckets_are_the_models_at_each_base_mixed_by_confidence(name):
     torch.testing.assert_close(ours, by_hand, rtol=1e-5, atol=1e-5)
     assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)  # the model's rotary is left alone
     assert torch.equal(logits(model, ids), logits(plain_model(name), ids))
+
+
+def test_buckets_with_parallel_context_windows_are_each_base_with_the_windows_mixed_by_confidence():
+    windows = {"parallel_context_windows": {"spans": [[(1, 4), (4, 7), (7, 10)]] * 2}}
+    ids = random_ids(2, 14)
+    ours = logits(mitigated("llama"), ids, attention_buckets={"bases": BASES[1:]}, **windows)
+    per_base = [logits(sepformer.add_mitigations(built_at_base("llama", base)), ids, **windows) for base in BASES[1:]]
+    torch.testing.assert_close(ours, mix_by_confidence(torch.stack(per_base)), rtol=1e-5, atol=1e-5)
 
 
 def test_one_bucket_at_the_models_own_base_is_the_plain_model_bit_for_bit():
