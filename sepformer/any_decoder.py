@@ -14,7 +14,10 @@ Built on transformers' extension points, not on copies of the model's modules:
 - the keywords `forward` passes down to the attention function: `mitigation_plan`, resolved once per call from the
   option keywords (SepFormer's dataclasses, dicts, checks and refused combinations: `sepformer.mitigations`);
 - position ids (`Mitigation.read_positions`: the windows' positions) and 4D masks (`Mitigation.mask_function`);
-- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations.
+- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations;
+- forward hooks with keywords on the attention modules (`decoder_attention`), inert without a plan: the rotary tables
+  of another base (`Mitigation.position_bases`: Attention Buckets) and the inputs of the query and key projections
+  (`Mitigation.query_key_inputs`: positional scaling). Several buckets run `forward` once per bucket.
 
 The model's instance gets a subclass of its own class (same name, so `save_pretrained` writes the same architecture)
 whose `forward` takes the option keywords, and whose `generate` passes them to every step (`MitigationGenerationMixin`).
