@@ -4,7 +4,8 @@ each base, a reference written from the scaling's formula, and positional scalin
 import pytest
 import torch
 from conftest import logits, random_ids
-from test_any_decoder import ROTARY, greedy, left_padded, mitigated, plain_model
+from test_any_decoder import ROTARY, SIZES, greedy, left_padded, mitigated, plain_model
+from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 import sepformer
@@ -80,6 +81,18 @@ def test_buckets_cached_decoding_equals_the_full_pass(name):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="continue it with the same attention_buckets"):
         model(ids[:, :1], past_key_values=cache)
+
+
+def test_buckets_train_on_the_mixed_logits():
+    model = mitigated("llama").train()
+    ids = random_ids(2, 10)
+    output = model(ids, labels=ids, attention_buckets={"bases": BASES})
+    expected = model.loss_function(logits=output.logits, labels=ids, vocab_size=model.config.vocab_size)
+    torch.testing.assert_close(output.loss, expected)
+    output.loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="returns mixed logits only: output_attentions"):
+        model(ids, attention_buckets={"bases": BASES}, output_attentions=True)
 
 
 def test_buckets_are_refused_where_no_base_or_scale_is_defined():
@@ -161,6 +174,21 @@ def test_positional_scaling_equals_the_search_hooks_and_factor_one_is_the_plain_
     unscaled = PositionalScaling(1.0, channels=(1, 7, 30), last_recompute_tokens=4)
     assert torch.equal(logits(model, ids, positional_scaling=unscaled), logits(plain, ids))
     assert torch.equal(greedy(model, ids, positional_scaling=unscaled), greedy(plain, ids))
+
+
+def test_positional_scaling_with_query_and_key_norms_equals_the_search_hooks():
+    """Qwen3 normalises each head's query and key after the projection: the base keys are reprojected the same way."""
+    torch.manual_seed(0)
+    config = Qwen3Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa")
+    plain = Qwen3ForCausalLM(config).eval()
+    model = sepformer.add_mitigations(Qwen3ForCausalLM(config).eval())
+    model.load_state_dict(plain.state_dict())
+    ids = random_ids(2, 12)
+    with torch.no_grad(), scale_attention_input(plain, SCALING.channels, SCALING.factor, SCALING.layers):
+        hooked = plain(ids, use_cache=False).logits
+    torch.testing.assert_close(logits(model, ids, positional_scaling=SCALING), hooked, rtol=1e-6, atol=1e-6)
+    unscaled = PositionalScaling(1.0, channels=(1, 7, 30), last_recompute_tokens=4)
+    assert torch.equal(logits(model, ids, positional_scaling=unscaled), logits(plain, ids))
 
 
 @pytest.mark.parametrize("beams", [1, 2])
