@@ -14,13 +14,17 @@ Built on transformers' extension points, not on copies of the model's modules:
 - the keywords `forward` passes down to the attention function: `mitigation_plan`, resolved once per call from the
   option keywords (SepFormer's dataclasses, dicts, checks and refused combinations: `sepformer.mitigations`);
 - position ids (`Mitigation.read_positions`: the windows' positions) and 4D masks (`Mitigation.mask_function`);
-- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations.
+- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations;
+- forward hooks with keywords on the attention modules (`decoder_attention`), inert without a plan: the rotary tables
+  of another base (`Mitigation.position_bases`: Attention Buckets) and the inputs of the query and key projections
+  (`Mitigation.query_key_inputs`: positional scaling). Several buckets run `forward` once per bucket.
 
 The model's instance gets a subclass of its own class (same name, so `save_pretrained` writes the same architecture)
 whose `forward` takes the option keywords, and whose `generate` passes them to every step (`MitigationGenerationMixin`).
 Without options, `forward` is the model's own, and its attention the wrapped function itself.
 """
 
+import copy
 import functools
 import inspect
 import sys
@@ -37,18 +41,16 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache_sepformer import SepFormerCache
+from .cache_sepformer import SepFormerCache, derived_store, kept_in
+from .decoder_attention import query_key_layout_problem, serve_attention
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
-from .mitigations import MITIGATIONS, parse_options, resolve_plan, with_mitigation_keywords
-from .modeling_sepformer import default_position_ids
+from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
+from .modeling_sepformer import LOSS_KEYWORDS, default_position_ids
 
 PREFIX = "sepformer_mitigations_"
-# Options not (yet) defined on Hugging Face models by this module, with why.
-NOT_ON_HF_MODELS = {
-    "attention_buckets": "it runs the model once per rotary base, which add_mitigations does not do yet",
-    "positional_scaling": "it scales channels of the attention input, which add_mitigations does not reach yet",
-}
+# Rotary types whose frequencies change with the sequence length while the model runs: another base is not one table.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,11 +59,37 @@ class DecoderPositions:
 
     model_name: str  # the causal LM's class name, for errors
     rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
+    query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
 
     @property
     def description(self) -> str:
         kind = "rotary positions" if self.rotary is not None else "no rotary embedding, e.g. GPT-2's learned positions"
         return f"{self.model_name} ({kind})"
+
+    def check_rotary_base(self) -> None:
+        """Refuse a rotary whose tables another `rope_theta` does not define (Attention Buckets' bases)."""
+        parameters = getattr(getattr(self.rotary, "config", None), "rope_parameters", None)
+        rope_type = getattr(self.rotary, "rope_type", None)
+        if not isinstance(parameters, dict) or "rope_theta" not in parameters or rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"attention_buckets bases replace the rotary base rope_theta of {self.description}, whose rotary "
+                f"({type(self.rotary).__name__}, rope_type {rope_type!r}) "
+                + ("changes its frequencies with the sequence length" if rope_type in LENGTH_DEPENDENT_ROPE else
+                   "has no rope_parameters['rope_theta']")
+                + ": give scales=[...] instead, or use a model with a fixed rotary."
+            )
+
+    def rotary_at_base(self, base: float, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
+        """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
+        (a rotary of the model's class, built from its config with that base, kept for the generation)."""
+
+        def build() -> nn.Module:
+            config = copy.deepcopy(self.rotary.config)
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
+            return type(self.rotary)(config).to(self.rotary.inv_freq.device)
+
+        rotary = kept_in(derived_store(cache), ("rotary at base", base), build)
+        return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
 
 
 class ExpandedHeads:
@@ -82,6 +110,7 @@ class AttentionProbe:
 
     def __init__(self):
         self.layers: list[int | None] = []
+        self.modules: list[nn.Module] = []
 
 
 @functools.cache
@@ -96,13 +125,18 @@ def wrapped_function(implementation: str, module: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
-def mitigated_attention(implementation, module, query, key, value, attention_mask, mitigation_plan=None, **kwargs):
-    """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`."""
+def mitigated_attention(
+    implementation, module, query, key, value, attention_mask, mitigation_plan=None, mitigation_projection=None,
+    **kwargs,
+):
+    """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`
+    (`mitigation_projection`: the module's input and projections, where the plan rewrites them, `decoder_attention`)."""
     function = wrapped_function(implementation, module)
     if mitigation_plan is None:
         return function(module, query, key, value, attention_mask, **kwargs)
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
+        mitigation_plan.modules.append(module)
         return function(module, query, key, value, attention_mask, **kwargs)
     hooks = mitigation_plan.layers[module.layer_idx]
     if not hooks.attention_wrappers:
@@ -111,7 +145,7 @@ def mitigated_attention(implementation, module, query, key, value, attention_mas
     if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
         key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
         module = ExpandedHeads(module)
-    function = hooks.attention_function(module.layer_idx, function, None)
+    function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
     return function(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -143,13 +177,16 @@ class MitigatedDecoder(MitigationGenerationMixin):
     """The mixin `add_mitigations` puts in front of a Hugging Face causal LM's class."""
 
     decoder_positions: DecoderPositions
+    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes (several attention buckets)
 
     def forward(self, *args, **kwargs):
         """The model's `forward`; the option keywords (`sepformer.mitigations`), or `mitigation_plan` (mitigations
         already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
         options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
         plan = kwargs.pop("mitigation_plan", None)
-        if plan is None and not parse_options(self.config, options):
+        inputs = forward_inputs(self, args, kwargs)
+        cache = inputs.get("past_key_values")
+        if plan is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
         if plan is not None and options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
@@ -160,14 +197,17 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 f"implementation was set to {implementation!r} since: call sepformer.add_mitigations(model) again, "
                 "which wraps it."
             )
-        inputs = forward_inputs(self, args, kwargs)
         if plan is None:
             self.check_served(options)
-            cache = inputs.get("past_key_values")
+            wrapper = causal_lm_wrapper(options, cache)  # also every option's rule on continuing the cache
+            if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
+                mitigation, parsed = wrapper
+                inputs = {"labels": None, "use_cache": None, "past_key_values": None, **inputs}
+                return mitigation.run_causal_lm(parsed, self, inputs, options)
             use_cache = inputs.get("use_cache")
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
                 inputs["past_key_values"] = SepFormerCache(config=self.config)
-            plan = resolve_plan(self.call_context(inputs), options)
+            plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
         return super().forward(**self.with_plan(inputs, plan))
 
     def call_context(self, inputs: dict) -> CallContext:
@@ -203,7 +243,12 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if mask_function is not None:
             mask = self.masks_with(mask_function, padding_mask, cache, position_ids, batch, new_tokens)
         run = LayerRun(position_ids, read_positions, None, padding_mask, cache, self.dtype, tokens.device)
-        return {**inputs, "position_ids": read_positions, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        inputs = {**inputs, "position_ids": read_positions, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        rotary_base, _ = plan.position_bases()
+        if rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
+            tables = self.decoder_positions.rotary_at_base(rotary_base, read_positions, self.dtype, cache)
+            inputs["mitigation_position_embeddings"] = tables
+        return inputs
 
     def masks_with(self, and_mask_function, padding_mask, cache, position_ids, batch, new_tokens):
         """The model's causal masks (4D, in the form its attention takes) with `and_mask_function` applied: one for
@@ -229,10 +274,6 @@ class MitigatedDecoder(MitigationGenerationMixin):
         """Refuse, before any work, the options this model cannot serve."""
         given = [name for name, value in options.items() if value not in (None, False)]
         for name in given:
-            if name in NOT_ON_HF_MODELS:
-                raise ValueError(
-                    f"{name} is not available on {self.decoder_positions.description}: {NOT_ON_HF_MODELS[name]}."
-                )
             unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
             if unknown and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
                 raise ValueError(
@@ -247,6 +288,11 @@ def call_tokens(inputs: dict) -> torch.Tensor:
 
 
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def holds_prefill_state(cache) -> bool:
+    """Whether `cache` holds what a prefill with options fixed: a call continuing it is checked against them."""
+    return isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
 
 
 @functools.cache
@@ -312,7 +358,7 @@ def check_servable(model) -> None:
         )
 
 
-def probe_attention(model) -> None:
+def probe_attention(model) -> list[nn.Module]:
     """One token through the model (its own `forward`, the registered attention on): every layer's attention must be
     the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
     silently skip layers."""
@@ -332,13 +378,15 @@ def probe_attention(model) -> None:
             + (" and by modules without layer_idx" if None in probe.layers else "")
             + "."
         )
+    return probe.modules
 
 
 def add_mitigations(model):
     """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
-    `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows` (and `reorder_documents` for
-    `generate`), each its dataclass or the dict of its fields. Returns `model` itself, its class replaced by a subclass
-    of the same name; without options it computes what it computed before, with its own attention implementation.
+    `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
+    `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns
+    `model` itself, its class replaced by a subclass of the same name, and forward hooks on its attention modules
+    (`decoder_attention`); without options it computes what it computed before, with its own attention implementation.
 
     Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
@@ -357,12 +405,16 @@ def add_mitigations(model):
             )
     model.set_attn_implementation(register_wrapper(implementation))
     try:
-        probe_attention(model)
+        attention_modules = probe_attention(model)
     except Exception:
         model.set_attn_implementation(implementation)
         raise
     if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
-        model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model))
+        problems = [query_key_layout_problem(module) for module in attention_modules]
+        problem = next((problem for problem in problems if problem is not None), None)
+        model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model), problem)
+        for module in attention_modules:
+            serve_attention(module)
         model.__class__ = mitigated_class(type(model))
     return model
 

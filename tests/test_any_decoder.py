@@ -188,8 +188,8 @@ def test_unknown_and_bad_options_are_refused_before_any_work():
         model(ids, stable_mask={"gamma": -1})
     with pytest.raises(ValueError, match="unknown keys"):
         model.generate(ids, max_new_tokens=2, stable_mask={"gama": 1})
-    with pytest.raises(ValueError, match="not available on LlamaForCausalLM"):
-        model(ids, positional_scaling={"factor": 0.5, "channels": (0,)})
+    with pytest.raises(ValueError, match="on LlamaForCausalLM needs channels"):
+        model(ids, positional_scaling={"factor": 0.5})
     with pytest.raises(ValueError, match="stable_mask and attention_calibration cannot be combined"):
         model(ids, stable_mask={"gamma": 1}, attention_calibration={"spans": [[(0, 2)]]})
     with pytest.raises(
