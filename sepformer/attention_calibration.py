@@ -13,6 +13,7 @@ from .mitigation_base import (
     Mitigation,
     MitigationPlan,
     QueryKeyProjection,
+    attention_implementation,
     last_row_probs,
     last_row_scores,
 )
@@ -158,7 +159,7 @@ class CalibrationMitigation(Mitigation):
     @classmethod
     def resolve(cls, options: AttentionCalibration, call: CallContext) -> "CalibrationMitigation":
         config = call.model.config
-        if config._attn_implementation == "flex_attention":
+        if attention_implementation(config) == "flex_attention":
             raise ValueError(
                 "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
                 "does not give: use attn_implementation 'eager' or 'sdpa'."
@@ -252,7 +253,7 @@ class CalibrationMitigation(Mitigation):
             last = last.view(batch, 1, heads, head_dim)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 # weights as the layer's implementation gives them: eager returns them, the others do not
-                eager = module.config._attn_implementation == "eager"
+                eager = attention_implementation(module.config) == "eager"
                 return last, probs[:, :, None].to(query.dtype) if eager else None
             output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             output = torch.cat((output[:, :-1], last), 1)

@@ -6,7 +6,14 @@ import torch
 from torch import nn
 
 from .cache_sepformer import MitigationState, derived_store, kept_in
-from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, last_row_probs
+from .mitigation_base import (
+    CallContext,
+    LayerRun,
+    Mitigation,
+    attention_implementation,
+    cached_constant,
+    last_row_probs,
+)
 from .mitigation_options import MSPoE
 from .positional_maps import apply_partial_rotary
 
@@ -148,7 +155,7 @@ class MSPoEMitigation(Mitigation):
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
             store = derived_store(call.state)
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
-        if config._attn_implementation == "flex_attention":
+        if attention_implementation(config) == "flex_attention":
             raise ValueError(
                 "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
                 "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."

@@ -1,0 +1,170 @@
+"""`add_mitigations`: SepFormer's mitigations on Hugging Face decoders (Llama, Qwen2, Mistral with grouped-query
+attention, GPT-2), against the plain models and references written from the formulas."""
+
+import pytest
+import torch
+from conftest import logits, random_ids
+from test_mitigations import dense_stable_mask
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward, repeat_kv
+
+import sepformer
+from sepformer import StableMask, add_mitigations
+
+SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, max_position_embeddings=64)
+ROTARY = {
+    "llama": (LlamaForCausalLM, LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": (MistralForCausalLM, MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+}
+MODELS = (*ROTARY, "gpt2")
+
+
+def plain_model(name: str, attn: str = "sdpa", seed: int = 0, **overrides):
+    """A tiny random model of the family `name`, attention sharpened so that positions matter."""
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        config = GPT2Config(
+            vocab_size=256, n_embd=32, n_layer=3, n_head=4, n_positions=64, attn_implementation=attn,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, **overrides,
+        )
+        model = GPT2LMHeadModel(config).eval()
+        with torch.no_grad():
+            model.transformer.wpe.weight.normal_(0, 1)
+            for block in model.transformer.h:
+                block.attn.c_attn.weight[:, :64].mul_(6)  # queries and keys
+        return model
+    model_class, config_class, heads = ROTARY[name]
+    config = config_class(**SIZES, **heads, attn_implementation=attn, pad_token_id=0, **overrides)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def mitigated(name: str, attn: str = "sdpa", **overrides):
+    return add_mitigations(plain_model(name, attn, **overrides))
+
+
+def greedy(model, ids, mask=None, new=6, **options):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **options)
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row) :], mask[index, width - len(row) :] = row, 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------------- the core
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", MODELS)
+def test_without_options_the_model_computes_what_it_computed_before(name, attn):
+    plain = plain_model(name, attn)
+    ids = random_ids(2, 10)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    before = logits(plain, ids, attention_mask=mask)
+    tokens = greedy(plain, ids, mask)
+    model = add_mitigations(plain)
+    assert model is plain and type(model).__name__ == type(plain).__name__
+    torch.testing.assert_close(logits(model, ids, attention_mask=mask), before, rtol=0, atol=1e-6)
+    assert torch.equal(greedy(model, ids, mask), tokens)
+    assert torch.equal(greedy(model, ids, mask, stable_mask=None, ms_poe=False), tokens)
+    assert sepformer.any_decoder.attention_implementation(model.config) == attn
+    assert add_mitigations(model) is model
+
+
+def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
+    model = mitigated("qwen2")
+    ids = random_ids(1, 8)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is Qwen2ForCausalLM and reloaded.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), rtol=0, atol=1e-6)
+
+
+def test_a_model_it_cannot_serve_is_refused_naming_what_is_missing():
+    with pytest.raises(TypeError, match="causal LM .*got LlamaModel"):
+        add_mitigations(LlamaModel(LlamaConfig(**SIZES, num_attention_heads=4)))
+    model = plain_model("llama")
+    own = type("OwnAttention", (type(model.model.layers[1].self_attn),), {"forward": attention_of_its_own})
+    model.model.layers[1].self_attn.__class__ = own
+    ids = random_ids(1, 6)
+    before = logits(model, ids)
+    with pytest.raises(ValueError, match=r"registry .* reached by \[0, 2\]"):
+        add_mitigations(model)
+    assert type(model) is LlamaForCausalLM and model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), before)
+
+
+def attention_of_its_own(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    """Llama's attention computed without the attention registry."""
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query, key, value = (
+        projection(hidden_states).view(shape).transpose(1, 2) for projection in (self.q_proj, self.k_proj, self.v_proj)
+    )
+    query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    output, weights = eager_attention_forward(self, query, key, value, attention_mask, scaling=self.scaling)
+    return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+def test_unknown_and_bad_options_are_refused_before_any_work():
+    model = mitigated("llama")
+    ids = random_ids(1, 6)
+    with pytest.raises(ValueError, match="stable_mask gamma=-1 must be > 0"):
+        model(ids, stable_mask={"gamma": -1})
+    with pytest.raises(ValueError, match="unknown keys"):
+        model.generate(ids, max_new_tokens=2, stable_mask={"gama": 1})
+    with pytest.raises(ValueError, match="not available on LlamaForCausalLM"):
+        model(ids, positional_scaling={"factor": 0.5, "channels": (0,)})
+    with pytest.raises(ValueError, match="stable_mask and attention_calibration cannot be combined"):
+        model(ids, stable_mask={"gamma": 1}, attention_calibration={"spans": [[(0, 2)]]})
+
+
+# ------------------------------------------------------------------------------------------------------ StableMask
+
+
+def expanded(attention):
+    """An attention function for one key-value head per query head (a reference written for multi-head attention)."""
+
+    def function(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        return attention(module, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, **kwargs)
+
+    return function
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_stable_mask_equals_the_dense_reference(name):
+    gamma, columns = 0.3, 24
+    model = mitigated(name, "eager")
+    ids = random_ids(2, 16)
+    ours = logits(model, ids, stable_mask=StableMask(gamma, columns))
+    reference = plain_model(name, "eager")
+    AttentionInterface.register("dense_stable_mask_expanded", expanded(dense_stable_mask(gamma, columns)))
+    reference.set_attn_implementation("dense_stable_mask_expanded")
+    torch.testing.assert_close(ours, logits(reference, ids), rtol=1e-5, atol=1e-5)
+    model.set_attn_implementation(sepformer.any_decoder.register_wrapper("sdpa"))
+    torch.testing.assert_close(logits(model, ids, stable_mask=StableMask(gamma, columns)), ours, rtol=1e-5, atol=1e-5)
