@@ -268,7 +268,8 @@ class Encoder:
 
 
 def load(args):
-    """The tokenizer (left padding, a pad token) and the model, in eval mode on `--device` in `--dtype`."""
+    """The tokenizer (left padding, a pad token) and the model, in eval mode on `--device` in `--dtype`, with the
+    mitigations as `generate` keywords (`sepformer.add_mitigations` on a model other than SepFormer)."""
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -279,8 +280,34 @@ def load(args):
     if model.config.pad_token_id is None:  # calibration's default dummy document is pad_token_id repeated
         model.config.pad_token_id = tokenizer.pad_token_id
     if not is_sepformer(model) and args.mitigations != (NONE,):
-        model = sepformer.add_mitigations(model)
+        try:
+            model = sepformer.add_mitigations(model)
+        except (ValueError, TypeError) as error:
+            for mitigation in [name for name in args.mitigations if name != NONE]:
+                refuse(mitigation, f"add_mitigations does not take it ({error})", args)
     return tokenizer, model
+
+
+def refuse(mitigation: str, why: str, args) -> None:
+    """A mitigation this model does not take: named in --mitigations, it stops the run (before any evaluation); taken
+    by default, it is left out, and the output says so and why."""
+    message = f"--mitigations {mitigation}: refused for --model {args.model}: {why}"
+    if args.named_mitigations:
+        raise SystemExit(message)
+    print(f"left out: {message}")
+    args.left_out[mitigation] = why
+    args.mitigations = tuple(name for name in args.mitigations if name != mitigation)
+
+
+def check_mitigations(model, tokenizer, prompt: Prompt, args) -> None:
+    """Each mitigation on one prompt for one token, so that the model refuses now, not after hours of evaluation
+    (positional scaling with a placeholder channel on a model other than SepFormer: its search comes after)."""
+    scaling = PositionalScaling() if is_sepformer(model) else PositionalScaling(channels=(0,))
+    for mitigation in args.mitigations:
+        try:
+            generate(model, tokenizer, [prompt], mitigation, scaling, max_new_tokens=1)
+        except (ValueError, TypeError) as error:
+            refuse(mitigation, str(error), args)
 
 
 def positional_scaling(model, encoder: Encoder, args) -> PositionalScaling | None:
@@ -296,8 +323,8 @@ def positional_scaling(model, encoder: Encoder, args) -> PositionalScaling | Non
     try:
         return search_positional_scaling(model, batches).option
     except ValueError as error:  # no positional channel, or attention the search cannot hook
-        raise SystemExit(f"--mitigations positional_scaling: refused for --model {args.model}: the channel search "
-                         f"does not run on it ({error})") from None
+        refuse("positional_scaling", f"the channel search does not run on it ({error})", args)
+        return None
 
 
 def validation_batch(encoder: Encoder, example: Example, device) -> dict:
@@ -320,15 +347,6 @@ def generate(model, tokenizer, prompts: list[Prompt], mitigation: str, scaling, 
     output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                             pad_token_id=tokenizer.pad_token_id, **options)
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
-def check_mitigations(model, tokenizer, prompt: Prompt, scaling, args) -> None:
-    """Each mitigation on one prompt for one token: one the model refuses stops the run before any evaluation."""
-    for mitigation in args.mitigations:
-        try:
-            generate(model, tokenizer, [prompt], mitigation, scaling, max_new_tokens=1)
-        except (ValueError, TypeError) as error:
-            raise SystemExit(f"--mitigations {mitigation}: refused by --model {args.model}: {error}") from None
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], correct, scaling, args) -> list[dict]:
@@ -363,7 +381,8 @@ def markdown_table(rows: list[dict], args) -> str:
     task = "multi-document QA" if args.qa_file else "key-value retrieval"
     title = (f"{task}, {args.model}: accuracy by the gold document's slot ({args.num_documents} documents, "
              f"{args.examples_per_slot} examples per slot)")
-    return "\n".join([title, "", *table_lines(header, lines, left=1)])
+    left_out = [f"left out: {mitigation} ({why})" for mitigation, why in args.left_out.items()]
+    return "\n".join([title, "", *table_lines(header, lines, left=1), *([""] if left_out else []), *left_out])
 
 
 def plot(rows: list[dict], args, path: Path) -> None:
@@ -407,13 +426,13 @@ def parse_args(argv=None):
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.named_mitigations, args.left_out = args.mitigations is not None, {}
     args.mitigations = tuple(args.mitigations or MITIGATIONS)
     config = model_config(args.model)
-    if (config.model_type != "sepformer" and args.mitigations != (NONE,)
-            and getattr(sepformer, "add_mitigations", None) is None):
-        parser.error(f"argument --mitigations: {' '.join(args.mitigations)} is not allowed for --model {args.model} "
-                     f"(model_type {config.model_type!r}): this sepformer has no add_mitigations, so a model other "
-                     "than SepFormer takes no option; give --mitigations none")
+    if config.model_type != "sepformer" and getattr(sepformer, "add_mitigations", None) is None:
+        for mitigation in [name for name in args.mitigations if name != NONE]:
+            refuse(mitigation, "this copy of sepformer has no add_mitigations, which gives a model other than "
+                               "SepFormer the options", args)
     args.qa_records = read_qa_file(args.qa_file, args.examples_per_slot, args.num_documents) if args.qa_file else None
     return args
 
@@ -439,8 +458,8 @@ def main(argv=None) -> list[dict]:
         examples = qa_examples(args.qa_records, args.num_documents)
     correct = kv_correct if args.qa_records is None else qa_correct
     prompts = [encoder(example) for example in examples]
+    check_mitigations(model, tokenizer, prompts[0], args)
     scaling = positional_scaling(model, encoder, args)
-    check_mitigations(model, tokenizer, prompts[0], scaling, args)
     rows = evaluate(model, tokenizer, prompts, correct, scaling, args)
 
     output_dir = Path(args.output_dir)
