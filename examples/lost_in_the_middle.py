@@ -299,13 +299,21 @@ def refuse(mitigation: str, why: str, args) -> None:
     args.mitigations = tuple(name for name in args.mitigations if name != mitigation)
 
 
-def check_mitigations(model, tokenizer, prompt: Prompt, args) -> None:
-    """Each mitigation on one prompt for one token, so that the model refuses now, not after hours of evaluation
-    (positional scaling with a placeholder channel on a model other than SepFormer: its search comes after)."""
+def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
+    """The longest prompt, so that what the model refuses stops the run now, not after hours of evaluation: without
+    mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation for
+    one token (positional scaling with a placeholder channel on a model other than SepFormer: its search comes
+    after)."""
+    longest = max(prompts, key=lambda prompt: len(prompt.input_ids))
+    try:
+        generate(model, tokenizer, [longest], NONE, None, args.max_new_tokens)
+    except (ValueError, TypeError, IndexError) as error:
+        raise SystemExit(f"--model {args.model} cannot generate {args.max_new_tokens} tokens after the longest prompt "
+                         f"({len(longest.input_ids)} tokens): {type(error).__name__}: {error}") from None
     scaling = PositionalScaling() if is_sepformer(model) else PositionalScaling(channels=(0,))
-    for mitigation in args.mitigations:
+    for mitigation in [name for name in args.mitigations if name != NONE]:
         try:
-            generate(model, tokenizer, [prompt], mitigation, scaling, max_new_tokens=1)
+            generate(model, tokenizer, [longest], mitigation, scaling, max_new_tokens=1)
         except (ValueError, TypeError) as error:
             refuse(mitigation, str(error), args)
 
@@ -458,7 +466,7 @@ def main(argv=None) -> list[dict]:
         examples = qa_examples(args.qa_records, args.num_documents)
     correct = kv_correct if args.qa_records is None else qa_correct
     prompts = [encoder(example) for example in examples]
-    check_mitigations(model, tokenizer, prompts[0], args)
+    check_mitigations(model, tokenizer, prompts, args)
     scaling = positional_scaling(model, encoder, args)
     rows = evaluate(model, tokenizer, prompts, correct, scaling, args)
 

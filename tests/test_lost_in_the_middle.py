@@ -75,9 +75,9 @@ def llama_dir(tmp_path_factory) -> str:
 def save_sepformer(folder: Path, **config) -> str:
     tokenizer = SepFormerTokenizer()
     torch.manual_seed(0)
-    SepFormerForCausalLM(tiny_config(max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
-                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                     **config)).save_pretrained(folder)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    SepFormerForCausalLM(tiny_config(**{"max_position_embeddings": 1024, **ids, **config})).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -152,6 +152,15 @@ def test_a_mitigation_the_model_refuses_stops_a_run_that_names_it_before_any_eva
                                          r"bases=.* mean nothing for this model"):
         litm.main(["--model", learned_sepformer_dir, "--tiny", "--output-dir", str(tmp_path / "out"),
                    "--mitigations", "none", "attention_buckets"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_positions_end_before_the_answer_stops_the_run_before_any_evaluation(tmp_path, monkeypatch):
+    short = save_sepformer(tmp_path / "short", max_position_embeddings=64)
+    monkeypatch.setattr(litm, "evaluate", lambda *args: pytest.fail("evaluated"))
+    with pytest.raises(SystemExit, match=r"--model .*short cannot generate 4 tokens after the longest prompt \(\d+ "
+                                         r"tokens\): ValueError: .*64"):
+        litm.main(["--model", short, "--tiny", "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
