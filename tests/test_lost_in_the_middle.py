@@ -115,10 +115,11 @@ def run(model: str, output_dir: Path, *flags: str) -> tuple[list[dict], str]:
 
 
 def check_rows(rows: list[dict], model: str, mitigations, slots: int, per_slot: int) -> None:
-    """One row per (mitigation, slot), in that order, each over `per_slot` prompts, an accuracy in [0, 1]."""
+    """One row per (mitigation, slot), in that order, each over `per_slot` prompts. Accuracy 0: an untrained model
+    never writes a UUID (or "blue"), but the prompt holds every value, so a prompt scored with the answer fails."""
     assert [(r["model"], r["mitigation"], int(r["slot"])) for r in rows] == \
            [(model, mitigation, slot) for mitigation in mitigations for slot in range(1, slots + 1)]
-    assert all(int(r["n"]) == per_slot and 0 <= float(r["accuracy"]) <= 1 for r in rows)
+    assert all(int(r["n"]) == per_slot and float(r["accuracy"]) == 0 for r in rows)
 
 
 # --------------------------------------------------------------------------------------------------- end to end
@@ -143,6 +144,18 @@ def test_multi_document_qa_from_a_file_of_the_papers_format(sepformer_dir, qa_fi
                       "parallel_context_windows")
     check_rows(rows, sepformer_dir, ["none", "parallel_context_windows"], 3, 2)
     assert table.startswith("multi-document QA")
+
+
+def test_each_answer_is_scored_against_its_own_prompt_and_counted_at_its_gold_slot(sepformer_dir, tmp_path,
+                                                                                  monkeypatch):
+    def answers(model, tokenizer, prompts, mitigation, scaling, max_new_tokens):  # right at slots 1 and 3 of 4
+        return [f' "{p.example.answers[0]}"' if p.example.slot % 2 == 0 else "no idea" for p in prompts]
+
+    monkeypatch.setattr(litm, "generate", answers)
+    rows, _ = run(sepformer_dir, tmp_path, "--mitigations", "none", "ms_poe", "--num-documents", "4",
+                  "--batch-size", "3")
+    assert [(r["mitigation"], int(r["slot"]), float(r["accuracy"])) for r in rows] == \
+           [(m, slot, float(slot % 2)) for m in ("none", "ms_poe") for slot in range(1, 5)]
 
 
 def test_a_mitigation_the_model_refuses_stops_a_run_that_names_it_before_any_evaluation(learned_sepformer_dir,
