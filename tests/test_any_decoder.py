@@ -21,7 +21,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward, repeat_kv
 
 import sepformer
-from sepformer import StableMask, add_mitigations
+from sepformer import AttentionCalibration, MSPoE, ParallelContextWindows, StableMask, add_mitigations
 
 SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, max_position_embeddings=64)
 ROTARY = {
@@ -168,3 +168,55 @@ def test_stable_mask_equals_the_dense_reference(name):
     torch.testing.assert_close(ours, logits(reference, ids), rtol=1e-5, atol=1e-5)
     model.set_attn_implementation(sepformer.any_decoder.register_wrapper("sdpa"))
     torch.testing.assert_close(logits(model, ids, stable_mask=StableMask(gamma, columns)), ours, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- every option: cache, padding, beams
+
+SPANS = ((1, 4), (4, 7), (7, 10))  # documents or windows of every prompt (>= 10 tokens), from its first real token
+
+
+def options(name: str, rows: int = 1) -> dict:
+    """The call's keywords of option `name`, for `rows` prompts."""
+    return {
+        "stable_mask": {"stable_mask": StableMask(0.3)},
+        "pcw": {"parallel_context_windows": ParallelContextWindows(spans=(SPANS,) * rows)},
+        "calibration": {"attention_calibration": AttentionCalibration(spans=(SPANS,) * rows, temperature=0.05)},
+        "ms_poe": {"ms_poe": MSPoE(1.2, 1.8, layers=(1, 2))},
+        "ms_poe_fixed": {"ms_poe": MSPoE(1.2, 1.8, head_order=(3, 1, 0, 2))},
+    }[name]
+
+
+CASES = [(name, model) for name in ("stable_mask", "pcw", "calibration") for model in MODELS] + [
+    (name, model) for name in ("ms_poe", "ms_poe_fixed") for model in ROTARY
+]
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+@pytest.mark.parametrize(("name", "model_name"), CASES)
+def test_left_padded_rows_beams_and_return_sequences_give_each_prompt_what_it_gives_alone(name, model_name, beams):
+    model = mitigated(model_name)
+    prompts = [random_ids(1, 14, seed=1)[0], random_ids(1, 11, seed=2)[0]]
+    ids, mask = left_padded(prompts)
+    settings = dict(new=5, num_beams=beams, num_return_sequences=beams)
+    together = greedy(model, ids, mask, **settings, **options(name, 2))[:, -5:]
+    changed = logits(model, ids, attention_mask=mask, **options(name, 2))[:, -1]
+    assert (changed - logits(model, ids, attention_mask=mask)[:, -1]).abs().max() > 1e-4  # the option acts
+    for row, prompt in enumerate(prompts):
+        alone = greedy(model, prompt[None], **settings, **options(name))[:, -5:]
+        assert torch.equal(together[row * beams : (row + 1) * beams], alone), row
+
+
+@pytest.mark.parametrize(("name", "model_name"), [case for case in CASES if case[0] != "calibration"])
+def test_cached_decoding_equals_the_full_pass(name, model_name):
+    model = mitigated(model_name)
+    ids = random_ids(2, 18)
+    keywords = options(name, 2)
+    if name == "ms_poe":  # ranked at prefill: the full pass ranks on its own last row
+        keywords = options("ms_poe_fixed")
+    full = logits(model, ids, **keywords)
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, **keywords).logits]
+        for t in range(12, 18):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **keywords).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
