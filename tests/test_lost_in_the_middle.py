@@ -134,9 +134,15 @@ def test_tiny_run_on_a_sepformer_evaluates_every_mitigation_at_every_slot(sepfor
 
 
 def test_tiny_run_on_a_llama_with_a_chat_template(llama_dir, tmp_path):
-    mitigations = ["none", "stable_mask", "attention_calibration", "parallel_context_windows", "reorder_documents"]
-    rows, _ = run(llama_dir, tmp_path, "--mitigations", *mitigations, "--num-documents", "2")
-    check_rows(rows, llama_dir, mitigations, 2, litm.TINY["examples_per_slot"])
+    """Every mitigation runs or is left out saying why (as long as add_mitigations lacks it, or the channel search
+    finds no positional channel in an untrained Llama)."""
+    rows, table = run(llama_dir, tmp_path, "--num-documents", "2")
+    left_out = dict(re.findall(r"^left out: (\w+) \((.+)\)$", table, re.MULTILINE))
+    taken = [mitigation for mitigation in litm.MITIGATIONS if mitigation not in left_out]
+    check_rows(rows, llama_dir, taken, 2, litm.TINY["examples_per_slot"])
+    assert {"none", "stable_mask", "ms_poe", "attention_calibration", "parallel_context_windows",
+            "reorder_documents"} <= set(taken)
+    assert set(left_out) <= {"positional_scaling", "attention_buckets"}
 
 
 def test_multi_document_qa_from_a_file_of_the_papers_format(sepformer_dir, qa_file, tmp_path):
