@@ -270,7 +270,10 @@ class Encoder:
 def load(args):
     """The tokenizer (left padding, a pad token) and the model, in eval mode on `--device` in `--dtype`, with the
     mitigations as `generate` keywords (`sepformer.add_mitigations` on a model other than SepFormer)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--model {args.model}: no tokenizer to load ({error})") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

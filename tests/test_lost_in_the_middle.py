@@ -379,6 +379,10 @@ def test_bad_qa_files_are_refused_before_the_model_is_loaded(llama_dir, tmp_path
                    "--output-dir", str(tmp_path / "out")])
 
 
-def test_a_model_without_a_config_is_refused_before_loading(tmp_path):
+def test_a_model_without_a_config_or_a_tokenizer_is_refused_before_loading(llama_dir, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=f"--model {tmp_path}: no config to load"):
         litm.parse_args(["--model", str(tmp_path)])
+    (tmp_path / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
+    monkeypatch.setattr(litm.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(SystemExit, match=f"--model {tmp_path}: no tokenizer to load"):
+        litm.main(["--model", str(tmp_path), "--output-dir", str(tmp_path / "out")])
