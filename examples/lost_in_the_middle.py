@@ -27,8 +27,8 @@ seed than the test's: a model where it finds no channel refuses it), Parallel Co
 document), Attention Buckets with the bases of its paper's retrieval-augmented QA, and reordering by the model's
 attention with strategy "ends". Accuracy is by the gold's slot before reordering. A SepFormer takes every option;
 another model takes them through `sepformer.add_mitigations` where this copy of the package has it (only `none`
-otherwise). A mitigation the model refuses (e.g. bases on learned absolute positions) stops the run on its first
-prompt, before any evaluation.
+otherwise). Each is tried on the longest prompt before any evaluation: one the model refuses (e.g. bases on learned
+absolute positions) stops a run that names it, and is left out of the default run, which says so and why.
 
 Greedy decoding of `--max-new-tokens` (the paper: 100), `--batch-size` prompts at a time, left-padded. Writes under
 `--output-dir`: `results.csv` (model, mitigation, slot, accuracy, n), `results.md` (the table, printed too) and
@@ -169,18 +169,19 @@ def read_qa_file(path: str, count: int, num_documents: int) -> list[dict]:
     return records
 
 
+def strings(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(text, str) for text in value)
+
+
 def checked_qa_record(line: str, where: str, num_documents: int) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise SystemExit(f"{where} is not JSON: {error}") from None
-    def texts(value) -> bool:
-        return isinstance(value, list) and bool(value) and all(isinstance(text, str) for text in value)
-
-    ctxs = record.get("ctxs") if isinstance(record, dict) else None
-    if not (isinstance(record, dict) and isinstance(record.get("question"), str) and texts(record.get("answers"))
-            and isinstance(ctxs, list) and all(isinstance(ctx, dict) and isinstance(ctx.get("title"), str)
-                                               and isinstance(ctx.get("text"), str) for ctx in ctxs)):
+    record = record if isinstance(record, dict) else {}
+    answers, ctxs = record.get("answers"), record.get("ctxs")
+    if not (isinstance(record.get("question"), str) and strings(answers) and isinstance(ctxs, list)
+            and all(isinstance(ctx, dict) and strings([ctx.get("title"), ctx.get("text")]) for ctx in ctxs)):
         raise SystemExit(f"{where}: a record is an object with question (a string), answers (strings) and ctxs "
                          "(objects with title and text, one with isgold: true), as the paper's released data")
     golds = sum(ctx.get("isgold") is True for ctx in ctxs)

@@ -365,6 +365,7 @@ def test_cuda_without_a_gpu_is_refused(llama_dir, capsys):
 
 @pytest.mark.parametrize("lines, flags, message", [
     (["{not json"], [], "line 1 is not JSON"),
+    (["[1, 2]"], [], "line 1: a record is an object with question"),
     ([json.dumps(QA_RECORDS[0]), json.dumps({"question": "q", "answers": "a", "ctxs": []})], [],
      "line 2: a record is an object with question (a string), answers (strings) and ctxs"),
     ([two_golds()], [], "line 1 has 3 documents with isgold: true; give exactly one"),
