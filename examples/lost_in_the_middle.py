@@ -268,9 +268,8 @@ class Encoder:
 # ----------------------------------------------------------------------------------------------------- the model
 
 
-def load(args):
-    """The tokenizer (left padding, a pad token) and the model, in eval mode on `--device` in `--dtype`, with the
-    mitigations as `generate` keywords (`sepformer.add_mitigations` on a model other than SepFormer)."""
+def load_tokenizer(args):
+    """The checkpoint's tokenizer, padding on the left, with a pad token (eos where it has none)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as error:
@@ -280,6 +279,12 @@ def load(args):
         if tokenizer.eos_token is None:
             raise SystemExit(f"--model {args.model}: its tokenizer has neither a pad nor an eos token to pad with")
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(args, tokenizer):
+    """The model, in eval mode on `--device` in `--dtype`, with the mitigations as `generate` keywords
+    (`sepformer.add_mitigations` on a model other than SepFormer)."""
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval()
     if model.config.pad_token_id is None:  # calibration's default dummy document is pad_token_id repeated
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -289,7 +294,7 @@ def load(args):
         except (ValueError, TypeError) as error:
             for mitigation in [name for name in args.mitigations if name != NONE]:
                 refuse(mitigation, f"add_mitigations does not take it ({error})", args)
-    return tokenizer, model
+    return model
 
 
 def refuse(mitigation: str, why: str, args) -> None:
@@ -462,14 +467,18 @@ def main(argv=None) -> list[dict]:
     check_plotting()
     transformers.logging.set_verbosity_error()
     started = time.time()
-    tokenizer, model = load(args)
+    tokenizer = load_tokenizer(args)
     encoder = Encoder(tokenizer)
     if args.qa_records is None:
         examples = kv_examples(random.Random(args.seed), args.examples_per_slot, args.num_documents)
     else:
         examples = qa_examples(args.qa_records, args.num_documents)
     correct = kv_correct if args.qa_records is None else qa_correct
-    prompts = [encoder(example) for example in examples]
+    try:
+        prompts = [encoder(example) for example in examples]
+    except ValueError as error:  # the documents cannot be found in the prompt's tokens
+        raise SystemExit(f"--model {args.model}: {error}") from None
+    model = load_model(args, tokenizer)
     check_mitigations(model, tokenizer, prompts, args)
     scaling = positional_scaling(model, encoder, args)
     rows = evaluate(model, tokenizer, prompts, correct, scaling, args)

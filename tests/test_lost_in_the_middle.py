@@ -291,7 +291,8 @@ def test_exact_match_metrics_on_hand_cases():
 
 def test_positional_scaling_on_another_model_is_the_searchs_pick_on_validation_prompts(llama_dir, monkeypatch):
     args = litm.parse_args(["--model", llama_dir, "--tiny", "--mitigations", "positional_scaling"])
-    tokenizer, model = litm.load(args)
+    tokenizer = litm.load_tokenizer(args)
+    model = litm.load_model(args, tokenizer)
     seen, picked = [], PositionalScaling(factor=-0.5, channels=(3, 5))
 
     def search(model, batches):
@@ -310,7 +311,8 @@ def test_positional_scaling_on_another_model_is_the_searchs_pick_on_validation_p
 
 def test_positional_scaling_where_the_search_finds_no_channel_is_refused(llama_dir):
     args = litm.parse_args(["--model", llama_dir, "--tiny", "--mitigations", "none", "positional_scaling"])
-    tokenizer, model = litm.load(args)
+    tokenizer = litm.load_tokenizer(args)
+    model = litm.load_model(args, tokenizer)
     with pytest.raises(SystemExit, match="positional_scaling: refused for --model .*: the channel search does not "
                                          "run on it .no channel of the attention input is monotone"):
         litm.positional_scaling(model, litm.Encoder(tokenizer), args)
@@ -318,7 +320,7 @@ def test_positional_scaling_where_the_search_finds_no_channel_is_refused(llama_d
 
 def test_positional_scaling_on_sepformer_is_the_options_default(sepformer_dir):
     args = litm.parse_args(["--model", sepformer_dir, "--tiny"])
-    _, model = litm.load(args)
+    model = litm.load_model(args, litm.load_tokenizer(args))
     assert litm.positional_scaling(model, None, args) == PositionalScaling()
 
 
@@ -378,6 +380,17 @@ def test_bad_qa_files_are_refused_before_the_model_is_loaded(llama_dir, tmp_path
     with pytest.raises(SystemExit, match=re.escape(message)):
         litm.main(["--model", llama_dir, "--tiny", "--qa-file", bad_qa(tmp_path, *lines), *flags,
                    "--output-dir", str(tmp_path / "out")])
+
+
+def test_a_chat_template_that_rewrites_the_message_is_refused_before_the_model_is_loaded(llama_dir, tmp_path,
+                                                                                        monkeypatch):
+    tokenizer = bpe_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("m['content']", "m['content'] | upper")
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
+    monkeypatch.setattr(litm.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(SystemExit, match="the tokenizer's chat template changes the user's message"):
+        litm.main(["--model", str(tmp_path), "--tiny", "--output-dir", str(tmp_path / "out")])
 
 
 def test_a_model_without_a_config_or_a_tokenizer_is_refused_before_loading(llama_dir, tmp_path, monkeypatch):
