@@ -143,6 +143,13 @@ class MitigatedDecoder(MitigationGenerationMixin):
             return super().forward(*args, **kwargs)
         if plan is not None and options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
+        implementation = self.config._attn_implementation
+        if implementation not in WRAPPED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"the mitigations run in the attention add_mitigations registered, but this model's attention "
+                f"implementation was set to {implementation!r} since: call sepformer.add_mitigations(model) again, "
+                "which wraps it."
+            )
         inputs = forward_inputs(self, args, kwargs)
         if plan is None:
             check_defined(self.decoder_positions, options)
@@ -286,8 +293,9 @@ def probe_attention(model) -> None:
     the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
     silently skip layers."""
     probe = AttentionProbe()
+    forward = model.unmitigated_forward if isinstance(model, MitigatedDecoder) else model.forward
     with torch.no_grad():
-        model(
+        forward(
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False, mitigation_plan=probe
         )
     layers = model.config.num_hidden_layers
@@ -311,10 +319,10 @@ def add_mitigations(model):
     Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
     """
-    if isinstance(model, MitigatedDecoder):
+    implementation = model.config._attn_implementation
+    if isinstance(model, MitigatedDecoder) and implementation in WRAPPED_IMPLEMENTATIONS:
         return model
     check_servable(model)
-    implementation = model.config._attn_implementation
     if implementation == "eager":
         attention_classes = {type(module) for module in model.modules() if hasattr(module, "layer_idx")}
         without = sorted(cls.__name__ for cls in attention_classes if eager_function(cls) is None)
@@ -329,8 +337,9 @@ def add_mitigations(model):
     except Exception:
         model.set_attn_implementation(implementation)
         raise
-    model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model))
-    model.__class__ = mitigated_class(type(model))
+    if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
+        model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model))
+        model.__class__ = mitigated_class(type(model))
     return model
 
 

@@ -178,10 +178,13 @@ class CalibrationMitigation(Mitigation):
         check_spans_in_prompt(options, call)
         layers = options.layer_set(config.num_hidden_layers)
         if options.bias_estimate == "positional":
-            if config.position_size == 0:
+            if call.decoder is not None or config.position_size == 0:
+                lacking = "this model has position_size=0"
+                if call.decoder is not None:
+                    lacking = f"{call.decoder.description} has none (a SepFormer's)"
                 raise ValueError(
-                    "attention_calibration bias_estimate='positional' reads the positional block, but this model has "
-                    "position_size=0: use bias_estimate='dummy_passes'."
+                    "attention_calibration bias_estimate='positional' reads the positional block, but "
+                    f"{lacking}: use bias_estimate='dummy_passes'."
                 )
             if not call.continuing:
                 return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
@@ -222,7 +225,7 @@ class CalibrationMitigation(Mitigation):
             call.model(
                 input_ids=ids,
                 attention_mask=padding,
-                position_extrapolation=call.extrapolation,
+                **({} if call.extrapolation is None else {"position_extrapolation": call.extrapolation}),
                 mitigation_plan=plan,
                 use_cache=False,
                 output_attentions=False,

@@ -1,6 +1,8 @@
 """`add_mitigations`: SepFormer's mitigations on Hugging Face decoders (Llama, Qwen2, Mistral with grouped-query
 attention, GPT-2), against the plain models and references written from the formulas."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import logits, random_ids
@@ -37,8 +39,17 @@ def plain_model(name: str, attn: str = "sdpa", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     if name == "gpt2":
         config = GPT2Config(
-            vocab_size=256, n_embd=32, n_layer=3, n_head=4, n_positions=64, attn_implementation=attn,
-            bos_token_id=0, eos_token_id=0, pad_token_id=0, **overrides,
+            vocab_size=256,
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            n_positions=64,
+            attn_implementation=attn,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            initializer_range=0.1,
+            **overrides,
         )
         model = GPT2LMHeadModel(config).eval()
         with torch.no_grad():
@@ -92,6 +103,20 @@ def test_without_options_the_model_computes_what_it_computed_before(name, attn):
     assert torch.equal(greedy(model, ids, mask, stable_mask=None, ms_poe=False), tokens)
     assert sepformer.any_decoder.attention_implementation(model.config) == attn
     assert add_mitigations(model) is model
+
+
+def test_an_implementation_set_after_add_mitigations_is_refused_until_wrapped_again():
+    model = mitigated("llama")
+    ids = random_ids(1, 8)
+    with_sdpa = logits(model, ids, stable_mask={"gamma": 0.5})
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="implementation was set to 'eager' since: call sepformer.add_mitigations"):
+        model(ids, stable_mask={"gamma": 0.5})
+    assert add_mitigations(model) is model and model.config._attn_implementation == "sepformer_mitigations_eager"
+    with torch.no_grad():
+        with_eager = model(ids, stable_mask={"gamma": 0.5}, output_attentions=True)
+    torch.testing.assert_close(with_eager.logits, with_sdpa, rtol=1e-5, atol=1e-5)
+    assert len(with_eager.attentions) == 3 and (with_eager.attentions[0].sum(-1) < 1).all()  # the sink's share
 
 
 def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
@@ -220,3 +245,183 @@ def test_cached_decoding_equals_the_full_pass(name, model_name):
         for t in range(12, 18):
             steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **keywords).logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------- MS-PoE
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_name", ROTARY)
+def test_ms_poe_with_one_ratio_is_the_model_reading_positions_m_over_r(model_name, attn):
+    model, plain = mitigated(model_name, attn), plain_model(model_name, attn)
+    ids, mask = left_padded([random_ids(1, 12, seed=1)[0], random_ids(1, 9, seed=2)[0]])
+    ratio, real = 1.5, mask.bool()
+    ours = logits(model, ids, attention_mask=mask, ms_poe=MSPoE(ratio, ratio, layers=(0, 1, 2)))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    reference = logits(plain, ids, attention_mask=mask, position_ids=positions / ratio)  # rotary at m / r
+    torch.testing.assert_close(ours[real], reference[real], rtol=1e-5, atol=1e-5)
+    assert (reference - logits(plain, ids, attention_mask=mask))[real].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_name", ["llama", "mistral"])
+def test_ms_poe_ranks_the_heads_at_prefill_and_decodes_with_that_ranking(model_name):
+    """In one layer, the ranked method (prefill, then cached steps) is the full pass with the prefill's ranking given as
+    a fixed head order."""
+    model = mitigated(model_name)
+    ids = random_ids(1, 16)
+    option = MSPoE(1.2, 1.8, layers=(2,))
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, ms_poe=option).logits]
+        ranks = cache.mitigation_state["ms_poe"].ranks[2].clone()  # (1, H, 1, 1): per row and query head
+        for t in range(12, 16):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, ms_poe=option).logits)
+    assert torch.equal(cache.mitigation_state["ms_poe"].ranks[2], ranks) and ranks.shape == (1, 4, 1, 1)
+    order = tuple(ranks[0, :, 0, 0].argsort().tolist())  # heads by rank: head_order[0] gets r_min
+    full = logits(model, ids, ms_poe=dataclasses.replace(option, head_order=order))
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- Parallel Context Windows
+
+
+def windows_by_hand(ids: torch.Tensor, spans, attn_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCW's positions and additive 4D mask for one unpadded row, written with loops: window tokens attend the tokens
+    before the first window and their own window, positions restarting at its start; later tokens attend everything,
+    their positions continuing from the longest window."""
+    n = ids.shape[1]
+    first, last = spans[0][0], spans[-1][1]
+    longest = max(end - start for start, end in spans)
+    window = [next((k for k, (start, end) in enumerate(spans) if start <= i < end), -1) for i in range(n)]
+    positions = []
+    for i in range(n):
+        if window[i] >= 0:
+            positions.append(first + i - spans[window[i]][0])
+        else:
+            positions.append(i if i < first else i - last + first + longest)
+    mask = torch.full((1, 1, n, n), torch.finfo(attn_dtype).min)
+    for i in range(n):
+        for j in range(i + 1):
+            if window[i] < 0 or window[j] < 0 or window[i] == window[j]:
+                mask[0, 0, i, j] = 0.0
+    return torch.tensor([positions]), mask
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_windows_are_read_alone_and_the_task_reads_them_all(model_name):
+    spans = ((2, 6), (6, 9), (9, 14))
+    model, plain = mitigated(model_name, "eager"), plain_model(model_name, "eager")
+    ids = random_ids(1, 18)
+    ours = logits(model, ids, parallel_context_windows={"spans": [spans]})
+    for start, end in spans:  # the tokens before the first window, then this window alone
+        alone = torch.cat((ids[:, : spans[0][0]], ids[:, start:end]), 1)
+        torch.testing.assert_close(ours[:, start:end], logits(plain, alone)[:, spans[0][0] :], rtol=1e-5, atol=1e-5)
+    positions, mask = windows_by_hand(ids, spans)
+    reference = logits(plain, ids, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert (ours[:, 14:] - logits(plain, ids)[:, 14:]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------- calibration
+
+
+def calibration_reference(model_name, ids, spans, temperature, layers, first_row):
+    """Logits with attention calibration written from the paper's formula (one unpadded row): `bias(k)` is the last
+    prompt token's mean attention on pad tokens put in place of document `k` (eager passes of the plain model), and
+    every row from `first_row` on (the prompt's last token, then each decoded token) is re-weighted over the documents:
+    document `k`'s tokens times `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total
+    attention on the documents."""
+    plain = plain_model(model_name, "eager")
+    prompt = ids[:, : first_row + 1]
+    bias = []
+    for start, end in spans:
+        dummy = prompt.clone()
+        dummy[:, start:end] = plain.config.pad_token_id
+        with torch.no_grad():
+            attentions = plain(dummy, output_attentions=True).attentions
+        bias.append(torch.stack([layer[0, :, -1, start:end].mean(-1) for layer in attentions]))  # (L, H)
+    bias = torch.stack(bias, -1)  # (L, H, K)
+
+    def calibrated(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        probs = (torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask).softmax(-1)  # (1, H, n, n)
+        if module.layer_idx in layers:
+            for row in range(first_row, probs.shape[2]):
+                attention = probs[0, :, row].clone()  # (H, n)
+                mass = torch.stack([attention[:, start:end].sum(-1) for start, end in spans], -1)  # (H, K)
+                sizes = torch.tensor([float(end - start) for start, end in spans])
+                alpha = ((mass / sizes - bias[module.layer_idx]) / temperature).softmax(-1)
+                total = mass.sum(-1, keepdim=True) / (alpha * sizes).sum(-1, keepdim=True)
+                for k, (start, end) in enumerate(spans):
+                    probs[0, :, row, start:end] = (
+                        attention[:, start:end] * (alpha[:, k] / (mass[:, k] / sizes[k]))[:, None] * total
+                    )
+        return torch.matmul(probs, value).transpose(1, 2), probs
+
+    AttentionInterface.register("calibration_reference", calibrated)
+    plain.set_attn_implementation("calibration_reference")
+    additive = torch.triu(torch.full((ids.shape[1],) * 2, torch.finfo(torch.float32).min), 1)[None, None]
+    return logits(plain, ids, attention_mask=additive)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_step(model_name):
+    spans, temperature, layers = ((1, 4), (4, 8), (8, 11)), 0.05, (1, 2)
+    model = mitigated(model_name, "eager")
+    ids = random_ids(1, 16)
+    option = AttentionCalibration(spans=[spans], temperature=temperature, layers=layers)
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, attention_calibration=option).logits]
+        for t in range(12, 16):
+            steps.append(
+                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, attention_calibration=option).logits
+            )
+    reference = calibration_reference(model_name, ids, spans, temperature, layers, first_row=11)
+    torch.testing.assert_close(torch.cat(steps, 1), reference, rtol=1e-4, atol=1e-4)
+    assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
+
+
+def test_options_a_model_lacks_are_refused_by_name_before_any_work():
+    model = mitigated("gpt2")
+    calls = []
+    model.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    ids = random_ids(1, 12)
+    refused = {
+        "ms_poe": (MSPoE(1.2, 1.8), r"ms_poe rescales the rotary positions .*GPT2LMHeadModel .*no \(single\) rotary"),
+        "attention_calibration": (
+            AttentionCalibration(spans=[SPANS], bias_estimate="positional"),
+            r"bias_estimate='positional' reads the positional block, but GPT2LMHeadModel .* has none",
+        ),
+    }
+    for name, (option, message) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=2, **{name: option})
+        with pytest.raises(ValueError, match=message):
+            model(ids, **{name: option})
+    assert not calls
+
+
+# ----------------------------------------------------------------------------------------------------- reordering
+
+
+@pytest.mark.parametrize("model_name", ["mistral", "gpt2"])
+def test_generate_reorders_the_documents_as_reordering_by_hand_would(model_name):
+    model = mitigated(model_name)
+    prompts = [random_ids(1, 14, seed=1)[0], random_ids(1, 11, seed=2)[0]]
+    ids, mask = left_padded(prompts)
+    scores = ((0.1, 0.9, 0.5), (0.7, 0.2, 0.3))  # "first": documents (1, 2, 0) and (0, 2, 1)
+    by_hand = []
+    for prompt, order in zip(prompts, ((1, 2, 0), (0, 2, 1)), strict=True):
+        documents = [prompt[start:end] for start, end in SPANS]
+        by_hand.append(torch.cat((prompt[:1], *(documents[k] for k in order), prompt[10:])))
+    reordered_ids, _ = left_padded(by_hand)
+    for beams in (1, 2):
+        settings = dict(new=4, num_beams=beams, num_return_sequences=beams)
+        option = {"spans": [SPANS] * 2, "by": scores, "strategy": "first"}
+        ours = greedy(model, ids, mask, reorder_documents=option, **settings)
+        assert torch.equal(ours, greedy(model, reordered_ids, mask, **settings))
+    from_attention = greedy(model, ids, mask, reorder_documents={"spans": [SPANS] * 2}, stable_mask={"gamma": 0.5})
+    assert from_attention.shape == (2, ids.shape[1] + 6)
+    assert model.config._attn_implementation == sepformer.any_decoder.register_wrapper("sdpa")  # back after scoring
