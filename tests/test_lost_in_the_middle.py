@@ -324,6 +324,12 @@ def test_positional_scaling_on_sepformer_is_the_options_default(sepformer_dir):
     assert litm.positional_scaling(model, None, args) == PositionalScaling()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_model_is_loaded_in_the_dtype_asked_for(sepformer_dir, dtype):
+    args = litm.parse_args(["--model", sepformer_dir, "--dtype", dtype, "--mitigations", "none"])
+    assert litm.load_model(args, litm.load_tokenizer(args)).dtype == getattr(torch, dtype)
+
+
 # ----------------------------------------------------------------------------------------------------- refusals
 
 
