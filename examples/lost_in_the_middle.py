@@ -311,8 +311,8 @@ def refuse(mitigation: str, why: str, args) -> None:
 def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     """The longest prompt, so that what the model refuses stops the run now, not after hours of evaluation: without
     mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation for
-    one token (positional scaling with a placeholder channel on a model other than SepFormer: its search comes
-    after)."""
+    the prompt and a decoding step (positional scaling with a placeholder channel on a model other than SepFormer: its
+    search comes after)."""
     longest = max(prompts, key=lambda prompt: len(prompt.input_ids))
     try:
         generate(model, tokenizer, [longest], NONE, None, args.max_new_tokens)
@@ -322,7 +322,7 @@ def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     scaling = PositionalScaling() if is_sepformer(model) else PositionalScaling(channels=(0,))
     for mitigation in [name for name in args.mitigations if name != NONE]:
         try:
-            generate(model, tokenizer, [longest], mitigation, scaling, max_new_tokens=1)
+            generate(model, tokenizer, [longest], mitigation, scaling, max_new_tokens=min(2, args.max_new_tokens))
         except (ValueError, TypeError) as error:
             refuse(mitigation, str(error), args)
 
