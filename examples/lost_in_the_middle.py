@@ -308,6 +308,17 @@ def refuse(mitigation: str, why: str, args) -> None:
     args.mitigations = tuple(name for name in args.mitigations if name != mitigation)
 
 
+def check_vocabulary(model, tokenizer, prompts: list[Prompt], args) -> None:
+    """Every prompt id and the pad id have a row of the model's embedding (an id past it fails deep inside, a device
+    assert on a GPU)."""
+    rows = model.get_input_embeddings().num_embeddings
+    largest = max(max(prompt.input_ids) for prompt in prompts)
+    if max(largest, tokenizer.pad_token_id) >= rows:
+        raise SystemExit(f"--model {args.model}: its tokenizer gives ids up to {max(largest, tokenizer.pad_token_id)} "
+                         f"(the largest prompt id {largest}, the pad id {tokenizer.pad_token_id}), past the model's "
+                         f"{rows} embedding rows")
+
+
 def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     """The longest prompt, so that what the model refuses stops the run now, not after hours of evaluation: without
     mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation for
@@ -479,6 +490,7 @@ def main(argv=None) -> list[dict]:
     except ValueError as error:  # the documents cannot be found in the prompt's tokens
         raise SystemExit(f"--model {args.model}: {error}") from None
     model = load_model(args, tokenizer)
+    check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)
     scaling = positional_scaling(model, encoder, args)
     rows = evaluate(model, tokenizer, prompts, correct, scaling, args)

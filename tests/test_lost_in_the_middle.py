@@ -174,6 +174,19 @@ def test_a_mitigation_the_model_refuses_stops_a_run_that_names_it_before_any_eva
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused_before_any_evaluation(llama_dir, tmp_path,
+                                                                                          monkeypatch):
+    tokenizer = bpe_tokenizer()
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})  # id 400: the Llama has 400 embedding rows
+    tokenizer.save_pretrained(tmp_path)
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((Path(llama_dir) / name).read_bytes())
+    monkeypatch.setattr(litm, "evaluate", lambda *args: pytest.fail("evaluated"))
+    with pytest.raises(SystemExit, match=r"its tokenizer gives ids up to 400 \(the largest prompt id \d+, the pad id "
+                                         r"400\), past the model's 400 embedding rows"):
+        litm.main(["--model", str(tmp_path), "--tiny", "--output-dir", str(tmp_path / "out")])
+
+
 def test_a_model_whose_positions_end_before_the_answer_stops_the_run_before_any_evaluation(tmp_path, monkeypatch):
     short = save_sepformer(tmp_path / "short", max_position_embeddings=64)
     monkeypatch.setattr(litm, "evaluate", lambda *args: pytest.fail("evaluated"))
