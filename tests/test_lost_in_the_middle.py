@@ -215,6 +215,19 @@ def test_without_add_mitigations_another_model_takes_none_only(llama_dir, tmp_pa
                for mitigation in litm.OPTIONS)
 
 
+@pytest.mark.parametrize("mitigation", ["none", "attention_calibration", "parallel_context_windows",
+                                        "reorder_documents"])
+def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(llama_dir, mitigation):
+    args = litm.parse_args(["--model", llama_dir, "--mitigations", mitigation])
+    tokenizer = litm.load_tokenizer(args)
+    model = litm.load_model(args, tokenizer)
+    encoder = litm.Encoder(tokenizer)
+    prompts = [encoder(example) for example in litm.qa_examples(QA_RECORDS, 3)[::2]]
+    assert len({len(prompt.input_ids) for prompt in prompts}) > 1  # padding happens
+    alone = [litm.generate(model, tokenizer, [prompt], mitigation, None, 6)[0] for prompt in prompts]
+    assert litm.generate(model, tokenizer, prompts, mitigation, None, 6) == alone
+
+
 # ----------------------------------------------------------------------------------------------- prompts, spans
 
 
