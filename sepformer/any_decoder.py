@@ -104,11 +104,13 @@ def mitigated_attention(implementation, module, query, key, value, attention_mas
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         return function(module, query, key, value, attention_mask, **kwargs)
+    hooks = mitigation_plan.layers[module.layer_idx]
+    if not hooks.attention_wrappers:
+        return function(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
         key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
         module = ExpandedHeads(module)
-    hooks = mitigation_plan.layers[module.layer_idx]
     function = hooks.attention_function(module.layer_idx, function, None)
     return function(module, query, key, value, attention_mask, **kwargs)
 
@@ -125,8 +127,16 @@ def register_wrapper(implementation: str) -> str:
 
 def forward_inputs(model, args, kwargs) -> dict:
     """The arguments of a call of the model's own `forward`, by name (its `**kwargs` spread out)."""
-    arguments = dict(inspect.signature(model.unmitigated_forward).bind(*args, **kwargs).arguments)
-    return {**arguments, **arguments.pop("kwargs", {})}
+    signature = forward_signature(type(model))
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    del arguments[next(iter(signature.parameters))]  # self
+    variadic = [name for name, parameter in signature.parameters.items() if parameter.kind is parameter.VAR_KEYWORD]
+    return {**arguments, **arguments.pop(variadic[0], {})}
+
+
+@functools.cache
+def forward_signature(mitigated: type) -> inspect.Signature:
+    return inspect.signature(mitigated.unmitigated_forward)
 
 
 class MitigatedDecoder(MitigationGenerationMixin):

@@ -220,6 +220,9 @@ class MSPoEMitigation(Mitigation):
         return query, key
 
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
+
+
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos, sin (H, b or 1, n, rotary_dim) of the further rotation from `m` to `m / r_i` for rank `i`: rotations of
     the same planes compose, so keys and queries already rotated at `m` are then rotated at `m / r_i`."""
@@ -247,6 +250,12 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             raise ValueError(
                 f"ms_poe rescales the rotary positions of each head, but {decoder.description} has no (single) rotary "
                 "embedding: MS-PoE is not defined for it."
+            )
+        rope_type = getattr(decoder.rotary, "rope_type", "default")
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
+                f"{rope_type!r} changes them with the sequence length during the forward."
             )
         layers = options.layer_set(config.num_hidden_layers)
         if options.head_order is not None:
