@@ -65,6 +65,21 @@ def output_directory(text: str) -> str:
     return text
 
 
+def torch_device(text: str) -> str:
+    """A device this machine has: `cpu`, `cuda` or `cuda:N` (with a CUDA GPU), `mps` (on Apple silicon)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; give cpu, cuda, cuda:N or mps") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: this machine has no {device.type} device; give cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: this machine has {torch.cuda.device_count()} CUDA "
+                                         f"devices (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return text
+
+
 def existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text!r} is not a file")
