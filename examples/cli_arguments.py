@@ -66,17 +66,21 @@ def output_directory(text: str) -> str:
 
 
 def torch_device(text: str) -> str:
-    """A device this machine has: `cpu`, `cuda` or `cuda:N` (with a CUDA GPU), `mps` (on Apple silicon)."""
+    """A device this machine has: `cpu`, or its accelerator (`torch.accelerator`: `cuda`, `cuda:N`, `mps`, ...).
+    Anything else is refused where torch or Trainer would fail later or silently run on the CPU."""
+    accelerator = torch.accelerator.current_accelerator()
+    available = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; give cpu, cuda, cuda:N or mps") from None
-    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if not available.get(device.type, False):
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: this machine has no {device.type} device; give cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: this machine has {torch.cuda.device_count()} CUDA "
-                                         f"devices (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; give {' or '.join(available)}") from None
+    if device.type not in available:
+        raise argparse.ArgumentTypeError(f"{text} is not available on this machine (it has {' and '.join(available)}): "
+                                         f"give {' or '.join(available)}")
+    count = torch.accelerator.device_count() if device.type != "cpu" else 1
+    if (device.index or 0) >= count:
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: this machine has {count} {device.type} devices "
+                                         f"({device.type}:0 to {device.type}:{count - 1})")
     return text
 
 
@@ -87,22 +91,13 @@ def existing_file(text: str) -> str:
 
 
 def trainer_device(text: str) -> str:
-    """A device type that `Trainer` trains on: the CPU or this machine's accelerator (`torch.accelerator`). Another
-    (`cuda` on a machine without a GPU) is refused, where Trainer would silently train on the CPU, and so is a device
-    index: Trainer places the model on each process's own device."""
-    accelerator = torch.accelerator.current_accelerator()
-    available = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; give {' or '.join(available)}") from None
-    if device.index is not None:
+    """A device type that `Trainer` trains on (`torch_device`), without an index: Trainer places the model on each
+    process's own device."""
+    kind, index = text.partition(":")[::2]
+    if index:
         raise argparse.ArgumentTypeError(f"{text} is not allowed: Trainer places the model on each process's own "
-                                         f"device; give {device.type} (and choose GPUs with CUDA_VISIBLE_DEVICES)")
-    if device.type not in available:
-        raise argparse.ArgumentTypeError(f"{text} is not available on this machine (it has {' and '.join(available)}): "
-                                         f"give {' or '.join(available)}")
-    return text
+                                         f"device; give {kind} (and choose GPUs with CUDA_VISIBLE_DEVICES)")
+    return torch_device(text)
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:

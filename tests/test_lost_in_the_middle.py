@@ -378,7 +378,7 @@ REFUSED = [
     (["--dtype", "float64"], "--dtype: invalid choice: 'float64'"),
     (["--mitigations", "none", "none"], "--mitigations: none given more than once"),
     (["--mitigations", "attention_sinks"], "--mitigations: invalid choice: 'attention_sinks'"),
-    (["--device", "gpu0"], "--device: 'gpu0' is not a device"),
+    (["--device", "gpu0"], "--device: 'gpu0' is not a torch device"),
     (["--qa-file", "missing.jsonl"], "--qa-file: 'missing.jsonl' is not a file"),
 ]
 
@@ -394,7 +394,7 @@ def test_bad_flags_are_refused_by_the_parser(llama_dir, flags, message, capsys):
 def test_cuda_without_a_gpu_is_refused(llama_dir, capsys):
     with pytest.raises(SystemExit):
         litm.parse_args(["--model", llama_dir, "--device", "cuda"])
-    assert "--device: cuda is not allowed: this machine has no cuda device" in capsys.readouterr().err
+    assert "--device: cuda is not available on this machine" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("lines, flags, message", [
