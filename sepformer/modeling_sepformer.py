@@ -509,7 +509,8 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """`GenerationMixin.generate`, with the prompt and its padding mask checked first (an empty or 1-D prompt fails
         deep inside it), the last position it may reach (`check_last_position`) and the padding it feeds
-        (`check_fed_token_ids`).
+        (`check_fed_token_ids`). A `SepFormerCache` it continues drops what an earlier generation made from the weights
+        (`SepFormerCache.start_generation`).
 
         `reorder_documents` (a `ReorderDocuments` or the dict of its fields, *optional*): the prompt's documents are
         reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
@@ -521,6 +522,8 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
             check_last_position(self, prompt, generation_config, kwargs)
             check_fed_token_ids(self, generation_config, kwargs)
+        if isinstance(kwargs.get("past_key_values"), SepFormerCache):
+            kwargs["past_key_values"].start_generation()
         if reordering is not None:
             inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs, generation_config)
         return super().generate(inputs, *args, **kwargs)
