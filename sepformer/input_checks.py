@@ -2,10 +2,12 @@
 
 import torch
 from transformers.cache_utils import Cache
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, logging
 
 from .mitigations import MITIGATIONS
 from .positional_maps import LearnedPositions, call_extrapolation
+
+logger = logging.get_logger(__name__)
 
 
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> None:
@@ -109,6 +111,12 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
 def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
     """Refuse `labels` (and transformers' `shift_labels`, among the loss keywords in `kwargs`) that the loss would fail
     on deep inside torch, before any work is done."""
+    if isinstance(logits_to_keep, int) and logits_to_keep < 0:
+        # Llama reads -n as `slice(n, None)`: every logit but the first n, which no caller means
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep} is negative: give 0 (every position), n > 0 (the last n positions) or "
+            "a tensor of the positions to keep."
+        )
     inputs = input_ids if input_ids is not None else inputs_embeds
     if not isinstance(inputs, torch.Tensor):
         return  # `check_inputs` says what is wrong with the input
@@ -134,6 +142,13 @@ def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwarg
                 f"{name} contains {outside[0].item()}: a label is a token id 0..{config.vocab_size - 1} or "
                 f"ignore_index={ignore_index} (not scored)."
             )
+    scored = kwargs.get("shift_labels", labels[:, 1:] if labels is not None else None)  # the loss shifts `labels`
+    if scored is not None and kwargs.get("num_items_in_batch") is None and bool((scored == ignore_index).all()):
+        # a warning, not an error: `Trainer` evaluates batches whose labels may all be ignored (a long prompt)
+        logger.warning(
+            f"Every scored label is ignore_index={ignore_index} (the loss scores labels[:, 1:], or shift_labels): no "
+            "token is scored, so the loss is NaN (0 / 0)."
+        )
 
 
 def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:

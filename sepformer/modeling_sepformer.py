@@ -5,8 +5,13 @@ keys read the whole (normalised) vector, so attention may route on position and 
 output projection, the MLPs and the norms are block-diagonal, so positional and semantic coordinates never mix.
 """
 
+import contextlib
 import copy
 import functools
+import os
+import re
+import shutil
+import tempfile
 
 import torch
 from torch import nn
@@ -236,10 +241,20 @@ class SepFormerPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
-        the Hub code files first, the config after): a refused save writes nothing."""
+        the Hub code files first, the config after): a refused save writes nothing. It writes into a staging folder
+        beside `save_directory` and moves the files in once all are written, so a save that fails (a full disk, a
+        weights file that cannot be written) leaves the folder as it was; a push to the Hub, which uploads the folder
+        it saved to, saves in place."""
+        if os.path.isfile(save_directory):  # transformers logs an error and returns
+            raise ValueError(
+                f"save_pretrained: {os.fspath(save_directory)!r} is a file; give a folder (made if absent)."
+            )
         self.config.check_combinations()
         self.check_config_describes_weights(state_dict)
-        return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        if kwargs.get("push_to_hub"):
+            return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        with staged(save_directory) as staging:
+            return super().save_pretrained(staging, is_main_process, state_dict, **kwargs)
 
     def check_config_describes_weights(self, state_dict: dict | None = None) -> None:
         """Refuse a config that no longer describes the weights to be saved (`state_dict`, by default all the model's),
@@ -274,6 +289,31 @@ class SepFormerPreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(module.compute_inv_freq())
         if isinstance(module, BSplinePositions):
             init.normal_(module.control_points, mean=0.0, std=self.config.initializer_range)
+
+
+@contextlib.contextmanager
+def staged(folder):
+    """A staging folder beside `folder` whose files move into `folder` when the block ends without an error, as a
+    save into `folder` would leave it (older shards of the saved weights removed); dropped in any case."""
+    folder = os.path.abspath(folder)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.saving-", dir=os.path.dirname(folder))
+    try:
+        yield staging
+        os.makedirs(folder, exist_ok=True)
+        written = os.listdir(staging)
+        # transformers removes the shards of an earlier save of the same weights that this save does not rewrite
+        shard = r"-\d{5}-of-\d{5}"
+        weights = [name.removesuffix(".safetensors") for name in written if name.endswith(".safetensors")]
+        stems = {re.sub(shard + "$", "", name) for name in weights}
+        for name in set(os.listdir(folder)) - set(written):
+            unsuffixed = name.replace(".bin", "").replace(".safetensors", "")
+            if any(name.startswith(stem) for stem in stems) and re.fullmatch(".*" + shard, unsuffixed):
+                os.remove(os.path.join(folder, name))
+        for name in written:
+            os.replace(os.path.join(staging, name), os.path.join(folder, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def continues(past_key_values: Cache | None) -> bool:

@@ -69,6 +69,8 @@ MASK_VALUES = r"a 2-D padding mask holds only 0 \(padding\) and 1 \(a token\), a
         ({"input_ids": IDS, "labels": LABELS, "shift_labels": with_id(300)}, r"shift_labels contains 300"),
         ({"input_ids": IDS, "labels": LABELS, "logits_to_keep": 1},
          r"labels are scored at every position, but logits_to_keep=1 keeps fewer logits"),
+        ({"input_ids": IDS, "logits_to_keep": -1},
+         r"logits_to_keep=-1 is negative: give 0 \(every position\), n > 0 \(the last n positions\) or a tensor"),
         ({"input_ids": IDS, "position_ids": torch.full((1, 12), float("nan"))},
          r"position_ids must be integer positions of torch.int64 or torch.int32; got torch.float32"),
         ({"input_ids": IDS, "position_ids": torch.arange(12.0)[None]}, r"position_ids must be integer positions"),
@@ -127,6 +129,31 @@ def test_valid_labels_masks_and_positions_of_every_allowed_kind_still_run():
         torch.testing.assert_close(model(IDS.int(), position_ids=positions).logits, expected.logits)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts each operation's inputs
             model(inputs_embeds=model.model.embed_tokens(IDS).bfloat16())
+
+
+@pytest.mark.parametrize("given", ["labels", "shift_labels"])
+def test_labels_that_score_no_token_warn_that_the_loss_is_nan(given):
+    """Llama returns a NaN loss without a word. A warning, not an error: `Trainer` evaluates batches whose labels may
+    all be ignored; with `num_items_in_batch` (its training steps) the loss is 0 and nothing is said."""
+    from transformers.testing_utils import CaptureLogger
+
+    from sepformer import input_checks
+
+    model = tiny_model()
+    labels = torch.full_like(IDS, -100)
+    labels[:, 0] = 3  # the first label is never scored: the loss shifts the labels
+    ignored = {"labels": labels}
+    if given == "shift_labels":
+        ignored = {"labels": LABELS, "shift_labels": torch.full_like(IDS, -100)}
+    with CaptureLogger(input_checks.logger) as captured, torch.no_grad():
+        assert model(IDS, **ignored).loss.isnan()
+    assert "Every scored label is ignore_index=-100 (the loss scores labels[:, 1:], or shift_labels): no token " in (
+        captured.out
+    )
+    with CaptureLogger(input_checks.logger) as captured, torch.no_grad():
+        assert model(IDS, **ignored, num_items_in_batch=torch.tensor(8)).loss == 0
+        model(IDS, labels=LABELS)
+    assert captured.out == ""
 
 
 def test_a_legacy_tuple_cache_is_refused_with_its_conversion():

@@ -118,6 +118,59 @@ def test_a_refused_hub_save_writes_nothing(tmp_path, field, value, message):
     assert not (tmp_path / "out").exists()
 
 
+def folder_bytes(folder) -> dict:
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("earlier", ["absent", "a plain save", "a sharded Hub save"])
+def test_a_save_whose_weights_cannot_be_written_leaves_the_folder_as_it_was(tmp_path, monkeypatch, earlier):
+    """transformers writes the Hub code files and the config before the weights: each is written in a staging folder,
+    moved in once all are written."""
+    import transformers.modeling_utils
+
+    folder = tmp_path / "out"
+    if earlier == "a plain save":
+        tiny_model(seed=1).save_pretrained(folder)
+    elif earlier == "a sharded Hub save":
+        prepare_for_hub(tiny_model(seed=1)).save_pretrained(folder, max_shard_size="40KB")
+    before = folder_bytes(folder)
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", no_room)
+    with pytest.raises(OSError, match="No space left on device"):
+        prepare_for_hub(tiny_model(rotary_dim=4)).save_pretrained(folder)
+    assert folder_bytes(folder) == before
+    assert folder.exists() == (earlier != "absent")
+    assert os.listdir(tmp_path) == (["out"] if folder.exists() else [])  # no staging folder left
+
+
+def test_a_save_over_a_sharded_one_leaves_what_transformers_leaves(tmp_path):
+    """Saving into a folder drops the shards of an earlier save that it does not rewrite (as transformers does, which
+    keeps the earlier index), and keeps every other file."""
+    expected, folder = tmp_path / "in place", tmp_path / "staged"
+    for target in (expected, folder):
+        tiny_model(seed=1).save_pretrained(target, max_shard_size="40KB")
+        assert len(list(target.glob("model-0000?-of-0000?.safetensors"))) > 1
+        (target / "notes.txt").write_text("kept")
+    super(SepFormerForCausalLM, tiny_model()).save_pretrained(expected)  # transformers' own save, in place
+    model = tiny_model()
+    model.save_pretrained(folder)
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(expected))
+    assert (folder / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes()
+    assert torch.equal(logits(SepFormerForCausalLM.from_pretrained(folder)), logits(model))
+    assert sorted(os.listdir(tmp_path)) == ["in place", "staged"]
+
+
+def test_a_save_to_a_file_is_refused(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(ValueError, match=r"save_pretrained: '.*model.bin' is a file; give a folder \(made if absent\)"):
+        tiny_model().save_pretrained(path)
+    assert path.read_bytes() == b"old"
+
+
 def test_text_generation_pipeline():
     model = tiny_model()
     generator = pipeline("text-generation", model=model, tokenizer=SepFormerTokenizer(), device="cpu")
