@@ -237,6 +237,22 @@ def test_the_last_position_counts_a_rows_real_tokens_and_the_extrapolation_of_th
     assert uncached.shape == (2, 18)
 
 
+def test_the_last_position_is_the_longest_rows():
+    """Rows padded unevenly: the longest row reaches the last position, not the shortest."""
+    model = tiny_model(max_position_embeddings=16)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # row 0: 12 real tokens, 6 new reach position 17; row 1: 8 real tokens reach 13
+    refused_before_any_work(
+        model, ValueError, PAST_THE_TABLE.format(17),
+        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False),
+    )
+    refused_before_any_work(
+        model, ValueError, r"position 17 is past position_extrapolation 'interpolate' length=16",
+        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, position_extrapolation="interpolate"),
+    )
+    assert model.generate(IDS, attention_mask=mask, max_new_tokens=4, do_sample=False).shape == (2, 16)
+
+
 def test_an_unknown_keyword_is_refused_not_ignored():
     model = tiny_model()
     with pytest.raises(TypeError, match=r"unknown keyword arguments \['stablemask'\].*'stable_mask'"):
