@@ -14,6 +14,7 @@ import shutil
 import tempfile
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -32,7 +33,14 @@ from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make
 from .cache_sepformer import SepFormerCache, derived_store
 from .configuration_sepformer import SepFormerConfig
 from .decoding import decoding_weights
-from .input_checks import check_fed_token_ids, check_inputs, check_labels, check_last_position
+from .input_checks import (
+    check_checkpoint_folder,
+    check_fed_token_ids,
+    check_inputs,
+    check_labels,
+    check_last_position,
+    unreadable_weights,
+)
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, check_assisted_decoding, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
@@ -239,6 +247,17 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         `_auto_class`): that model alone saves as Hub code, not its class."""
         return model_or_class._auto_class is not None
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, with a missing folder, a folder without `config.json` and a weights file
+        cut short named (transformers reads the first as a Hub id, builds a default config for the second and does
+        not name the file of the third)."""
+        check_checkpoint_folder(pretrained_model_name_or_path, kwargs)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise unreadable_weights(pretrained_model_name_or_path, error) from error
+
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
         the Hub code files first, the config after): a refused save writes nothing. It writes into a staging folder
@@ -395,7 +414,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if not torch.compiler.is_compiling():  # the checks read shapes and values that a graph would guard on
             check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_ids(input_ids)
         continuing = continues(past_key_values)  # the caller's cache: one made here starts with this call
         if use_cache and past_key_values is None:
             past_key_values = SepFormerCache(config=self.config)
@@ -466,6 +485,20 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+    def embed_ids(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """`embed_tokens(input_ids)`, naming an id outside the vocabulary where the embedding refuses it (a CPU's
+        `IndexError`): a decoding step's ids are not read before (`check_inputs`), which would wait for the device."""
+        try:
+            return self.embed_tokens(input_ids)
+        except IndexError as error:
+            outside = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
+            if not outside.numel():
+                raise
+            raise ValueError(
+                f"input_ids contains id {outside[0].item()}, outside the vocabulary 0..{self.config.vocab_size - 1}."
+            ) from error
 
 
 LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' causal-LM loss, not of the model

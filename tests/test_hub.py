@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -169,6 +170,43 @@ def test_a_save_to_a_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"save_pretrained: '.*model.bin' is a file; give a folder \(made if absent\)"):
         tiny_model().save_pretrained(path)
     assert path.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("load", [SepFormerForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained])
+def test_a_weights_file_cut_short_is_named(tmp_path, load):
+    tiny_model().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    message = rf"from_pretrained: {re.escape(str(weights))} is not a whole safetensors file \(.*\): it was probably "
+    with pytest.raises(OSError, match=message + r"cut short by an interrupted save or download; save or download it"):
+        load(tmp_path)
+
+
+def test_a_folder_that_is_missing_or_holds_no_config_is_named(tmp_path):
+    missing = tmp_path / "missing"
+    for path in (missing, str(missing), "./no/such/folder"):
+        with pytest.raises(OSError, match=r"from_pretrained: '.*' does not exist; give the folder save_pretrained"):
+            SepFormerForCausalLM.from_pretrained(path)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(OSError, match=r"'.*' is a file; give the folder save_pretrained wrote"):
+        SepFormerForCausalLM.from_pretrained(tmp_path / "notes.txt")
+    with pytest.raises(OSError, match=r"the folder '.*' has no config.json, so it is not a saved model "
+                       r"\(save_pretrained writes config.json beside the weights\); it holds \['notes.txt'\]"):
+        SepFormerForCausalLM.from_pretrained(tmp_path)
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "saved")
+    (tmp_path / "saved" / "config.json").unlink()  # a config given to the call stands in for the file
+    reloaded = SepFormerForCausalLM.from_pretrained(tmp_path / "saved", config=model.config)
+    assert torch.equal(logits(reloaded), logits(model))
+
+
+@pytest.mark.parametrize(("model", "tokenizer", "kind"), [(None, None, "NoneType"), ("model", "tokenizer", "str")])
+def test_prepare_for_hub_refuses_what_is_no_sepformer_model(model, tokenizer, kind):
+    with pytest.raises(TypeError, match=rf"prepare_for_hub takes a SepFormer model \(SepFormerForCausalLM or "
+                       rf"SepFormerModel\); got {kind}"):
+        prepare_for_hub(model, tokenizer)
+    with pytest.raises(TypeError, match=r"prepare_for_hub: tokenizer must be a transformers tokenizer; got dict"):
+        prepare_for_hub(tiny_model(), {})
 
 
 def test_text_generation_pipeline():
