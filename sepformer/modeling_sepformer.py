@@ -486,7 +486,6 @@ class SepFormerModel(SepFormerPreTrainedModel):
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
-
     def embed_ids(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """`embed_tokens(input_ids)`, naming an id outside the vocabulary where the embedding refuses it (a CPU's
         `IndexError`): a decoding step's ids are not read before (`check_inputs`), which would wait for the device."""
