@@ -29,6 +29,17 @@ class BlockDiagonal(nn.Module):
         # reshapes, and decoding steps go by call count.
         return self.each_block(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
+    def __format__(self, spec: str) -> str:
+        """The module with which modules an adapter targets instead: PEFT names a target it cannot adapt with
+        `f"{target}"`, and the blocks, not this container, are the linear layers."""
+        blocks = " and ".join(f"`<name>.{name}`" for name, block in self.named_children() if block is not None)
+        return format(
+            f"{self!r} [a SepFormer block-diagonal module: adapters target its blocks, {blocks} (e.g. "
+            "`v_proj.position` and `v_proj.semantic`; in an MLP its `up_proj` and `down_proj`); "
+            "sepformer.LORA_TARGET_MODULES lists every projection]",
+            spec,
+        )
+
     def each_block(self, x: torch.Tensor) -> torch.Tensor:
         widths = (self.position_size, x.shape[-1] - self.position_size)
         return blockwise(x, (self.position, self.semantic), widths)

@@ -149,8 +149,10 @@ class SepFormerCache(DynamicCache):
     it), so each beam or sequence keeps the state of the row it came from; a crop applies to it too, and a `reset` (or
     a crop of every token) drops it, for the next call is a prefill.
 
-    A cache is one generation: what its decoding steps made from the weights (`derived`) is used until it is emptied.
-    After the weights change (an optimiser step, a load, a `.data` write), continue with a new cache or a `reset` one.
+    A cache is one generation: what its decoding steps made from the weights (`derived`) is used until it is emptied,
+    or until a new `generate` call continues it (transformers' multi-turn recipe), which starts from the current weights
+    (`start_generation`). After the weights change (an optimiser step, a load, a `.data` write), calling `forward`
+    yourself, continue with a new cache or a `reset` one.
 
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
@@ -176,6 +178,12 @@ class SepFormerCache(DynamicCache):
         self.prefill_options: dict[str, Any] | None = None
         self.mitigation_state: dict[str, MitigationState] = {}
         self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
+
+    def start_generation(self) -> None:
+        """Drop what an earlier generation made from the weights, which may have changed since (or be another model's),
+        keeping the keys, values and prefill state: a `generate` call that continues this cache starts here. Cleared in
+        place: the bucket caches share the store."""
+        self.derived.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

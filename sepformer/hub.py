@@ -1,5 +1,9 @@
 """Make `save_pretrained` write Hub custom code, loadable with `trust_remote_code=True` without this package."""
 
+from transformers import PreTrainedTokenizerBase
+
+from .modeling_sepformer import SepFormerPreTrainedModel
+
 AUTO_MAP = {
     "AutoConfig": "configuration_sepformer.SepFormerConfig",
     "AutoModel": "modeling_sepformer.SepFormerModel",
@@ -14,6 +18,13 @@ def prepare_for_hub(model, tokenizer=None):
     class): another model, config or tokenizer saved later in the process is a plain checkpoint.
     Returns `model`, so `prepare_for_hub(model).save_pretrained(folder)` is a one-liner.
     """
+    if not isinstance(model, SepFormerPreTrainedModel):
+        raise TypeError(
+            f"prepare_for_hub takes a SepFormer model (SepFormerForCausalLM or SepFormerModel); got "
+            f"{type(model).__name__}."
+        )
+    if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(f"prepare_for_hub: tokenizer must be a transformers tokenizer; got {type(tokenizer).__name__}.")
     model._auto_class = "AutoModelForCausalLM" if hasattr(model, "lm_head") else "AutoModel"
     model.config._auto_class = "AutoConfig"
     # Each object only adds its own entry: write the whole map so a folder can be loaded through any Auto class.

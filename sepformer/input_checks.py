@@ -1,11 +1,16 @@
 """Checks of a call's inputs, before any work: what the layers would fail on deep inside torch, or silently ignore."""
 
+import os
+
 import torch
+from safetensors import safe_open
 from transformers.cache_utils import Cache
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, logging
 
 from .mitigations import MITIGATIONS
 from .positional_maps import LearnedPositions, call_extrapolation
+
+logger = logging.get_logger(__name__)
 
 
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> None:
@@ -31,6 +36,12 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
                 f"{name} must be a torch tensor; got a {type(value).__name__}. Convert it first, e.g. "
                 f"torch.tensor(ids)[None] for one sequence (a list or a NumPy array), torch.tensor(batch) for a batch."
             )
+    on_meta = [name for name, value in tensors.items() if value is not None and value.device.type == "meta"]
+    if on_meta:
+        raise ValueError(
+            f"{', '.join(on_meta)} {'is' if len(on_meta) == 1 else 'are'} on the meta device, which holds shapes but "
+            f"no values: give tensors holding the inputs, on the model's device ({model.embed_tokens.weight.device})."
+        )
     if past_key_values is not None and not isinstance(past_key_values, Cache):
         raise TypeError(
             f"past_key_values must be a Cache; got a {type(past_key_values).__name__} (the legacy format, one "
@@ -40,7 +51,13 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
-        hint = "integer token ids: input_ids.long()" if input_ids.dim() == 2 else "a batch dimension: input_ids[None]"
+        hint = {
+            2: "integer token ids: input_ids.long()",
+            1: "a batch dimension: input_ids[None]",
+            0: "a batch and a sequence dimension: input_ids.view(1, 1)",
+        }.get(input_ids.dim(), "one row of ids per sequence: input_ids.flatten(0, -2) merges the leading dimensions")
+        if input_ids.dim() > 2 and input_ids.is_floating_point():
+            hint = f"token ids; vectors go in inputs_embeds, (batch, sequence, semantic_size={config.semantic_size})"
         raise ValueError(
             f"input_ids must be a 2-D tensor of token ids (batch, sequence) of torch.int64 or torch.int32; got shape "
             f"{tuple(input_ids.shape)} of {input_ids.dtype} (give {hint})."
@@ -80,6 +97,10 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
             f"attention_mask must be a 2-D padding mask (batch, past + new tokens) or a 4-D mask; got shape "
             f"{tuple(attention_mask.shape)}."
         )
+    if attention_mask is not None and attention_mask.dim() == 4:
+        check_4d_mask(attention_mask.shape, batch, config.num_attention_heads, seq, past, past_key_values)
+    if past:
+        check_cache_batch(past_key_values, batch)
     if attention_mask is not None and attention_mask.dim() == 2 and past == 0:
         # positions are the mask's running sum: a 2 would skip positions, a 0.5 be attended yet read as padding
         other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
@@ -106,9 +127,38 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
             raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
 
 
+def check_4d_mask(shape: torch.Size, batch: int, heads: int, seq: int, past: int, cache: Cache | None) -> None:
+    """A 4-D mask is used as given: (batch or 1, 1 or heads, new tokens, keys), the keys `past + new tokens` unless the
+    cache has a fixed size (its own length)."""
+    keys = None if getattr(cache, "is_compileable", False) else past + seq
+    if shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2] != seq or keys not in (None, shape[3]):
+        raise ValueError(
+            f"attention_mask has shape {tuple(shape)}; a 4-D mask must be (batch or 1, 1 or heads, new tokens, "
+            f"{'keys' if keys is None else 'past + new tokens'}) = ({batch} or 1, 1 or {heads}, {seq}, "
+            f"{'keys' if keys is None else keys})."
+        )
+
+
+def check_cache_batch(cache: Cache, batch: int) -> None:
+    """A call continuing `cache` gives every cached row its new tokens."""
+    keys = getattr(cache.layers[0], "keys", None) if getattr(cache, "layers", None) else None
+    if isinstance(keys, torch.Tensor) and keys.shape[0] != batch:
+        raise ValueError(
+            f"the input's batch is {batch}, but past_key_values holds {keys.shape[0]} rows: a call continuing a cache "
+            "gives every cached row its new tokens (keep some rows with past_key_values.batch_select_indices(indices), "
+            "or start a new cache)."
+        )
+
+
 def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
     """Refuse `labels` (and transformers' `shift_labels`, among the loss keywords in `kwargs`) that the loss would fail
     on deep inside torch, before any work is done."""
+    if isinstance(logits_to_keep, int) and logits_to_keep < 0:
+        # Llama reads -n as `slice(n, None)`: every logit but the first n, which no caller means
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep} is negative: give 0 (every position), n > 0 (the last n positions) or "
+            "a tensor of the positions to keep."
+        )
     inputs = input_ids if input_ids is not None else inputs_embeds
     if not isinstance(inputs, torch.Tensor):
         return  # `check_inputs` says what is wrong with the input
@@ -134,6 +184,13 @@ def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwarg
                 f"{name} contains {outside[0].item()}: a label is a token id 0..{config.vocab_size - 1} or "
                 f"ignore_index={ignore_index} (not scored)."
             )
+    scored = kwargs.get("shift_labels", labels[:, 1:] if labels is not None else None)  # the loss shifts `labels`
+    if scored is not None and kwargs.get("num_items_in_batch") is None and bool((scored == ignore_index).all()):
+        # a warning, not an error: `Trainer` evaluates batches whose labels may all be ignored (a long prompt)
+        logger.warning(
+            f"Every scored label is ignore_index={ignore_index} (the loss scores labels[:, 1:], or shift_labels): no "
+            "token is scored, so the loss is NaN (0 / 0)."
+        )
 
 
 def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
@@ -187,3 +244,44 @@ def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
             f"generate: pad_token_id={pad} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
             "model after a row ends (eos_token_id is set): give pad_token_id a token id."
         )
+
+
+def check_checkpoint_folder(path, kwargs: dict) -> None:
+    """Refuse what `from_pretrained` would read as a Hub repo id or a default config: a local path (a `Path`, an
+    absolute or `./` path, or one with several `/`) that is no folder, or a folder without `config.json` (unless a
+    config is given)."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if text is None:
+        return
+    local = isinstance(path, os.PathLike) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
+    if local and not os.path.isdir(text):
+        found = "is a file" if os.path.isfile(text) else "does not exist"
+        raise OSError(
+            f"from_pretrained: {text!r} {found}; give the folder save_pretrained wrote (config.json and the weights), "
+            "or a Hub repo id (namespace/name)."
+        )
+    config_file = os.path.join(text, kwargs.get("subfolder") or "", "config.json")
+    if os.path.isdir(text) and kwargs.get("config") is None and not os.path.isfile(config_file):
+        raise OSError(
+            f"from_pretrained: the folder {text!r} has no {os.path.relpath(config_file, text)}, so it is not a saved "
+            f"model (save_pretrained writes config.json beside the weights); it holds {sorted(os.listdir(text))[:8]}."
+        )
+
+
+def unreadable_weights(path, error: Exception) -> OSError:
+    """The error to raise when the safetensors of a checkpoint could not be read: it names the files that are not
+    whole (a save or download cut short) in a local folder."""
+    folder = os.fspath(path) if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) else None
+    broken = []
+    for name in sorted(os.listdir(folder)) if folder else ():
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(folder, name), "pt"):
+                    pass
+            except Exception:  # whatever stops safetensors reading it
+                broken.append(os.path.join(folder, name))
+    files = ", ".join(broken) if broken else "a weights file of the checkpoint"
+    return OSError(
+        f"from_pretrained: {files} is not a whole safetensors file ({error}): it was probably cut short by an "
+        "interrupted save or download; save or download it again."
+    )

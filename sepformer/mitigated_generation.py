@@ -20,7 +20,8 @@ class MitigationGenerationMixin:
         """Refuse, before any work, a prompt `generate` would fail on deep inside (the model's own checks)."""
 
     def generate(self, inputs=None, *args, **kwargs):
-        """`GenerationMixin.generate`, after `check_generate_inputs`.
+        """`GenerationMixin.generate`, after `check_generate_inputs`. A `SepFormerCache` it continues drops what an
+        earlier generation made from the weights (`SepFormerCache.start_generation`).
 
         `reorder_documents` (a `ReorderDocuments` or the dict of its fields, *optional*): the prompt's documents are
         reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
@@ -30,6 +31,8 @@ class MitigationGenerationMixin:
         generation_config = args[0] if args else kwargs.get("generation_config")
         if prompt is not None:
             self.check_generate_inputs(prompt, generation_config, kwargs)
+        if isinstance(kwargs.get("past_key_values"), SepFormerCache):
+            kwargs["past_key_values"].start_generation()
         if reordering is not None:
             inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs, generation_config)
         return super().generate(inputs, *args, **kwargs)

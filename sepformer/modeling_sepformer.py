@@ -5,10 +5,16 @@ keys read the whole (normalised) vector, so attention may route on position and 
 output projection, the MLPs and the norms are block-diagonal, so positional and semantic coordinates never mix.
 """
 
+import contextlib
 import copy
 import functools
+import os
+import re
+import shutil
+import tempfile
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -27,7 +33,14 @@ from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make
 from .cache_sepformer import SepFormerCache, derived_store
 from .configuration_sepformer import SepFormerConfig
 from .decoding import decoding_weights
-from .input_checks import check_fed_token_ids, check_inputs, check_labels, check_last_position
+from .input_checks import (
+    check_checkpoint_folder,
+    check_fed_token_ids,
+    check_inputs,
+    check_labels,
+    check_last_position,
+    unreadable_weights,
+)
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
@@ -234,12 +247,33 @@ class SepFormerPreTrainedModel(PreTrainedModel):
         `_auto_class`): that model alone saves as Hub code, not its class."""
         return model_or_class._auto_class is not None
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, with a missing folder, a folder without `config.json` and a weights file
+        cut short named (transformers reads the first as a Hub id, builds a default config for the second and does
+        not name the file of the third)."""
+        check_checkpoint_folder(pretrained_model_name_or_path, kwargs)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise unreadable_weights(pretrained_model_name_or_path, error) from error
+
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
-        the Hub code files first, the config after): a refused save writes nothing."""
+        the Hub code files first, the config after): a refused save writes nothing. It writes into a staging folder
+        beside `save_directory` and moves the files in once all are written, so a save that fails (a full disk, a
+        weights file that cannot be written) leaves the folder as it was; a push to the Hub, which uploads the folder
+        it saved to, saves in place."""
+        if os.path.isfile(save_directory):  # transformers logs an error and returns
+            raise ValueError(
+                f"save_pretrained: {os.fspath(save_directory)!r} is a file; give a folder (made if absent)."
+            )
         self.config.check_combinations()
         self.check_config_describes_weights(state_dict)
-        return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        if kwargs.get("push_to_hub"):
+            return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        with staged(save_directory) as staging:
+            return super().save_pretrained(staging, is_main_process, state_dict, **kwargs)
 
     def check_config_describes_weights(self, state_dict: dict | None = None) -> None:
         """Refuse a config that no longer describes the weights to be saved (`state_dict`, by default all the model's),
@@ -274,6 +308,31 @@ class SepFormerPreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(module.compute_inv_freq())
         if isinstance(module, BSplinePositions):
             init.normal_(module.control_points, mean=0.0, std=self.config.initializer_range)
+
+
+@contextlib.contextmanager
+def staged(folder):
+    """A staging folder beside `folder` whose files move into `folder` when the block ends without an error, as a
+    save into `folder` would leave it (older shards of the saved weights removed); dropped in any case."""
+    folder = os.path.abspath(folder)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.saving-", dir=os.path.dirname(folder))
+    try:
+        yield staging
+        os.makedirs(folder, exist_ok=True)
+        written = os.listdir(staging)
+        # transformers removes the shards of an earlier save of the same weights that this save does not rewrite
+        shard = r"-\d{5}-of-\d{5}"
+        weights = [name.removesuffix(".safetensors") for name in written if name.endswith(".safetensors")]
+        stems = {re.sub(shard + "$", "", name) for name in weights}
+        for name in set(os.listdir(folder)) - set(written):
+            unsuffixed = name.replace(".bin", "").replace(".safetensors", "")
+            if any(name.startswith(stem) for stem in stems) and re.fullmatch(".*" + shard, unsuffixed):
+                os.remove(os.path.join(folder, name))
+        for name in written:
+            os.replace(os.path.join(staging, name), os.path.join(folder, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def continues(past_key_values: Cache | None) -> bool:
@@ -355,7 +414,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if not torch.compiler.is_compiling():  # the checks read shapes and values that a graph would guard on
             check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_ids(input_ids)
         continuing = continues(past_key_values)  # the caller's cache: one made here starts with this call
         if use_cache and past_key_values is None:
             past_key_values = SepFormerCache(config=self.config)
@@ -426,6 +485,19 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def embed_ids(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """`embed_tokens(input_ids)`, naming an id outside the vocabulary where the embedding refuses it (a CPU's
+        `IndexError`): a decoding step's ids are not read before (`check_inputs`), which would wait for the device."""
+        try:
+            return self.embed_tokens(input_ids)
+        except IndexError as error:
+            outside = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
+            if not outside.numel():
+                raise
+            raise ValueError(
+                f"input_ids contains id {outside[0].item()}, outside the vocabulary 0..{self.config.vocab_size - 1}."
+            ) from error
 
 
 LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' causal-LM loss, not of the model

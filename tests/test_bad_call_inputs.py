@@ -38,7 +38,24 @@ MASK_VALUES = r"a 2-D padding mask holds only 0 \(padding\) and 1 \(a token\), a
     [
         ({"input_ids": IDS[:, :0]}, r"the input has no tokens \(shape \(2, 0\)\)"),
         ({"input_ids": IDS[:0]}, r"the input has no tokens \(shape \(0, 12\)\)"),
-        ({"input_ids": IDS[0]}, r"input_ids must be a 2-D tensor .* got shape \(12,\)"),
+        ({"input_ids": IDS[0]}, r"input_ids must be a 2-D tensor .* got shape \(12,\) .* input_ids\[None\]"),
+        ({"input_ids": IDS[None]},
+         r"got shape \(1, 2, 12\) of torch.int64 \(give one row of ids per sequence: input_ids.flatten\(0, -2\)"),
+        ({"input_ids": IDS[0, 0]}, r"got shape \(\) .* \(give a batch and a sequence dimension: input_ids.view\(1, 1"),
+        ({"input_ids": torch.zeros(2, 12, 24)},
+         r"got shape \(2, 12, 24\) of torch.float32 \(give token ids; vectors go in inputs_embeds, \(batch, sequence, "
+         r"semantic_size=24\)\)"),
+        ({"input_ids": IDS.to("meta")},
+         r"input_ids is on the meta device, which holds shapes but no values: give tensors holding the inputs, on the "
+         r"model's device \(cpu\)"),
+        ({"input_ids": IDS, "attention_mask": torch.ones(2, 12, device="meta")}, r"attention_mask is on the meta"),
+        ({"input_ids": IDS, "attention_mask": torch.ones(2, 1, 11, 12, dtype=torch.bool)},
+         r"attention_mask has shape \(2, 1, 11, 12\); a 4-D mask must be \(batch or 1, 1 or heads, new tokens, past \+ "
+         r"new tokens\) = \(2 or 1, 1 or 4, 12, 12\)"),
+        ({"input_ids": IDS, "attention_mask": torch.ones(1, 1, 12, 13, dtype=torch.bool)},
+         r"attention_mask has shape \(1, 1, 12, 13\); a 4-D mask must be"),
+        ({"input_ids": IDS, "attention_mask": torch.ones(3, 1, 12, 12, dtype=torch.bool)},
+         r"attention_mask has shape \(3, 1, 12, 12\); a 4-D mask must be"),
         ({"input_ids": IDS.float()}, r"input_ids must be a 2-D tensor of token ids .* torch.float32"),
         ({"input_ids": with_id(259)}, r"input_ids contains id 259, outside the vocabulary 0..258"),
         ({"input_ids": with_id(-1)}, r"input_ids contains id -1, outside the vocabulary 0..258"),
@@ -69,6 +86,8 @@ MASK_VALUES = r"a 2-D padding mask holds only 0 \(padding\) and 1 \(a token\), a
         ({"input_ids": IDS, "labels": LABELS, "shift_labels": with_id(300)}, r"shift_labels contains 300"),
         ({"input_ids": IDS, "labels": LABELS, "logits_to_keep": 1},
          r"labels are scored at every position, but logits_to_keep=1 keeps fewer logits"),
+        ({"input_ids": IDS, "logits_to_keep": -1},
+         r"logits_to_keep=-1 is negative: give 0 \(every position\), n > 0 \(the last n positions\) or a tensor"),
         ({"input_ids": IDS, "position_ids": torch.full((1, 12), float("nan"))},
          r"position_ids must be integer positions of torch.int64 or torch.int32; got torch.float32"),
         ({"input_ids": IDS, "position_ids": torch.arange(12.0)[None]}, r"position_ids must be integer positions"),
@@ -127,6 +146,62 @@ def test_valid_labels_masks_and_positions_of_every_allowed_kind_still_run():
         torch.testing.assert_close(model(IDS.int(), position_ids=positions).logits, expected.logits)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts each operation's inputs
             model(inputs_embeds=model.model.embed_tokens(IDS).bfloat16())
+
+
+@pytest.mark.parametrize("given", ["labels", "shift_labels"])
+def test_labels_that_score_no_token_warn_that_the_loss_is_nan(given):
+    """Llama returns a NaN loss without a word. A warning, not an error: `Trainer` evaluates batches whose labels may
+    all be ignored; with `num_items_in_batch` (its training steps) the loss is 0 and nothing is said."""
+    from transformers.testing_utils import CaptureLogger
+
+    from sepformer import input_checks
+
+    model = tiny_model()
+    labels = torch.full_like(IDS, -100)
+    labels[:, 0] = 3  # the first label is never scored: the loss shifts the labels
+    ignored = {"labels": labels}
+    if given == "shift_labels":
+        ignored = {"labels": LABELS, "shift_labels": torch.full_like(IDS, -100)}
+    with CaptureLogger(input_checks.logger) as captured, torch.no_grad():
+        assert model(IDS, **ignored).loss.isnan()
+    assert "Every scored label is ignore_index=-100 (the loss scores labels[:, 1:], or shift_labels): no token " in (
+        captured.out
+    )
+    with CaptureLogger(input_checks.logger) as captured, torch.no_grad():
+        assert model(IDS, **ignored, num_items_in_batch=torch.tensor(8)).loss == 0
+        model(IDS, labels=LABELS)
+    assert captured.out == ""
+
+
+def test_a_4d_mask_of_the_right_shape_runs():
+    model = tiny_model()
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    with torch.no_grad():
+        expected = model(IDS).logits
+        for mask in (causal.expand(2, 1, 12, 12), causal.expand(1, 4, 12, 12)):
+            torch.testing.assert_close(model(IDS, attention_mask=mask).logits, expected)
+        cache = model(IDS[:, :11], use_cache=True).past_key_values
+        step = model(IDS[:, 11:], attention_mask=causal[11:].expand(2, 1, 1, 12), past_key_values=cache).logits
+    torch.testing.assert_close(step, expected[:, 11:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (IDS[:1, :1], r"the input's batch is 1, but past_key_values holds 2 rows: a call continuing a cache gives "
+                      r"every cached row its new tokens \(keep some rows with past_key_values.batch_select_indices"),
+        (torch.tensor([[5], [300]]), r"input_ids contains id 300, outside the vocabulary 0..258"),
+        (torch.tensor([[-2], [5]]), r"input_ids contains id -2, outside the vocabulary 0..258"),
+    ],
+)
+def test_a_bad_decoding_step_is_refused_before_any_work(step, message):
+    """A decoding step's ids are not read before it runs (that would wait for the device): the embedding's refusal is
+    named."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values
+        refused_before_any_work(model, ValueError, message, lambda: model(step, past_key_values=cache))
+    assert cache.get_seq_length() == 12
 
 
 def test_a_legacy_tuple_cache_is_refused_with_its_conversion():
@@ -208,6 +283,22 @@ def test_the_last_position_counts_a_rows_real_tokens_and_the_extrapolation_of_th
     uncached = model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate",
                               use_cache=False)  # every step compresses the whole sequence anew
     assert uncached.shape == (2, 18)
+
+
+def test_the_last_position_is_the_longest_rows():
+    """Rows padded unevenly: the longest row reaches the last position, not the shortest."""
+    model = tiny_model(max_position_embeddings=16)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # row 0: 12 real tokens, 6 new reach position 17; row 1: 8 real tokens reach 13
+    refused_before_any_work(
+        model, ValueError, PAST_THE_TABLE.format(17),
+        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False),
+    )
+    refused_before_any_work(
+        model, ValueError, r"position 17 is past position_extrapolation 'interpolate' length=16",
+        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, position_extrapolation="interpolate"),
+    )
+    assert model.generate(IDS, attention_mask=mask, max_new_tokens=4, do_sample=False).shape == (2, 16)
 
 
 def test_an_unknown_keyword_is_refused_not_ignored():

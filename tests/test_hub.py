@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -116,6 +117,96 @@ def test_a_refused_hub_save_writes_nothing(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def folder_bytes(folder) -> dict:
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("earlier", ["absent", "a plain save", "a sharded Hub save"])
+def test_a_save_whose_weights_cannot_be_written_leaves_the_folder_as_it_was(tmp_path, monkeypatch, earlier):
+    """transformers writes the Hub code files and the config before the weights: each is written in a staging folder,
+    moved in once all are written."""
+    import transformers.modeling_utils
+
+    folder = tmp_path / "out"
+    if earlier == "a plain save":
+        tiny_model(seed=1).save_pretrained(folder)
+    elif earlier == "a sharded Hub save":
+        prepare_for_hub(tiny_model(seed=1)).save_pretrained(folder, max_shard_size="40KB")
+    before = folder_bytes(folder)
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", no_room)
+    with pytest.raises(OSError, match="No space left on device"):
+        prepare_for_hub(tiny_model(rotary_dim=4)).save_pretrained(folder)
+    assert folder_bytes(folder) == before
+    assert folder.exists() == (earlier != "absent")
+    assert os.listdir(tmp_path) == (["out"] if folder.exists() else [])  # no staging folder left
+
+
+def test_a_save_over_a_sharded_one_leaves_what_transformers_leaves(tmp_path):
+    """Saving into a folder drops the shards of an earlier save that it does not rewrite (as transformers does, which
+    keeps the earlier index), and keeps every other file."""
+    expected, folder = tmp_path / "in place", tmp_path / "staged"
+    for target in (expected, folder):
+        tiny_model(seed=1).save_pretrained(target, max_shard_size="40KB")
+        assert len(list(target.glob("model-0000?-of-0000?.safetensors"))) > 1
+        (target / "notes.txt").write_text("kept")
+    super(SepFormerForCausalLM, tiny_model()).save_pretrained(expected)  # transformers' own save, in place
+    model = tiny_model()
+    model.save_pretrained(folder)
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(expected))
+    assert (folder / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes()
+    assert torch.equal(logits(SepFormerForCausalLM.from_pretrained(folder)), logits(model))
+    assert sorted(os.listdir(tmp_path)) == ["in place", "staged"]
+
+
+def test_a_save_to_a_file_is_refused(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(ValueError, match=r"save_pretrained: '.*model.bin' is a file; give a folder \(made if absent\)"):
+        tiny_model().save_pretrained(path)
+    assert path.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("load", [SepFormerForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained])
+def test_a_weights_file_cut_short_is_named(tmp_path, load):
+    tiny_model().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    message = rf"from_pretrained: {re.escape(str(weights))} is not a whole safetensors file \(.*\): it was probably "
+    with pytest.raises(OSError, match=message + r"cut short by an interrupted save or download; save or download it"):
+        load(tmp_path)
+
+
+def test_a_folder_that_is_missing_or_holds_no_config_is_named(tmp_path):
+    missing = tmp_path / "missing"
+    for path in (missing, str(missing), "./no/such/folder"):
+        with pytest.raises(OSError, match=r"from_pretrained: '.*' does not exist; give the folder save_pretrained"):
+            SepFormerForCausalLM.from_pretrained(path)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(OSError, match=r"'.*' is a file; give the folder save_pretrained wrote"):
+        SepFormerForCausalLM.from_pretrained(tmp_path / "notes.txt")
+    with pytest.raises(OSError, match=r"the folder '.*' has no config.json, so it is not a saved model "
+                       r"\(save_pretrained writes config.json beside the weights\); it holds \['notes.txt'\]"):
+        SepFormerForCausalLM.from_pretrained(tmp_path)
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "saved")
+    (tmp_path / "saved" / "config.json").unlink()  # a config given to the call stands in for the file
+    reloaded = SepFormerForCausalLM.from_pretrained(tmp_path / "saved", config=model.config)
+    assert torch.equal(logits(reloaded), logits(model))
+
+
+@pytest.mark.parametrize(("model", "tokenizer", "kind"), [(None, None, "NoneType"), ("model", "tokenizer", "str")])
+def test_prepare_for_hub_refuses_what_is_no_sepformer_model(model, tokenizer, kind):
+    with pytest.raises(TypeError, match=rf"prepare_for_hub takes a SepFormer model \(SepFormerForCausalLM or "
+                       rf"SepFormerModel\); got {kind}"):
+        prepare_for_hub(model, tokenizer)
+    with pytest.raises(TypeError, match=r"prepare_for_hub: tokenizer must be a transformers tokenizer; got dict"):
+        prepare_for_hub(tiny_model(), {})
 
 
 def test_text_generation_pipeline():

@@ -324,6 +324,43 @@ def test_ms_poe_ranking_is_made_at_prefill_and_kept():
             model(ids[:, :1], past_key_values=later, use_cache=True, ms_poe=option)
 
 
+def dense_head_ranks(model, ids) -> torch.Tensor:
+    """(b, H) ranks of layer 0's heads written from the paper: the last query's attention row over every key, with the
+    queries and keys rotated by their positions `m`; `S_P = (1/l) Σ_i 1(A_i >= 3 · mean(A))`; rank 0 the highest,
+    ties to the lower head."""
+    cfg, attention = model.config, model.model.layers[0].self_attn
+    seq, heads, head_dim, r = ids.shape[1], cfg.num_attention_heads, cfg.head_dim, cfg.rotary_dim
+    rows = model.model.embed_positions.weight[:seq].expand(len(ids), -1, -1)
+    normed = model.model.layers[0].input_layernorm(torch.cat((rows, model.model.embed_tokens(ids)), -1))
+    projections = (attention.q_proj, attention.k_proj)
+    q, k = (linear(normed).view(*ids.shape, heads, -1).transpose(1, 2) for linear in projections)  # (b, H, seq, hd)
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, r, 2).float() / r)
+    angles = torch.arange(seq)[:, None] * inv_freq
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q, k = (torch.cat((x[..., :r] * cos + rotate_half(x[..., :r]) * sin, x[..., r:]), -1) for x in (q, k))
+    row = ((q[:, :, -1:] @ k.transpose(-1, -2)) * head_dim**-0.5).softmax(-1)[:, :, 0]  # (b, H, seq)
+    scores = (row >= 3 * row.mean(-1, keepdim=True)).float().mean(-1)  # (b, H)
+    ranks = torch.empty(scores.shape, dtype=torch.long)
+    for b, order in enumerate(torch.sort(-scores, dim=-1, stable=True).indices):
+        ranks[b, order] = torch.arange(heads)
+    return ranks
+
+
+def test_ms_poe_ranks_the_heads_from_rotated_queries_and_keys():
+    """On a rotary model the prefill's ranking reads the attention the layer computes: queries and keys rotated."""
+    model = strong_positions(tiny_model(num_hidden_layers=1, hidden_size=64, num_attention_heads=8, rotary_dim=8))
+    attention = model.model.layers[0].self_attn
+    ids = random_ids(4, 48)
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        for projection in (attention.q_proj, attention.k_proj):  # peaked rows: heads that differ in S_P
+            projection.weight.mul_(10)
+        model(ids, past_key_values=cache, use_cache=True, ms_poe=MSPoE(layers=(0,)))
+        expected = dense_head_ranks(model, ids)
+    assert torch.equal(cache.mitigation_state["ms_poe"].ranks[0][..., 0, 0], expected)
+    assert not torch.equal(expected, torch.arange(8).expand(4, 8))  # not every score tied
+
+
 # ---------------------------------------------------------------------------------------------- attention calibration
 
 

@@ -512,6 +512,42 @@ def test_decoding_under_autocast_keeps_the_modules():
     assert torch.equal(fused, unfused)
 
 
+def test_decoding_steps_in_training_mode_run_the_dropout():
+    """A model in `train()` decoding without autograd (an evaluation that forgot `eval()`): the steps run the modules,
+    dropout included, as with autograd on, where nothing is fused."""
+    model = tiny_model(hidden_dropout=0.5, attention_dropout=0.5).train()
+    ids = random_ids(2, 12)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        steps, cache = decode_steps(model, ids, 8)
+    torch.manual_seed(0)
+    with_autograd, _ = decode_steps(model, ids, 8)
+    assert fused_projections(cache) == {}
+    assert torch.equal(steps, with_autograd.detach())
+
+
+@pytest.mark.parametrize(
+    "register",
+    [torch.nn.modules.module.register_module_forward_hook, torch.nn.modules.module.register_module_forward_pre_hook],
+)
+def test_a_global_hook_sees_every_module_at_every_decoding_step(register):
+    """A hook registered for every module (`register_module_forward_hook`, or the pre-hook) sees the layers' modules
+    at every step: nothing is fused while one is registered."""
+    model = tiny_model()
+    seen = []
+    q_projs = [layer.self_attn.q_proj for layer in model.model.layers]
+    handle = register(lambda module, *args: seen.append(module) if any(module is q for q in q_projs) else None)
+    ids = random_ids(2, 12)
+    try:
+        with torch.no_grad():
+            steps, cache = decode_steps(model, ids, 8)
+    finally:
+        handle.remove()
+    assert fused_projections(cache) == {0: None, 1: None}
+    assert len(seen) == 2 * (1 + 4)  # both layers, at the prefill and every decoding step
+    torch.testing.assert_close(steps, decode_steps(model, ids, 8)[0].detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_buckets_share_one_copy_of_the_fused_weights():
     model = tiny_model()
     ids = random_ids(2, 12)

@@ -71,6 +71,21 @@ def test_default_targets_are_needed():
         get_peft_model(tiny_model(), LoraConfig(r=4))
 
 
+@pytest.mark.parametrize(
+    ("target", "blocks"), [("v_proj", "`<name>.position` and `<name>.semantic`"), ("mlp", "`<name>.position` and")]
+)
+def test_targeting_a_block_diagonal_module_says_to_target_its_blocks(target, blocks):
+    """PEFT adapts linear layers; SepFormer's `v_proj`, `o_proj` and MLPs hold one per block."""
+    message = (
+        r"Target module BlockDiagonal\(.*\) \[a SepFormer block-diagonal module: adapters target its blocks, "
+        rf"{blocks}.*"
+        r"\(e.g. `v_proj.position` and `v_proj.semantic`; in an MLP its `up_proj` and `down_proj`\); "
+        r"sepformer.LORA_TARGET_MODULES lists every projection\] is not supported"
+    )
+    with pytest.raises(ValueError, match=re.compile(message, re.DOTALL)):
+        get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=[target]))
+
+
 def train_adapter(output_dir: str, base):
     """Trainer on the LoRA parameters only (AdamW, 12 steps): the trained PeftModel and its eval losses before/after."""
     peft_model = lora(base, init_lora_weights=True, task_type="CAUSAL_LM")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArguments
 
 from sepformer import SepFormerCache, SepFormerForCausalLM
 
@@ -141,3 +141,42 @@ def test_an_emptied_cache_starts_a_new_generation():
             parameter.data.mul_(1.5)
         again = model.generate(prompt, max_new_tokens=L, do_sample=False, past_key_values=cache)
         assert torch.equal(again, fresh_copy(model).generate(prompt, max_new_tokens=L, do_sample=False))
+
+
+def holding_the_same_keys_and_values(cache: SepFormerCache) -> DynamicCache:
+    """A `DynamicCache` with copies of `cache`'s keys and values: a cache that keeps nothing made from the weights."""
+    copy = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    return copy
+
+
+def second_turns(model, cache, turn: torch.Tensor) -> list:
+    """Greedy tokens and logits of `generate` continuing `cache` on `turn`, and of the same continuation of a cache
+    holding the same keys and values but nothing made from the weights."""
+    reference = holding_the_same_keys_and_values(cache)
+    settings = dict(max_new_tokens=L // 2, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return [model.generate(turn, past_key_values=given, **settings) for given in (cache, reference)]
+
+
+@pytest.mark.parametrize("change", ["weights scaled", "another model", "float64"])
+def test_a_generate_continuing_a_cache_starts_from_the_current_weights(change):
+    """transformers' multi-turn recipe: a second `generate` continuing the first one's cache after the weights changed
+    (or with another model, or in float64) uses the current weights, not what the first generation laid out: the fused
+    decoding weights and the positional rows past the table."""
+    model = model_of("learned table, fourier past L")
+    cache = SepFormerCache(config=model.config)
+    first = model.generate(PROBE[:1, :6], max_new_tokens=4, do_sample=False, past_key_values=cache)
+    if change == "weights scaled":
+        for parameter in model.parameters():
+            parameter.data.mul_(1.5)
+    elif change == "another model":
+        torch.manual_seed(1)
+        model = SepFormerForCausalLM(model.config).eval()
+    else:
+        model.to(torch.float64)
+    turn = torch.cat((first, PROBE[:1, 20:23]), 1)
+    continued, reference = second_turns(model, cache, turn)
+    assert torch.equal(continued.sequences, reference.sequences)
+    for actual, expected in zip(continued.logits, reference.logits, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
