@@ -345,7 +345,7 @@ def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], mod
         try:
             return check_position_readable(model, longest - 1, extrapolation)
         except ValueError as error:
-            why = str(error)
+            why = str(error).rstrip(".")
     raise ValueError(
         f"reorder_documents dummy_document of {len(options.dummy_document)} tokens makes dummy passes of {longest} "
         f"tokens, {why}: give a shorter dummy_document."

@@ -6,11 +6,13 @@ import torch
 from conftest import random_ids, tiny_model
 from test_llama_mitigations import tiny_gpt2, tiny_llama
 from test_mitigations import sharp_attention
+from transformers import DynamicCache
 
 from sepformer import (
     PositionalScaling,
     ReorderDocuments,
     SepFormerCache,
+    add_mitigations,
     document_relevance,
     relevance_order,
     reorder_documents,
@@ -304,9 +306,20 @@ def test_generate_without_attention_mask_reorders_within_the_padding_it_infers()
     )
 
 
-def test_generate_without_attention_mask_infers_no_padding_where_pad_token_id_is_an_eos():
+def mitigated_llama():
+    """A Hugging Face decoder given `generate(reorder_documents=...)` by `add_mitigations`, with SepFormer's pad id."""
+    model = add_mitigations(tiny_llama("eager"))
+    model.config.pad_token_id = model.generation_config.pad_token_id = 0
+    return model
+
+
+GENERATORS = {"SepFormer": (eager_model, SepFormerCache), "mitigated Llama": (mitigated_llama, DynamicCache)}
+
+
+@pytest.mark.parametrize("make", [make for make, _ in GENERATORS.values()], ids=list(GENERATORS))
+def test_generate_without_attention_mask_infers_no_padding_where_pad_token_id_is_an_eos(make):
     """transformers infers no padding when `pad_token_id` is an `eos_token_id`: spans count from column 0."""
-    model, (ids, _) = eager_model(), left_padded_batch()
+    model, (ids, _) = make(), left_padded_batch()
     pad = model.config.pad_token_id
     ids[ids == pad] = 5
     ids[:, 0] = pad  # would read as one column of left padding
@@ -459,16 +472,19 @@ def test_a_dummy_document_taking_the_dummy_passes_past_the_positions_the_model_r
     with pytest.raises(ValueError, match=r"dummy_document of 60 tokens makes dummy passes of 71 tokens, past max_posi"):
         reorder_documents(gpt2, ids, mask, long)
     long["dummy_document"] = (5,) * 8
-    with pytest.raises(ValueError, match=r"of 8 tokens makes dummy passes of 19 tokens, position 18 is past the learn"):
+    with pytest.raises(ValueError, match=r"of 8 tokens makes dummy passes of 19 tokens, position 18 is past the learn"
+                       r".*'fourier'\)`\): give a shorter dummy_document\.$"):
         reorder_documents(sepformer, ids, mask, long)
     assert not calls
     reorder_documents(sepformer, ids, mask, long, position_extrapolation="clamp")
     assert calls
 
 
-def test_generate_refuses_a_cache_that_already_holds_the_prompt_before_any_forward():
+@pytest.mark.parametrize("make", list(GENERATORS))
+def test_generate_refuses_a_cache_that_already_holds_the_prompt_before_any_forward(make):
     """transformers' prefix-cache recipe: the cache holds the prompt in its old order."""
-    model, (ids, mask) = eager_model(), left_padded_batch()
+    (make, cache_class), (ids, mask) = GENERATORS[make], left_padded_batch()
+    model = make()
     with torch.no_grad():
         cache = model(ids[:, :8], attention_mask=mask[:, :8], use_cache=True).past_key_values
     calls = []
@@ -479,7 +495,7 @@ def test_generate_refuses_a_cache_that_already_holds_the_prompt_before_any_forwa
     with pytest.raises(ValueError, match=r"past_key_values already holds a tuple of the prompt in its old order"):
         generate(model, ids, mask, reorder_documents=option, past_key_values=((ids, ids),))
     assert not calls
-    empty = SepFormerCache(config=model.config)
+    empty = cache_class(config=model.config)
     assert torch.equal(
         generate(model, ids, mask, reorder_documents=option, past_key_values=empty),
         generate(model, ids, mask, reorder_documents=option),
