@@ -6,6 +6,7 @@ Importing this package registers `SepFormerConfig`, `SepFormerModel`, `SepFormer
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from .any_decoder import add_mitigations
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .hub import prepare_for_hub
@@ -47,6 +48,7 @@ __all__ = [
     "SepFormerModel",
     "SepFormerPreTrainedModel",
     "SepFormerTokenizer",
+    "add_mitigations",
     "document_relevance",
     "in2_dataset",
     "prepare_for_hub",

@@ -63,6 +63,8 @@ class AttentionBucketsMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
+        if call.decoder is not None:
+            return cls.resolve_on_decoder(options, call)
         config = call.model.config
         if options.num_buckets > 1:
             raise ValueError(
@@ -88,6 +90,23 @@ class AttentionBucketsMitigation(Mitigation):
             )
         scale = options.scales[0] if options.scales is not None else 1.0
         return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale)
+
+    @classmethod
+    def resolve_on_decoder(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
+        """One bucket of a Hugging Face decoder (`add_mitigations`): its rotary with base `bases[0]` (the model's own
+        class of rotary, built with that `rope_theta`), read at positions `m · scales[0]`."""
+        decoder = call.decoder
+        if decoder.rotary is None:
+            raise ValueError(
+                f"attention_buckets reads positions with other rotary bases or scales, but {decoder.description} has "
+                "no (single) rotary embedding: learned absolute positions have no base to change, and a table is not "
+                "read between its rows. Attention Buckets is not defined for it."
+            )
+        if options.bases is not None:
+            decoder.check_rotary_base()
+        rotary_base = options.bases[0] if options.bases is not None else None
+        scale = options.scales[0] if options.scales is not None else 1.0
+        return cls(options, options.layer_set(call.model.config.num_hidden_layers), rotary_base, None, scale)
 
     @classmethod
     def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:

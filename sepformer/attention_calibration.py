@@ -13,6 +13,7 @@ from .mitigation_base import (
     Mitigation,
     MitigationPlan,
     QueryKeyProjection,
+    attention_implementation,
     last_row_probs,
     last_row_scores,
 )
@@ -158,7 +159,7 @@ class CalibrationMitigation(Mitigation):
     @classmethod
     def resolve(cls, options: AttentionCalibration, call: CallContext) -> "CalibrationMitigation":
         config = call.model.config
-        if config._attn_implementation == "flex_attention":
+        if attention_implementation(config) == "flex_attention":
             raise ValueError(
                 "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
                 "does not give: use attn_implementation 'eager' or 'sdpa'."
@@ -177,10 +178,13 @@ class CalibrationMitigation(Mitigation):
         check_spans_in_prompt(options, call)
         layers = options.layer_set(config.num_hidden_layers)
         if options.bias_estimate == "positional":
-            if config.position_size == 0:
+            if call.decoder is not None or config.position_size == 0:
+                lacking = "this model has position_size=0"
+                if call.decoder is not None:
+                    lacking = f"{call.decoder.description} has none (a SepFormer's)"
                 raise ValueError(
-                    "attention_calibration bias_estimate='positional' reads the positional block, but this model has "
-                    "position_size=0: use bias_estimate='dummy_passes'."
+                    "attention_calibration bias_estimate='positional' reads the positional block, but "
+                    f"{lacking}: use bias_estimate='dummy_passes'."
                 )
             if not call.continuing:
                 return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
@@ -221,7 +225,7 @@ class CalibrationMitigation(Mitigation):
             call.model(
                 input_ids=ids,
                 attention_mask=padding,
-                position_extrapolation=call.extrapolation,
+                **({} if call.extrapolation is None else {"position_extrapolation": call.extrapolation}),
                 mitigation_plan=plan,
                 use_cache=False,
                 output_attentions=False,
@@ -252,7 +256,7 @@ class CalibrationMitigation(Mitigation):
             last = last.view(batch, 1, heads, head_dim)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 # weights as the layer's implementation gives them: eager returns them, the others do not
-                eager = module.config._attn_implementation == "eager"
+                eager = attention_implementation(module.config) == "eager"
                 return last, probs[:, :, None].to(query.dtype) if eager else None
             output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             output = torch.cat((output[:, :-1], last), 1)

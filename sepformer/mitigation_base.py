@@ -44,6 +44,17 @@ InputScale = tuple[tuple[int, ...], float]  # (channels, factor) of the query an
 UNSCALED: InputScale = ((), 1.0)
 
 
+# The attention implementations registered to carry the mitigations (`any_decoder`), each the name of the one it wraps.
+WRAPPED_IMPLEMENTATIONS: dict[str, str] = {}
+
+
+def attention_implementation(config) -> str:
+    """The attention implementation a model computes with (`"eager"`, `"sdpa"`, ...), also where `add_mitigations`
+    registered a wrapper of it."""
+    name = config._attn_implementation
+    return WRAPPED_IMPLEMENTATIONS.get(name, name)
+
+
 def cached_constant(maxsize: int):
     """`functools.lru_cache` for functions that build constant tensors from hashable arguments.
 
@@ -71,7 +82,7 @@ def cached_constant(maxsize: int):
 class CallContext:
     """One call of the model, as the mitigations are resolved against it, before any layer runs."""
 
-    model: Any  # the SepFormerModel
+    model: Any  # the SepFormerModel, or the Hugging Face causal LM that `add_mitigations` served
     input_ids: torch.LongTensor | None
     attention_mask: torch.Tensor | None  # the caller's mask: 2D padding mask (batch, past + seq), 4D, or None
     cache: Any  # a transformers `Cache` or None
@@ -82,6 +93,8 @@ class CallContext:
     # The SepFormerCache that keeps what is fixed at prefill (a fresh one for a call without a cache), or None when the
     # call's cache is of another kind; set by `resolve_plan`.
     state: Any = None
+    # Where a Hugging Face model keeps its positions (`any_decoder.DecoderPositions`); None for SepFormer.
+    decoder: Any = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -28,8 +28,9 @@ from .cache_sepformer import SepFormerCache, derived_store
 from .configuration_sepformer import SepFormerConfig
 from .decoding import decoding_weights
 from .input_checks import check_fed_token_ids, check_inputs, check_labels, check_last_position
+from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
-from .mitigations import MITIGATIONS, causal_lm_wrapper, check_assisted_decoding, resolve_plan, with_mitigation_keywords
+from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
     POSITIONAL_MAPS,
     BSplinePositions,
@@ -37,7 +38,6 @@ from .positional_maps import (
     call_extrapolation,
     positions_from_mask,
 )
-from .reordering import reorder_generate_prompt
 
 
 class SepFormerRotaryEmbedding(nn.Module):
@@ -431,7 +431,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
 LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' causal-LM loss, not of the model
 
 
-class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
+class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes besides logits and labels
 
@@ -506,46 +506,12 @@ class SepFormerForCausalLM(SepFormerPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
-    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """`GenerationMixin.generate`, with the prompt and its padding mask checked first (an empty or 1-D prompt fails
-        deep inside it), the last position it may reach (`check_last_position`) and the padding it feeds
-        (`check_fed_token_ids`).
-
-        `reorder_documents` (a `ReorderDocuments` or the dict of its fields, *optional*): the prompt's documents are
-        reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
-        begins the returned sequences."""
-        reordering = kwargs.pop("reorder_documents", None)
-        prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        generation_config = args[0] if args else kwargs.get("generation_config")
-        if prompt is not None:
-            check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
-            check_last_position(self, prompt, generation_config, kwargs)
-            check_fed_token_ids(self, generation_config, kwargs)
-        if reordering is not None:
-            inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs, generation_config)
-        return super().generate(inputs, *args, **kwargs)
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """`generate` makes a `DynamicCache` by default: make it a `SepFormerCache`, which also carries the
-        mitigation state and the fused decoding projections (transformers has no public hook for the cache class)."""
-        given = model_kwargs.get("past_key_values")
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        made = model_kwargs.get("past_key_values")
-        if given is None and type(made) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
-            model_kwargs["past_key_values"] = SepFormerCache(config=self.config)
-
-    def _get_candidate_generator(self, *args, model_kwargs, **kwargs):
-        """Assisted decoding's drafts: refused, before the assistant or the model runs, with options that act on the
-        prompt's last token (`check_assisted_decoding`)."""
-        check_assisted_decoding(self.config, model_kwargs)
-        return super()._get_candidate_generator(*args, model_kwargs=model_kwargs, **kwargs)
-
-    def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
-        """Beams and return sequences repeat each input row; options given per input row are repeated with it."""
-        for name, mitigation in MITIGATIONS.items():
-            if model_kwargs.get(name) not in (None, False):
-                model_kwargs[name] = mitigation.options_class.parse(model_kwargs[name]).repeat_rows(expand_size)
-        return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+    def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
+        """The prompt and its padding mask (an empty or 1-D prompt fails deep inside `generate`), the last position it
+        may reach (`check_last_position`) and the padding it feeds (`check_fed_token_ids`)."""
+        check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
+        check_last_position(self, prompt, generation_config, kwargs)
+        check_fed_token_ids(self, generation_config, kwargs)
 
 
 __all__ = ["SepFormerPreTrainedModel", "SepFormerModel", "SepFormerForCausalLM"]

@@ -6,9 +6,17 @@ import torch
 from torch import nn
 
 from .cache_sepformer import MitigationState, derived_store, kept_in
-from .mitigation_base import CallContext, LayerRun, Mitigation, cached_constant, last_row_probs
+from .mitigation_base import (
+    CallContext,
+    LayerRun,
+    Mitigation,
+    attention_implementation,
+    cached_constant,
+    last_row_probs,
+)
 from .mitigation_options import MSPoE
-from .positional_maps import apply_partial_rotary
+from .positional_maps import apply_partial_rotary, rotate_partial
+from .spans import key_positions
 
 
 def ms_poe_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
@@ -127,6 +135,8 @@ class MSPoEMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: MSPoE, call: CallContext) -> "MSPoEMitigation":
+        if call.decoder is not None:
+            return RotaryMSPoEMitigation.resolve_on_decoder(options, call)
         config = call.model.config
         if config.position_size == 0 and config.rotary_dim == 0:
             raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
@@ -148,7 +158,7 @@ class MSPoEMitigation(Mitigation):
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
             store = derived_store(call.state)
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
-        if config._attn_implementation == "flex_attention":
+        if attention_implementation(config) == "flex_attention":
             raise ValueError(
                 "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
                 "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
@@ -208,3 +218,72 @@ class MSPoEMitigation(Mitigation):
             cos, sin = (by_head(table, ranks).transpose(0, 1) for table in self.rotary)  # (b, H, seq, rotary_dim)
             query, key = apply_partial_rotary(query, key, cos, sin)
         return query, key
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
+
+
+def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin (H, b or 1, n, rotary_dim) of the further rotation from `m` to `m / r_i` for rank `i`: rotations of
+    the same planes compose, so keys and queries already rotated at `m` are then rotated at `m / r_i`."""
+    positions = positions.float()
+    angles = (positions / ratios - positions)[..., None] * inv_freq.float()  # (H, b or 1, n, rotary_dim / 2)
+    angles = torch.cat((angles, angles), -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class RotaryMSPoEMitigation(MSPoEMitigation):
+    """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
+    rotated at the tokens' positions `m` (the cache's keys included), and turns head `h`'s further, to `m / r_h`.
+    Heads are query heads: grouped-query keys arrive expanded to them. The ranking is MS-PoE's (`layer_ranks`)."""
+
+    rotary: torch.nn.Module | None = None  # the model's rotary embedding: its `inv_freq`
+    heads: int = 0  # query heads
+    query_turn: tuple[torch.Tensor, torch.Tensor] | None = None  # (H, b or 1, seq, rotary_dim) by rank
+    key_turn: tuple[torch.Tensor, torch.Tensor] | None = None  # (H, b or 1, kv, rotary_dim) by rank
+
+    @classmethod
+    def resolve_on_decoder(cls, options: MSPoE, call: CallContext) -> "RotaryMSPoEMitigation":
+        decoder, config = call.decoder, call.model.config
+        if decoder.rotary is None:
+            raise ValueError(
+                f"ms_poe rescales the rotary positions of each head, but {decoder.description} has no (single) rotary "
+                "embedding: MS-PoE is not defined for it."
+            )
+        rope_type = getattr(decoder.rotary, "rope_type", "default")
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
+                f"{rope_type!r} changes them with the sequence length during the forward."
+            )
+        layers = options.layer_set(config.num_hidden_layers)
+        if options.head_order is not None:
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+            return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
+        if attention_implementation(config) == "flex_attention":
+            raise ValueError(
+                "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
+                "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
+            )
+        return cls(options, layers, cache=call.state, rotary=decoder.rotary, heads=config.num_attention_heads)
+
+    def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
+        ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
+        kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
+        keys = key_positions(run.padding_mask, kv, run.device).clamp(min=0)  # padding is masked: any position
+        inv_freq = self.rotary.inv_freq
+        return self.replace(
+            query_turn=turned_by_ratios(run.position_ids, ratios, inv_freq, run.dtype),
+            key_turn=turned_by_ratios(keys, ratios, inv_freq, run.dtype),
+        )
+
+    def wrap_attention(self, layer_idx: int, function, projection):
+        def rescaled(module, query, key, value, attention_mask, **kwargs):
+            ranks = self.layer_ranks(module, query, key, None, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
+            query_cos, query_sin = (by_head(table, ranks).transpose(0, 1) for table in self.query_turn)
+            key_cos, key_sin = (by_head(table, ranks).transpose(0, 1) for table in self.key_turn)
+            query, key = rotate_partial(query, query_cos, query_sin), rotate_partial(key, key_cos, key_sin)
+            return function(module, query, key, value, attention_mask, **kwargs)
+
+        return rescaled

@@ -429,13 +429,15 @@ def apply_partial_rotary(q, k, cos, sin):
     """
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
+    return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin)
+
+
+def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` dimensions of each head of `x` (b, heads, n, head_dim) by the angles of `cos`
+    and `sin` (b, heads or 1, n, rotary_dim), in rotary's rotate-half layout."""
     rotary_dim = cos.shape[-1]
-
-    def rotate(x):
-        rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
-        return torch.cat((rotated, x[..., rotary_dim:]), -1)
-
-    return rotate(q), rotate(k)
+    rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
+    return torch.cat((rotated, x[..., rotary_dim:]), -1)
 
 
 def call_extrapolation(config, value, continuing: bool) -> PositionExtrapolation:

@@ -44,7 +44,17 @@ class PositionalScalingMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
-        config = call.model.config
+        config, decoder = call.model.config, call.decoder
+        if decoder is not None and decoder.query_key_problem is not None:
+            raise ValueError(
+                f"positional_scaling reads the queries and keys of {decoder.model_name} from a scaled input, but "
+                f"{decoder.query_key_problem}."
+            )
+        if options.channels is None and decoder is not None:
+            raise ValueError(
+                f"positional_scaling on {decoder.model_name} needs channels=(...): only a SepFormer knows its "
+                "positional channels by construction (search_positional_scaling finds candidates for other models)."
+            )
         if options.channels is None and config.position_size == 0:
             raise ValueError(
                 "positional_scaling scales the positional block by default, but this model has position_size=0: "

@@ -27,6 +27,7 @@ from numbers import Integral, Real
 import torch
 from torch import nn
 
+from .decoder_attention import query_key_inputs_rewritten
 from .mitigation_options import PositionalScaling
 
 DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
@@ -98,32 +99,14 @@ def hidden_size(model: nn.Module) -> int:
     return getattr(config, "hidden_size", None) or config.n_embd
 
 
-@contextlib.contextmanager
 def query_key_inputs_scaled(attention: nn.Module, scale: torch.Tensor):
     """While active, the queries and keys of `attention` read its input times `scale` (d_model,); values do not."""
-    handles = []
-    if hasattr(attention, "q_proj") and hasattr(attention, "k_proj"):  # Llama-like: one projection each
-        for projection in (attention.q_proj, attention.k_proj):
-            handles.append(projection.register_forward_pre_hook(lambda module, args: (args[0] * scale, *args[1:])))
-    elif hasattr(attention, "c_attn") and not getattr(attention, "is_cross_attention", False):  # GPT-2: [q ‖ k ‖ v]
-        split = attention.split_size
 
-        def scale_query_key(module, args, output):
-            # `forward` called directly runs no hook: the query and key columns from the scaled input
-            scaled = module.forward(args[0] * scale)
-            return torch.cat((scaled[..., : 2 * split], output[..., 2 * split :]), -1)
+    def scaled(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rewritten = inputs * scale
+        return rewritten, rewritten
 
-        handles.append(attention.c_attn.register_forward_hook(scale_query_key))
-    else:
-        raise ValueError(
-            f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn: cannot scale its queries "
-            "and keys alone."
-        )
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return query_key_inputs_rewritten(attention, scaled)
 
 
 def recompute_last_rows(scale, rows, attention, args, kwargs, output):

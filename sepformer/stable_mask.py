@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation
+from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigation_options import StableMask
 
 
@@ -72,11 +72,12 @@ class StableMaskMitigation(Mitigation):
 
     @classmethod
     def default_options(cls, config) -> dict | None:
-        return config.stable_mask  # a training method in its paper: the config turns it on for every call
+        # a training method in its paper: SepFormer's config turns it on for every call (other models have no field)
+        return getattr(config, "stable_mask", None)
 
     @classmethod
     def resolve(cls, options: StableMask, call: CallContext) -> "StableMaskMitigation":
-        implementation = call.model.config._attn_implementation
+        implementation = attention_implementation(call.model.config)
         if implementation not in ("eager", "sdpa"):
             raise ValueError(
                 f"stable_mask runs on the 'eager' and 'sdpa' attention implementations (its sink is an extra key); "

@@ -1,0 +1,415 @@
+"""The position-bias mitigations on any Hugging Face decoder: `add_mitigations(model)`.
+
+```python
+model = sepformer.add_mitigations(AutoModelForCausalLM.from_pretrained(...))
+model.generate(ids, attention_mask=mask, stable_mask={"gamma": 0.5})
+```
+
+Built on transformers' extension points, not on copies of the model's modules:
+
+- the attention registry: the model's implementation (`"sdpa"`, `"eager"`, ...) is wrapped by a registered one of its
+  own (`sepformer_mitigations_<implementation>`, with the wrapped implementation's mask function), which calls the
+  wrapped function unchanged unless a call brings a `mitigation_plan`; then it applies the plan's attention hooks
+  (`Mitigation.wrap_attention`) in the layer the module belongs to;
+- the keywords `forward` passes down to the attention function: `mitigation_plan`, resolved once per call from the
+  option keywords (SepFormer's dataclasses, dicts, checks and refused combinations: `sepformer.mitigations`);
+- position ids (`Mitigation.read_positions`: the windows' positions) and 4D masks (`Mitigation.mask_function`);
+- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations.
+
+The model's instance gets a subclass of its own class (same name, so `save_pretrained` writes the same architecture)
+whose `forward` takes the option keywords, and whose `generate` passes them to every step (`MitigationGenerationMixin`).
+Without options, `forward` is the model's own, and its attention the wrapped function itself.
+"""
+
+import copy
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache_sepformer import SepFormerCache, derived_store, kept_in
+from .decoder_attention import query_key_layout_problem, serve_attention
+from .mitigated_generation import MitigationGenerationMixin
+from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
+from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
+from .modeling_sepformer import LOSS_KEYWORDS, default_position_ids
+
+PREFIX = "sepformer_mitigations_"
+# Rotary types whose frequencies change with the sequence length while the model runs: another base is not one table.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True, eq=False)
+class DecoderPositions:
+    """Where a Hugging Face decoder keeps its positions, for the mitigations that read them."""
+
+    model_name: str  # the causal LM's class name, for errors
+    rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
+    query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
+
+    @property
+    def description(self) -> str:
+        kind = "rotary positions" if self.rotary is not None else "no rotary embedding, e.g. GPT-2's learned positions"
+        return f"{self.model_name} ({kind})"
+
+    def check_rotary_base(self) -> None:
+        """Refuse a rotary whose tables another `rope_theta` does not define (Attention Buckets' bases)."""
+        parameters = getattr(getattr(self.rotary, "config", None), "rope_parameters", None)
+        rope_type = getattr(self.rotary, "rope_type", None)
+        if not isinstance(parameters, dict) or "rope_theta" not in parameters or rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"attention_buckets bases replace the rotary base rope_theta of {self.description}, whose rotary "
+                f"({type(self.rotary).__name__}, rope_type {rope_type!r}) "
+                + ("changes its frequencies with the sequence length" if rope_type in LENGTH_DEPENDENT_ROPE else
+                   "has no rope_parameters['rope_theta']")
+                + ": give scales=[...] instead, or use a model with a fixed rotary."
+            )
+
+    def rotary_at_base(self, base: float, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
+        """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
+        (a rotary of the model's class, built from its config with that base, kept for the generation)."""
+
+        def build() -> nn.Module:
+            config = copy.deepcopy(self.rotary.config)
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
+            return type(self.rotary)(config).to(self.rotary.inv_freq.device)
+
+        rotary = kept_in(derived_store(cache), ("rotary at base", base), build)
+        return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+
+
+class ExpandedHeads:
+    """An attention module seen with one key-value head per query head: grouped-query keys and values were expanded
+    (a mitigation acts per query head), so the wrapped function must not repeat them again."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+class AttentionProbe:
+    """A plan that records which layers' attention it reaches (`add_mitigations`' check of the model)."""
+
+    def __init__(self):
+        self.layers: list[int | None] = []
+        self.modules: list[nn.Module] = []
+
+
+@functools.cache
+def eager_function(attention_class: type):
+    """The eager attention of the module that defines `attention_class` (transformers' `eager_attention_forward`)."""
+    return getattr(sys.modules[attention_class.__module__], "eager_attention_forward", None)
+
+
+def wrapped_function(implementation: str, module: nn.Module):
+    if implementation == "eager":
+        return eager_function(type(module))
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def mitigated_attention(
+    implementation, module, query, key, value, attention_mask, mitigation_plan=None, mitigation_projection=None,
+    **kwargs,
+):
+    """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`
+    (`mitigation_projection`: the module's input and projections, where the plan rewrites them, `decoder_attention`)."""
+    function = wrapped_function(implementation, module)
+    if mitigation_plan is None:
+        return function(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(mitigation_plan, AttentionProbe):
+        mitigation_plan.layers.append(getattr(module, "layer_idx", None))
+        mitigation_plan.modules.append(module)
+        return function(module, query, key, value, attention_mask, **kwargs)
+    hooks = mitigation_plan.layers[module.layer_idx]
+    if not hooks.attention_wrappers:
+        return function(module, query, key, value, attention_mask, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
+        key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
+        module = ExpandedHeads(module)
+    function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
+    return function(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_wrapper(implementation: str) -> str:
+    """The registered name of the attention that wraps `implementation`, registered on first use."""
+    name = PREFIX + implementation
+    if name not in WRAPPED_IMPLEMENTATIONS:
+        AttentionInterface.register(name, functools.partial(mitigated_attention, implementation))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+        WRAPPED_IMPLEMENTATIONS[name] = implementation
+    return name
+
+
+def forward_inputs(model, args, kwargs) -> dict:
+    """The arguments of a call of the model's own `forward`, by name (its `**kwargs` spread out)."""
+    signature = forward_signature(type(model))
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    del arguments[next(iter(signature.parameters))]  # self
+    variadic = [name for name, parameter in signature.parameters.items() if parameter.kind is parameter.VAR_KEYWORD]
+    return {**arguments, **arguments.pop(variadic[0], {})}
+
+
+@functools.cache
+def forward_signature(mitigated: type) -> inspect.Signature:
+    return inspect.signature(mitigated.unmitigated_forward)
+
+
+class MitigatedDecoder(MitigationGenerationMixin):
+    """The mixin `add_mitigations` puts in front of a Hugging Face causal LM's class."""
+
+    decoder_positions: DecoderPositions
+    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes (several attention buckets)
+
+    def forward(self, *args, **kwargs):
+        """The model's `forward`; the option keywords (`sepformer.mitigations`), or `mitigation_plan` (mitigations
+        already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
+        options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
+        plan = kwargs.pop("mitigation_plan", None)
+        inputs = forward_inputs(self, args, kwargs)
+        cache = inputs.get("past_key_values")
+        if plan is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
+            return super().forward(*args, **kwargs)
+        if plan is not None and options:
+            raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
+        implementation = self.config._attn_implementation
+        if implementation not in WRAPPED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"the mitigations run in the attention add_mitigations registered, but this model's attention "
+                f"implementation was set to {implementation!r} since: call sepformer.add_mitigations(model) again, "
+                "which wraps it."
+            )
+        if plan is None:
+            self.check_served(options)
+            wrapper = causal_lm_wrapper(options, cache)  # also every option's rule on continuing the cache
+            if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
+                mitigation, parsed = wrapper
+                inputs = {"labels": None, "use_cache": None, "past_key_values": None, **inputs}
+                return mitigation.run_causal_lm(parsed, self, inputs, options)
+            use_cache = inputs.get("use_cache")
+            if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
+                inputs["past_key_values"] = SepFormerCache(config=self.config)
+            plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
+        return super().forward(**self.with_plan(inputs, plan))
+
+    def call_context(self, inputs: dict) -> CallContext:
+        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        cache = inputs.get("past_key_values")
+        continuing = cache is not None and cache.get_seq_length() > 0
+        batch, new_tokens = tokens.shape[:2]
+        return CallContext(
+            self,
+            inputs.get("input_ids"),
+            inputs.get("attention_mask"),
+            cache,
+            None,
+            batch,
+            new_tokens,
+            continuing,
+            decoder=self.decoder_positions,
+        )
+
+    def with_plan(self, inputs: dict, plan) -> dict:
+        """The inputs of the model's own `forward` for one run with `plan`: the positions where the tokens are read,
+        the mask, and the plan started on them, which the attention function receives."""
+        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        cache, mask = inputs.get("past_key_values"), inputs.get("attention_mask")
+        position_ids = inputs.get("position_ids")
+        if position_ids is None:
+            position_ids = default_position_ids(tokens, mask, cache)
+        padding_mask = mask if mask is not None and mask.dim() == 2 else None
+        read_positions = plan.read_positions(position_ids)
+        batch, new_tokens = tokens.shape[:2]
+        kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
+        mask_function = plan.mask_function(padding_mask, kv_length, tokens.device)
+        if mask is None and read_positions is not position_ids:  # without a mask, moved positions read as packing
+            mask = padding_mask = torch.ones(batch, kv_length, dtype=torch.long, device=tokens.device)
+        if mask_function is not None:
+            mask = self.masks_with(mask_function, padding_mask, cache, position_ids, batch, new_tokens)
+        run = LayerRun(position_ids, read_positions, None, padding_mask, cache, self.dtype, tokens.device)
+        inputs = {**inputs, "position_ids": read_positions, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        rotary_base, _ = plan.position_bases()
+        if rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
+            tables = self.decoder_positions.rotary_at_base(rotary_base, read_positions, self.dtype, cache)
+            inputs["mitigation_position_embeddings"] = tables
+        return inputs
+
+    def masks_with(self, and_mask_function, padding_mask, cache, position_ids, batch, new_tokens):
+        """The model's causal masks (4D, in the form its attention takes) with `and_mask_function` applied: one for
+        all layers, or one per layer type where the model has sliding-window layers beside full ones."""
+        config = self.config
+        shape_of_inputs = torch.empty(batch, new_tokens, 0, dtype=self.dtype, device=position_ids.device)
+        arguments = dict(
+            config=config,
+            inputs_embeds=shape_of_inputs,
+            attention_mask=padding_mask,
+            past_key_values=cache,
+            position_ids=position_ids,
+            and_mask_function=and_mask_function,
+        )
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if not layer_types:  # one kind of layer: sliding windows when the config has one (Mistral)
+            sliding = getattr(config, "sliding_window", None) is not None
+            return (create_sliding_window_causal_mask if sliding else create_causal_mask)(**arguments)
+        masks = {kind: MASK_MAKERS[kind](**arguments) for kind in layer_types}
+        return masks["full_attention"] if layer_types == {"full_attention"} else masks
+
+    def check_served(self, options: dict) -> None:
+        """Refuse, before any work, the options this model cannot serve."""
+        given = [name for name, value in options.items() if value not in (None, False)]
+        for name in given:
+            unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
+            if unknown and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
+                raise ValueError(
+                    f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
+                    f"whose masks are not transformers' causal or sliding-window ones."
+                )
+
+
+MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def holds_prefill_state(cache) -> bool:
+    """Whether `cache` holds what a prefill with options fixed: a call continuing it is checked against them."""
+    return isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
+
+
+@functools.cache
+def mitigated_class(model_class: type) -> type:
+    """`model_class` with the mixin in front, under the same name (what `save_pretrained` writes as architecture)."""
+
+    @functools.wraps(model_class.forward)
+    def forward(self, *args, **kwargs):
+        return MitigatedDecoder.forward(self, *args, **kwargs)
+
+    mitigated = type(
+        model_class.__name__,
+        (MitigatedDecoder, model_class),
+        {
+            "forward": with_mitigation_keywords(forward),
+            "unmitigated_forward": model_class.forward,
+            "__module__": model_class.__module__,
+            "__qualname__": model_class.__qualname__,
+        },
+    )
+    return mitigated
+
+
+def find_rotary(model: nn.Module) -> nn.Module | None:
+    """The model's one rotary embedding (a module with `inv_freq`); `None` without; an error with several."""
+    rotaries = [module for module in model.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)]
+    if len(rotaries) > 1:
+        return None  # several rotaries (per layer type): MS-PoE refuses, naming it
+    return rotaries[0] if rotaries else None
+
+
+def check_servable(model) -> None:
+    """Refuse a model `add_mitigations` cannot serve, naming what it lacks."""
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise TypeError(
+            f"add_mitigations takes a Hugging Face causal LM (a PreTrainedModel with GenerationMixin, e.g. from "
+            f"AutoModelForCausalLM); got {type(model).__name__}."
+        )
+    implementation = model.config._attn_implementation
+    if implementation not in ("eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()):
+        raise ValueError(
+            f"add_mitigations cannot wrap the attention implementation {implementation!r}: it is not in "
+            "transformers' attention registry."
+        )
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"add_mitigations wraps the attention implementation {implementation!r}, which has no mask function in "
+            f"transformers' AttentionMaskInterface: use 'sdpa' or 'eager' (model.set_attn_implementation)."
+        )
+    if implementation == "eager" and getattr(model.config, "reorder_and_upcast_attn", False):
+        raise ValueError(
+            f"{type(model).__name__} with reorder_and_upcast_attn=True computes its eager attention with code of its "
+            "own, which it runs only under the name 'eager': a registered wrapper would change what it computes. Use "
+            "attn_implementation='sdpa', or reorder_and_upcast_attn=False."
+        )
+    parameters = inspect.signature(model.forward).parameters
+    missing = [name for name in ("attention_mask", "position_ids", "past_key_values") if name not in parameters]
+    if missing or list(parameters.values())[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        raise ValueError(
+            f"add_mitigations passes the mitigations to the attention through forward's **kwargs, and positions, "
+            f"masks and the cache by name; {type(model).__name__}.forward lacks "
+            f"{', '.join(missing) if missing else '**kwargs'}."
+        )
+
+
+def probe_attention(model) -> list[nn.Module]:
+    """One token through the model (its own `forward`, the registered attention on): every layer's attention must be
+    the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
+    silently skip layers."""
+    probe = AttentionProbe()
+    forward = model.unmitigated_forward if isinstance(model, MitigatedDecoder) else model.forward
+    with torch.no_grad():
+        forward(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False, mitigation_plan=probe
+        )
+    layers = model.config.num_hidden_layers
+    reached = sorted(layer for layer in probe.layers if layer is not None)
+    if None in probe.layers or reached != list(range(layers)):
+        raise ValueError(
+            f"add_mitigations needs every attention layer of {type(model).__name__} to call transformers' attention "
+            f"registry (ALL_ATTENTION_FUNCTIONS.get_interface) with forward's keywords, from a module with its "
+            f"layer_idx: of layers 0..{layers - 1}, the registered attention was reached by {reached}"
+            + (" and by modules without layer_idx" if None in probe.layers else "")
+            + "."
+        )
+    return probe.modules
+
+
+def add_mitigations(model):
+    """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
+    `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
+    `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns `model` itself, its class replaced by a subclass
+    of the same name; without options it computes what it computed before, with its own attention implementation.
+
+    Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
+    with the keywords of `forward`, naming what is missing.
+    """
+    implementation = model.config._attn_implementation
+    if isinstance(model, MitigatedDecoder) and implementation in WRAPPED_IMPLEMENTATIONS:
+        return model
+    check_servable(model)
+    if implementation == "eager":
+        attention_classes = {type(module) for module in model.modules() if hasattr(module, "layer_idx")}
+        without = sorted(cls.__name__ for cls in attention_classes if eager_function(cls) is None)
+        if without:
+            raise ValueError(
+                f"add_mitigations wraps the model's eager attention, the `eager_attention_forward` of each attention "
+                f"module's file; {without} have none."
+            )
+    model.set_attn_implementation(register_wrapper(implementation))
+    try:
+        attention_modules = probe_attention(model)
+    except Exception:
+        model.set_attn_implementation(implementation)
+        raise
+    if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
+        problems = [query_key_layout_problem(module) for module in attention_modules]
+        problem = next((problem for problem in problems if problem is not None), None)
+        model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model), problem)
+        for module in attention_modules:
+            serve_attention(module)
+        model.__class__ = mitigated_class(type(model))
+    return model
+
+
+__all__ = ["add_mitigations", "attention_implementation"]

@@ -1,0 +1,151 @@
+"""What `add_mitigations` reaches inside a Hugging Face attention module besides its attention function: the module's
+input (the layer's normed hidden states), its query and key projections, and the position embeddings it rotates with.
+
+Through forward hooks that `add_mitigations` registers on each attention module, which do nothing without a
+`mitigation_plan` among the call's keywords; with one they
+
+- give the module the rotary tables of a mitigation's rotary base (Attention Buckets: `mitigation_position_embeddings`
+  in place of the layer's `position_embeddings`), so that the module rotates, and caches, its keys at that base;
+- where a mitigation rewrites the inputs of the queries and keys (positional scaling), make the module's projections
+  read the rewritten inputs for this call only (the cache then holds the keys made from them), and hand the attention
+  function a `DecoderProjection` of the module's input, to attend with other readings of it.
+
+Two layouts of the projections: Llama-like (`q_proj`, `k_proj`, then `q_norm`/`k_norm` where the module has them, and
+rotary from its file's `apply_rotary_pos_emb`) and GPT-2's fused `c_attn` (`[q ‖ k ‖ v]`, no rotary).
+"""
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .mitigation_base import MitigationPlan
+
+Rewrite = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # input -> (query input, key input)
+
+
+def is_llama_like(attention: nn.Module) -> bool:
+    return hasattr(attention, "q_proj") and hasattr(attention, "k_proj")
+
+
+def is_gpt2_like(attention: nn.Module) -> bool:
+    return hasattr(attention, "c_attn") and not getattr(attention, "is_cross_attention", False)
+
+
+def rotary_function(attention: nn.Module):
+    """The `apply_rotary_pos_emb` of the file that defines the attention module (what the module rotates with)."""
+    return getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
+
+
+def query_key_layout_problem(attention: nn.Module) -> str | None:
+    """Why the query and key inputs of `attention` cannot be rewritten and reprojected, or `None` when they can."""
+    if is_gpt2_like(attention) or (is_llama_like(attention) and rotary_function(attention) is not None):
+        return None
+    if is_llama_like(attention):
+        return f"the file of {type(attention).__name__} has no apply_rotary_pos_emb to rotate queries and keys with"
+    return f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn"
+
+
+@contextlib.contextmanager
+def query_key_inputs_rewritten(attention: nn.Module, rewrite: Rewrite):
+    """While active, the queries and keys of `attention` read `rewrite(x)` (query input, key input) of the input `x`
+    of its projections; values read `x`."""
+    if is_llama_like(attention):
+        handles = [
+            projection.register_forward_pre_hook(lambda module, args, index=index: (rewrite(args[0])[index], *args[1:]))
+            for index, projection in enumerate((attention.q_proj, attention.k_proj))
+        ]
+    elif is_gpt2_like(attention):  # [q ‖ k ‖ v] in one projection
+        split = attention.split_size
+
+        def rewritten(module, args, output):
+            query_input, key_input = rewrite(args[0])
+            # `forward` called directly runs no hook: the query and key columns from their inputs
+            query = module.forward(query_input)
+            key = query if key_input is query_input else module.forward(key_input)
+            return torch.cat((query[..., :split], key[..., split : 2 * split], output[..., 2 * split :]), -1)
+
+        handles = [attention.c_attn.register_forward_hook(rewritten)]
+    else:
+        raise ValueError(
+            f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn: its queries and keys cannot "
+            "read another input than its values."
+        )
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass(frozen=True, eq=False)
+class DecoderProjection:
+    """A Hugging Face attention module's input and how the module turns it into queries and keys: the
+    `QueryKeyProjection` of `add_mitigations`, given to the attention wrappers of layers whose query and key inputs a
+    mitigation rewrites. Holds the rewriting of the module's projections for the module's call (`rewriting`)."""
+
+    attention: nn.Module
+    attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # the cos, sin the module rotates with
+    rewriting: contextlib.ExitStack
+
+    def project(self, query_input: torch.Tensor, key_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and keys as the module makes them, the keys
+        repeated to the query heads (as the attention function receives them). The projections' `forward` is called
+        directly: their hooks, the rewriting among them, do not run."""
+        attention = self.attention
+        shape = (*query_input.shape[:-1], -1, attention.head_dim)
+        if is_llama_like(attention):
+            query = attention.q_proj.forward(query_input).view(shape)
+            key = attention.k_proj.forward(key_input).view(shape)
+            if hasattr(attention, "q_norm"):
+                query, key = attention.q_norm(query), attention.k_norm(key)
+        else:
+            split = attention.split_size
+            query = attention.c_attn.forward(query_input)[..., :split].view(shape)
+            key = attention.c_attn.forward(key_input)[..., split : 2 * split].view(shape)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (b, H or H_kv, seq, head_dim)
+        if self.position_embeddings is not None:
+            query, key = rotary_function(attention)(query, key, *self.position_embeddings)
+        return query, key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+
+
+def before_attention(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of each attention module `add_mitigations` serves: with a `mitigation_plan`, the rotary tables
+    of the plan's base and, where the plan rewrites the layer's query and key inputs, their rewriting."""
+    plan = kwargs.get("mitigation_plan")
+    if not isinstance(plan, MitigationPlan):
+        return None
+    kwargs = dict(kwargs)
+    bucket_rotary = kwargs.pop("mitigation_position_embeddings", None)
+    if bucket_rotary is not None:
+        if "position_embeddings" not in kwargs:
+            raise ValueError(
+                f"{type(module).__name__} is not given its rotary tables as the keyword position_embeddings: another "
+                "rotary base (attention_buckets) cannot be given to it."
+            )
+        kwargs["position_embeddings"] = bucket_rotary
+    hooks = plan.layers[module.layer_idx]
+    if hooks.rewrites_inputs:
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"), contextlib.ExitStack())
+        rewrite = functools.partial(hooks.query_key_inputs, module.layer_idx)
+        projection.rewriting.enter_context(query_key_inputs_rewritten(module, rewrite))
+        kwargs["mitigation_projection"] = projection
+    return args, kwargs
+
+
+def after_attention(module: nn.Module, args: tuple, kwargs: dict, output):
+    """Forward hook (always called, errors included): the projections read their own input again."""
+    projection = kwargs.get("mitigation_projection")
+    if projection is not None:
+        projection.rewriting.close()
+
+
+def serve_attention(module: nn.Module) -> None:
+    module.register_forward_pre_hook(before_attention, with_kwargs=True)
+    module.register_forward_hook(after_attention, with_kwargs=True, always_call=True)

@@ -1,0 +1,466 @@
+"""`add_mitigations`: SepFormer's mitigations on Hugging Face decoders (Llama, Qwen2, Mistral with grouped-query
+attention, GPT-2), against the plain models and references written from the formulas."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import logits, random_ids
+from test_mitigations import dense_stable_mask
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward, repeat_kv
+
+import sepformer
+from sepformer import AttentionCalibration, MSPoE, ParallelContextWindows, StableMask, add_mitigations
+
+SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, max_position_embeddings=64)
+ROTARY = {
+    "llama": (LlamaForCausalLM, LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": (MistralForCausalLM, MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+}
+MODELS = (*ROTARY, "gpt2")
+SPANS = ((1, 4), (4, 7), (7, 10))  # documents or windows of every prompt (>= 10 tokens), from its first real token
+
+
+def plain_model(name: str, attn: str = "sdpa", seed: int = 0, **overrides):
+    """A tiny random model of the family `name`, attention sharpened so that positions matter."""
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        config = GPT2Config(
+            vocab_size=256,
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            n_positions=64,
+            attn_implementation=attn,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            initializer_range=0.1,
+            **overrides,
+        )
+        model = GPT2LMHeadModel(config).eval()
+        with torch.no_grad():
+            model.transformer.wpe.weight.normal_(0, 1)
+            for block in model.transformer.h:
+                block.attn.c_attn.weight[:, :64].mul_(6)  # queries and keys
+        return model
+    model_class, config_class, heads = ROTARY[name]
+    config = config_class(**SIZES, **heads, attn_implementation=attn, pad_token_id=0, **overrides)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def mitigated(name: str, attn: str = "sdpa", **overrides):
+    return add_mitigations(plain_model(name, attn, **overrides))
+
+
+def greedy(model, ids, mask=None, new=6, **options):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **options)
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row) :], mask[index, width - len(row) :] = row, 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------------- the core
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", MODELS)
+def test_without_options_the_model_computes_what_it_computed_before(name, attn):
+    plain = plain_model(name, attn)
+    ids = random_ids(2, 10)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    before = logits(plain, ids, attention_mask=mask)
+    tokens = greedy(plain, ids, mask)
+    model = add_mitigations(plain)
+    assert model is plain and type(model).__name__ == type(plain).__name__
+    torch.testing.assert_close(logits(model, ids, attention_mask=mask), before, rtol=0, atol=1e-6)
+    assert torch.equal(greedy(model, ids, mask), tokens)
+    assert torch.equal(greedy(model, ids, mask, stable_mask=None, ms_poe=False), tokens)
+    assert sepformer.any_decoder.attention_implementation(model.config) == attn
+    assert add_mitigations(model) is model
+
+
+def test_an_implementation_set_after_add_mitigations_is_refused_until_wrapped_again():
+    model = mitigated("llama")
+    ids = random_ids(1, 8)
+    with_sdpa = logits(model, ids, stable_mask={"gamma": 0.5})
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="implementation was set to 'eager' since: call sepformer.add_mitigations"):
+        model(ids, stable_mask={"gamma": 0.5})
+    assert add_mitigations(model) is model and model.config._attn_implementation == "sepformer_mitigations_eager"
+    with torch.no_grad():
+        with_eager = model(ids, stable_mask={"gamma": 0.5}, output_attentions=True)
+    torch.testing.assert_close(with_eager.logits, with_sdpa, rtol=1e-5, atol=1e-5)
+    assert len(with_eager.attentions) == 3 and (with_eager.attentions[0].sum(-1) < 1).all()  # the sink's share
+
+
+@pytest.mark.parametrize("model_name", ["qwen2", "gpt2"])
+def test_the_options_train(model_name):
+    model = mitigated(model_name).train()
+    ids = random_ids(2, 12)
+    keywords = dict(stable_mask={"gamma": 0.5}, parallel_context_windows={"spans": [SPANS] * 2})
+    loss = model(ids, labels=ids, **keywords).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert not torch.allclose(loss, model(ids, labels=ids).loss)
+
+
+def test_ms_poe_refuses_a_rotary_whose_frequencies_follow_the_length():
+    model = mitigated("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'dynamic' changes them with the sequence length"):
+        model(random_ids(1, 6), ms_poe={})
+
+
+def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
+    model = mitigated("qwen2")
+    ids = random_ids(1, 8)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is Qwen2ForCausalLM and reloaded.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), rtol=0, atol=1e-6)
+
+
+def test_a_model_it_cannot_serve_is_refused_naming_what_is_missing():
+    with pytest.raises(TypeError, match="causal LM .*got LlamaModel"):
+        add_mitigations(LlamaModel(LlamaConfig(**SIZES, num_attention_heads=4)))
+    model = plain_model("llama")
+    own = type("OwnAttention", (type(model.model.layers[1].self_attn),), {"forward": attention_of_its_own})
+    model.model.layers[1].self_attn.__class__ = own
+    ids = random_ids(1, 6)
+    before = logits(model, ids)
+    with pytest.raises(ValueError, match=r"registry .* reached by \[0, 2\]"):
+        add_mitigations(model)
+    assert type(model) is LlamaForCausalLM and model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), before)
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=True computes its eager attention with code of its"):
+        add_mitigations(plain_model("gpt2", "eager", reorder_and_upcast_attn=True))
+
+
+def attention_of_its_own(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    """Llama's attention computed without the attention registry."""
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query, key, value = (
+        projection(hidden_states).view(shape).transpose(1, 2) for projection in (self.q_proj, self.k_proj, self.v_proj)
+    )
+    query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    output, weights = eager_attention_forward(self, query, key, value, attention_mask, scaling=self.scaling)
+    return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+def test_unknown_and_bad_options_are_refused_before_any_work():
+    model = mitigated("llama")
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    ids = random_ids(1, 6)
+    with pytest.raises(ValueError, match=r"span \(4, 7\) of row 0 is out of range: the prompt of that row has 6"):
+        model.generate(ids, max_new_tokens=2, parallel_context_windows={"spans": [SPANS]})
+    with pytest.raises(ValueError, match="has spans for 2 rows; the batch has 1 rows"):
+        model(ids, attention_calibration={"spans": [SPANS] * 2})
+    with pytest.raises(ValueError, match="stable_mask gamma=-1 must be > 0"):
+        model(ids, stable_mask={"gamma": -1})
+    with pytest.raises(ValueError, match="unknown keys"):
+        model.generate(ids, max_new_tokens=2, stable_mask={"gama": 1})
+    with pytest.raises(ValueError, match="on LlamaForCausalLM needs channels"):
+        model(ids, positional_scaling={"factor": 0.5})
+    with pytest.raises(ValueError, match="stable_mask and attention_calibration cannot be combined"):
+        model(ids, stable_mask={"gamma": 1}, attention_calibration={"spans": [[(0, 2)]]})
+    assert not calls
+
+
+# ------------------------------------------------------------------------------------------------------ StableMask
+
+
+def expanded(attention):
+    """An attention function for one key-value head per query head (a reference written for multi-head attention)."""
+
+    def function(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        return attention(module, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, **kwargs)
+
+    return function
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_stable_mask_equals_the_dense_reference(name):
+    gamma, columns = 0.3, 24
+    model = mitigated(name, "eager")
+    ids = random_ids(2, 16)
+    ours = logits(model, ids, stable_mask=StableMask(gamma, columns))
+    reference = plain_model(name, "eager")
+    AttentionInterface.register("dense_stable_mask_expanded", expanded(dense_stable_mask(gamma, columns)))
+    reference.set_attn_implementation("dense_stable_mask_expanded")
+    torch.testing.assert_close(ours, logits(reference, ids), rtol=1e-5, atol=1e-5)
+    model.set_attn_implementation(sepformer.any_decoder.register_wrapper("sdpa"))
+    torch.testing.assert_close(logits(model, ids, stable_mask=StableMask(gamma, columns)), ours, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- every option: cache, padding, beams
+
+
+def options(name: str, rows: int = 1) -> dict:
+    """The call's keywords of option `name`, for `rows` prompts."""
+    return {
+        "stable_mask": {"stable_mask": StableMask(0.3)},
+        "pcw": {"parallel_context_windows": ParallelContextWindows(spans=(SPANS,) * rows)},
+        "calibration": {"attention_calibration": AttentionCalibration(spans=(SPANS,) * rows, temperature=0.05)},
+        "ms_poe": {"ms_poe": MSPoE(1.2, 1.8, layers=(1, 2))},
+        "ms_poe_fixed": {"ms_poe": MSPoE(1.2, 1.8, head_order=(3, 1, 0, 2))},
+    }[name]
+
+
+CASES = [(name, model) for name in ("stable_mask", "pcw", "calibration") for model in MODELS] + [
+    (name, model) for name in ("ms_poe", "ms_poe_fixed") for model in ROTARY
+]
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+@pytest.mark.parametrize(("name", "model_name"), CASES)
+def test_left_padded_rows_beams_and_return_sequences_give_each_prompt_what_it_gives_alone(name, model_name, beams):
+    model = mitigated(model_name)
+    prompts = [random_ids(1, 14, seed=1)[0], random_ids(1, 11, seed=2)[0]]
+    ids, mask = left_padded(prompts)
+    settings = dict(new=5, num_beams=beams, num_return_sequences=beams)
+    together = greedy(model, ids, mask, **settings, **options(name, 2))[:, -5:]
+    changed = logits(model, ids, attention_mask=mask, **options(name, 2))[:, -1]
+    assert (changed - logits(model, ids, attention_mask=mask)[:, -1]).abs().max() > 1e-4  # the option acts
+    for row, prompt in enumerate(prompts):
+        alone = greedy(model, prompt[None], **settings, **options(name))[:, -5:]
+        assert torch.equal(together[row * beams : (row + 1) * beams], alone), row
+
+
+@pytest.mark.parametrize(("name", "model_name"), [case for case in CASES if case[0] != "calibration"])
+def test_cached_decoding_equals_the_full_pass(name, model_name):
+    model = mitigated(model_name)
+    ids = random_ids(2, 18)
+    keywords = options(name, 2)
+    if name == "ms_poe":  # ranked at prefill: the full pass ranks on its own last row
+        keywords = options("ms_poe_fixed")
+    full = logits(model, ids, **keywords)
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, **keywords).logits]
+        for t in range(12, 18):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **keywords).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------- MS-PoE
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_name", ROTARY)
+def test_ms_poe_with_one_ratio_is_the_model_reading_positions_m_over_r(model_name, attn):
+    model, plain = mitigated(model_name, attn), plain_model(model_name, attn)
+    ids, mask = left_padded([random_ids(1, 12, seed=1)[0], random_ids(1, 9, seed=2)[0]])
+    ratio, real = 1.5, mask.bool()
+    ours = logits(model, ids, attention_mask=mask, ms_poe=MSPoE(ratio, ratio, layers=(0, 1, 2)))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    reference = logits(plain, ids, attention_mask=mask, position_ids=positions / ratio)  # rotary at m / r
+    torch.testing.assert_close(ours[real], reference[real], rtol=1e-5, atol=1e-5)
+    assert (reference - logits(plain, ids, attention_mask=mask))[real].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_name", ["llama", "mistral"])
+def test_ms_poe_ranks_the_heads_at_prefill_and_decodes_with_that_ranking(model_name):
+    """In one layer, the ranked method (prefill, then cached steps) is the full pass with the prefill's ranking given as
+    a fixed head order."""
+    model = mitigated(model_name)
+    ids = random_ids(1, 16)
+    option = MSPoE(1.2, 1.8, layers=(2,))
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, ms_poe=option).logits]
+        ranks = cache.mitigation_state["ms_poe"].ranks[2].clone()  # (1, H, 1, 1): per row and query head
+        for t in range(12, 16):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, ms_poe=option).logits)
+    assert torch.equal(cache.mitigation_state["ms_poe"].ranks[2], ranks) and ranks.shape == (1, 4, 1, 1)
+    order = tuple(ranks[0, :, 0, 0].argsort().tolist())  # heads by rank: head_order[0] gets r_min
+    full = logits(model, ids, ms_poe=dataclasses.replace(option, head_order=order))
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- Parallel Context Windows
+
+
+def windows_by_hand(ids: torch.Tensor, spans, attn_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCW's positions and additive 4D mask for one unpadded row, written with loops: window tokens attend the tokens
+    before the first window and their own window, positions restarting at its start; later tokens attend everything,
+    their positions continuing from the longest window."""
+    n = ids.shape[1]
+    first, last = spans[0][0], spans[-1][1]
+    longest = max(end - start for start, end in spans)
+    window = [next((k for k, (start, end) in enumerate(spans) if start <= i < end), -1) for i in range(n)]
+    positions = []
+    for i in range(n):
+        if window[i] >= 0:
+            positions.append(first + i - spans[window[i]][0])
+        else:
+            positions.append(i if i < first else i - last + first + longest)
+    mask = torch.full((1, 1, n, n), torch.finfo(attn_dtype).min)
+    for i in range(n):
+        for j in range(i + 1):
+            if window[i] < 0 or window[j] < 0 or window[i] == window[j]:
+                mask[0, 0, i, j] = 0.0
+    return torch.tensor([positions]), mask
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_windows_are_read_alone_and_the_task_reads_them_all(model_name):
+    spans = ((2, 6), (6, 9), (9, 14))
+    model, plain = mitigated(model_name, "eager"), plain_model(model_name, "eager")
+    ids = random_ids(1, 18)
+    ours = logits(model, ids, parallel_context_windows={"spans": [spans]})
+    for start, end in spans:  # the tokens before the first window, then this window alone
+        alone = torch.cat((ids[:, : spans[0][0]], ids[:, start:end]), 1)
+        torch.testing.assert_close(ours[:, start:end], logits(plain, alone)[:, spans[0][0] :], rtol=1e-5, atol=1e-5)
+    positions, mask = windows_by_hand(ids, spans)
+    reference = logits(plain, ids, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert (ours[:, 14:] - logits(plain, ids)[:, 14:]).abs().max() > 1e-3
+
+
+def test_windows_keep_the_sliding_window_of_the_layers_that_have_one():
+    """Qwen2 with sliding-window layers beside full ones: each kind of layer gets its own mask with the windows."""
+    sliding = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model, plain = mitigated("qwen2", "eager", **sliding), plain_model("qwen2", "eager", **sliding)
+    spans, ids = ((2, 6), (6, 9), (9, 14)), random_ids(1, 18)
+    positions, full = windows_by_hand(ids, spans)
+    within_window = full.clone()
+    for i in range(18):
+        within_window[0, 0, i, : max(i - 7, 0)] = torch.finfo(torch.float32).min  # keys 8 or more tokens back
+    masks = {"full_attention": full, "sliding_attention": within_window}
+    reference = logits(plain, ids, attention_mask=masks, position_ids=positions)
+    torch.testing.assert_close(logits(model, ids, parallel_context_windows={"spans": [spans]}), reference)
+
+
+# ----------------------------------------------------------------------------------------------------- calibration
+
+
+def calibration_reference(model_name, ids, spans, temperature, layers, first_row):
+    """Logits with attention calibration written from the paper's formula (one unpadded row): `bias(k)` is the last
+    prompt token's mean attention on pad tokens put in place of document `k` (eager passes of the plain model), and
+    every row from `first_row` on (the prompt's last token, then each decoded token) is re-weighted over the documents:
+    document `k`'s tokens times `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total
+    attention on the documents."""
+    plain = plain_model(model_name, "eager")
+    prompt = ids[:, : first_row + 1]
+    bias = []
+    for start, end in spans:
+        dummy = prompt.clone()
+        dummy[:, start:end] = plain.config.pad_token_id
+        with torch.no_grad():
+            attentions = plain(dummy, output_attentions=True).attentions
+        bias.append(torch.stack([layer[0, :, -1, start:end].mean(-1) for layer in attentions]))  # (L, H)
+    bias = torch.stack(bias, -1)  # (L, H, K)
+
+    def calibrated(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        probs = (torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask).softmax(-1)  # (1, H, n, n)
+        if module.layer_idx in layers:
+            for row in range(first_row, probs.shape[2]):
+                attention = probs[0, :, row].clone()  # (H, n)
+                mass = torch.stack([attention[:, start:end].sum(-1) for start, end in spans], -1)  # (H, K)
+                sizes = torch.tensor([float(end - start) for start, end in spans])
+                alpha = ((mass / sizes - bias[module.layer_idx]) / temperature).softmax(-1)
+                total = mass.sum(-1, keepdim=True) / (alpha * sizes).sum(-1, keepdim=True)
+                for k, (start, end) in enumerate(spans):
+                    probs[0, :, row, start:end] = (
+                        attention[:, start:end] * (alpha[:, k] / (mass[:, k] / sizes[k]))[:, None] * total
+                    )
+        return torch.matmul(probs, value).transpose(1, 2), probs
+
+    AttentionInterface.register("calibration_reference", calibrated)
+    plain.set_attn_implementation("calibration_reference")
+    additive = torch.triu(torch.full((ids.shape[1],) * 2, torch.finfo(torch.float32).min), 1)[None, None]
+    return logits(plain, ids, attention_mask=additive)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_step(model_name):
+    spans, temperature, layers = ((1, 4), (4, 8), (8, 11)), 0.05, (1, 2)
+    model = mitigated(model_name, "eager")
+    ids = random_ids(1, 16)
+    option = AttentionCalibration(spans=[spans], temperature=temperature, layers=layers)
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, attention_calibration=option).logits]
+        for t in range(12, 16):
+            steps.append(
+                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, attention_calibration=option).logits
+            )
+    reference = calibration_reference(model_name, ids, spans, temperature, layers, first_row=11)
+    torch.testing.assert_close(torch.cat(steps, 1), reference, rtol=1e-4, atol=1e-4)
+    assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
+
+
+def test_options_a_model_lacks_are_refused_by_name_before_any_work():
+    model = mitigated("gpt2")
+    calls = []
+    model.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    ids = random_ids(1, 12)
+    refused = {
+        "ms_poe": (MSPoE(1.2, 1.8), r"ms_poe rescales the rotary positions .*GPT2LMHeadModel .*no \(single\) rotary"),
+        "attention_calibration": (
+            AttentionCalibration(spans=[SPANS], bias_estimate="positional"),
+            r"bias_estimate='positional' reads the positional block, but GPT2LMHeadModel .* has none",
+        ),
+    }
+    for name, (option, message) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=2, **{name: option})
+        with pytest.raises(ValueError, match=message):
+            model(ids, **{name: option})
+    assert not calls
+
+
+# ----------------------------------------------------------------------------------------------------- reordering
+
+
+@pytest.mark.parametrize("model_name", ["mistral", "gpt2"])
+def test_generate_reorders_the_documents_as_reordering_by_hand_would(model_name):
+    model = mitigated(model_name)
+    prompts = [random_ids(1, 14, seed=1)[0], random_ids(1, 11, seed=2)[0]]
+    ids, mask = left_padded(prompts)
+    scores = ((0.1, 0.9, 0.5), (0.7, 0.2, 0.3))  # "first": documents (1, 2, 0) and (0, 2, 1)
+    by_hand = []
+    for prompt, order in zip(prompts, ((1, 2, 0), (0, 2, 1)), strict=True):
+        documents = [prompt[start:end] for start, end in SPANS]
+        by_hand.append(torch.cat((prompt[:1], *(documents[k] for k in order), prompt[10:])))
+    reordered_ids, _ = left_padded(by_hand)
+    for beams in (1, 2):
+        settings = dict(new=4, num_beams=beams, num_return_sequences=beams)
+        option = {"spans": [SPANS] * 2, "by": scores, "strategy": "first"}
+        ours = greedy(model, ids, mask, reorder_documents=option, **settings)
+        assert torch.equal(ours, greedy(model, reordered_ids, mask, **settings))
+    from_attention = greedy(model, ids, mask, reorder_documents={"spans": [SPANS] * 2}, stable_mask={"gamma": 0.5})
+    assert from_attention.shape == (2, ids.shape[1] + 6)
+    assert model.config._attn_implementation == sepformer.any_decoder.register_wrapper("sdpa")  # back after scoring
