@@ -312,8 +312,8 @@ def mitigation_conditions(spans, vocab: Vocabulary) -> list[Condition]:
                    for s in (0.5, 0.0, -0.5, -1.0)]
     conditions += [keyword("attention_buckets", f"scales={list(s)}", lambda b, s=s: {"scales": s})
                    for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))]
-    conditions += [keyword("attention_buckets", f"bases={list(b)}", lambda b_, b=b: {"bases": b})
-                   for b in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
+    conditions += [keyword("attention_buckets", f"bases={list(bases)}", lambda b, bases=bases: {"bases": bases})
+                   for bases in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
     conditions += [keyword("parallel_context_windows", setting, lambda b, w=windows: {"spans": [w] * b})
                    for setting, windows in window_settings(spans)]
     # the experiment's SepFormer has no rotary (rotary_dim 0): its positions are in the positional block only
@@ -400,8 +400,6 @@ def searched_scaling(model, validation: list[dict]) -> list[Condition]:
                 lambda b, f=factor: replace(result.option, factor=f), f"channels={list(best.channels)}")
         for factor in (0.5, 0.0, -0.5, -1.0)]
     return sweep + [keyword("positional_scaling", SEARCH_PICK, lambda b: result.option, details)]
-
-
 
 
 @torch.no_grad()
