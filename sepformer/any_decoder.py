@@ -14,7 +14,10 @@ Built on transformers' extension points, not on copies of the model's modules:
 - the keywords `forward` passes down to the attention function: `mitigation_plan`, resolved once per call from the
   option keywords (SepFormer's dataclasses, dicts, checks and refused combinations: `sepformer.mitigations`);
 - position ids (`Mitigation.read_positions`: the windows' positions) and 4D masks (`Mitigation.mask_function`);
-- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations.
+- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations;
+- forward hooks with keywords on the attention modules (`decoder_attention`), inert without a plan: the rotary tables
+  of another base (`Mitigation.position_bases`: Attention Buckets) and the inputs of the query and key projections
+  (`Mitigation.query_key_inputs`: positional scaling). Several buckets run `forward` once per bucket.
 
 The model's instance gets a subclass of its own class (same name, so `save_pretrained` writes the same architecture)
 whose `forward` takes the option keywords, and whose `generate` passes them to every step (`MitigationGenerationMixin`).
@@ -208,8 +211,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
         return super().forward(**self.with_plan(inputs, plan))
 
     def call_context(self, inputs: dict) -> CallContext:
-        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
-        cache = inputs.get("past_key_values")
+        tokens, cache = call_tokens(inputs), inputs.get("past_key_values")
         continuing = cache is not None and cache.get_seq_length() > 0
         batch, new_tokens = tokens.shape[:2]
         return CallContext(
@@ -227,8 +229,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
     def with_plan(self, inputs: dict, plan) -> dict:
         """The inputs of the model's own `forward` for one run with `plan`: the positions where the tokens are read,
         the mask, and the plan started on them, which the attention function receives."""
-        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
-        cache, mask = inputs.get("past_key_values"), inputs.get("attention_mask")
+        tokens, cache, mask = call_tokens(inputs), inputs.get("past_key_values"), inputs.get("attention_mask")
         position_ids = inputs.get("position_ids")
         if position_ids is None:
             position_ids = default_position_ids(tokens, mask, cache)
@@ -279,6 +280,11 @@ class MitigatedDecoder(MitigationGenerationMixin):
                     f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
                     f"whose masks are not transformers' causal or sliding-window ones."
                 )
+
+
+def call_tokens(inputs: dict) -> torch.Tensor:
+    """The call's `input_ids`, or its `inputs_embeds`: (b, seq, ...)."""
+    return inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
 
 
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -378,8 +384,9 @@ def probe_attention(model) -> list[nn.Module]:
 def add_mitigations(model):
     """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
     `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
-    `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns `model` itself, its class replaced by a subclass
-    of the same name; without options it computes what it computed before, with its own attention implementation.
+    `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns
+    `model` itself, its class replaced by a subclass of the same name, and forward hooks on its attention modules
+    (`decoder_attention`); without options it computes what it computed before, with its own attention implementation.
 
     Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.

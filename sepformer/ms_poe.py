@@ -90,6 +90,14 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
+def check_rankable(config) -> None:
+    if attention_implementation(config) == "flex_attention":
+        raise ValueError(
+            "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
+            "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
+        )
+
+
 @dataclass(eq=False)
 class MSPoEState(MitigationState):
     """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
@@ -155,14 +163,10 @@ class MSPoEMitigation(Mitigation):
                     "layers without them."
                 )
         if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
             store = derived_store(call.state)
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
-        if attention_implementation(config) == "flex_attention":
-            raise ValueError(
-                "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
-                "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
-            )
+        check_rankable(config)
         return cls(
             options,
             layers,
@@ -236,7 +240,9 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
     rotated at the tokens' positions `m` (the cache's keys included), and turns head `h`'s further, to `m / r_h`.
-    Heads are query heads: grouped-query keys arrive expanded to them. The ranking is MS-PoE's (`layer_ranks`)."""
+    Queries are at the call's positions, keys at theirs counted from each row's first real token (the padding mask),
+    as the default position ids are. Heads are query heads: grouped-query keys arrive expanded to them. The ranking is
+    MS-PoE's (`layer_ranks`)."""
 
     rotary: torch.nn.Module | None = None  # the model's rotary embedding: its `inv_freq`
     heads: int = 0  # query heads
@@ -259,13 +265,9 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             )
         layers = options.layer_set(config.num_hidden_layers)
         if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
             return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
-        if attention_implementation(config) == "flex_attention":
-            raise ValueError(
-                "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
-                "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
-            )
+        check_rankable(config)
         return cls(options, layers, cache=call.state, rotary=decoder.rotary, heads=config.num_attention_heads)
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":

@@ -192,6 +192,12 @@ def test_unknown_and_bad_options_are_refused_before_any_work():
         model(ids, positional_scaling={"factor": 0.5})
     with pytest.raises(ValueError, match="stable_mask and attention_calibration cannot be combined"):
         model(ids, stable_mask={"gamma": 1}, attention_calibration={"spans": [[(0, 2)]]})
+    with pytest.raises(
+        ValueError, match="attention_calibration acts on the prompt's last token, but assisted decoding"
+    ):
+        model.generate(
+            random_ids(1, 12), max_new_tokens=2, prompt_lookup_num_tokens=2, attention_calibration={"spans": [SPANS]}
+        )
     assert not calls
 
 

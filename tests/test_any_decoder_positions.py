@@ -4,7 +4,8 @@ each base, a reference written from the scaling's formula, and positional scalin
 import pytest
 import torch
 from conftest import logits, random_ids
-from test_any_decoder import ROTARY, greedy, left_padded, mitigated, plain_model
+from test_any_decoder import ROTARY, SIZES, greedy, left_padded, mitigated, plain_model
+from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 import sepformer
@@ -16,15 +17,19 @@ BASES = (10000.0, 500.0, 3e5)
 SCALING = PositionalScaling(-0.5, channels=(1, 7, 30), layers=(1, 2))
 
 
-def at_base(name: str, base: float, scale: float, ids: torch.Tensor) -> torch.Tensor:
-    """The plain model built with `rope_theta=base`, read at positions `m · scale`: one bucket, written out."""
+def built_at_base(name: str, base: float):
+    """The plain model `name` built with `rope_theta=base`."""
     plain = plain_model(name)
-    config = plain.config
-    config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
-    model = type(plain)(config).eval()
+    plain.config.rope_parameters = {**plain.config.rope_parameters, "rope_theta": base}
+    model = type(plain)(plain.config).eval()
     model.load_state_dict(plain.state_dict())
+    return model
+
+
+def at_base(name: str, base: float, scale: float, ids: torch.Tensor) -> torch.Tensor:
+    """The model built with `rope_theta=base`, read at positions `m · scale`: one bucket, written out."""
     positions = torch.arange(ids.shape[1])[None] * scale
-    return logits(model, ids, attention_mask=torch.ones_like(ids), position_ids=positions)
+    return logits(built_at_base(name, base), ids, attention_mask=torch.ones_like(ids), position_ids=positions)
 
 
 # ------------------------------------------------------------------------------------------------ Attention Buckets
@@ -45,6 +50,14 @@ def test_buckets_are_the_models_at_each_base_mixed_by_confidence(name):
     torch.testing.assert_close(ours, by_hand, rtol=1e-5, atol=1e-5)
     assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)  # the model's rotary is left alone
     assert torch.equal(logits(model, ids), logits(plain_model(name), ids))
+
+
+def test_buckets_with_parallel_context_windows_are_each_base_with_the_windows_mixed_by_confidence():
+    windows = {"parallel_context_windows": {"spans": [[(1, 4), (4, 7), (7, 10)]] * 2}}
+    ids = random_ids(2, 14)
+    ours = logits(mitigated("llama"), ids, attention_buckets={"bases": BASES[1:]}, **windows)
+    per_base = [logits(sepformer.add_mitigations(built_at_base("llama", base)), ids, **windows) for base in BASES[1:]]
+    torch.testing.assert_close(ours, mix_by_confidence(torch.stack(per_base)), rtol=1e-5, atol=1e-5)
 
 
 def test_one_bucket_at_the_models_own_base_is_the_plain_model_bit_for_bit():
@@ -68,6 +81,18 @@ def test_buckets_cached_decoding_equals_the_full_pass(name):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="continue it with the same attention_buckets"):
         model(ids[:, :1], past_key_values=cache)
+
+
+def test_buckets_train_on_the_mixed_logits():
+    model = mitigated("llama").train()
+    ids = random_ids(2, 10)
+    output = model(ids, labels=ids, attention_buckets={"bases": BASES})
+    expected = model.loss_function(logits=output.logits, labels=ids, vocab_size=model.config.vocab_size)
+    torch.testing.assert_close(output.loss, expected)
+    output.loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="returns mixed logits only: output_attentions"):
+        model(ids, attention_buckets={"bases": BASES}, output_attentions=True)
 
 
 def test_buckets_are_refused_where_no_base_or_scale_is_defined():
@@ -149,6 +174,21 @@ def test_positional_scaling_equals_the_search_hooks_and_factor_one_is_the_plain_
     unscaled = PositionalScaling(1.0, channels=(1, 7, 30), last_recompute_tokens=4)
     assert torch.equal(logits(model, ids, positional_scaling=unscaled), logits(plain, ids))
     assert torch.equal(greedy(model, ids, positional_scaling=unscaled), greedy(plain, ids))
+
+
+def test_positional_scaling_with_query_and_key_norms_equals_the_search_hooks():
+    """Qwen3 normalises each head's query and key after the projection: the base keys are reprojected the same way."""
+    torch.manual_seed(0)
+    config = Qwen3Config(**SIZES, num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa")
+    plain = Qwen3ForCausalLM(config).eval()
+    model = sepformer.add_mitigations(Qwen3ForCausalLM(config).eval())
+    model.load_state_dict(plain.state_dict())
+    ids = random_ids(2, 12)
+    with torch.no_grad(), scale_attention_input(plain, SCALING.channels, SCALING.factor, SCALING.layers):
+        hooked = plain(ids, use_cache=False).logits
+    torch.testing.assert_close(logits(model, ids, positional_scaling=SCALING), hooked, rtol=1e-6, atol=1e-6)
+    unscaled = PositionalScaling(1.0, channels=(1, 7, 30), last_recompute_tokens=4)
+    assert torch.equal(logits(model, ids, positional_scaling=unscaled), logits(plain, ids))
 
 
 @pytest.mark.parametrize("beams", [1, 2])
