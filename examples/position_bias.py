@@ -27,14 +27,17 @@ seed:
 - Hugging Face's `LlamaForCausalLM` (rotary);
 - Hugging Face's `GPT2LMHeadModel` (learned absolute positions added to the tokens: SepFormer's nearest relative).
 
-Mitigations, each over a small sweep of its main parameter, on every model where it applies: StableMask, MS-PoE,
-attention calibration, positional scaling, Attention Buckets and Parallel Context Windows on SepFormer (its
-`forward` options); MS-PoE, positional scaling, Attention Buckets and Parallel Context Windows on Llama, positional
-scaling and Parallel Context Windows on GPT-2 (`llama_mitigations.py` and `sepformer.positional_search`). Positional
-scaling also runs at the setting its search picks (`search_positional_scaling`: lowest loss averaged over gold slots
-on validation prompts that are not the test prompts). Exact match of the greedy next token is scored by the
-package's `accuracy_by_position` metric. Also the last token's attention to each group of key positions,
-`A_G = (1/|G|) Σ_{j∈G} a_{l,j}` (groups: <bos>, each document, the <sep> and the query), per layer and head.
+Mitigations, each over a small sweep of its main parameter, as the option keywords of `forward` on every model:
+SepFormer's own, and on Llama and GPT-2 those `sepformer.add_mitigations` gives a Hugging Face decoder. The rows of a
+setting are built once and evaluated on every model that runs it; a model that refuses a setting (its option check
+raises, before any work: MS-PoE and Attention Buckets on GPT-2, which has no rotary; Attention Buckets' rotary bases
+on SepFormer's learned table; the positional block's estimates on Llama and GPT-2) gets no row, and the run prints
+which and the model's reason. Positional scaling sweeps SepFormer's positional block, and on the other models the
+channels its search finds; it also runs at the setting its search picks (`search_positional_scaling`: lowest loss
+averaged over gold slots on validation prompts that are not the test prompts). Exact match of the greedy next token
+is scored by the package's `accuracy_by_position` metric. Also the last token's attention to each group of key
+positions, `A_G = (1/|G|) Σ_{j∈G} a_{l,j}` (groups: <bos>, each document, the <sep> and the query), per layer and
+head.
 
 IN2 ("Make Your LLM Fully Utilize the Context"), on every model: a copy of the trained model fine-tuned on lists of
 this task with the answer at every slot uniformly (the training's generator with `gold_at_ends` 0, its own data
@@ -80,7 +83,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -117,14 +120,13 @@ from experiment_common import (
     write_csv,
 )
 from experiment_common import train as train_with_trainer
-from llama_mitigations import attention_buckets_logits, parallel_context_windows_logits  # registers ms_poe_sdpa
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from sepformer import ReorderDocuments, SepFormerCache, reorder_documents
+from sepformer import ReorderDocuments, SepFormerCache, add_mitigations, reorder_documents
 from sepformer.metrics import metric_path
-from sepformer.positional_search import NoPositionalChannelError, scale_attention_input, search_positional_scaling
+from sepformer.positional_search import NoPositionalChannelError, is_sepformer, search_positional_scaling
 from sepformer.reordering import eager_attention
 
 PRESETS = {
@@ -278,7 +280,9 @@ class Condition:
     mitigation: str
     setting: str  # the same on every seed: rows of one setting are averaged over seeds
     logits: Callable
-    details: str = ""  # what this seed's run chose (the search's channels and factor), in results.csv
+    # what this seed's run chose (the search's channels and factor), in results.csv; or `details(model)`, computed
+    # only where the model runs the condition
+    details: str | Callable = ""
     reorder: Callable | None = None
 
 
@@ -286,13 +290,17 @@ def plain_logits(model, input_ids, **kwargs):
     return model(input_ids=input_ids, use_cache=False, logits_to_keep=1, **kwargs).logits[:, -1]
 
 
-def keyword(mitigation: str, setting: str, make_value: Callable, details: str = "") -> Condition:
-    """A SepFormer `forward` option; `make_value(batch_size)` its value for a batch."""
+def keyword(mitigation: str, setting: str, make_value: Callable, details: str | Callable = "") -> Condition:
+    """A mitigation option keyword of `forward` (SepFormer's own, `add_mitigations`' on the Hugging Face models);
+    `make_value(batch_size)` its value for a batch."""
     return Condition(mitigation, setting,
                      lambda model, ids: plain_logits(model, ids, **{mitigation: make_value(len(ids))}), details)
 
 
-def sepformer_conditions(spans, vocab: Vocabulary) -> list[Condition]:
+def mitigation_conditions(spans, vocab: Vocabulary) -> list[Condition]:
+    """Every mitigation's sweep, built once for every model: a model that refuses a setting (`refusal`) gets no row
+    for it. Attention Buckets sweeps the positions' scales (SepFormer's learned table, Llama's rotary) and the rotary
+    bases (Llama)."""
     conditions = [Condition(NONE, "-", plain_logits)]
     conditions += [keyword("stable_mask", f"gamma={g}", lambda b, g=g: {"gamma": g}) for g in (0.02, 0.05, 0.2)]
     conditions += [keyword("ms_poe", f"r_max={r}", lambda b, r=r: {"r_min": 1.2, "r_max": r}) for r in (1.5, 1.8, 2.4)]
@@ -304,11 +312,42 @@ def sepformer_conditions(spans, vocab: Vocabulary) -> list[Condition]:
                    for s in (0.5, 0.0, -0.5, -1.0)]
     conditions += [keyword("attention_buckets", f"scales={list(s)}", lambda b, s=s: {"scales": s})
                    for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))]
+    conditions += [keyword("attention_buckets", f"bases={list(bases)}", lambda b, bases=bases: {"bases": bases})
+                   for bases in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
     conditions += [keyword("parallel_context_windows", setting, lambda b, w=windows: {"spans": [w] * b})
                    for setting, windows in window_settings(spans)]
     # the experiment's SepFormer has no rotary (rotary_dim 0): its positions are in the positional block only
     return conditions + reorder_conditions(spans, vocab) + [
         reordered("position-free attention (SepFormer)", spans, by="position_free")]
+
+
+def refusal(model, condition: Condition, prompt: torch.Tensor) -> str | None:
+    """Why `model` refuses `condition`, from the ValueError its option checks raise before any work (MS-PoE on a
+    model without rotary, ...), run on one prompt (1, n); None when it runs. A search without candidates is not a
+    refusal: its row says why (`evaluate_model`)."""
+    try:
+        with torch.no_grad():
+            if condition.reorder is not None:
+                prompt, _ = condition.reorder(model, prompt)
+            condition.logits(model, prompt)
+    except NoPositionalChannelError:
+        return None
+    except ValueError as error:
+        return first_line(error)
+    return None
+
+
+def accepted(model, conditions: list[Condition], prompt: torch.Tensor, name: str) -> list[Condition]:
+    """The conditions `model` runs; the refused ones are printed, by mitigation, with the model's reason."""
+    kept, refused = [], {}
+    for condition in conditions:
+        if (why := refusal(model, condition, prompt)) is None:
+            kept.append(condition)
+        else:
+            refused.setdefault((condition.mitigation, why), []).append(condition.setting)
+    for (mitigation, why), settings in refused.items():
+        tqdm.write(f"  {name}: no {mitigation} row for {'; '.join(settings)}: refused: {why}")
+    return kept
 
 
 def window_settings(spans) -> list[tuple[str, list]]:
@@ -320,19 +359,6 @@ def window_settings(spans) -> list[tuple[str, list]]:
                        for i in range(0, len(spans), per_window)]
             settings.append((f"{len(windows)} windows of {per_window} documents", windows))
     return settings
-
-
-def scaled(channels, factor, layers) -> Callable:
-    def logits(model, ids):
-        with scale_attention_input(model, channels, factor, layers):
-            return plain_logits(model, ids)
-    return logits
-
-
-def pcw(spans) -> list[Condition]:
-    return [Condition("parallel_context_windows", setting,
-                      lambda model, ids, w=windows: parallel_context_windows_logits(model, ids, [w] * len(ids))[:, -1])
-            for setting, windows in window_settings(spans)]
 
 
 def reordered(setting: str, spans, **options) -> Condition:
@@ -355,25 +381,10 @@ def reorder_conditions(spans, vocab: Vocabulary) -> list[Condition]:
             reordered("by calibrated attention", spans, by="calibrated", dummy_document=vocab.dummy_document)]
 
 
-def llama_conditions(spans, vocab: Vocabulary) -> list[Condition]:
-    conditions = [Condition(NONE, "-", plain_logits)]
-    conditions += [Condition("ms_poe", f"r_max={r}",
-                             lambda model, ids, r=r: plain_logits(model, ids, ms_poe={"r_min": 1.2, "r_max": r}))
-                   for r in (1.5, 1.8, 2.4)]
-    conditions += [Condition("attention_buckets", f"bases={list(b)}",
-                             lambda model, ids, b=b: attention_buckets_logits(model, ids, None, b)[:, -1])
-                   for b in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
-    return conditions + pcw(spans) + reorder_conditions(spans, vocab)
-
-
-def gpt2_conditions(spans, vocab: Vocabulary) -> list[Condition]:
-    return [Condition(NONE, "-", plain_logits), *pcw(spans), *reorder_conditions(spans, vocab)]
-
-
-def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[Condition]:
-    """Positional scaling at the setting the dimension search picks, and (on HF models, whose channels it finds)
-    the factor sweep on the picked channels. Where the search finds no candidate (the paper's filter can keep no
-    channel of a model), the search's pick is a row that says so."""
+def searched_scaling(model, validation: list[dict]) -> list[Condition]:
+    """Positional scaling at the setting the dimension search picks, and, on a model without SepFormer's positional
+    block (which the fixed sweep scales), the factor sweep on the picked channels. Where the search finds no
+    candidate (the paper's filter can keep no channel of a model), the search's pick is a row that says so."""
     try:
         result = search_positional_scaling(model, validation)
     except NoPositionalChannelError as error:
@@ -384,13 +395,11 @@ def searched_scaling(model, is_sepformer: bool, validation: list[dict]) -> list[
     best = result.best
     details = (f"channels={list(best.channels)}, factor={best.factor} (validation loss {best.loss:.3f}, "
                f"unscaled {result.base.loss:.3f})")
-    if is_sepformer:
-        return [keyword("positional_scaling", SEARCH_PICK, lambda b: result.option, details)]
-    sweep = [Condition("positional_scaling", f"searched channels, factor={factor}",
-                       scaled(best.channels, factor, best.layers), f"channels={list(best.channels)}")
-             for factor in (0.5, 0.0, -0.5, -1.0)]
-    return sweep + [Condition("positional_scaling", SEARCH_PICK, scaled(best.channels, best.factor, best.layers),
-                              details)]
+    sweep = [] if is_sepformer(model) else [
+        keyword("positional_scaling", f"searched channels, factor={factor}",
+                lambda b, f=factor: replace(result.option, factor=f), f"channels={list(best.channels)}")
+        for factor in (0.5, 0.0, -0.5, -1.0)]
+    return sweep + [keyword("positional_scaling", SEARCH_PICK, lambda b: result.option, details)]
 
 
 @torch.no_grad()
@@ -408,18 +417,23 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1))
 
 
-def calibration_without_dummy_passes(model, prompts: torch.Tensor, spans, vocab: Vocabulary) -> list[Condition]:
-    """Calibration with `bias(k)` read off the positional block (no dummy passes), with how closely that estimate
-    tracks the dummy passes' on these prompts: Pearson's r over the documents, per prompt, layer and head, and for the
-    mean over prompts, per layer and head."""
-    prompts = prompts[::max(1, len(prompts) // 64)][:64].to(model.device)  # spread over the gold slots
+def calibration_without_dummy_passes(prompts: torch.Tensor, spans, vocab: Vocabulary) -> list[Condition]:
+    """Calibration with `bias(k)` read off the positional block (no dummy passes; refused by a model without one), with
+    how closely that estimate tracks the dummy passes' on these prompts: Pearson's r over the documents, per prompt,
+    layer and head, and for the mean over prompts, per layer and head."""
+    prompts = prompts[::max(1, len(prompts) // 64)][:64]  # spread over the gold slots
     documents = {"spans": [spans] * len(prompts)}
-    dummy = calibration_bias(model, prompts, {**documents, "dummy_document": vocab.dummy_document})
-    positional = calibration_bias(model, prompts, {**documents, "bias_estimate": "positional"})
-    details = (f"bias(k) vs the dummy passes': Pearson r {pearson(positional, dummy).nanmean():.2f} per prompt, "
-               f"{pearson(positional.mean(0), dummy.mean(0)).nanmean():.2f} for the mean over prompts")
+
+    @functools.cache
+    def agreement(model) -> str:
+        on_device = prompts.to(model.device)
+        dummy = calibration_bias(model, on_device, {**documents, "dummy_document": vocab.dummy_document})
+        positional = calibration_bias(model, on_device, {**documents, "bias_estimate": "positional"})
+        return (f"bias(k) vs the dummy passes': Pearson r {pearson(positional, dummy).nanmean():.2f} per prompt, "
+                f"{pearson(positional.mean(0), dummy.mean(0)).nanmean():.2f} for the mean over prompts")
+
     return [keyword("attention_calibration", f"temperature={t}, positional bias(k)",
-                    lambda b, t=t: {"spans": [spans] * b, "temperature": t, "bias_estimate": "positional"}, details)
+                    lambda b, t=t: {"spans": [spans] * b, "temperature": t, "bias_estimate": "positional"}, agreement)
             for t in (5e-5, 1e-3, 1e-2)]
 
 
@@ -431,8 +445,6 @@ class Contender:
     name: str
     slug: str  # its folder under `models/`
     build: Callable
-    conditions: Callable  # (spans, vocab) -> [Condition]
-    is_sepformer: bool = False
     notes: list = field(default_factory=list)
 
 
@@ -445,16 +457,13 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
         return build_model("sepformer", *shape, **special)
 
     def llama():
-        model = build_model("llama", *shape, **special)
-        model.set_attn_implementation("ms_poe_sdpa")  # plain sdpa unless an `ms_poe=` keyword reaches it
-        return model
+        return build_model("llama", *shape, **special)
 
     def gpt2():
         return build_model("gpt2", *shape, **special)
 
-    every = [Contender("SepFormer", "sepformer", sepformer, sepformer_conditions, is_sepformer=True),
-             Contender("Llama (rotary)", "llama", llama, llama_conditions),
-             Contender("GPT-2 (learned absolute)", "gpt2", gpt2, gpt2_conditions)]
+    every = [Contender("SepFormer", "sepformer", sepformer), Contender("Llama (rotary)", "llama", llama),
+             Contender("GPT-2 (learned absolute)", "gpt2", gpt2)]
 
     def matches(word, contender):
         return word.lower() in contender.name.lower() or word.lower() == contender.slug
@@ -489,6 +498,12 @@ UNRECORDED_CONFIG = ("dtype", "architectures", "transformers_version", "_name_or
 
 # What `training.json` holds (`trained_model` writes it), and the type of each.
 TRAINING_RECORD = {"settings": dict, "config": dict, "train_loss": float | int, "train_seconds": float | int}
+
+
+def taking_options(model) -> torch.nn.Module:
+    """The model with the mitigations as `forward` keywords: SepFormer's own, `add_mitigations`' on the others (applied
+    after training, so that training runs the model's own attention)."""
+    return model if is_sepformer(model) else add_mitigations(model)
 
 
 def seeded_build(contender: Contender, seed: int) -> torch.nn.Module:
@@ -667,6 +682,7 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
     rows = []
     for condition in tqdm(conditions, desc=f"  evaluate {contender.name}", leave=False, dynamic_ncols=True):
         status, at_end = "ok", None
+        details = condition.details(model) if callable(condition.details) else condition.details
         try:
             predictions, orders = predict(model, data["input_ids"], condition, args)
             result = metric.compute(predictions=predictions.tolist(), references=data["answer"].tolist(),
@@ -679,7 +695,7 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
         rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
                       num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
-                      status=status, details=condition.details,
+                      status=status, details=details,
                       gold_at_end=None if at_end is None else at_end[data["gold_slot"] == slot].float().mean().item())
                  for slot in range(num_pairs)]
     return rows
@@ -708,15 +724,17 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
     rows, attention_rows = [], []
     for contender in contenders(args, vocab):
         model, record = trained_model(contender, seed, data, args)
+        model = taking_options(model)
         train_loss, train_seconds = record["train_loss"], record["train_seconds"]
         new_rows = []
         for pairs in args.eval_pairs:
-            conditions = [c for c in contender.conditions(spans[pairs], vocab) if c.mitigation in args.mitigations]
-            if "positional_scaling" in args.mitigations and pairs == args.num_pairs:
-                conditions += searched_scaling(model, contender.is_sepformer, validation)
-            if "attention_calibration" in args.mitigations and contender.is_sepformer:
-                conditions += calibration_without_dummy_passes(model, evaluation[pairs]["input_ids"], spans[pairs],
-                                                               vocab)
+            conditions = mitigation_conditions(spans[pairs], vocab)
+            if pairs == args.num_pairs:
+                conditions += searched_scaling(model, validation) if "positional_scaling" in args.mitigations else []
+            conditions += calibration_without_dummy_passes(evaluation[pairs]["input_ids"], spans[pairs], vocab)
+            conditions = [c for c in conditions if c.mitigation in args.mitigations]
+            conditions = accepted(model, conditions, evaluation[pairs]["input_ids"][:1].to(model.device),
+                                  f"seed {seed} · {contender.name}, {pairs} pairs")
             new_rows += evaluate_model(model, conditions, evaluation[pairs], pairs, metric, args, contender)
         if IN2 in args.mitigations:
             new_rows += in2_rows(model, contender, seed, vocab, evaluation, metric, args)

@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import sepformer  # noqa: E402,F401  (registers the Auto classes)
 from sepformer import SepFormerConfig, SepFormerForCausalLM  # noqa: E402
@@ -53,6 +54,47 @@ def tiny_model(seed: int = 0, **overrides) -> SepFormerForCausalLM:
 @pytest.fixture
 def tmp_folder(tmp_path):
     return str(tmp_path)
+
+
+def tiny_llama(attn="sdpa", rope_theta=10000.0, seed=0):
+    """A tiny random Hugging Face Llama, attention sharpened so that positions matter."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper attention than a fresh model's, so that positions matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def tiny_gpt2(attn="sdpa"):
+    """A tiny random Hugging Face GPT-2 with learned positions of unit scale."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        attn_implementation=attn,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight.normal_(0, 1)
+    return model
 
 
 def run_script(script: Path, *args: str, output_dir: Path, csv_name: str) -> tuple[str, list[dict]]:

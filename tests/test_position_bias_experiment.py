@@ -1,10 +1,7 @@
 """`examples/position_bias.py`: the lost-in-the-middle experiment, run end to end at its tiny preset."""
 
 import csv
-import json
 import math
-import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -12,13 +9,12 @@ import evaluate
 import pytest
 import torch
 from conftest import run_script
-from safetensors.torch import load_file, save_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import position_bias  # noqa: E402  (after the path)
 
-from sepformer import reordering  # noqa: E402
+from sepformer import add_mitigations, reordering  # noqa: E402
 from sepformer.metrics import metric_path  # noqa: E402
 from sepformer.positional_search import NoPositionalChannelError  # noqa: E402
 from sepformer.reordering import relevance_order, reorder_prompt  # noqa: E402
@@ -33,12 +29,24 @@ def run(tmp_path_factory):
     return stdout, rows, output_dir
 
 
-EXPECTED_MITIGATIONS = {
-    "SepFormer": {"none", "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
-                  "parallel_context_windows", "in2", "reorder"},
-    "Llama (rotary)": {"none", "ms_poe", "positional_scaling", "attention_buckets", "parallel_context_windows", "in2",
-                       "reorder"},
-    "GPT-2 (learned absolute)": {"none", "positional_scaling", "parallel_context_windows", "in2", "reorder"},
+EVERY_MITIGATION = {"none", "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
+                    "parallel_context_windows", "in2", "reorder"}
+EXPECTED_MITIGATIONS = {"SepFormer": EVERY_MITIGATION, "Llama (rotary)": EVERY_MITIGATION,
+                        "GPT-2 (learned absolute)": EVERY_MITIGATION - {"ms_poe", "attention_buckets"}}
+# What each model refuses, with the start of its reason, as the run prints it; everything else has its rows.
+REFUSED = {
+    ("SepFormer", "attention_buckets"): "bases=[10000, 17500, 25000]; bases=[10000, 13000, ",
+    ("Llama (rotary)", "positional_scaling"): "factor=0.5; factor=0.0; factor=-0.5; factor=-1.0: refused: "
+                                              "positional_scaling on LlamaForCausalLM needs channels",
+    ("Llama (rotary)", "attention_calibration"): "bias_estimate='positional' reads the positional block, but Llama",
+    ("Llama (rotary)", "reorder"): "by='position_free' zeroes SepFormer's positional block",
+    ("GPT-2 (learned absolute)", "ms_poe"): "r_max=1.5; r_max=1.8; r_max=2.4: refused: ms_poe rescales the rotary "
+                                            "positions of each head, but GPT2LMHeadModel",
+    ("GPT-2 (learned absolute)", "attention_buckets"): "attention_buckets reads positions with other rotary bases or "
+                                                       "scales, but GPT2LMHeadModel",
+    ("GPT-2 (learned absolute)", "positional_scaling"): "positional_scaling on GPT2LMHeadModel needs channels",
+    ("GPT-2 (learned absolute)", "attention_calibration"): "bias_estimate='positional' reads the positional block",
+    ("GPT-2 (learned absolute)", "reorder"): "by='position_free' zeroes SepFormer's positional block",
 }
 REORDER_SETTINGS = {"by attention", "attention sorting, 3 rounds", "by calibrated attention"}
 
@@ -58,10 +66,38 @@ def test_every_slot_of_every_setting_has_a_row(run):
         assert position_bias.SEARCH_PICK in searched, model
         picks = {r["details"] for r in mine if r["setting"] == position_bias.SEARCH_PICK}
         assert len(picks) == 1 and next(iter(picks)).startswith("channels="), (model, picks)
-    calibrations = {r["setting"]: r["details"] for r in rows if r["mitigation"] == "attention_calibration"}
-    assert len(calibrations) == 6 and sum(", positional bias(k)" in setting for setting in calibrations) == 3
-    assert all(details.startswith("bias(k) vs the dummy passes': Pearson r ")
-               for setting, details in calibrations.items() if "positional" in setting)
+    for model in EXPECTED_MITIGATIONS:
+        calibrations = {r["setting"]: r["details"] for r in rows
+                        if r["model"] == model and r["mitigation"] == "attention_calibration"}
+        positional = [setting for setting in calibrations if ", positional bias(k)" in setting]
+        assert len(calibrations) == 3 + len(positional) and len(positional) == 3 * (model == "SepFormer"), model
+        assert all(calibrations[s].startswith("bias(k) vs the dummy passes': Pearson r ") for s in positional)
+
+
+def test_each_setting_has_a_row_on_every_model_that_runs_it_and_the_run_says_why_the_others_refuse(run):
+    """The rows of a mitigation are built once: Llama and GPT-2 get StableMask and calibration, Llama MS-PoE and
+    Attention Buckets (the sweeps of scales and of rotary bases); a model that refuses a setting has no row for it,
+    and the run prints which, with the model's own reason."""
+    stdout, rows, _ = run
+    settings = {}
+    for row in rows:
+        settings.setdefault((row["model"], row["mitigation"]), set()).add(row["setting"])
+    sepformer = "SepFormer"
+    for model in EXPECTED_MITIGATIONS:
+        for mitigation in ("stable_mask", "attention_calibration", "parallel_context_windows"):
+            dummy_passes = {s for s in settings[(sepformer, mitigation)] if "positional" not in s}
+            assert dummy_passes <= settings[(model, mitigation)], (model, mitigation)
+    llama = "Llama (rotary)"
+    assert settings[(llama, "ms_poe")] == settings[(sepformer, "ms_poe")] == {"r_max=1.5", "r_max=1.8", "r_max=2.4"}
+    scales = {"scales=[1.0, 0.9, 0.8]", "scales=[1.0, 0.75, 0.5]"}
+    bases = {"bases=[10000, 17500, 25000]", "bases=[10000, 13000, 16000, 19000, 22000, 25000, 28000]"}
+    assert settings[(llama, "attention_buckets")] == scales | bases
+    assert settings[(sepformer, "attention_buckets")] == scales
+    refusals = [line for line in stdout.splitlines() if ": refused: " in line]
+    for (model, mitigation), reason in REFUSED.items():
+        assert any(f"{model}, 4 pairs: no {mitigation} row for " in line and reason in line for line in refusals), (
+            model, mitigation)
+    assert len(refusals) == len(REFUSED), refusals
 
 
 def test_in2_and_reorder_rows_of_every_model(run):
@@ -154,8 +190,9 @@ def test_in2_rows_evaluate_the_fine_tuned_copy(monkeypatch):
     rows = position_bias.in2_rows(model, contender, 0, vocab, evaluation, metric, args)
     assert len(tuned) == 1 and [r["accuracy"] for r in rows] == [1.0] * args.num_pairs
     assert {(r["mitigation"], r["finetune_steps"], r["finetune_loss"]) for r in rows} == {("in2", 1, 0.5)}
-    base = position_bias.evaluate_model(model, contender.conditions(position_bias.document_spans(4), vocab)[:1],
-                                        evaluation[args.num_pairs], args.num_pairs, metric, args, contender)
+    none = position_bias.mitigation_conditions(position_bias.document_spans(4), vocab)[:1]
+    base = position_bias.evaluate_model(model, none, evaluation[args.num_pairs], args.num_pairs, metric, args,
+                                        contender)
     assert [r["accuracy"] for r in base] != [1.0] * args.num_pairs  # the base model, left as it was
 
 
@@ -186,7 +223,7 @@ def untrained(name: str):
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
     contender = next(c for c in position_bias.contenders(args, vocab) if c.slug == name)
     torch.manual_seed(0)
-    return args, vocab, contender, contender.build().eval()
+    return args, vocab, contender, position_bias.taking_options(contender.build().eval())
 
 
 def reorder_rows(monkeypatch, scores, name="gpt2"):
@@ -195,7 +232,7 @@ def reorder_rows(monkeypatch, scores, name="gpt2"):
     args, vocab, contender, model = untrained(name)
     monkeypatch.setattr(reordering, "relevance", lambda model, options, ids, mask, **kwargs: scores(ids, vocab))
     data = position_bias.evaluation_set(0, args.num_pairs, vocab, args)
-    conditions = [c for c in contender.conditions(position_bias.document_spans(args.num_pairs), vocab)
+    conditions = [c for c in position_bias.mitigation_conditions(position_bias.document_spans(args.num_pairs), vocab)
                   if c.setting == "by attention"]
     metric = evaluate.load(metric_path("accuracy_by_position"))
     rows = position_bias.evaluate_model(model, conditions, data, args.num_pairs, metric, args, contender)
@@ -281,18 +318,25 @@ def test_window_settings_tile_the_documents():
         "documents as windows", "2 windows of 2 documents"]
 
 
-def test_a_mitigation_that_raises_stops_the_run(monkeypatch, tmp_path):
-    """Only the search's missing candidates become rows: an error of a mitigation is a bug to see, not a row."""
-    conditions = position_bias.gpt2_conditions
+def fails_on_batches(model, input_ids):
+    if len(input_ids) > 1:
+        raise ValueError("parallel_context_windows spans overlap")
+    return position_bias.plain_logits(model, input_ids)
 
-    def failing_conditions(spans, vocab):
-        def refused(model, input_ids):
-            raise ValueError("parallel_context_windows spans overlap")
 
-        return [*conditions(spans, vocab)[:1], position_bias.Condition("parallel_context_windows", "x", refused)]
+def fails_with_type_error(model, input_ids):
+    raise TypeError("forward() got an unexpected keyword argument 'parallel_context_window'")
 
-    monkeypatch.setattr(position_bias, "gpt2_conditions", failing_conditions)
-    with pytest.raises(ValueError, match="spans overlap"):
+
+@pytest.mark.parametrize("logits, message", [(fails_on_batches, "spans overlap"),
+                                             (fails_with_type_error, "unexpected keyword")])
+def test_a_mitigation_that_fails_past_the_models_checks_stops_the_run(monkeypatch, tmp_path, logits, message):
+    """A refusal is the ValueError of the model's checks on one prompt, before any work; an error after it, or of
+    another kind, is a bug to see, not a missing row (only the search's missing candidates become rows)."""
+    conditions = position_bias.mitigation_conditions
+    monkeypatch.setattr(position_bias, "mitigation_conditions", lambda spans, vocab: [
+        *conditions(spans, vocab)[:1], position_bias.Condition("parallel_context_windows", "x", logits)])
+    with pytest.raises((ValueError, TypeError), match=message):
         position_bias.main(["--tiny", "--models", "gpt2", "--mitigations", "none", "parallel_context_windows",
                             "--output-dir", str(tmp_path)])
 
@@ -428,19 +472,32 @@ def test_models_that_match_nothing_stop_the_run():
         position_bias.contenders(args, position_bias.Vocabulary(args.num_keys, args.num_values))
 
 
-def test_llama_ms_poe_with_ratios_one_is_the_model_and_otherwise_acts():
-    args = position_bias.parse_args(["--tiny"])
-    vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
-    llama = next(c for c in position_bias.contenders(args, vocab) if c.name.startswith("Llama"))
+@pytest.mark.parametrize("slug, mitigation, setting, option", [
+    ("llama", "stable_mask", "gamma=0.05", {"gamma": 0.05}),
+    ("llama", "ms_poe", "r_max=1.8", {"r_min": 1.2, "r_max": 1.8}),
+    ("llama", "attention_buckets", "bases=[10000, 17500, 25000]", {"bases": [10000, 17500, 25000]}),
+    ("gpt2", "stable_mask", "gamma=0.2", {"gamma": 0.2}),
+])
+def test_a_hugging_face_row_is_the_model_given_the_option_by_hand_through_add_mitigations(slug, mitigation, setting,
+                                                                                           option):
+    """A Llama (GPT-2) row of a setting is the model, built alike, given that option by hand through `add_mitigations`:
+    the same logits bit for bit, hence the same accuracy at every slot; and the option acts."""
+    args, vocab, contender, model = untrained(slug)
+    data = position_bias.evaluation_set(0, args.num_pairs, vocab, args)
+    condition = next(c for c in position_bias.mitigation_conditions(position_bias.document_spans(args.num_pairs), vocab)
+                     if (c.mitigation, c.setting) == (mitigation, setting))
+    metric = evaluate.load(metric_path("accuracy_by_position"))
+    rows = position_bias.evaluate_model(model, [condition], data, args.num_pairs, metric, args, contender)
     torch.manual_seed(0)
-    model = llama.build().eval()
-    ids = position_bias.evaluation_set(0, 4, vocab, args)["input_ids"][:5]
+    by_hand = add_mitigations(contender.build().eval())
     with torch.no_grad():
-        base = model(input_ids=ids).logits
-        same = model(input_ids=ids, ms_poe={"r_min": 1.0, "r_max": 1.0}).logits
-        scaled = model(input_ids=ids, ms_poe={"r_min": 1.2, "r_max": 1.8}).logits
-    torch.testing.assert_close(same, base, rtol=0, atol=0)
-    assert not torch.allclose(scaled[:, -1], base[:, -1])
+        call = dict(input_ids=data["input_ids"], use_cache=False, logits_to_keep=1)
+        logits, plain = by_hand(**call, **{mitigation: option}).logits[:, -1], by_hand(**call).logits[:, -1]
+        assert torch.equal(condition.logits(model, data["input_ids"]), logits)
+    assert not torch.allclose(logits, plain, atol=1e-4)
+    correct = logits.argmax(-1) == data["answer"]
+    assert [r["accuracy"] for r in rows] == [correct[data["gold_slot"] == slot].float().mean().item()
+                                             for slot in range(args.num_pairs)]
 
 
 def test_presets_mean_what_they_say():
@@ -488,8 +545,8 @@ def test_validation_prompts_are_not_test_prompts_and_label_only_the_answer():
 
 
 def test_every_condition_acts_on_its_model():
-    """Each mitigation row changes the model's logits (an option that silently did nothing would not; reordering: on
-    the prompts it reorders, and it leaves the model's attention implementation as it was), and PCW on the
+    """Each mitigation row a model runs changes its logits (an option that silently did nothing would not; reordering:
+    on the prompts it reorders, and it leaves the model's attention implementation as it was), and PCW on the
     experiment's Llama applies its window mask, not only its positions."""
     args = position_bias.parse_args(["--tiny"])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
@@ -498,10 +555,11 @@ def test_every_condition_acts_on_its_model():
     validation = position_bias.validation_batches(0, 4, vocab, args)
     for contender in position_bias.contenders(args, vocab):
         torch.manual_seed(0)
-        model = contender.build().eval()
+        model = position_bias.taking_options(contender.build().eval())
         with torch.no_grad():
-            conditions = contender.conditions(spans, vocab) + position_bias.searched_scaling(
-                model, contender.is_sepformer, validation)
+            conditions = position_bias.accepted(
+                model, position_bias.mitigation_conditions(spans, vocab) + position_bias.searched_scaling(
+                    model, validation), ids[:1], contender.name)
             base = position_bias.plain_logits(model, ids)
             implementation = model.config._attn_implementation
             for condition in conditions[1:]:
@@ -520,138 +578,3 @@ def test_evaluated_pairs_stay_within_the_training_length():
     with pytest.raises(SystemExit):
         position_bias.parse_args(["--tiny", "--eval-pairs", "8"])
     assert position_bias.parse_args(["--tiny", "--eval-pairs", "2"]).eval_pairs == (4, 2)
-
-
-def no_training(*args, **kwargs):
-    raise AssertionError("a model was trained")
-
-
-def test_saved_models_are_evaluated_again_without_training(monkeypatch, tmp_path):
-    """Each trained model is saved with its training record; `--reuse-models` loads it (no training) and evaluates
-    it to the same rows, here into another output folder, which leaves the first run's results as they were."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    argv = ["--tiny", "--models", "gpt", "sep", "--mitigations", "none", "parallel_context_windows"]
-    trained = position_bias.main([*argv, "--output-dir", str(first)])
-    for slug in ("sepformer", "gpt2"):
-        folder = first / "models" / f"{slug}-seed0"
-        record = json.loads((folder / "training.json").read_text())
-        assert record["settings"]["seed"] == 0 and record["settings"]["max_steps"] == 20, record
-        assert record["config"]["vocab_size"] > 0 and "dtype" not in record["config"]
-        assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
-    first_results = (first / "results.csv").read_text()
-
-    monkeypatch.setattr(position_bias, "train", no_training)
-    reused = position_bias.main([*argv[:-1], "--output-dir", str(second), "--models-dir", str(first / "models"),
-                                 "--reuse-models"])
-    assert [(r["model"], r["slot"], r["accuracy"], r["train_loss"]) for r in reused] == [
-        (r["model"], r["slot"], r["accuracy"], r["train_loss"]) for r in trained if r["mitigation"] == "none"
-    ]
-    assert (first / "results.csv").read_text() == first_results
-    assert not (second / "models").exists()
-
-
-def spoil_settings(folder):
-    record = json.loads((folder / "training.json").read_text())
-    record["settings"]["max_steps"] = 21
-    (folder / "training.json").write_text(json.dumps(record))
-
-
-def spoil_config(folder):
-    record = json.loads((folder / "training.json").read_text())
-    record["config"]["n_inner"] = 7  # as if a default had changed since
-    (folder / "training.json").write_text(json.dumps(record))
-
-
-def spoil_weights(folder):
-    weights = folder / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
-
-
-def spoil_record(folder):
-    (folder / "training.json").write_text("{")
-
-
-def spoil_record_key(folder):
-    record = json.loads((folder / "training.json").read_text())
-    del record["train_loss"]
-    record["train_seconds"] = "1.5"
-    (folder / "training.json").write_text(json.dumps(record))
-
-
-def spoil_config_json(folder):
-    config = json.loads((folder / "config.json").read_text())
-    config["n_inner"] = 7  # the record left as it was
-    (folder / "config.json").write_text(json.dumps(config))
-
-
-def spoil_tensors(change):
-    def spoil(folder):
-        weights = load_file(folder / "model.safetensors")
-        save_file({name: change(tensor) for name, tensor in weights.items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
-
-    return spoil
-
-
-GPT2_ONLY = ["--tiny", "--models", "gpt", "--mitigations", "none"]
-
-
-@pytest.fixture(scope="module")
-def saved_gpt2(tmp_path_factory):
-    """The output folder of a run that trained and saved GPT-2, seeds 0 and 1 (each test changes a copy)."""
-    output_dir = tmp_path_factory.mktemp("saved_gpt2")
-    position_bias.main([*GPT2_ONLY, "--seeds", "0", "1", "--output-dir", str(output_dir)])
-    return output_dir
-
-
-@pytest.mark.parametrize(
-    "spoil, message",
-    [
-        (spoil_settings, r"was trained with other settings \(max_steps 21 there, 20 here\)"),
-        (spoil_config, r"holds a model of another config \(n_inner 7 there, None here\)"),
-        (spoil_weights, r"has weights that do not load \(SafetensorError"),
-        (spoil_record, r"has a training.json that does not read \(JSONDecodeError"),
-        (spoil_record_key, r"has a training.json where train_loss is missing, train_seconds is a str \(a record "),
-        (spoil_config_json, r"has a config.json of another model \(n_inner 7 there, None here\)"),
-        (spoil_tensors(torch.Tensor.half),
-         r"has weights of another dtype \(\S+ torch.float16 there, torch.float32 here"),
-        (spoil_tensors(lambda tensor: torch.full_like(tensor, math.nan)), r"has weights that are not finite \(\S+, "),
-    ],
-    ids=["settings", "config", "weights", "record", "record key", "config.json", "fp16", "nan"],
-)
-def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monkeypatch, tmp_path, saved_gpt2, spoil,
-                                                                            message):
-    """Checked for every seed before the first trains: seed 1 has no saved model and would be trained first."""
-    shutil.copytree(saved_gpt2, tmp_path, dirs_exist_ok=True)
-    shutil.rmtree(tmp_path / "models" / "gpt2-seed1")
-    argv = [*GPT2_ONLY, "--output-dir", str(tmp_path)]
-    folder = tmp_path / "models" / "gpt2-seed0"
-    spoil(folder)
-    monkeypatch.setattr(position_bias, "train", no_training)
-    with pytest.raises(SystemExit, match=f"{folder} {message}"):
-        position_bias.main([*argv, "--reuse-models", "--seeds", "1", "0"])
-
-
-def test_a_folder_without_its_record_is_trained_again(monkeypatch, tmp_path, saved_gpt2):
-    """A run stopped while saving leaves weights without `training.json`: that model is trained again, the other
-    seed's is reused."""
-    shutil.copytree(saved_gpt2, tmp_path, dirs_exist_ok=True)
-    argv = [*GPT2_ONLY, "--seeds", "0", "1", "--output-dir", str(tmp_path)]
-    (tmp_path / "models" / "gpt2-seed0" / "training.json").unlink()
-    trainings = []
-    train = position_bias.train
-    monkeypatch.setattr(position_bias, "train", lambda *args: trainings.append(args[3]) or train(*args))
-    position_bias.main([*argv, "--reuse-models"])
-    assert trainings == ["seed 0 · train GPT-2 (learned absolute)"]
-    assert (tmp_path / "models" / "gpt2-seed0" / "training.json").exists()
-
-
-@pytest.mark.parametrize("folder", ["mistyped", "empty"])
-def test_reusing_models_from_a_folder_without_them_is_refused(folder, monkeypatch, tmp_path):
-    """Not every model trained again, silently: `--reuse-models` needs at least one of the run's saved models."""
-    (tmp_path / "empty").mkdir()
-    monkeypatch.setattr(position_bias, "train", no_training)
-    where = "does not exist" if folder == "mistyped" else "holds none of this run's models (gpt2-seed0, gpt2-seed1)"
-    with pytest.raises(SystemExit, match=re.escape(f"--reuse-models: --models-dir {tmp_path / folder} {where}; ")):
-        position_bias.main(["--tiny", "--models", "gpt", "--seeds", "0", "1", "--mitigations", "none", "--reuse-models",
-                            "--models-dir", str(tmp_path / folder), "--output-dir", str(tmp_path / "results")])

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import random_ids, tiny_model
-from test_llama_mitigations import tiny_gpt2, tiny_llama
+from conftest import random_ids, tiny_gpt2, tiny_llama, tiny_model
 from test_mitigations import sharp_attention
 from transformers import DynamicCache
 
