@@ -435,7 +435,8 @@ def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = Fal
     for names in groups:
         log(f"memory worker {', '.join(names)}")
         command = [sys.executable, __file__, "--memory-worker", ",".join(names), "--shape-json",
-                   json.dumps(dataclasses.asdict(shape)), "--seed", str(seed), "--reps", str(reps)]
+                   json.dumps(dataclasses.asdict(shape)), "--seed", str(seed), "--reps", str(reps),
+                   "--device", shape.device, "--dtype", shape.dtype]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     results = {}
     for names, process in zip(groups, processes, strict=True):
@@ -811,10 +812,11 @@ def main(argv=None):
         parser.error("argument --sections: only memory given, and --no-memory skips it: nothing to measure")
     transformers.logging.set_verbosity_error()
 
-    shape = dataclasses.replace(TINY if args.tiny else FULL, device=args.device, dtype=args.dtype)
+    shape = TINY if args.tiny else FULL
     if args.shape_json:
         fields = json.loads(args.shape_json)
         shape = Shape(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    shape = dataclasses.replace(shape, device=args.device, dtype=args.dtype)
     if args.reps is not None:
         shape = dataclasses.replace(shape, reps=args.reps)
     if args.memory_worker:
