@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_sepformer import SepFormerCache
 from .mitigated_generation import MitigationGenerationMixin
-from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, attention_implementation
+from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigations import MITIGATIONS, parse_options, resolve_plan, with_mitigation_keywords
 from .modeling_sepformer import default_position_ids
 
@@ -104,11 +104,13 @@ def mitigated_attention(implementation, module, query, key, value, attention_mas
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         return function(module, query, key, value, attention_mask, **kwargs)
+    hooks = mitigation_plan.layers[module.layer_idx]
+    if not hooks.attention_wrappers:
+        return function(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
         key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
         module = ExpandedHeads(module)
-    hooks = mitigation_plan.layers[module.layer_idx]
     function = hooks.attention_function(module.layer_idx, function, None)
     return function(module, query, key, value, attention_mask, **kwargs)
 
@@ -125,8 +127,16 @@ def register_wrapper(implementation: str) -> str:
 
 def forward_inputs(model, args, kwargs) -> dict:
     """The arguments of a call of the model's own `forward`, by name (its `**kwargs` spread out)."""
-    arguments = dict(inspect.signature(model.unmitigated_forward).bind(*args, **kwargs).arguments)
-    return {**arguments, **arguments.pop("kwargs", {})}
+    signature = forward_signature(type(model))
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    del arguments[next(iter(signature.parameters))]  # self
+    variadic = [name for name, parameter in signature.parameters.items() if parameter.kind is parameter.VAR_KEYWORD]
+    return {**arguments, **arguments.pop(variadic[0], {})}
+
+
+@functools.cache
+def forward_signature(mitigated: type) -> inspect.Signature:
+    return inspect.signature(mitigated.unmitigated_forward)
 
 
 class MitigatedDecoder(MitigationGenerationMixin):
@@ -152,7 +162,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             )
         inputs = forward_inputs(self, args, kwargs)
         if plan is None:
-            check_defined(self.decoder_positions, options)
+            self.check_served(options)
             cache = inputs.get("past_key_values")
             use_cache = inputs.get("use_cache")
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
@@ -214,21 +224,26 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if not layer_types:  # one kind of layer: sliding windows when the config has one (Mistral)
             sliding = getattr(config, "sliding_window", None) is not None
             return (create_sliding_window_causal_mask if sliding else create_causal_mask)(**arguments)
-        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        unknown = layer_types - set(makers)
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} has layer types {sorted(unknown)}, whose masks a mitigation's mask (parallel "
-                "context windows) cannot be added to."
-            )
-        masks = {kind: makers[kind](**arguments) for kind in layer_types}
+        masks = {kind: MASK_MAKERS[kind](**arguments) for kind in layer_types}
         return masks["full_attention"] if layer_types == {"full_attention"} else masks
 
+    def check_served(self, options: dict) -> None:
+        """Refuse, before any work, the options this model cannot serve."""
+        given = [name for name, value in options.items() if value not in (None, False)]
+        for name in given:
+            if name in NOT_ON_HF_MODELS:
+                raise ValueError(
+                    f"{name} is not available on {self.decoder_positions.description}: {NOT_ON_HF_MODELS[name]}."
+                )
+            unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
+            if unknown and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
+                raise ValueError(
+                    f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
+                    f"whose masks are not transformers' causal or sliding-window ones."
+                )
 
-def check_defined(decoder: DecoderPositions, options: dict) -> None:
-    for name, why in NOT_ON_HF_MODELS.items():
-        if options.get(name) not in (None, False):
-            raise ValueError(f"{name} is not available on {decoder.description}: {why}.")
+
+MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 @functools.cache
@@ -277,6 +292,12 @@ def check_servable(model) -> None:
         raise ValueError(
             f"add_mitigations wraps the attention implementation {implementation!r}, which has no mask function in "
             f"transformers' AttentionMaskInterface: use 'sdpa' or 'eager' (model.set_attn_implementation)."
+        )
+    if implementation == "eager" and getattr(model.config, "reorder_and_upcast_attn", False):
+        raise ValueError(
+            f"{type(model).__name__} with reorder_and_upcast_attn=True computes its eager attention with code of its "
+            "own, which it runs only under the name 'eager': a registered wrapper would change what it computes. Use "
+            "attn_implementation='sdpa', or reorder_and_upcast_attn=False."
         )
     parameters = inspect.signature(model.forward).parameters
     missing = [name for name in ("attention_mask", "position_ids", "past_key_values") if name not in parameters]

@@ -90,6 +90,14 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
+def check_rankable(config) -> None:
+    if attention_implementation(config) == "flex_attention":
+        raise ValueError(
+            "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
+            "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
+        )
+
+
 @dataclass(eq=False)
 class MSPoEState(MitigationState):
     """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
@@ -158,11 +166,7 @@ class MSPoEMitigation(Mitigation):
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
             store = derived_store(call.state)
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
-        if attention_implementation(config) == "flex_attention":
-            raise ValueError(
-                "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
-                "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
-            )
+        check_rankable(config)
         return cls(
             options,
             layers,
@@ -220,6 +224,9 @@ class MSPoEMitigation(Mitigation):
         return query, key
 
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
+
+
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos, sin (H, b or 1, n, rotary_dim) of the further rotation from `m` to `m / r_i` for rank `i`: rotations of
     the same planes compose, so keys and queries already rotated at `m` are then rotated at `m / r_i`."""
@@ -233,7 +240,9 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
     rotated at the tokens' positions `m` (the cache's keys included), and turns head `h`'s further, to `m / r_h`.
-    Heads are query heads: grouped-query keys arrive expanded to them. The ranking is MS-PoE's (`layer_ranks`)."""
+    Queries are at the call's positions, keys at theirs counted from each row's first real token (the padding mask),
+    as the default position ids are. Heads are query heads: grouped-query keys arrive expanded to them. The ranking is
+    MS-PoE's (`layer_ranks`)."""
 
     rotary: torch.nn.Module | None = None  # the model's rotary embedding: its `inv_freq`
     heads: int = 0  # query heads
@@ -248,15 +257,17 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
                 f"ms_poe rescales the rotary positions of each head, but {decoder.description} has no (single) rotary "
                 "embedding: MS-PoE is not defined for it."
             )
+        rope_type = getattr(decoder.rotary, "rope_type", "default")
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
+                f"{rope_type!r} changes them with the sequence length during the forward."
+            )
         layers = options.layer_set(config.num_hidden_layers)
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
             return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
-        if attention_implementation(config) == "flex_attention":
-            raise ValueError(
-                "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
-                "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
-            )
+        check_rankable(config)
         return cls(options, layers, cache=call.state, rotary=decoder.rotary, heads=config.num_attention_heads)
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":

@@ -32,6 +32,7 @@ ROTARY = {
     "mistral": (MistralForCausalLM, MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
 }
 MODELS = (*ROTARY, "gpt2")
+SPANS = ((1, 4), (4, 7), (7, 10))  # documents or windows of every prompt (>= 10 tokens), from its first real token
 
 
 def plain_model(name: str, attn: str = "sdpa", seed: int = 0, **overrides):
@@ -119,6 +120,23 @@ def test_an_implementation_set_after_add_mitigations_is_refused_until_wrapped_ag
     assert len(with_eager.attentions) == 3 and (with_eager.attentions[0].sum(-1) < 1).all()  # the sink's share
 
 
+@pytest.mark.parametrize("model_name", ["qwen2", "gpt2"])
+def test_the_options_train(model_name):
+    model = mitigated(model_name).train()
+    ids = random_ids(2, 12)
+    keywords = dict(stable_mask={"gamma": 0.5}, parallel_context_windows={"spans": [SPANS] * 2})
+    loss = model(ids, labels=ids, **keywords).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert not torch.allclose(loss, model(ids, labels=ids).loss)
+
+
+def test_ms_poe_refuses_a_rotary_whose_frequencies_follow_the_length():
+    model = mitigated("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'dynamic' changes them with the sequence length"):
+        model(random_ids(1, 6), ms_poe={})
+
+
 def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
     model = mitigated("qwen2")
     ids = random_ids(1, 8)
@@ -140,6 +158,8 @@ def test_a_model_it_cannot_serve_is_refused_naming_what_is_missing():
         add_mitigations(model)
     assert type(model) is LlamaForCausalLM and model.config._attn_implementation == "sdpa"
     assert torch.equal(logits(model, ids), before)
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=True computes its eager attention with code of its"):
+        add_mitigations(plain_model("gpt2", "eager", reorder_and_upcast_attn=True))
 
 
 def attention_of_its_own(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
@@ -157,7 +177,13 @@ def attention_of_its_own(self, hidden_states, position_embeddings, attention_mas
 
 def test_unknown_and_bad_options_are_refused_before_any_work():
     model = mitigated("llama")
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
     ids = random_ids(1, 6)
+    with pytest.raises(ValueError, match=r"span \(4, 7\) of row 0 is out of range: the prompt of that row has 6"):
+        model.generate(ids, max_new_tokens=2, parallel_context_windows={"spans": [SPANS]})
+    with pytest.raises(ValueError, match="has spans for 2 rows; the batch has 1 rows"):
+        model(ids, attention_calibration={"spans": [SPANS] * 2})
     with pytest.raises(ValueError, match="stable_mask gamma=-1 must be > 0"):
         model(ids, stable_mask={"gamma": -1})
     with pytest.raises(ValueError, match="unknown keys"):
@@ -166,6 +192,13 @@ def test_unknown_and_bad_options_are_refused_before_any_work():
         model(ids, positional_scaling={"factor": 0.5, "channels": (0,)})
     with pytest.raises(ValueError, match="stable_mask and attention_calibration cannot be combined"):
         model(ids, stable_mask={"gamma": 1}, attention_calibration={"spans": [[(0, 2)]]})
+    with pytest.raises(
+        ValueError, match="attention_calibration acts on the prompt's last token, but assisted decoding"
+    ):
+        model.generate(
+            random_ids(1, 12), max_new_tokens=2, prompt_lookup_num_tokens=2, attention_calibration={"spans": [SPANS]}
+        )
+    assert not calls
 
 
 # ------------------------------------------------------------------------------------------------------ StableMask
@@ -196,8 +229,6 @@ def test_stable_mask_equals_the_dense_reference(name):
 
 
 # ------------------------------------------------------------------------------- every option: cache, padding, beams
-
-SPANS = ((1, 4), (4, 7), (7, 10))  # documents or windows of every prompt (>= 10 tokens), from its first real token
 
 
 def options(name: str, rows: int = 1) -> dict:
@@ -320,6 +351,20 @@ def test_windows_are_read_alone_and_the_task_reads_them_all(model_name):
     reference = logits(plain, ids, attention_mask=mask, position_ids=positions)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     assert (ours[:, 14:] - logits(plain, ids)[:, 14:]).abs().max() > 1e-3
+
+
+def test_windows_keep_the_sliding_window_of_the_layers_that_have_one():
+    """Qwen2 with sliding-window layers beside full ones: each kind of layer gets its own mask with the windows."""
+    sliding = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model, plain = mitigated("qwen2", "eager", **sliding), plain_model("qwen2", "eager", **sliding)
+    spans, ids = ((2, 6), (6, 9), (9, 14)), random_ids(1, 18)
+    positions, full = windows_by_hand(ids, spans)
+    within_window = full.clone()
+    for i in range(18):
+        within_window[0, 0, i, : max(i - 7, 0)] = torch.finfo(torch.float32).min  # keys 8 or more tokens back
+    masks = {"full_attention": full, "sliding_attention": within_window}
+    reference = logits(plain, ids, attention_mask=masks, position_ids=positions)
+    torch.testing.assert_close(logits(model, ids, parallel_context_windows={"spans": [spans]}), reference)
 
 
 # ----------------------------------------------------------------------------------------------------- calibration

@@ -76,6 +76,10 @@ def test_position_bias_example_runs():
     exec(compile(block("python", "StableMask("), "README.md position bias", "exec"), {})
 
 
+def test_any_decoder_example_runs():
+    exec(compile(block("python", "add_mitigations("), "README.md any decoder", "exec"), {})
+
+
 def test_extrapolation_command_runs_with_tiny(repository_root):
     """`make extrapolation` (`python examples/extrapolation.py`) with the smoke preset, writing where it says."""
     command = re.search(r"`make extrapolation` \(`([^`]+)`\)", README).group(1)
