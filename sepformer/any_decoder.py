@@ -171,8 +171,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
         return super().forward(**self.with_plan(inputs, plan))
 
     def call_context(self, inputs: dict) -> CallContext:
-        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
-        cache = inputs.get("past_key_values")
+        tokens, cache = call_tokens(inputs), inputs.get("past_key_values")
         continuing = cache is not None and cache.get_seq_length() > 0
         batch, new_tokens = tokens.shape[:2]
         return CallContext(
@@ -190,8 +189,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
     def with_plan(self, inputs: dict, plan) -> dict:
         """The inputs of the model's own `forward` for one run with `plan`: the positions where the tokens are read,
         the mask, and the plan started on them, which the attention function receives."""
-        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
-        cache, mask = inputs.get("past_key_values"), inputs.get("attention_mask")
+        tokens, cache, mask = call_tokens(inputs), inputs.get("past_key_values"), inputs.get("attention_mask")
         position_ids = inputs.get("position_ids")
         if position_ids is None:
             position_ids = default_position_ids(tokens, mask, cache)
@@ -241,6 +239,11 @@ class MitigatedDecoder(MitigationGenerationMixin):
                     f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
                     f"whose masks are not transformers' causal or sliding-window ones."
                 )
+
+
+def call_tokens(inputs: dict) -> torch.Tensor:
+    """The call's `input_ids`, or its `inputs_embeds`: (b, seq, ...)."""
+    return inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
 
 
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}

@@ -163,7 +163,7 @@ class MSPoEMitigation(Mitigation):
                     "layers without them."
                 )
         if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
             store = derived_store(call.state)
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
         check_rankable(config)
@@ -265,7 +265,7 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             )
         layers = options.layer_set(config.num_hidden_layers)
         if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
             return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
         check_rankable(config)
         return cls(options, layers, cache=call.state, rotary=decoder.rotary, heads=config.num_attention_heads)
