@@ -3,16 +3,19 @@
     python benchmarks/benchmark.py                 # the full run (about 4-10 min on 2 CPU cores)
     python benchmarks/benchmark.py --compile       # plus torch.compile speed-ups (about 17 min in all)
     python benchmarks/benchmark.py --tiny          # a smoke run: a tiny shape, checks that everything runs (~1 min)
+    python benchmarks/benchmark.py --device cuda --dtype bfloat16 --sections generation mitigations
+                                                   # on a GPU, generation and mitigations only (a few minutes)
 
 Prints a markdown table and writes `benchmark.md` and `benchmark.csv` under `--output-dir`.
 
 What is compared. `SepFormerForCausalLM`, `GPT2LMHeadModel` and `LlamaForCausalLM` built from configs with the same
-hidden size, depth, heads and vocabulary (259), all fp32, `attn_implementation="sdpa"`, dropout 0, the same batch and
-sequence lengths. GPT-2 uses the same tanh-GELU kernel as SepFormer (`gelu_pytorch_tanh`; its default `gelu_new` is the
-same function written as several elementwise ops); Llama keeps its gated SiLU MLP with `intermediate_size = 8/3 d`
-rounded up to a multiple of 64 (about GPT-2's MLP parameter count). SepFormer's positional table has as many rows as
-the longest sequence measured, so no measurement of the comparison extrapolates; the extrapolation section uses the
-same weights with a shorter table.
+hidden size, depth, heads and vocabulary (259), all in one precision (`--dtype`, fp32 by default; bf16 and fp16 train
+in that precision, without an fp32 copy of the weights) on one device (`--device`, the CPU by default),
+`attn_implementation="sdpa"`, dropout 0, the same batch and sequence lengths. GPT-2 uses the same tanh-GELU kernel as
+SepFormer (`gelu_pytorch_tanh`; its default `gelu_new` is the same function written as several elementwise ops);
+Llama keeps its gated SiLU MLP with `intermediate_size = 8/3 d` rounded up to a multiple of 64 (about GPT-2's MLP
+parameter count). SepFormer's positional table has as many rows as the longest sequence measured, so no measurement of
+the comparison extrapolates; the extrapolation section uses the same weights with a shorter table.
 
 How it is measured. Every measurement is repeated `--reps` times; within each repetition every model is measured in
 turn (the order rotates between repetitions), so drifts in machine load hit all models alike. Reported: the median
@@ -26,15 +29,20 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
   of tokens; tokens per second counts generated tokens (the short prompt's prefill is inside the timed call);
   SepFormer decodes as `generate` does by default, with its fused decoding layers (`FusedProjections`) and in-place
   cache appends (`GrowingLayer`);
+- on CUDA, every timer is read after `torch.cuda.synchronize()` (kernels run asynchronously);
 - peak memory: each model in a fresh subprocess (the three run side by side; memory does not depend on timing). glibc
   is told to serve every allocation above 64 KiB with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
   resident set; before each measurement the kernel's resident high-water mark is reset (`/proc/self/clear_refs`), and
   the reported number is `VmHWM - VmRSS` at the start: the peak extra resident memory the call needed (activations,
-  KV cache, gradients, temporaries; not the weights or optimiser state, which exist before);
+  KV cache, gradients, temporaries; not the weights or optimiser state, which exist before); on CUDA, the same
+  difference read from torch's allocator, `torch.cuda.max_memory_allocated() - memory_allocated()` at the start,
+  after `reset_peak_memory_stats()` before each measurement;
 - FLOPs per token: `torch.utils.flop_counter` on one forward pass (`count_params_flops.forward_flops_per_token`);
 - mitigations: `generate` with each position-bias mitigation on (`MITIGATIONS`), in the generation measurements'
   repetitions; the overhead row is tokens/s with / without (attention calibration's four dummy passes per row at
-  prefill are inside the timed call);
+  prefill are inside the timed call). The same on Llama given the options by `sepformer.add_mitigations` (a second
+  Llama with the plain one's weights): first its cost with no option (mitigated / plain Llama), then each option against
+  none on it; options that read SepFormer's own positions (`SEPFORMER_ONLY`) are listed as skipped;
 - extrapolation: SepFormer trained length `L` = `max_position_embeddings`; the same weights generate the same number of
   tokens from the same prompt once with a table long enough (plain, within L) and once with a table of `L` rows that
   every new token walks past (`position_extrapolation="fourier"` and `"clamp"`); whole `generate` calls, and, finer,
@@ -44,6 +52,8 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
   decoding steps' forward compiled, the prefill eager), interleaved with
   the eager ones (default dynamic cache, and static cache) in the same repetitions; compilation is done before timing
   and its wall time reported (it depends on inductor's on-disk cache).
+
+`--sections` picks what is measured (all by default; `mitigations` needs `generation`, whose repetitions time them).
 
 Noise: on a shared 2-core virtual machine single samples vary by 10-30 %; compare medians and paired ratios, and
 re-run when an interquartile range straddles a target.
@@ -74,7 +84,7 @@ from transformers import AutoModelForCausalLM, CompileConfig, GPT2Config, LlamaC
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from cli_arguments import nonnegative_int, output_directory, positive_int  # noqa: E402
+from cli_arguments import Distinct, nonnegative_int, output_directory, positive_int  # noqa: E402
 from count_params_flops import forward_flops_per_token  # noqa: E402
 
 import sepformer  # noqa: E402,F401  (registers the Auto classes)
@@ -86,11 +96,15 @@ from sepformer import (  # noqa: E402
     PositionalScaling,
     SepFormerConfig,
     StableMask,
+    add_mitigations,
 )
 
 PAD, BOS, EOS = 256, 257, 258
 MODELS = ("SepFormer", "GPT-2", "Llama")
 PEERS = ("GPT-2", "Llama")
+MITIGATED_LLAMA = "Llama + add_mitigations"  # the variant of a Llama given the mitigation keywords, with no option on
+SECTIONS = ("training", "prefill", "generation", "mitigations", "extrapolation", "memory")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def calibration_over_quarters(batch: int, prompt: int, bias_estimate: str = "dummy_passes") -> dict:
@@ -114,7 +128,8 @@ def windows_over_quarters(batch: int, prompt: int) -> dict:
 MITIGATIONS: dict[str, Callable[[int, int], dict]] = {
     "stable_mask": lambda batch, prompt: {"stable_mask": StableMask(gamma=0.05)},
     "ms_poe": lambda batch, prompt: {"ms_poe": MSPoE()},
-    "positional_scaling": lambda batch, prompt: {"positional_scaling": PositionalScaling(factor=0.0)},
+    # one channel, given: a Llama has no positional block to default to (the work does not depend on which)
+    "positional_scaling": lambda batch, prompt: {"positional_scaling": PositionalScaling(factor=0.0, channels=(0,))},
     "attention_calibration": calibration_over_quarters,
     "attention_calibration_positional": lambda batch, prompt: calibration_over_quarters(batch, prompt, "positional"),
     "parallel_context_windows": windows_over_quarters,
@@ -127,6 +142,14 @@ MITIGATIONS: dict[str, Callable[[int, int], dict]] = {
 
 # Mitigations that do more work by design (one pass of the model per bucket): their target is per bucket.
 PER_BUCKET = {"attention_buckets_3": 3}
+
+# Mitigations measured on SepFormer alone, with why (the others are measured on the mitigated Llama too).
+SEPFORMER_ONLY = {"attention_calibration_positional": "bias_estimate='positional' reads SepFormer's positional block"}
+
+
+def why_not_on_llama(mitigation: str) -> str | None:
+    """Why a `MITIGATIONS` entry is not measured on the mitigated Llama; None when it is."""
+    return SEPFORMER_ONLY.get(mitigation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +167,12 @@ class Shape:
     generate_batches: tuple[int, ...] = (1, 8)
     extrapolation_length: int = 256  # L of the extrapolation section: the prompt, so every new token is past L
     reps: int = 7
+    device: str = "cpu"  # where every model runs, and its precision (`--device`, `--dtype`)
+    dtype: str = "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     @property
     def extrapolation_reps(self) -> int:
@@ -168,7 +197,7 @@ TINY = Shape(hidden_size=64, layers=2, heads=4, train_batch=2, train_seq=64, tra
 
 
 def build(name: str, shape: Shape, seed: int = 0, max_length: int | None = None):
-    """One of `MODELS` at `shape`, fp32, sdpa, dropout 0, deterministic weights for a given seed."""
+    """One of `MODELS` at `shape` (on its device, in its dtype), sdpa, dropout 0, deterministic weights for a seed."""
     max_length = max_length or shape.max_length
     common = dict(vocab_size=shape.vocab_size, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     if name == "SepFormer":
@@ -186,9 +215,9 @@ def build(name: str, shape: Shape, seed: int = 0, max_length: int | None = None)
     else:
         raise ValueError(f"unknown model {name!r}: choose one of {MODELS}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=shape.torch_dtype)
     model.generation_config.pad_token_id = PAD
-    return model.eval()
+    return model.to(shape.device).eval()
 
 
 def with_table(model, rows: int):
@@ -201,14 +230,15 @@ def with_table(model, rows: int):
         state[key] = table[:rows].clone()
     else:
         state[key] = torch.cat((table, table[-1:].expand(rows - table.shape[0], -1)), 0)
-    shorter = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    shorter = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=model.dtype)
     shorter.load_state_dict(state)
     shorter.generation_config.pad_token_id = PAD
-    return shorter.eval()
+    return shorter.to(model.device).eval()
 
 
-def token_ids(batch: int, length: int, seed: int) -> torch.LongTensor:
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+def token_ids(batch: int, length: int, seed: int, device: torch.device) -> torch.LongTensor:
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return ids.to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------- workloads
@@ -220,7 +250,7 @@ def make_train_step(model, shape: Shape, seed: int) -> Callable[[int, int], None
 
     def step(batch: int = shape.train_batch, seq: int = shape.train_seq):
         model.train()
-        ids = token_ids(batch, seq, seed)
+        ids = token_ids(batch, seq, seed, model.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -232,12 +262,12 @@ def make_train_step(model, shape: Shape, seed: int) -> Callable[[int, int], None
 def prefill(model, length: int, seed: int):
     model.eval()
     with torch.no_grad():
-        return model(input_ids=token_ids(1, length, seed), use_cache=True, logits_to_keep=1).logits
+        return model(input_ids=token_ids(1, length, seed, model.device), use_cache=True, logits_to_keep=1).logits
 
 
 def generate(model, batch: int, prompt: int, new_tokens: int, seed: int, **kwargs):
     model.eval()
-    ids = token_ids(batch, prompt, seed)
+    ids = token_ids(batch, prompt, seed, model.device)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD, **kwargs)
     if out.shape != (batch, prompt + new_tokens):
@@ -245,10 +275,18 @@ def generate(model, batch: int, prompt: int, new_tokens: int, seed: int, **kwarg
     return out
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so that a timer read next counts it (CUDA runs kernels asynchronously)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], object]) -> float:
     gc.collect()
+    synchronize()
     start = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -267,6 +305,7 @@ class Measurement:
     ratios: tuple[tuple[str, str], ...] = (("SepFormer", "GPT-2"), ("SepFormer", "Llama"))  # (numerator, denominator)
     section: str = "comparison"
     target: str = ""
+    source: str = ""  # the key of the measurement whose samples the ratios read (timed there)
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
@@ -335,6 +374,19 @@ def peak_extra_memory(fn: Callable[[], object]) -> int:
     return max(0, peak - start)  # a few KiB of noise (the high-water mark is kept per page table update) can go below
 
 
+def peak_extra_cuda_memory(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated above the level at the call, in bytes (torch's allocator, its peak reset here)."""
+    gc.collect()
+    synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    result = fn()
+    synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return peak - start
+
+
 def memory_workloads(name: str, shape: Shape, seed: int) -> dict[str, Callable[[], object]]:
     model = build(name, shape, seed)
     step = make_train_step(model, shape, seed)
@@ -353,10 +405,11 @@ def memory_workloads(name: str, shape: Shape, seed: int) -> dict[str, Callable[[
 def memory_worker(names: list[str], shape: Shape, seed: int, reps: int) -> None:
     """Runs in a fresh subprocess: prints `{model: {workload: [peak extra bytes per repetition]}}` as JSON."""
     torch.set_num_threads(1)  # workers may run side by side; peak memory does not depend on threads here
+    measure = peak_extra_cuda_memory if shape.device == "cuda" else peak_extra_memory
     result = {}
     for name in names:
         workloads = memory_workloads(name, shape, seed)
-        result[name] = {key: [peak_extra_memory(fn) for _ in range(reps)] for key, fn in workloads.items()}
+        result[name] = {key: [measure(fn) for _ in range(reps)] for key, fn in workloads.items()}
         del workloads
     print(json.dumps(result))
 
@@ -370,7 +423,8 @@ def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = Fal
     for names in groups:
         log(f"memory worker {', '.join(names)}")
         command = [sys.executable, __file__, "--memory-worker", ",".join(names), "--shape-json",
-                   json.dumps(dataclasses.asdict(shape)), "--seed", str(seed), "--reps", str(reps)]
+                   json.dumps(dataclasses.asdict(shape)), "--seed", str(seed), "--reps", str(reps),
+                   "--device", shape.device, "--dtype", shape.dtype]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     results = {}
     for names, process in zip(groups, processes, strict=True):
@@ -385,7 +439,8 @@ def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = Fal
             label = f"prefill {key.split('_')[1]} tokens"
         elif key.startswith("generate_b"):
             label = f"generate {shape.new_tokens} tokens, batch {key[len('generate_b'):]}"
-        m = Measurement(key=f"peak_memory_{key}", label=f"peak extra memory: {label}", unit="MiB",
+        memory = "CUDA memory allocated" if shape.device == "cuda" else "memory"
+        m = Measurement(key=f"peak_memory_{key}", label=f"peak extra {memory}: {label}", unit="MiB",
                         higher_is_better=False, runners={}, section="memory")
         m.samples = {name: [v / 2**20 for v in results[name][key]] for name in MODELS}
         measurements.append(m)
@@ -407,42 +462,78 @@ def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = Fal
 # ----------------------------------------------------------------------------------------------------------- sections
 
 
-def comparison_measurements(models: dict, shape: Shape, seed: int) -> list[Measurement]:
-    steps = {name: make_train_step(model, shape, seed) for name, model in models.items()}
-    tokens = shape.train_batch * shape.train_seq
+def comparison_measurements(models: dict, mitigated: dict, shape: Shape, seed: int, sections) -> list[Measurement]:
+    """The measurements of `sections` timed by `run_interleaved`; the mitigations on the `mitigated` models."""
+    measurements = []
+    if "training" in sections:
+        steps = {name: make_train_step(model, shape, seed) for name, model in models.items()}
+        tokens = shape.train_batch * shape.train_seq
 
-    def train_runner(name):
-        return lambda: tokens * shape.train_steps / timed(lambda: [steps[name]() for _ in range(shape.train_steps)])
+        def train_runner(name):
+            return lambda: tokens * shape.train_steps / timed(lambda: [steps[name]() for _ in range(shape.train_steps)])
 
-    measurements = [Measurement(
-        key="train_tokens_per_s", label=f"training step (fwd+bwd+AdamW), batch {shape.train_batch} x "
-        f"{shape.train_seq}", unit="tokens/s", higher_is_better=True,
-        runners={name: train_runner(name) for name in models}, target="SepFormer/GPT-2 >= 1.10")]
-    for length in shape.prefill_lengths:
+        measurements.append(Measurement(
+            key="train_tokens_per_s", label=f"training step (fwd+bwd+AdamW), batch {shape.train_batch} x "
+            f"{shape.train_seq}", unit="tokens/s", higher_is_better=True,
+            runners={name: train_runner(name) for name in models}, target="SepFormer/GPT-2 >= 1.10"))
+    for length in shape.prefill_lengths if "prefill" in sections else ():
         measurements.append(Measurement(
             key=f"prefill_{length}_ms", label=f"prefill latency, {length} tokens, batch 1", unit="ms",
             higher_is_better=False,
             runners={name: (lambda model=model, length=length: 1000 * timed(lambda: prefill(model, length, seed)))
                      for name, model in models.items()}))
-    for batch in shape.generate_batches:
-        def runner(model, batch=batch, **kwargs):
-            return lambda: batch * shape.new_tokens / timed(
-                lambda: generate(model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+    for batch in shape.generate_batches if "generation" in sections else ():
+        measurements += generation_measurements(models, mitigated, shape, seed, batch)
+    return measurements
 
-        runners = {name: runner(model) for name, model in models.items()}
-        for mitigation, options in MITIGATIONS.items():  # see MITIGATIONS: SepFormer with each one switched on
-            runners[f"SepFormer + {mitigation}"] = runner(models["SepFormer"], **options(batch, shape.prompt))
+
+def mitigated_models(models: dict, shape: Shape, seed: int) -> dict:
+    """The models the mitigations are measured on, by their variant's name with no option on: SepFormer, and a second
+    Llama with the plain one's weights, given SepFormer's mitigation keywords by `add_mitigations`."""
+    return {"SepFormer": models["SepFormer"], MITIGATED_LLAMA: add_mitigations(build("Llama", shape, seed))}
+
+
+def measured_on(base: str) -> list[str]:
+    """The `MITIGATIONS` entries measured on the mitigated model of variant `base`."""
+    return [mitigation for mitigation in MITIGATIONS if base == "SepFormer" or why_not_on_llama(mitigation) is None]
+
+
+def skipped_mitigations() -> list[str]:
+    """A line for each `MITIGATIONS` entry not measured on the mitigated Llama, saying why."""
+    return [f"- {MITIGATED_LLAMA} + {mitigation}: skipped, {why}." for mitigation in MITIGATIONS
+            if (why := why_not_on_llama(mitigation))]
+
+
+def generation_measurements(models: dict, mitigated: dict, shape: Shape, seed: int, batch: int) -> list[Measurement]:
+    """Cached generation at `batch`, every model and every mitigation timed in it, and the mitigations' overheads."""
+
+    def runner(model, **kwargs):
+        return lambda: batch * shape.new_tokens / timed(
+            lambda: generate(model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+
+    runners = {name: runner(model) for name, model in {**models, **mitigated}.items()}
+    for base, model in mitigated.items():  # see MITIGATIONS: each model with each one switched on
+        for mitigation in measured_on(base):
+            runners[f"{base} + {mitigation}"] = runner(model, **MITIGATIONS[mitigation](batch, shape.prompt))
+    key = f"generate_b{batch}_tokens_per_s"
+    measurements = [Measurement(
+        key=key, label=f"cached generation, {shape.new_tokens} new tokens, batch {batch} (prompt {shape.prompt})",
+        unit="tokens/s", higher_is_better=True, runners=runners,
+        target="SepFormer/GPT-2 >= 1.05, /Llama >= 1.0" if batch == 1 else "SepFormer/GPT-2 and /Llama >= 1.0")]
+    if not mitigated:
+        return measurements
+    measurements.append(Measurement(
+        key=f"generate_b{batch}_add_mitigations", label=f"Llama generation after add_mitigations, no option, batch "
+        f"{batch}", unit="tokens/s", higher_is_better=True, runners={}, ratios=((MITIGATED_LLAMA, "Llama"),),
+        section="mitigations", source=key, target="mitigated / plain >= 0.95"))
+    for mitigation in MITIGATIONS:
         measurements.append(Measurement(
-            key=f"generate_b{batch}_tokens_per_s", label=f"cached generation, {shape.new_tokens} new tokens, batch "
-            f"{batch} (prompt {shape.prompt})", unit="tokens/s", higher_is_better=True, runners=runners,
-            target="SepFormer/GPT-2 >= 1.05, /Llama >= 1.0" if batch == 1 else "SepFormer/GPT-2 and /Llama >= 1.0"))
-        for mitigation in MITIGATIONS:
-            measurements.append(Measurement(
-                key=f"generate_b{batch}_mitigation_{mitigation}", label=f"generation with {mitigation}, batch {batch}",
-                unit="tokens/s", higher_is_better=True, runners={},
-                ratios=((f"SepFormer + {mitigation}", "SepFormer"),), section="mitigations",
-                target=f"with / without >= 0.87 / {PER_BUCKET[mitigation]} ({PER_BUCKET[mitigation]} buckets)"
-                if mitigation in PER_BUCKET else "with / without >= 0.87 (<= 15% more time)"))
+            key=f"generate_b{batch}_mitigation_{mitigation}", label=f"generation with {mitigation}, batch {batch}",
+            unit="tokens/s", higher_is_better=True, runners={},
+            ratios=tuple((f"{base} + {mitigation}", base) for base in mitigated if mitigation in measured_on(base)),
+            section="mitigations", source=key,
+            target=f"with / without >= 0.87 / {PER_BUCKET[mitigation]} ({PER_BUCKET[mitigation]} buckets)"
+            if mitigation in PER_BUCKET else "with / without >= 0.87 (<= 15% more time)"))
     return measurements
 
 
@@ -450,9 +541,8 @@ def link_mitigation_samples(measurements: list[Measurement]) -> None:
     """Mitigation variants are timed inside the generation measurements; their overhead rows reuse those samples."""
     by_key = {m.key: m for m in measurements}
     for m in measurements:
-        if m.section == "mitigations":
-            source = by_key[m.key.split("_mitigation_")[0] + "_tokens_per_s"]
-            m.samples = {name: source.samples[name] for name in m.ratios[0]}
+        if m.source:
+            m.samples = {name: by_key[m.source].samples[name] for pair in m.ratios for name in pair}
 
 
 def extrapolation_measurement(sepformer_model, shape: Shape, seed: int) -> Measurement:
@@ -488,21 +578,23 @@ def extrapolation_step_measurement(sepformer_model, shape: Shape, seed: int, rou
     for method in ("fourier", "clamp"):
         variants[f"past L, {method}"] = (with_table(sepformer_model, length), {"position_extrapolation": method})
     samples = {name: [] for name in variants}
-    ids = token_ids(1, length, seed)
+    ids = token_ids(1, length, seed, sepformer_model.device)
     with torch.no_grad():
         for _ in range(rounds):
             caches = {name: model(input_ids=ids, use_cache=True, **kwargs).past_key_values
                       for name, (model, kwargs) in variants.items()}
             token = ids[:, -1:]
             for step in range(shape.new_tokens):
-                position = torch.tensor([[length + step]])
-                mask = torch.ones(1, length + step + 1, dtype=torch.long)
+                position = torch.tensor([[length + step]], device=ids.device)
+                mask = torch.ones(1, length + step + 1, dtype=torch.long, device=ids.device)
                 names = list(variants)
                 for name in names[step % 3:] + names[: step % 3]:
                     model, kwargs = variants[name]
+                    synchronize()
                     start = time.perf_counter()
                     model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=caches[name],
                           use_cache=True, logits_to_keep=1, **kwargs)
+                    synchronize()
                     samples[name].append(1e6 * (time.perf_counter() - start))
     measurement = Measurement(
         key="extrapolation_decode_step_us", label=f"SepFormer decoding step, batch 1, positions {length}.."
@@ -536,11 +628,9 @@ def compile_measurements(shape: Shape, seed: int, log) -> list[Measurement]:
         compiled = build(name, shape, seed)
         eager_step = make_train_step(eager, shape, seed)
         compiled_step = make_train_step(torch.compile(compiled), shape, seed)
-        start = time.perf_counter()
-        compiled_step()
-        compiled_step()
-        compile_seconds[f"{name} training (first 2 steps)"] = [time.perf_counter() - start]
-        log(f"compiled {name} training step in {time.perf_counter() - start:.1f}s")
+        seconds = timed(lambda step=compiled_step: [step(), step()])
+        compile_seconds[f"{name} training (first 2 steps)"] = [seconds]
+        log(f"compiled {name} training step in {seconds:.1f}s")
         for label, step in (("eager", eager_step), ("compiled", compiled_step)):
             train_runners[f"{name} {label}"] = (lambda step=step: tokens * shape.train_steps / timed(
                 lambda: [step() for _ in range(shape.train_steps)]))
@@ -548,10 +638,10 @@ def compile_measurements(shape: Shape, seed: int, log) -> list[Measurement]:
         generator = build(name, shape, seed)
         static = {"cache_implementation": "static"}
         compiled_static = dict(static, compile_config=fullgraph_compile_config())
-        start = time.perf_counter()
-        generate(generator, batch, shape.prompt, shape.new_tokens, seed, **compiled_static)
-        compile_seconds[f"{name} generation (first call)"] = [time.perf_counter() - start]
-        log(f"compiled {name} static-cache generation in {time.perf_counter() - start:.1f}s")
+        seconds = timed(lambda model=generator, kwargs=compiled_static: generate(
+            model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+        compile_seconds[f"{name} generation (first call)"] = [seconds]
+        log(f"compiled {name} static-cache generation in {seconds:.1f}s")
         for label, model, kwargs in (("eager", eager, {}), ("eager static cache", eager, static),
                                      ("compiled static cache", generator, compiled_static)):
             generate_runners[f"{name} {label}"] = (lambda model=model, kwargs=kwargs: batch * shape.new_tokens / timed(
@@ -621,7 +711,8 @@ def cell(row: dict | None) -> str:
     return f"{fmt(row['median'])} [{fmt(row['q1'])}, {fmt(row['q3'])}]"
 
 
-def markdown(rows: list[dict], header: str) -> str:
+def markdown(rows: list[dict], header: str, notes: dict[str, list[str]]) -> str:
+    """The tables of `rows` under `header`; `notes`: lines printed under a section's table, by section."""
     lines = [header, ""]
     grouped: dict[str, list[dict]] = {}
     for row in rows:
@@ -656,21 +747,24 @@ def markdown(rows: list[dict], header: str) -> str:
                 unit = "" if row["unit"] == "ratio" else " " + row["unit"]
                 lines.append(f"| {label} | {row['variant']} | {cell(row)}{unit} | "
                              f"{row['target'] if row['unit'] == 'ratio' else ''} |")
-        lines.append("")
+        lines += ["", *notes.get(section, ()), *([""] if notes.get(section) else ())]
     return "\n".join(lines)
 
 
-def header(shape: Shape, args, load_before: float, elapsed: float) -> str:
+def header(shape: Shape, args, sections: list[str], load_before: float, elapsed: float) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as handle:
             cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    if shape.device == "cuda":
+        cpu = f"{torch.cuda.get_device_name()} (host: {cpu})"
     d_pos = shape.hidden_size // shape.heads
     text = (f"## SepFormer benchmark{' (tiny preset)' if args.tiny else ''}\n\n"
             f"d_model={shape.hidden_size}, layers={shape.layers}, heads={shape.heads} (SepFormer d_pos = head_dim = "
-            f"{d_pos}), vocab={shape.vocab_size}, fp32, sdpa, Llama intermediate={shape.llama_intermediate}; "
+            f"{d_pos}), vocab={shape.vocab_size}, {shape.dtype} on {shape.device}, sdpa, Llama intermediate="
+            f"{shape.llama_intermediate}; sections: {', '.join(sections)}; "
             f"{shape.reps} repetitions, models interleaved; cells are median [q1, q3], ratios the median of "
             f"per-repetition SepFormer / peer ratios.\n"
             f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
@@ -702,13 +796,16 @@ def shape_json(text: str) -> Shape:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
     def fits(name, value) -> bool:
+        if isinstance(defaults[name], str):
+            return isinstance(value, str)
         if isinstance(defaults[name], tuple):
             return isinstance(value, list) and len(value) > 0 and all(map(positive, value))
         return positive(value)
 
     if wrong := [name for name, value in fields.items() if not fits(name, value)]:
         raise argparse.ArgumentTypeError(f"{', '.join(wrong)} in {text!r}: each field is a positive integer (a list "
-                                         "of them for prefill_lengths and generate_batches)")
+                                         "of them for prefill_lengths and generate_batches; a string for device and "
+                                         "dtype)")
     return Shape(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 
@@ -723,10 +820,24 @@ def main(argv=None):
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--memory-worker", type=model_names, help=argparse.SUPPRESS)  # what measure_memory runs
     parser.add_argument("--shape-json", type=shape_json, help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models run (default cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the models' precision (default float32)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), action=Distinct,
+                        help="what to measure (default: all); mitigations are timed in generation's repetitions")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda given, but torch finds no CUDA GPU here (torch.cuda.is_available() is "
+                     "False); give --device cpu")
+    if "mitigations" in args.sections and "generation" not in args.sections:
+        parser.error(f"argument --sections: mitigations are timed in the repetitions of generation; give generation "
+                     f"with them (given: {' '.join(args.sections)})")
+    sections = [name for name in SECTIONS if name in args.sections and not (name == "memory" and args.no_memory)]
+    if not sections and not args.compile:
+        parser.error("argument --sections: only memory given, and --no-memory skips it: nothing to measure")
     transformers.logging.set_verbosity_error()
 
     shape = args.shape_json or (TINY if args.tiny else FULL)
+    shape = dataclasses.replace(shape, device=args.device, dtype=args.dtype)
     if args.reps is not None:
         shape = dataclasses.replace(shape, reps=args.reps)
     if args.memory_worker:
@@ -742,17 +853,22 @@ def main(argv=None):
 
     load_before = os.getloadavg()[0]
     models = {name: build(name, shape, args.seed) for name in MODELS}
-    measurements = comparison_measurements(models, shape, args.seed)
+    mitigated = mitigated_models(models, shape, args.seed) if "mitigations" in sections else {}
+    notes = {"mitigations": skipped_mitigations()} if mitigated else {}
+    for line in notes.get("mitigations", ()):
+        log(line[2:])
+    measurements = comparison_measurements(models, mitigated, shape, args.seed, sections)
     run_interleaved([m for m in measurements if m.runners], shape.reps, log)
     link_mitigation_samples(measurements)
-    # The effect looked for is a few percent of a generate call, below this machine's sample-to-sample noise: three
-    # times the repetitions (each a paired comparison with the same model generating inside its table).
-    extrapolation = extrapolation_measurement(models["SepFormer"], shape, args.seed)
-    run_interleaved([extrapolation], shape.extrapolation_reps, log)
-    measurements.append(extrapolation)
-    log("extrapolation, step by step")
-    measurements.append(extrapolation_step_measurement(models["SepFormer"], shape, args.seed))
-    if not args.no_memory:
+    if "extrapolation" in sections:
+        # The effect looked for is a few percent of a generate call, below this machine's sample-to-sample noise:
+        # three times the repetitions (each a paired comparison with the same model generating inside its table).
+        extrapolation = extrapolation_measurement(models["SepFormer"], shape, args.seed)
+        run_interleaved([extrapolation], shape.extrapolation_reps, log)
+        measurements.append(extrapolation)
+        log("extrapolation, step by step")
+        measurements.append(extrapolation_step_measurement(models["SepFormer"], shape, args.seed))
+    if "memory" in sections:
         measurements += measure_memory(shape, args.seed, shape.reps, log, together=args.tiny)
     if args.compile:
         compiled = compile_measurements(shape, args.seed, log)
@@ -760,15 +876,15 @@ def main(argv=None):
         measurements += compiled
 
     rows = [row for m in measurements for row in summary_rows(m)]
-    train = {r["variant"].split(" / ")[1]: (r["q1"], r["median"], r["q3"]) for r in rows
-             if r["metric"] == "train_tokens_per_s" and r["unit"] == "ratio"}
-    flops = flops_rows(models, shape, train)
-    after_train = max(i for i, r in enumerate(rows) if r["metric"] == "train_tokens_per_s") + 1
-    rows[after_train:after_train] = flops
+    if "training" in sections:  # FLOPs per token beside the training throughput
+        train = {r["variant"].split(" / ")[1]: (r["q1"], r["median"], r["q3"]) for r in rows
+                 if r["metric"] == "train_tokens_per_s" and r["unit"] == "ratio"}
+        after_train = max(i for i, r in enumerate(rows) if r["metric"] == "train_tokens_per_s") + 1
+        rows[after_train:after_train] = flops_rows(models, shape, train)
 
     elapsed = time.perf_counter() - start
-    title = header(shape, args, load_before, elapsed)
-    table = markdown(rows, title)
+    title = header(shape, args, sections, load_before, elapsed)
+    table = markdown(rows, title, notes)
     print(table)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

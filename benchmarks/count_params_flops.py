@@ -21,7 +21,7 @@ from cli_arguments import int_at_least, positive_int  # noqa: E402
 
 
 def forward_flops_per_token(model, seq_len: int) -> float:
-    ids = torch.randint(0, 256, (1, seq_len))
+    ids = torch.randint(0, 256, (1, seq_len), device=model.device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(ids)
     return counter.get_total_flops() / seq_len

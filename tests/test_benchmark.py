@@ -1,5 +1,6 @@
 """`benchmarks/benchmark.py`: the speed and memory comparison, run end to end at its `--tiny` preset."""
 
+import csv
 import dataclasses
 import json
 import math
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "benchmark.py"
@@ -62,13 +64,81 @@ def test_every_measurement_has_every_model_and_finite_ratios(run):
     assert {row["n"] for row in rows if row["metric"] == "train_tokens_per_s"} == {"2"}
 
 
-def test_every_mitigation_is_timed_against_plain_sepformer(run):
-    _, rows, _ = run
+def finite_ratio(row: dict, n: str = "2") -> bool:
+    return math.isfinite(float(row["median"])) and float(row["median"]) > 0 and row["n"] == n
+
+
+def test_every_mitigation_is_timed_against_plain_sepformer_and_on_llama(run):
+    """SepFormer: every option; Llama after add_mitigations: against plain Llama, then every option it defines, the
+    others named as skipped under the table."""
+    _, rows, output_dir = run
     overhead = {(row["metric"], row["variant"]): row for row in rows if row["unit"] == "ratio"}
-    for mitigation in benchmark.MITIGATIONS:
-        for batch in (1, 2):
-            row = overhead[(f"generate_b{batch}_mitigation_{mitigation}", f"SepFormer + {mitigation} / SepFormer")]
-            assert math.isfinite(float(row["median"])) and float(row["median"]) > 0 and row["n"] == "2", row
+    llama = benchmark.MITIGATED_LLAMA
+    table = (output_dir / "benchmark.md").read_text()
+    for batch in (1, 2):
+        assert finite_ratio(overhead[(f"generate_b{batch}_add_mitigations", f"{llama} / Llama")])
+        for mitigation in benchmark.MITIGATIONS:
+            key = f"generate_b{batch}_mitigation_{mitigation}"
+            assert finite_ratio(overhead[(key, f"SepFormer + {mitigation} / SepFormer")])
+            on_llama = overhead.get((key, f"{llama} + {mitigation} / {llama}"))
+            why = benchmark.why_not_on_llama(mitigation)
+            assert (on_llama is None) == (why is not None), (mitigation, why)
+            assert why is None or f"- {llama} + {mitigation}: skipped, {why}." in table
+            assert on_llama is None or finite_ratio(on_llama)
+    assert set(benchmark.measured_on(llama)) >= {"stable_mask", "ms_poe", "attention_calibration"}
+
+
+def test_llama_measures_every_option_but_those_that_read_sepformers_positions():
+    llama = benchmark.MITIGATED_LLAMA
+    assert benchmark.measured_on(llama) == [m for m in benchmark.MITIGATIONS if m not in benchmark.SEPFORMER_ONLY]
+    assert benchmark.measured_on("SepFormer") == list(benchmark.MITIGATIONS)
+    assert benchmark.skipped_mitigations() == [
+        f"- {llama} + {mitigation}: skipped, {why}." for mitigation, why in benchmark.SEPFORMER_ONLY.items()
+    ]
+
+
+def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
+    """The GPU run's flags on the CPU: --dtype bfloat16, --sections generation mitigations (a smaller shape, two
+    mitigations: one measured on Llama, one not)."""
+    shape = dict(prompt=8, new_tokens=2, generate_batches=[1], hidden_size=32, layers=1, heads=2)
+    two = ("stable_mask", "attention_calibration_positional")
+    monkeypatch.setattr(benchmark, "MITIGATIONS", {name: benchmark.MITIGATIONS[name] for name in two})
+    benchmark.main(["--shape-json", json.dumps(shape), "--reps", "1", "--dtype", "bfloat16", "--sections", "generation",
+                    "mitigations", "--output-dir", str(tmp_path)])
+    table = (tmp_path / "benchmark.md").read_text()
+    assert "bfloat16 on cpu" in table and "sections: generation, mitigations" in table
+    with open(tmp_path / "benchmark.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["metric"].split("_mitigation_")[0] for row in rows} == {
+        "generate_b1_tokens_per_s", "generate_b1_add_mitigations", "generate_b1"}
+    llama = benchmark.MITIGATED_LLAMA
+    ratios = [row for row in rows if row["unit"] == "ratio" and row["variant"].startswith(llama)]
+    assert [row["variant"] for row in ratios] == [f"{llama} / Llama", f"{llama} + stable_mask / {llama}"]
+    assert all(finite_ratio(row, "1") for row in ratios)
+    assert f"- {llama} + attention_calibration_positional: skipped" in table
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sections", "mitigations"], "mitigations are timed in the repetitions of generation"),
+    (["--sections", "memory", "--no-memory"], "nothing to measure"),
+    (["--sections", "generation", "generation"], "generation given more than once"),
+    (["--sections", "speed"], "invalid choice: 'speed'"),
+    (["--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_flags_are_refused_before_any_work(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(benchmark, "build", None)  # any work would fail on it
+    with pytest.raises(SystemExit):
+        benchmark.main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA GPU")
+def test_cuda_is_refused_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(benchmark, "build", None)
+    with pytest.raises(SystemExit):
+        benchmark.main(["--tiny", "--device", "cuda"])
+    assert "cuda given, but torch finds no CUDA GPU here" in capsys.readouterr().err
 
 
 def test_the_memory_workers_shape_travels_as_json():
