@@ -236,6 +236,19 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -> None:
+    """The cached keys' positions are not kept: they are counted from each row's first real token (`default`: -1 on
+    padding), so the call's `position_ids` (b or 1, seq) must be those on its real tokens."""
+    position_ids, default = torch.broadcast_tensors(position_ids, default)
+    real = default >= 0
+    if not torch.equal(position_ids[real], default[real]):
+        raise ValueError(
+            "ms_poe on a Hugging Face decoder turns the keys (the cached ones included) from the positions counted "
+            "from each row's first real token, but the call's position_ids are others "
+            f"({position_ids[0, :8].tolist()}... in row 0): leave position_ids out (the default positions)."
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
@@ -273,7 +286,9 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
         kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
-        keys = key_positions(run.padding_mask, kv, run.device).clamp(min=0)  # padding is masked: any position
+        keys = key_positions(run.padding_mask, kv, run.device)
+        check_default_positions(run.position_ids, keys[:, kv - run.position_ids.shape[-1] :])
+        keys = keys.clamp(min=0)  # padding is masked: any position
         inv_freq = self.rotary.inv_freq
         return self.replace(
             query_turn=turned_by_ratios(run.position_ids, ratios, inv_freq, run.dtype),

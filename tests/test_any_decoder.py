@@ -294,6 +294,17 @@ def test_ms_poe_with_one_ratio_is_the_model_reading_positions_m_over_r(model_nam
     assert (reference - logits(plain, ids, attention_mask=mask))[real].abs().max() > 1e-3
 
 
+def test_ms_poe_refuses_position_ids_other_than_the_ones_its_keys_are_turned_from():
+    """The keys (cached ones included) are turned from the default positions: other position_ids would read queries
+    and keys at inconsistent positions, silently."""
+    model = mitigated("llama")
+    ids = random_ids(1, 10)
+    with pytest.raises(ValueError, match=r"position_ids are others \(\[5, 6, 7"):
+        model(ids, position_ids=torch.arange(5, 15)[None], ms_poe=MSPoE(1.5, 1.5))
+    default = logits(model, ids, position_ids=torch.arange(10)[None], ms_poe=MSPoE(1.5, 1.5))
+    torch.testing.assert_close(default, logits(model, ids, ms_poe=MSPoE(1.5, 1.5)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("model_name", ["llama", "mistral"])
 def test_ms_poe_ranks_the_heads_at_prefill_and_decodes_with_that_ranking(model_name):
     """In one layer, the ranked method (prefill, then cached steps) is the full pass with the prefill's ranking given as
