@@ -236,6 +236,16 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def held_keys(table: torch.Tensor, keys: int, identity: float) -> torch.Tensor:
+    """`table` (H, b or 1, kv, d) of every key the cache has seen, for the `keys` the layer attends to: a sliding-window
+    cache holds the last ones; a static cache's empty slots (past `kv`) are left as they are (`identity`: cos 1, sin 0).
+    """
+    kv = table.shape[2]
+    if keys <= kv:
+        return table[:, :, kv - keys :]
+    return nn.functional.pad(table, (0, 0, 0, keys - kv), value=identity)
+
+
 def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -> None:
     """The cached keys' positions are not kept: they are counted from each row's first real token (`default`: -1 on
     padding), so the call's `position_ids` (b or 1, seq) must be those on its real tokens."""
@@ -299,7 +309,10 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, None, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
             query_cos, query_sin = (by_head(table, ranks).transpose(0, 1) for table in self.query_turn)
-            key_cos, key_sin = (by_head(table, ranks).transpose(0, 1) for table in self.key_turn)
+            key_cos, key_sin = (
+                by_head(held_keys(table, key.shape[2], identity), ranks).transpose(0, 1)
+                for table, identity in zip(self.key_turn, (1.0, 0.0), strict=True)
+            )
             query, key = rotate_partial(query, query_cos, query_sin), rotate_partial(key, key_cos, key_sin)
             return function(module, query, key, value, attention_mask, **kwargs)
 

@@ -324,6 +324,21 @@ def test_ms_poe_ranks_the_heads_at_prefill_and_decodes_with_that_ranking(model_n
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
+def test_ms_poe_decodes_past_a_sliding_window_and_on_a_static_cache_as_the_full_pass():
+    """The cache holds fewer keys than it has seen (sliding window) or more slots (static): the keys are turned at
+    their own positions."""
+    model = mitigated("mistral", "eager", sliding_window=6)
+    ids, option = random_ids(2, 16), options("ms_poe_fixed")
+    full = logits(model, ids, **option)
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :11], past_key_values=cache, **option).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, **option).logits for t in range(11, 16)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    static = greedy(model, ids[:, :11], cache_implementation="static", **option)
+    assert torch.equal(static, greedy(model, ids[:, :11], **option))
+
+
 # ---------------------------------------------------------------------------------------- Parallel Context Windows
 
 
