@@ -454,6 +454,20 @@ def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_s
     assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
 
 
+def test_calibration_decodes_past_a_sliding_window_as_with_every_key_kept():
+    """A sliding-window cache drops the keys that slid out; a cache keeping them all, masked by the window, is the
+    oracle."""
+    model = mitigated("mistral", "eager", sliding_window=6)
+    ids, option = random_ids(2, 16), options("calibration", 2)
+    runs = []
+    for cache in (sepformer.SepFormerCache(config=model.config), sepformer.SepFormerCache()):  # sliding, every key
+        with torch.no_grad():
+            steps = [model(ids[:, :11], past_key_values=cache, **option).logits]
+            steps += [model(ids[:, t : t + 1], past_key_values=cache, **option).logits for t in range(11, 16)]
+        runs.append(torch.cat(steps, 1))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
+
+
 def test_options_a_model_lacks_are_refused_by_name_before_any_work():
     model = mitigated("gpt2")
     calls = []
