@@ -203,7 +203,10 @@ class MitigatedDecoder(MitigationGenerationMixin):
             if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
                 mitigation, parsed = wrapper
                 inputs = {"labels": None, "use_cache": None, "past_key_values": None, **inputs}
-                return mitigation.run_causal_lm(parsed, self, inputs, options)
+                return_dict = inputs.pop("return_dict", None)  # each bucket's forward returns its output's fields
+                output = mitigation.run_causal_lm(parsed, self, inputs, options)
+                as_dict = return_dict if return_dict is not None else self.config.return_dict
+                return output if as_dict else output.to_tuple()
             use_cache = inputs.get("use_cache")
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
                 inputs["past_key_values"] = SepFormerCache(config=self.config)

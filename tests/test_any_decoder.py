@@ -201,6 +201,17 @@ def test_unknown_and_bad_options_are_refused_before_any_work():
     assert not calls
 
 
+def test_options_given_where_they_would_be_ignored_are_refused():
+    """The base model's forward and the causal LM's forward (reorder_documents) would pass them on unread."""
+    model = mitigated("llama")
+    ids, cache = random_ids(1, 6), sepformer.SepFormerCache(config=model.config)
+    with pytest.raises(TypeError, match=r"\['stable_mask'\] reached LlamaAttention as keywords it ignores"):
+        model.model(ids, past_key_values=cache, stable_mask={"gamma": 0.5})
+    with pytest.raises(TypeError, match=r"\['reorder_documents'\] reached .* to generate only"):
+        model(ids, past_key_values=cache, reorder_documents={"spans": [SPANS]})
+    assert cache.get_seq_length() == 0
+
+
 # ------------------------------------------------------------------------------------------------------ StableMask
 
 
