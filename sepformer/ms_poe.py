@@ -248,7 +248,7 @@ def held_keys(table: torch.Tensor, keys: int, identity: float) -> torch.Tensor:
 
 def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -> None:
     """The cached keys' positions are not kept: they are counted from each row's first real token (`default`: -1 on
-    padding), so the call's `position_ids` (b or 1, seq) must be those on its real tokens."""
+    padding), so the prompt's `position_ids` (b or 1, seq) must be those on its real tokens."""
     position_ids, default = torch.broadcast_tensors(position_ids, default)
     real = default >= 0
     if not torch.equal(position_ids[real], default[real]):
@@ -295,9 +295,12 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
-        kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
+        past = run.cache.get_seq_length() if run.cache is not None else 0
+        kv = run.position_ids.shape[-1] + past
         keys = key_positions(run.padding_mask, kv, run.device)
-        check_default_positions(run.position_ids, keys[:, kv - run.position_ids.shape[-1] :])
+        # read at prefill only: a step's positions come from generate, and reading them would wait for the device
+        if past == 0:
+            check_default_positions(run.position_ids, keys)
         keys = keys.clamp(min=0)  # padding is masked: any position
         inv_freq = self.rotary.inv_freq
         return self.replace(
