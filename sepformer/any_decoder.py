@@ -213,6 +213,18 @@ class MitigatedDecoder(MitigationGenerationMixin):
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
         return super().forward(**self.with_plan(inputs, plan))
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (`torch.save(model)`, multiprocessing) as the model's class with the mixin made again on loading:
+        the class itself is not importable under its name, which the model's own class holds."""
+        _, _, *state = super().__reduce_ex__(protocol)
+        return new_mitigated, (type(self).__bases__[1],), *state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        implementation = self.config._attn_implementation
+        if implementation.startswith(PREFIX):  # in a new process, the wrapper is registered again
+            register_wrapper(implementation.removeprefix(PREFIX))
+
     def call_context(self, inputs: dict) -> CallContext:
         tokens, cache = call_tokens(inputs), inputs.get("past_key_values")
         continuing = cache is not None and cache.get_seq_length() > 0
@@ -317,6 +329,11 @@ def mitigated_class(model_class: type) -> type:
         },
     )
     return mitigated
+
+
+def new_mitigated(model_class: type) -> MitigatedDecoder:
+    mitigated = mitigated_class(model_class)
+    return mitigated.__new__(mitigated)
 
 
 def find_rotary(model: nn.Module) -> nn.Module | None:

@@ -146,6 +146,16 @@ def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), rtol=0, atol=1e-6)
 
 
+def test_the_mitigated_model_pickles_with_torch_save(tmp_path):
+    """Its class is not importable under its name (the plain class is): pickled as the plain class made again."""
+    model = mitigated("llama")
+    ids = random_ids(1, 8)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is type(model)
+    assert torch.equal(logits(loaded, ids, ms_poe={}), logits(model, ids, ms_poe={}))
+
+
 def test_a_model_it_cannot_serve_is_refused_naming_what_is_missing():
     with pytest.raises(TypeError, match="causal LM .*got LlamaModel"):
         add_mitigations(LlamaModel(LlamaConfig(**SIZES, num_attention_heads=4)))
