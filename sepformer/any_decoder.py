@@ -211,6 +211,8 @@ class MitigatedDecoder(MitigationGenerationMixin):
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
                 inputs["past_key_values"] = SepFormerCache(config=self.config)
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
+            if plan is None:  # an empty cache that held a failed prefill's state, continued without options
+                return super().forward(**inputs)
         return super().forward(**self.with_plan(inputs, plan))
 
     def __reduce_ex__(self, protocol):
@@ -239,6 +241,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             new_tokens,
             continuing,
             decoder=self.decoder_positions,
+            position_ids=inputs.get("position_ids"),
         )
 
     def with_plan(self, inputs: dict, plan) -> dict:

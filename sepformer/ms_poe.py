@@ -286,6 +286,10 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
                 f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
                 f"{rope_type!r} changes them with the sequence length during the forward."
             )
+        # read at prefill only: a step's positions come from generate, and reading them would wait for the device
+        if call.position_ids is not None and not call.continuing:
+            mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
+            check_default_positions(call.position_ids, key_positions(mask, call.new_tokens, call.position_ids.device))
         layers = options.layer_set(config.num_hidden_layers)
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
@@ -295,13 +299,8 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
-        past = run.cache.get_seq_length() if run.cache is not None else 0
-        kv = run.position_ids.shape[-1] + past
-        keys = key_positions(run.padding_mask, kv, run.device)
-        # read at prefill only: a step's positions come from generate, and reading them would wait for the device
-        if past == 0:
-            check_default_positions(run.position_ids, keys)
-        keys = keys.clamp(min=0)  # padding is masked: any position
+        kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
+        keys = key_positions(run.padding_mask, kv, run.device).clamp(min=0)  # padding is masked: any position
         inv_freq = self.rotary.inv_freq
         return self.replace(
             query_turn=turned_by_ratios(run.position_ids, ratios, inv_freq, run.dtype),

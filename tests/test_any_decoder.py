@@ -319,9 +319,10 @@ def test_ms_poe_refuses_position_ids_other_than_the_ones_its_keys_are_turned_fro
     """The keys (cached ones included) are turned from the default positions: other position_ids would read queries
     and keys at inconsistent positions, silently."""
     model = mitigated("llama")
-    ids = random_ids(1, 10)
+    ids, cache = random_ids(1, 10), sepformer.SepFormerCache(config=model.config)
     with pytest.raises(ValueError, match=r"position_ids are others \(\[5, 6, 7"):
-        model(ids, position_ids=torch.arange(5, 15)[None], ms_poe=MSPoE(1.5, 1.5))
+        model(ids, position_ids=torch.arange(5, 15)[None], ms_poe=MSPoE(1.5, 1.5), past_key_values=cache)
+    assert cache.prefill_options is None and torch.equal(logits(model, ids, past_key_values=cache), logits(model, ids))
     default = logits(model, ids, position_ids=torch.arange(10)[None], ms_poe=MSPoE(1.5, 1.5))
     torch.testing.assert_close(default, logits(model, ids, ms_poe=MSPoE(1.5, 1.5)), rtol=0, atol=0)
 
