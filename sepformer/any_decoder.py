@@ -203,12 +203,29 @@ class MitigatedDecoder(MitigationGenerationMixin):
             if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
                 mitigation, parsed = wrapper
                 inputs = {"labels": None, "use_cache": None, "past_key_values": None, **inputs}
-                return mitigation.run_causal_lm(parsed, self, inputs, options)
+                return_dict = inputs.pop("return_dict", None)  # each bucket's forward returns its output's fields
+                output = mitigation.run_causal_lm(parsed, self, inputs, options)
+                as_dict = return_dict if return_dict is not None else self.config.return_dict
+                return output if as_dict else output.to_tuple()
             use_cache = inputs.get("use_cache")
             if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
                 inputs["past_key_values"] = SepFormerCache(config=self.config)
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
+            if plan is None:  # an empty cache that held a failed prefill's state, continued without options
+                return super().forward(**inputs)
         return super().forward(**self.with_plan(inputs, plan))
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (`torch.save(model)`, multiprocessing) as the model's class with the mixin made again on loading:
+        the class itself is not importable under its name, which the model's own class holds."""
+        _, _, *state = super().__reduce_ex__(protocol)
+        return new_mitigated, (type(self).__bases__[1],), *state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        implementation = self.config._attn_implementation
+        if implementation.startswith(PREFIX):  # in a new process, the wrapper is registered again
+            register_wrapper(implementation.removeprefix(PREFIX))
 
     def call_context(self, inputs: dict) -> CallContext:
         tokens, cache = call_tokens(inputs), inputs.get("past_key_values")
@@ -224,6 +241,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             new_tokens,
             continuing,
             decoder=self.decoder_positions,
+            position_ids=inputs.get("position_ids"),
         )
 
     def with_plan(self, inputs: dict, plan) -> dict:
@@ -314,6 +332,11 @@ def mitigated_class(model_class: type) -> type:
         },
     )
     return mitigated
+
+
+def new_mitigated(model_class: type) -> MitigatedDecoder:
+    mitigated = mitigated_class(model_class)
+    return mitigated.__new__(mitigated)
 
 
 def find_rotary(model: nn.Module) -> nn.Module | None:

@@ -33,6 +33,12 @@ class KeyDocuments:
     def of(cls, membership: torch.Tensor) -> "KeyDocuments":
         return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None])
 
+    def held(self, keys: int) -> "KeyDocuments":
+        """The documents of the last `keys` keys, those a sliding-window cache holds; `sizes` stay the whole
+        documents': a token slid out of the window gets no attention, as in a pass over every key."""
+        dropped = self.membership.shape[1] - keys
+        return dataclasses.replace(self, membership=self.membership[:, dropped:], outside=self.outside[..., dropped:])
+
 
 def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float) -> torch.Tensor:
     """Re-weight one attention row over `K` documents.
@@ -250,7 +256,7 @@ class CalibrationMitigation(Mitigation):
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
-            probs = calibrate_row(probs, self.documents, self.state.bias[layer_idx], temperature)
+            probs = calibrate_row(probs, self.documents.held(key.shape[2]), self.state.bias[layer_idx], temperature)
             batch, heads, kv, head_dim = value.shape
             last = torch.bmm(probs.to(value.dtype).view(-1, 1, kv), value.reshape(-1, kv, head_dim))  # (b · H, 1, d)
             last = last.view(batch, 1, heads, head_dim)

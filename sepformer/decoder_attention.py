@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .mitigation_base import MitigationPlan
+from .mitigations import MITIGATIONS
 
 Rewrite = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # input -> (query input, key input)
 
@@ -117,6 +118,13 @@ class DecoderProjection:
 def before_attention(module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of each attention module `add_mitigations` serves: with a `mitigation_plan`, the rotary tables
     of the plan's base and, where the plan rewrites the layer's query and key inputs, their rewriting."""
+    options = [name for name in (*MITIGATIONS, "reorder_documents") if kwargs.get(name) not in (None, False)]
+    if options:  # the causal LM's forward takes them off: given to the base model or to forward, they would be ignored
+        raise TypeError(
+            f"{options} reached {type(module).__name__} as keywords it ignores: give the mitigations to the causal "
+            "LM that add_mitigations served (its forward or generate), not to its base model; reorder_documents to "
+            "generate only (or sepformer.reorder_documents)."
+        )
     plan = kwargs.get("mitigation_plan")
     if not isinstance(plan, MitigationPlan):
         return None

@@ -95,6 +95,7 @@ class CallContext:
     state: Any = None
     # Where a Hugging Face model keeps its positions (`any_decoder.DecoderPositions`); None for SepFormer.
     decoder: Any = None
+    position_ids: Any = None  # the call's position_ids where given (a Hugging Face decoder's), else None
 
 
 @dataclass(frozen=True, eq=False)

@@ -236,6 +236,29 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def held_keys(table: torch.Tensor, keys: int, identity: float) -> torch.Tensor:
+    """`table` (H, b or 1, kv, d) of every key the cache has seen, for the `keys` the layer attends to: a sliding-window
+    cache holds the last ones; a static cache's empty slots (past `kv`) are left as they are (`identity`: cos 1, sin 0).
+    """
+    kv = table.shape[2]
+    if keys <= kv:
+        return table[:, :, kv - keys :]
+    return nn.functional.pad(table, (0, 0, 0, keys - kv), value=identity)
+
+
+def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -> None:
+    """The cached keys' positions are not kept: they are counted from each row's first real token (`default`: -1 on
+    padding), so the prompt's `position_ids` (b or 1, seq) must be those on its real tokens."""
+    position_ids, default = torch.broadcast_tensors(position_ids, default)
+    real = default >= 0
+    if not torch.equal(position_ids[real], default[real]):
+        raise ValueError(
+            "ms_poe on a Hugging Face decoder turns the keys (the cached ones included) from the positions counted "
+            "from each row's first real token, but the call's position_ids are others "
+            f"({position_ids[0, :8].tolist()}... in row 0): leave position_ids out (the default positions)."
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
@@ -263,6 +286,10 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
                 f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
                 f"{rope_type!r} changes them with the sequence length during the forward."
             )
+        # read at prefill only: a step's positions come from generate, and reading them would wait for the device
+        if call.position_ids is not None and not call.continuing:
+            mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
+            check_default_positions(call.position_ids, key_positions(mask, call.new_tokens, call.position_ids.device))
         layers = options.layer_set(config.num_hidden_layers)
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
@@ -284,7 +311,10 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, None, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
             query_cos, query_sin = (by_head(table, ranks).transpose(0, 1) for table in self.query_turn)
-            key_cos, key_sin = (by_head(table, ranks).transpose(0, 1) for table in self.key_turn)
+            key_cos, key_sin = (
+                by_head(held_keys(table, key.shape[2], identity), ranks).transpose(0, 1)
+                for table, identity in zip(self.key_turn, (1.0, 0.0), strict=True)
+            )
             query, key = rotate_partial(query, query_cos, query_sin), rotate_partial(key, key_cos, key_sin)
             return function(module, query, key, value, attention_mask, **kwargs)
 

@@ -146,6 +146,16 @@ def test_the_mitigated_model_saves_and_reloads_as_the_plain_model(tmp_path):
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), rtol=0, atol=1e-6)
 
 
+def test_the_mitigated_model_pickles_with_torch_save(tmp_path):
+    """Its class is not importable under its name (the plain class is): pickled as the plain class made again."""
+    model = mitigated("llama")
+    ids = random_ids(1, 8)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is type(model)
+    assert torch.equal(logits(loaded, ids, ms_poe={}), logits(model, ids, ms_poe={}))
+
+
 def test_a_model_it_cannot_serve_is_refused_naming_what_is_missing():
     with pytest.raises(TypeError, match="causal LM .*got LlamaModel"):
         add_mitigations(LlamaModel(LlamaConfig(**SIZES, num_attention_heads=4)))
@@ -199,6 +209,17 @@ def test_unknown_and_bad_options_are_refused_before_any_work():
             random_ids(1, 12), max_new_tokens=2, prompt_lookup_num_tokens=2, attention_calibration={"spans": [SPANS]}
         )
     assert not calls
+
+
+def test_options_given_where_they_would_be_ignored_are_refused():
+    """The base model's forward and the causal LM's forward (reorder_documents) would pass them on unread."""
+    model = mitigated("llama")
+    ids, cache = random_ids(1, 6), sepformer.SepFormerCache(config=model.config)
+    with pytest.raises(TypeError, match=r"\['stable_mask'\] reached LlamaAttention as keywords it ignores"):
+        model.model(ids, past_key_values=cache, stable_mask={"gamma": 0.5})
+    with pytest.raises(TypeError, match=r"\['reorder_documents'\] reached .* to generate only"):
+        model(ids, past_key_values=cache, reorder_documents={"spans": [SPANS]})
+    assert cache.get_seq_length() == 0
 
 
 # ------------------------------------------------------------------------------------------------------ StableMask
@@ -294,6 +315,18 @@ def test_ms_poe_with_one_ratio_is_the_model_reading_positions_m_over_r(model_nam
     assert (reference - logits(plain, ids, attention_mask=mask))[real].abs().max() > 1e-3
 
 
+def test_ms_poe_refuses_position_ids_other_than_the_ones_its_keys_are_turned_from():
+    """The keys (cached ones included) are turned from the default positions: other position_ids would read queries
+    and keys at inconsistent positions, silently."""
+    model = mitigated("llama")
+    ids, cache = random_ids(1, 10), sepformer.SepFormerCache(config=model.config)
+    with pytest.raises(ValueError, match=r"position_ids are others \(\[5, 6, 7"):
+        model(ids, position_ids=torch.arange(5, 15)[None], ms_poe=MSPoE(1.5, 1.5), past_key_values=cache)
+    assert cache.prefill_options is None and torch.equal(logits(model, ids, past_key_values=cache), logits(model, ids))
+    default = logits(model, ids, position_ids=torch.arange(10)[None], ms_poe=MSPoE(1.5, 1.5))
+    torch.testing.assert_close(default, logits(model, ids, ms_poe=MSPoE(1.5, 1.5)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("model_name", ["llama", "mistral"])
 def test_ms_poe_ranks_the_heads_at_prefill_and_decodes_with_that_ranking(model_name):
     """In one layer, the ranked method (prefill, then cached steps) is the full pass with the prefill's ranking given as
@@ -311,6 +344,21 @@ def test_ms_poe_ranks_the_heads_at_prefill_and_decodes_with_that_ranking(model_n
     order = tuple(ranks[0, :, 0, 0].argsort().tolist())  # heads by rank: head_order[0] gets r_min
     full = logits(model, ids, ms_poe=dataclasses.replace(option, head_order=order))
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_ms_poe_decodes_past_a_sliding_window_and_on_a_static_cache_as_the_full_pass():
+    """The cache holds fewer keys than it has seen (sliding window) or more slots (static): the keys are turned at
+    their own positions."""
+    model = mitigated("mistral", "eager", sliding_window=6)
+    ids, option = random_ids(2, 16), options("ms_poe_fixed")
+    full = logits(model, ids, **option)
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :11], past_key_values=cache, **option).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, **option).logits for t in range(11, 16)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    static = greedy(model, ids[:, :11], cache_implementation="static", **option)
+    assert torch.equal(static, greedy(model, ids[:, :11], **option))
 
 
 # ---------------------------------------------------------------------------------------- Parallel Context Windows
@@ -426,6 +474,20 @@ def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_s
     reference = calibration_reference(model_name, ids, spans, temperature, layers, first_row=11)
     torch.testing.assert_close(torch.cat(steps, 1), reference, rtol=1e-4, atol=1e-4)
     assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
+
+
+def test_calibration_decodes_past_a_sliding_window_as_with_every_key_kept():
+    """A sliding-window cache drops the keys that slid out; a cache keeping them all, masked by the window, is the
+    oracle."""
+    model = mitigated("mistral", "eager", sliding_window=6)
+    ids, option = random_ids(2, 16), options("calibration", 2)
+    runs = []
+    for cache in (sepformer.SepFormerCache(config=model.config), sepformer.SepFormerCache()):  # sliding, every key
+        with torch.no_grad():
+            steps = [model(ids[:, :11], past_key_values=cache, **option).logits]
+            steps += [model(ids[:, t : t + 1], past_key_values=cache, **option).logits for t in range(11, 16)]
+        runs.append(torch.cat(steps, 1))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_options_a_model_lacks_are_refused_by_name_before_any_work():

@@ -83,6 +83,14 @@ def test_buckets_cached_decoding_equals_the_full_pass(name):
         model(ids[:, :1], past_key_values=cache)
 
 
+def test_buckets_return_a_tuple_with_return_dict_false():
+    model = mitigated("llama")
+    ids, option = random_ids(2, 8), {"attention_buckets": AttentionBuckets(bases=BASES)}
+    with torch.no_grad():
+        as_tuple = model(ids, return_dict=False, **option)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], logits(model, ids, **option))
+
+
 def test_buckets_train_on_the_mixed_logits():
     model = mitigated("llama").train()
     ids = random_ids(2, 10)
