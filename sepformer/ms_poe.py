@@ -1,5 +1,7 @@
 """MS-PoE (arXiv 2403.04797): head `h` of the chosen layers sees positions `m / r_h`."""
 
+import functools
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -224,6 +226,23 @@ class MSPoEMitigation(Mitigation):
         return query, key
 
 
+@functools.cache
+def rotates_half(modeling_module: str) -> bool:
+    """Whether the model file `modeling_module`'s `apply_rotary_pos_emb` rotates in the rotate-half layout (the first
+    and second halves of the rotated dimensions paired, as Llama, Qwen2 and Mistral do), the one MS-PoE's further turn
+    uses: checked on one vector, since some models (Cohere, GPT-J) pair neighbouring dimensions instead."""
+    apply = getattr(sys.modules.get(modeling_module), "apply_rotary_pos_emb", None)
+    if apply is None:
+        return False
+    angles = torch.tensor([0.3, 0.5, 0.7, 1.1], dtype=torch.float64).repeat(2)[None, None]  # (1, 1, 8), rotate-half
+    vector = torch.arange(1.0, 9.0, dtype=torch.float64)[None, None, None]  # (b, heads, seq, head_dim) = (1, 1, 1, 8)
+    try:
+        theirs, _ = apply(vector, vector, angles.cos(), angles.sin())
+    except Exception:  # another signature: not a layout this check can read
+        return False
+    return torch.allclose(theirs, rotate_partial(vector, angles.cos()[:, None], angles.sin()[:, None]))
+
+
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
 
 
@@ -279,6 +298,12 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             raise ValueError(
                 f"ms_poe rescales the rotary positions of each head, but {decoder.description} has no (single) rotary "
                 "embedding: MS-PoE is not defined for it."
+            )
+        if not rotates_half(type(call.model).__module__):
+            raise ValueError(
+                f"ms_poe turns each head's rotary further in the rotate-half layout (Llama, Qwen2, Mistral), and "
+                f"{decoder.model_name}'s apply_rotary_pos_emb does not rotate so (or was not found in its modeling "
+                "file): MS-PoE is not served for it."
             )
         rope_type = getattr(decoder.rotary, "rope_type", "default")
         if rope_type in LENGTH_DEPENDENT_ROPE:
