@@ -64,7 +64,9 @@ def _check_number(
     `why` ends the error."""
     number = plain_number(value)
     if number is None or not math.isfinite(number):
-        raise ValueError(f"{name} {field}={value!r} must be a finite number.")
+        is_bool = str(getattr(value, "dtype", type(value).__name__)).endswith("bool")  # Python's, NumPy's, torch's
+        bool_note = " (a bool is not a number here)" if is_bool else ""
+        raise ValueError(f"{name} {field}={value!r} must be a finite number{bool_note}.")
     if low is not None and (number <= low if strict else number < low):
         raise ValueError(f"{name} {field}={value!r} must be {'>' if strict else '>='} {low}{why}.")
     if high is not None and number > high:
