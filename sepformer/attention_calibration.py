@@ -104,6 +104,12 @@ def check_dummy_document(options, config) -> None:
             f"{options.name}'s default dummy document is pad_token_id repeated, but the config has no "
             "pad_token_id: give dummy_document=(token ids) explicitly."
         )
+    if options.dummy_document is None and not 0 <= config.pad_token_id < config.vocab_size:
+        raise ValueError(
+            f"{options.name}'s default dummy document is pad_token_id repeated, but pad_token_id="
+            f"{config.pad_token_id} is outside the vocabulary 0..{config.vocab_size - 1}: give dummy_document=(token "
+            "ids) explicitly."
+        )
     bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
     if bad:
         raise ValueError(

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import random_ids, tiny_llama, tiny_model
 from transformers import GenerationConfig
 
-from sepformer import AttentionCalibration, MSPoE, SepFormerCache, StableMask
+from sepformer import AttentionCalibration, MSPoE, SepFormerCache, StableMask, add_mitigations
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -322,6 +322,14 @@ def test_dummy_document_ids_outside_the_vocabulary_are_refused():
     option = AttentionCalibration(spans=[[(0, 3)]] * 2, dummy_document=(5, 300))
     with pytest.raises(ValueError, match=r"dummy_document has ids \[300\] outside the vocabulary 0..258"):
         tiny_model()(IDS, attention_calibration=option)
+
+
+def test_a_default_dummy_document_of_a_pad_token_outside_the_vocabulary_is_refused():
+    llama = add_mitigations(tiny_llama())
+    llama.config.pad_token_id = llama.config.vocab_size + 5
+    option = AttentionCalibration(spans=[[(0, 3)]])
+    with pytest.raises(ValueError, match=rf"pad_token_id={llama.config.vocab_size + 5} is outside the vocabulary"):
+        llama(IDS[:1], attention_calibration=option)
 
 
 def test_a_configured_stable_mask_can_be_switched_off_for_one_call():
