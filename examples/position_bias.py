@@ -1016,7 +1016,11 @@ def run(args) -> list[dict]:
           + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
     # a saved model that cannot be reused fails now, not after hours of training
     runs = [(contender, seed) for seed in args.seeds for contender in contenders(args, vocab)]
-    if args.reuse_models and not any([saved_model(args, contender, seed) is not None for contender, seed in runs]):
+    reused = [saved_model(args, contender, seed) is not None for contender, seed in runs] if args.reuse_models else []
+    if reused and all(reused) and (args.save_steps or args.resume):
+        raise SystemExit("--save-steps and --resume act on training, and --reuse-models reuses every model of this "
+                         "run: nothing trains, so drop them")
+    if args.reuse_models and not any(reused):
         # an empty or mistyped folder would otherwise train everything again, silently
         folders = ", ".join(model_dir(args, contender, seed).name for contender, seed in runs)
         where = f"holds none of this run's models ({folders})" if Path(args.models_dir).is_dir() else "does not exist"

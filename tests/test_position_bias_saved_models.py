@@ -150,3 +150,12 @@ def test_reusing_models_from_a_folder_without_them_is_refused(folder, monkeypatc
     with pytest.raises(SystemExit, match=re.escape(f"--reuse-models: --models-dir {tmp_path / folder} {where}; ")):
         position_bias.main(["--tiny", "--models", "gpt", "--seeds", "0", "1", "--mitigations", "none", "--reuse-models",
                             "--models-dir", str(tmp_path / folder), "--output-dir", str(tmp_path / "results")])
+
+
+@pytest.mark.parametrize("flag", [["--save-steps", "5"], ["--resume"]])
+def test_training_flags_are_refused_when_every_model_is_reused(flag, monkeypatch, tmp_path, saved_gpt2):
+    """Nothing trains: a flag that acts on training would be silently unused."""
+    shutil.copytree(saved_gpt2, tmp_path, dirs_exist_ok=True)
+    monkeypatch.setattr(position_bias, "train", no_training)
+    with pytest.raises(SystemExit, match=r"--save-steps and --resume act on training.*drop them"):
+        position_bias.main([*GPT2_ONLY, "--seeds", "0", "1", "--output-dir", str(tmp_path), "--reuse-models", *flag])
