@@ -24,7 +24,7 @@ def test_a_step_is_one_cached_forward_and_generate_s_bookkeeping():
     """Anchored to a decoding step counted by hand: the model's forward on one token is most of a step; `generate`
     adds its logits processing and stopping criteria (a few dozen calls), nothing like a second forward."""
     model = benchmark.build("SepFormer", benchmark.TINY).eval()
-    ids = benchmark.token_ids(2, 8, 0)
+    ids = benchmark.token_ids(2, 8, 0, "cpu")
     with torch.no_grad():
         cache = SepFormerCache(config=model.config)
         model(ids, past_key_values=cache, use_cache=True)
