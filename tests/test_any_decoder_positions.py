@@ -5,12 +5,12 @@ import pytest
 import torch
 from conftest import logits, random_ids
 from test_any_decoder import ROTARY, SIZES, greedy, left_padded, mitigated, plain_model
+from test_buckets_and_windows import mixed_by_hand
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 import sepformer
 from sepformer import AttentionBuckets, PositionalScaling
-from sepformer.attention_buckets import mix_by_confidence
 from sepformer.positional_search import scale_attention_input, search_positional_scaling
 
 BASES = (10000.0, 500.0, 3e5)
@@ -41,12 +41,12 @@ def test_buckets_are_the_models_at_each_base_mixed_by_confidence(name):
     inv_freq = model.model.rotary_emb.inv_freq.clone()
     ids = random_ids(2, 12)
     ours = logits(model, ids, attention_buckets=AttentionBuckets(bases=BASES))
-    by_hand = mix_by_confidence(torch.stack([at_base(name, base, 1.0, ids) for base in BASES]))
+    by_hand = mixed_by_hand([at_base(name, base, 1.0, ids) for base in BASES])
     torch.testing.assert_close(ours, by_hand, rtol=1e-5, atol=1e-5)
     scales = (1.0, 0.5, 0.25)
     ours = logits(model, ids, attention_buckets=AttentionBuckets(bases=BASES, scales=scales))
     buckets = zip(BASES, scales, strict=True)
-    by_hand = mix_by_confidence(torch.stack([at_base(name, base, scale, ids) for base, scale in buckets]))
+    by_hand = mixed_by_hand([at_base(name, base, scale, ids) for base, scale in buckets])
     torch.testing.assert_close(ours, by_hand, rtol=1e-5, atol=1e-5)
     assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)  # the model's rotary is left alone
     assert torch.equal(logits(model, ids), logits(plain_model(name), ids))
@@ -57,7 +57,7 @@ def test_buckets_with_parallel_context_windows_are_each_base_with_the_windows_mi
     ids = random_ids(2, 14)
     ours = logits(mitigated("llama"), ids, attention_buckets={"bases": BASES[1:]}, **windows)
     per_base = [logits(sepformer.add_mitigations(built_at_base("llama", base)), ids, **windows) for base in BASES[1:]]
-    torch.testing.assert_close(ours, mix_by_confidence(torch.stack(per_base)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, mixed_by_hand(per_base), rtol=1e-5, atol=1e-5)
 
 
 def test_one_bucket_at_the_models_own_base_is_the_plain_model_bit_for_bit():
