@@ -47,10 +47,9 @@ from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
 from .modeling_sepformer import LOSS_KEYWORDS, default_position_ids
+from .ms_poe import LENGTH_DEPENDENT_ROPE
 
 PREFIX = "sepformer_mitigations_"
-# Rotary types whose frequencies change with the sequence length while the model runs: another base is not one table.
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True, eq=False)

@@ -76,6 +76,18 @@ def greedy(model, ids, mask=None, new=6, **options):
     return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **options)
 
 
+def stepwise_logits(model, ids, prefill: int, cache=None, **options) -> torch.Tensor:
+    """The logits of `ids` from a prefill of its first `prefill` tokens, then one cached decoding step per token."""
+    cache = cache if cache is not None else sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], past_key_values=cache, use_cache=True, **options).logits]
+        steps += [
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **options).logits
+            for t in range(prefill, ids.shape[1])
+        ]
+    return torch.cat(steps, 1)
+
+
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -303,12 +315,7 @@ def test_cached_decoding_equals_the_full_pass(name, model_name):
     if name == "ms_poe":  # ranked at prefill: the full pass ranks on its own last row
         keywords = options("ms_poe_fixed")
     full = logits(model, ids, **keywords)
-    cache = sepformer.SepFormerCache(config=model.config)
-    with torch.no_grad():
-        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, **keywords).logits]
-        for t in range(12, 18):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **keywords).logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stepwise_logits(model, ids, 12, **keywords), full, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------------- MS-PoE
@@ -364,11 +371,7 @@ def test_ms_poe_decodes_past_a_sliding_window_and_on_a_static_cache_as_the_full_
     model = mitigated("mistral", "eager", sliding_window=6)
     ids, option = random_ids(2, 16), options("ms_poe_fixed")
     full = logits(model, ids, **option)
-    cache = sepformer.SepFormerCache(config=model.config)
-    with torch.no_grad():
-        steps = [model(ids[:, :11], past_key_values=cache, **option).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=cache, **option).logits for t in range(11, 16)]
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stepwise_logits(model, ids, 11, **option), full, rtol=1e-5, atol=1e-5)
     static = greedy(model, ids[:, :11], cache_implementation="static", **option)
     assert torch.equal(static, greedy(model, ids[:, :11], **option))
 
@@ -476,15 +479,9 @@ def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_s
     model = mitigated(model_name, "eager")
     ids = random_ids(1, 16)
     option = AttentionCalibration(spans=[spans], temperature=temperature, layers=layers)
-    cache = sepformer.SepFormerCache(config=model.config)
-    with torch.no_grad():
-        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True, attention_calibration=option).logits]
-        for t in range(12, 16):
-            steps.append(
-                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, attention_calibration=option).logits
-            )
+    steps = stepwise_logits(model, ids, 12, attention_calibration=option)
     reference = calibration_reference(model_name, ids, spans, temperature, layers, first_row=11)
-    torch.testing.assert_close(torch.cat(steps, 1), reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps, reference, rtol=1e-4, atol=1e-4)
     assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
 
 
@@ -493,13 +490,9 @@ def test_calibration_decodes_past_a_sliding_window_as_with_every_key_kept():
     oracle."""
     model = mitigated("mistral", "eager", sliding_window=6)
     ids, option = random_ids(2, 16), options("calibration", 2)
-    runs = []
-    for cache in (sepformer.SepFormerCache(config=model.config), sepformer.SepFormerCache()):  # sliding, every key
-        with torch.no_grad():
-            steps = [model(ids[:, :11], past_key_values=cache, **option).logits]
-            steps += [model(ids[:, t : t + 1], past_key_values=cache, **option).logits for t in range(11, 16)]
-        runs.append(torch.cat(steps, 1))
-    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
+    sliding = stepwise_logits(model, ids, 11, **option)
+    every_key = stepwise_logits(model, ids, 11, cache=sepformer.SepFormerCache(), **option)
+    torch.testing.assert_close(sliding, every_key, rtol=1e-5, atol=1e-5)
 
 
 def test_options_a_model_lacks_are_refused_by_name_before_any_work():

@@ -4,7 +4,7 @@ each base, a reference written from the scaling's formula, and positional scalin
 import pytest
 import torch
 from conftest import logits, random_ids
-from test_any_decoder import ROTARY, SIZES, greedy, left_padded, mitigated, plain_model
+from test_any_decoder import ROTARY, SIZES, greedy, left_padded, mitigated, plain_model, stepwise_logits
 from test_buckets_and_windows import mixed_by_hand
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
@@ -74,11 +74,8 @@ def test_buckets_cached_decoding_equals_the_full_pass(name):
     buckets = AttentionBuckets(bases=BASES[:2], scales=(1.0, 0.5))
     full = logits(model, ids, attention_buckets=buckets)
     cache = sepformer.SepFormerCache(config=model.config)
-    with torch.no_grad():
-        steps = [model(ids[:, :11], past_key_values=cache, attention_buckets=buckets).logits]
-        for t in range(11, 16):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, attention_buckets=buckets).logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    steps = stepwise_logits(model, ids, 11, cache=cache, attention_buckets=buckets)
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="continue it with the same attention_buckets"):
         model(ids[:, :1], past_key_values=cache)
 
@@ -162,12 +159,8 @@ def test_positional_scaling_equals_the_dense_reference_at_prefill_and_at_each_de
     prefill = logits(model, ids[:, :12], positional_scaling=option, use_cache=False)
     torch.testing.assert_close(prefill, reference[:, :12], rtol=1e-5, atol=1e-5)
     assert (prefill - logits(model, ids[:, :12]))[:, -3:].abs().max() > 1e-3  # the option acts
-    cache = sepformer.SepFormerCache(config=model.config)
-    with torch.no_grad():
-        steps = [model(ids[:, :12], past_key_values=cache, positional_scaling=option).logits]
-        for t in range(12, 15):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, positional_scaling=option).logits)
-    torch.testing.assert_close(torch.cat(steps, 1), reference, rtol=1e-5, atol=1e-5)
+    steps = stepwise_logits(model, ids, 12, positional_scaling=option)
+    torch.testing.assert_close(steps, reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", [*ROTARY, "gpt2"])
