@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install clean extrapolation position-bias test-bounds
+.PHONY: demo test lint install clean extrapolation position-bias test-bounds
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ position-bias: install
 
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # `make test-bounds`: the test suite in one venv per bound of the supported version ranges (.venv-<bound>).
 # `make test-bound-transformers-lower` runs one. The torch bounds other than 2.13.0 (the CPU wheel on disk) install

@@ -180,8 +180,12 @@ class Shape:
 
     @property
     def max_length(self) -> int:
-        return max(*self.prefill_lengths, self.train_seq, self.prompt + self.new_tokens,
-                   self.extrapolation_length + self.new_tokens)
+        return max(
+            *self.prefill_lengths,
+            self.train_seq,
+            self.prompt + self.new_tokens,
+            self.extrapolation_length + self.new_tokens,
+        )
 
     @property
     def llama_intermediate(self) -> int:
@@ -189,8 +193,20 @@ class Shape:
 
 
 FULL = Shape()
-TINY = Shape(hidden_size=64, layers=2, heads=4, train_batch=2, train_seq=64, train_steps=1, prefill_lengths=(64, 256),
-             prompt=8, new_tokens=12, generate_batches=(1, 2), extrapolation_length=16, reps=3)
+TINY = Shape(
+    hidden_size=64,
+    layers=2,
+    heads=4,
+    train_batch=2,
+    train_seq=64,
+    train_steps=1,
+    prefill_lengths=(64, 256),
+    prompt=8,
+    new_tokens=12,
+    generate_batches=(1, 2),
+    extrapolation_length=16,
+    reps=3,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------- models
@@ -201,17 +217,36 @@ def build(name: str, shape: Shape, seed: int = 0, max_length: int | None = None)
     max_length = max_length or shape.max_length
     common = dict(vocab_size=shape.vocab_size, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     if name == "SepFormer":
-        config = SepFormerConfig(hidden_size=shape.hidden_size, num_hidden_layers=shape.layers,
-                                 num_attention_heads=shape.heads, max_position_embeddings=max_length, **common)
+        config = SepFormerConfig(
+            hidden_size=shape.hidden_size,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            max_position_embeddings=max_length,
+            **common,
+        )
     elif name == "GPT-2":
-        config = GPT2Config(n_embd=shape.hidden_size, n_layer=shape.layers, n_head=shape.heads, n_positions=max_length,
-                            activation_function="gelu_pytorch_tanh", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            **common)
+        config = GPT2Config(
+            n_embd=shape.hidden_size,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            n_positions=max_length,
+            activation_function="gelu_pytorch_tanh",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
     elif name == "Llama":
-        config = LlamaConfig(hidden_size=shape.hidden_size, num_hidden_layers=shape.layers,
-                             num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
-                             intermediate_size=shape.llama_intermediate, max_position_embeddings=max_length,
-                             tie_word_embeddings=False, **common)
+        config = LlamaConfig(
+            hidden_size=shape.hidden_size,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.heads,
+            intermediate_size=shape.llama_intermediate,
+            max_position_embeddings=max_length,
+            tie_word_embeddings=False,
+            **common,
+        )
     else:
         raise ValueError(f"unknown model {name!r}: choose one of {MODELS}")
     torch.manual_seed(seed)
@@ -268,8 +303,15 @@ def prefill(model, length: int, seed: int):
 def generate(model, batch: int, prompt: int, new_tokens: int, seed: int, **kwargs):
     model.eval()
     ids = token_ids(batch, prompt, seed, model.device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD, **kwargs)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=PAD,
+        **kwargs,
+    )
     if out.shape != (batch, prompt + new_tokens):
         raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {(batch, prompt + new_tokens)}")
     return out
@@ -336,17 +378,45 @@ def summary_rows(m: Measurement) -> list[dict]:
     rows = []
     for name, values in m.samples.items():
         q1, median, q3 = quartiles(values)
-        rows.append(dict(section=m.section, metric=m.key, label=m.label, variant=name, unit=m.unit, median=median,
-                         q1=q1, q3=q3, min=min(values), max=max(values), n=len(values),
-                         higher_is_better=m.higher_is_better, target=m.target))
+        rows.append(
+            dict(
+                section=m.section,
+                metric=m.key,
+                label=m.label,
+                variant=name,
+                unit=m.unit,
+                median=median,
+                q1=q1,
+                q3=q3,
+                min=min(values),
+                max=max(values),
+                n=len(values),
+                higher_is_better=m.higher_is_better,
+                target=m.target,
+            )
+        )
     for numerator, denominator in m.ratios:
         if numerator not in m.samples or denominator not in m.samples:
             continue
         ratios = [a / b if b else math.nan for a, b in zip(m.samples[numerator], m.samples[denominator], strict=True)]
         q1, median, q3 = quartiles(ratios)
-        rows.append(dict(section=m.section, metric=m.key, label=m.label, variant=f"{numerator} / {denominator}",
-                         unit="ratio", median=median, q1=q1, q3=q3, min=min(ratios), max=max(ratios), n=len(ratios),
-                         higher_is_better=m.higher_is_better, target=m.target))
+        rows.append(
+            dict(
+                section=m.section,
+                metric=m.key,
+                label=m.label,
+                variant=f"{numerator} / {denominator}",
+                unit="ratio",
+                median=median,
+                q1=q1,
+                q3=q3,
+                min=min(ratios),
+                max=max(ratios),
+                n=len(ratios),
+                higher_is_better=m.higher_is_better,
+                target=m.target,
+            )
+        )
     return rows
 
 
@@ -422,9 +492,22 @@ def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = Fal
     processes = []
     for names in groups:
         log(f"memory worker {', '.join(names)}")
-        command = [sys.executable, __file__, "--memory-worker", ",".join(names), "--shape-json",
-                   json.dumps(dataclasses.asdict(shape)), "--seed", str(seed), "--reps", str(reps),
-                   "--device", shape.device, "--dtype", shape.dtype]
+        command = [
+            sys.executable,
+            __file__,
+            "--memory-worker",
+            ",".join(names),
+            "--shape-json",
+            json.dumps(dataclasses.asdict(shape)),
+            "--seed",
+            str(seed),
+            "--reps",
+            str(reps),
+            "--device",
+            shape.device,
+            "--dtype",
+            shape.dtype,
+        ]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     results = {}
     for names, process in zip(groups, processes, strict=True):
@@ -438,19 +521,31 @@ def measure_memory(shape: Shape, seed: int, reps: int, log, together: bool = Fal
         if key.startswith("prefill_"):
             label = f"prefill {key.split('_')[1]} tokens"
         elif key.startswith("generate_b"):
-            label = f"generate {shape.new_tokens} tokens, batch {key[len('generate_b'):]}"
+            label = f"generate {shape.new_tokens} tokens, batch {key[len('generate_b') :]}"
         memory = "CUDA memory allocated" if shape.device == "cuda" else "memory"
-        m = Measurement(key=f"peak_memory_{key}", label=f"peak extra {memory}: {label}", unit="MiB",
-                        higher_is_better=False, runners={}, section="memory")
+        m = Measurement(
+            key=f"peak_memory_{key}",
+            label=f"peak extra {memory}: {label}",
+            unit="MiB",
+            higher_is_better=False,
+            runners={},
+            section="memory",
+        )
         m.samples = {name: [v / 2**20 for v in results[name][key]] for name in MODELS}
         measurements.append(m)
     # Linear in sequence length: the peak at the longest prefill over the peak at the shortest, per model. A
     # (heads x n x n) score matrix would make it grow like the square of the length ratio.
     short, long = min(shape.prefill_lengths), max(shape.prefill_lengths)
     growth = Measurement(
-        key="prefill_memory_growth", label=f"prefill peak memory {long} / {short} tokens (linear: {long / short:g}, "
-        f"quadratic: {(long / short) ** 2:g})", unit="x", higher_is_better=False, runners={}, section="memory",
-        target=f"SepFormer linear (about {long / short:g}x)")
+        key="prefill_memory_growth",
+        label=f"prefill peak memory {long} / {short} tokens (linear: {long / short:g}, "
+        f"quadratic: {(long / short) ** 2:g})",
+        unit="x",
+        higher_is_better=False,
+        runners={},
+        section="memory",
+        target=f"SepFormer linear (about {long / short:g}x)",
+    )
     growth.samples = {}
     for name in MODELS:
         pairs = zip(results[name][f"prefill_{short}"], results[name][f"prefill_{long}"], strict=True)
@@ -472,16 +567,29 @@ def comparison_measurements(models: dict, mitigated: dict, shape: Shape, seed: i
         def train_runner(name):
             return lambda: tokens * shape.train_steps / timed(lambda: [steps[name]() for _ in range(shape.train_steps)])
 
-        measurements.append(Measurement(
-            key="train_tokens_per_s", label=f"training step (fwd+bwd+AdamW), batch {shape.train_batch} x "
-            f"{shape.train_seq}", unit="tokens/s", higher_is_better=True,
-            runners={name: train_runner(name) for name in models}, target="SepFormer/GPT-2 >= 1.10"))
+        measurements.append(
+            Measurement(
+                key="train_tokens_per_s",
+                label=f"training step (fwd+bwd+AdamW), batch {shape.train_batch} x {shape.train_seq}",
+                unit="tokens/s",
+                higher_is_better=True,
+                runners={name: train_runner(name) for name in models},
+                target="SepFormer/GPT-2 >= 1.10",
+            )
+        )
     for length in shape.prefill_lengths if "prefill" in sections else ():
-        measurements.append(Measurement(
-            key=f"prefill_{length}_ms", label=f"prefill latency, {length} tokens, batch 1", unit="ms",
-            higher_is_better=False,
-            runners={name: (lambda model=model, length=length: 1000 * timed(lambda: prefill(model, length, seed)))
-                     for name, model in models.items()}))
+        measurements.append(
+            Measurement(
+                key=f"prefill_{length}_ms",
+                label=f"prefill latency, {length} tokens, batch 1",
+                unit="ms",
+                higher_is_better=False,
+                runners={
+                    name: (lambda model=model, length=length: 1000 * timed(lambda: prefill(model, length, seed)))
+                    for name, model in models.items()
+                },
+            )
+        )
     for batch in shape.generate_batches if "generation" in sections else ():
         measurements += generation_measurements(models, mitigated, shape, seed, batch)
     return measurements
@@ -500,40 +608,69 @@ def measured_on(base: str) -> list[str]:
 
 def skipped_mitigations() -> list[str]:
     """A line for each `MITIGATIONS` entry not measured on the mitigated Llama, saying why."""
-    return [f"- {MITIGATED_LLAMA} + {mitigation}: skipped, {why}." for mitigation in MITIGATIONS
-            if (why := why_not_on_llama(mitigation))]
+    return [
+        f"- {MITIGATED_LLAMA} + {mitigation}: skipped, {why}."
+        for mitigation in MITIGATIONS
+        if (why := why_not_on_llama(mitigation))
+    ]
 
 
 def generation_measurements(models: dict, mitigated: dict, shape: Shape, seed: int, batch: int) -> list[Measurement]:
     """Cached generation at `batch`, every model and every mitigation timed in it, and the mitigations' overheads."""
 
     def runner(model, **kwargs):
-        return lambda: batch * shape.new_tokens / timed(
-            lambda: generate(model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+        return lambda: (
+            batch
+            * shape.new_tokens
+            / timed(lambda: generate(model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+        )
 
     runners = {name: runner(model) for name, model in {**models, **mitigated}.items()}
     for base, model in mitigated.items():  # see MITIGATIONS: each model with each one switched on
         for mitigation in measured_on(base):
             runners[f"{base} + {mitigation}"] = runner(model, **MITIGATIONS[mitigation](batch, shape.prompt))
     key = f"generate_b{batch}_tokens_per_s"
-    measurements = [Measurement(
-        key=key, label=f"cached generation, {shape.new_tokens} new tokens, batch {batch} (prompt {shape.prompt})",
-        unit="tokens/s", higher_is_better=True, runners=runners,
-        target="SepFormer/GPT-2 >= 1.05, /Llama >= 1.0" if batch == 1 else "SepFormer/GPT-2 and /Llama >= 1.0")]
+    measurements = [
+        Measurement(
+            key=key,
+            label=f"cached generation, {shape.new_tokens} new tokens, batch {batch} (prompt {shape.prompt})",
+            unit="tokens/s",
+            higher_is_better=True,
+            runners=runners,
+            target="SepFormer/GPT-2 >= 1.05, /Llama >= 1.0" if batch == 1 else "SepFormer/GPT-2 and /Llama >= 1.0",
+        )
+    ]
     if not mitigated:
         return measurements
-    measurements.append(Measurement(
-        key=f"generate_b{batch}_add_mitigations", label=f"Llama generation after add_mitigations, no option, batch "
-        f"{batch}", unit="tokens/s", higher_is_better=True, runners={}, ratios=((MITIGATED_LLAMA, "Llama"),),
-        section="mitigations", source=key, target="mitigated / plain >= 0.95"))
+    measurements.append(
+        Measurement(
+            key=f"generate_b{batch}_add_mitigations",
+            label=f"Llama generation after add_mitigations, no option, batch {batch}",
+            unit="tokens/s",
+            higher_is_better=True,
+            runners={},
+            ratios=((MITIGATED_LLAMA, "Llama"),),
+            section="mitigations",
+            source=key,
+            target="mitigated / plain >= 0.95",
+        )
+    )
     for mitigation in MITIGATIONS:
-        measurements.append(Measurement(
-            key=f"generate_b{batch}_mitigation_{mitigation}", label=f"generation with {mitigation}, batch {batch}",
-            unit="tokens/s", higher_is_better=True, runners={},
-            ratios=tuple((f"{base} + {mitigation}", base) for base in mitigated if mitigation in measured_on(base)),
-            section="mitigations", source=key,
-            target=f"with / without >= 0.87 / {PER_BUCKET[mitigation]} ({PER_BUCKET[mitigation]} buckets)"
-            if mitigation in PER_BUCKET else "with / without >= 0.87 (<= 15% more time)"))
+        measurements.append(
+            Measurement(
+                key=f"generate_b{batch}_mitigation_{mitigation}",
+                label=f"generation with {mitigation}, batch {batch}",
+                unit="tokens/s",
+                higher_is_better=True,
+                runners={},
+                ratios=tuple((f"{base} + {mitigation}", base) for base in mitigated if mitigation in measured_on(base)),
+                section="mitigations",
+                source=key,
+                target=f"with / without >= 0.87 / {PER_BUCKET[mitigation]} ({PER_BUCKET[mitigation]} buckets)"
+                if mitigation in PER_BUCKET
+                else "with / without >= 0.87 (<= 15% more time)",
+            )
+        )
     return measurements
 
 
@@ -559,11 +696,17 @@ def extrapolation_measurement(sepformer_model, shape: Shape, seed: int) -> Measu
     for method, model in past.items():
         runners[f"past L, {method}"] = runner(model, position_extrapolation=method)
     return Measurement(
-        key="extrapolation_generate_ms", label=f"SepFormer generate, batch 1, prompt {length} tokens = L, "
+        key="extrapolation_generate_ms",
+        label=f"SepFormer generate, batch 1, prompt {length} tokens = L, "
         f"{shape.new_tokens} new tokens all past L; 'within L': same weights, table of {length + shape.new_tokens} "
-        "rows", unit="ms", higher_is_better=False, runners=runners,
-        ratios=tuple((f"past L, {method}", "within L") for method in past), section="extrapolation",
-        target="past / within <= 1.05")
+        "rows",
+        unit="ms",
+        higher_is_better=False,
+        runners=runners,
+        ratios=tuple((f"past L, {method}", "within L") for method in past),
+        section="extrapolation",
+        target="past / within <= 1.05",
+    )
 
 
 def extrapolation_step_measurement(sepformer_model, shape: Shape, seed: int, rounds: int = 2) -> Measurement:
@@ -581,27 +724,41 @@ def extrapolation_step_measurement(sepformer_model, shape: Shape, seed: int, rou
     ids = token_ids(1, length, seed, sepformer_model.device)
     with torch.no_grad():
         for _ in range(rounds):
-            caches = {name: model(input_ids=ids, use_cache=True, **kwargs).past_key_values
-                      for name, (model, kwargs) in variants.items()}
+            caches = {
+                name: model(input_ids=ids, use_cache=True, **kwargs).past_key_values
+                for name, (model, kwargs) in variants.items()
+            }
             token = ids[:, -1:]
             for step in range(shape.new_tokens):
                 position = torch.tensor([[length + step]], device=ids.device)
                 mask = torch.ones(1, length + step + 1, dtype=torch.long, device=ids.device)
                 names = list(variants)
-                for name in names[step % 3:] + names[: step % 3]:
+                for name in names[step % 3 :] + names[: step % 3]:
                     model, kwargs = variants[name]
                     synchronize()
                     start = time.perf_counter()
-                    model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=caches[name],
-                          use_cache=True, logits_to_keep=1, **kwargs)
+                    model(
+                        input_ids=token,
+                        attention_mask=mask,
+                        position_ids=position,
+                        past_key_values=caches[name],
+                        use_cache=True,
+                        logits_to_keep=1,
+                        **kwargs,
+                    )
                     synchronize()
                     samples[name].append(1e6 * (time.perf_counter() - start))
     measurement = Measurement(
-        key="extrapolation_decode_step_us", label=f"SepFormer decoding step, batch 1, positions {length}.."
+        key="extrapolation_decode_step_us",
+        label=f"SepFormer decoding step, batch 1, positions {length}.."
         f"{length + shape.new_tokens - 1} (past L={length}), variants alternating step by step, {rounds} passes",
-        unit="us", higher_is_better=False, runners={},
-        ratios=tuple((name, "within L") for name in variants if name != "within L"), section="extrapolation",
-        target="past / within <= 1.05")
+        unit="us",
+        higher_is_better=False,
+        runners={},
+        ratios=tuple((name, "within L") for name in variants if name != "within L"),
+        section="extrapolation",
+        target="past / within <= 1.05",
+    )
     measurement.samples = samples
     return measurement
 
@@ -632,36 +789,72 @@ def compile_measurements(shape: Shape, seed: int, log) -> list[Measurement]:
         compile_seconds[f"{name} training (first 2 steps)"] = [seconds]
         log(f"compiled {name} training step in {seconds:.1f}s")
         for label, step in (("eager", eager_step), ("compiled", compiled_step)):
-            train_runners[f"{name} {label}"] = (lambda step=step: tokens * shape.train_steps / timed(
-                lambda: [step() for _ in range(shape.train_steps)]))
+            train_runners[f"{name} {label}"] = lambda step=step: (
+                tokens * shape.train_steps / timed(lambda: [step() for _ in range(shape.train_steps)])
+            )
 
         generator = build(name, shape, seed)
         static = {"cache_implementation": "static"}
         compiled_static = dict(static, compile_config=fullgraph_compile_config())
-        seconds = timed(lambda model=generator, kwargs=compiled_static: generate(
-            model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+        seconds = timed(
+            lambda model=generator, kwargs=compiled_static: generate(
+                model, batch, shape.prompt, shape.new_tokens, seed, **kwargs
+            )
+        )
         compile_seconds[f"{name} generation (first call)"] = [seconds]
         log(f"compiled {name} static-cache generation in {seconds:.1f}s")
-        for label, model, kwargs in (("eager", eager, {}), ("eager static cache", eager, static),
-                                     ("compiled static cache", generator, compiled_static)):
-            generate_runners[f"{name} {label}"] = (lambda model=model, kwargs=kwargs: batch * shape.new_tokens / timed(
-                lambda: generate(model, batch, shape.prompt, shape.new_tokens, seed, **kwargs)))
+        for label, model, kwargs in (
+            ("eager", eager, {}),
+            ("eager static cache", eager, static),
+            ("compiled static cache", generator, compiled_static),
+        ):
+            generate_runners[f"{name} {label}"] = lambda model=model, kwargs=kwargs: (
+                batch
+                * shape.new_tokens
+                / timed(lambda: generate(model, batch, shape.prompt, shape.new_tokens, seed, **kwargs))
+            )
     speedups = tuple((f"{name} compiled", f"{name} eager") for name in MODELS)
     across = tuple((f"SepFormer {label}", f"{peer} {label}") for label in ("eager", "compiled") for peer in PEERS)
-    measurements.append(Measurement(
-        key="compile_train_tokens_per_s", label=f"training step, batch {shape.train_batch} x {shape.train_seq}: "
-        "torch.compile(model) vs eager", unit="tokens/s", higher_is_better=True, runners=train_runners,
-        ratios=speedups + across, section="compile"))
-    speedups = tuple((f"{name} compiled static cache", f"{name} {label}") for name in MODELS
-                     for label in ("eager", "eager static cache"))
-    across = tuple((f"SepFormer {label}", f"{peer} {label}") for label in ("eager", "compiled static cache")
-                   for peer in PEERS)
-    measurements.append(Measurement(
-        key="compile_generate_tokens_per_s", label=f"generation, batch {batch}, {shape.new_tokens} new tokens: "
-        "forward compiled (fullgraph) with a static cache vs eager", unit="tokens/s", higher_is_better=True,
-        runners=generate_runners, ratios=speedups + across, section="compile"))
-    compile_time = Measurement(key="compile_seconds", label="compilation: wall time of the first compiled calls",
-                               unit="s", higher_is_better=False, runners={}, ratios=(), section="compile")
+    measurements.append(
+        Measurement(
+            key="compile_train_tokens_per_s",
+            label=f"training step, batch {shape.train_batch} x {shape.train_seq}: torch.compile(model) vs eager",
+            unit="tokens/s",
+            higher_is_better=True,
+            runners=train_runners,
+            ratios=speedups + across,
+            section="compile",
+        )
+    )
+    speedups = tuple(
+        (f"{name} compiled static cache", f"{name} {label}")
+        for name in MODELS
+        for label in ("eager", "eager static cache")
+    )
+    across = tuple(
+        (f"SepFormer {label}", f"{peer} {label}") for label in ("eager", "compiled static cache") for peer in PEERS
+    )
+    measurements.append(
+        Measurement(
+            key="compile_generate_tokens_per_s",
+            label=f"generation, batch {batch}, {shape.new_tokens} new tokens: "
+            "forward compiled (fullgraph) with a static cache vs eager",
+            unit="tokens/s",
+            higher_is_better=True,
+            runners=generate_runners,
+            ratios=speedups + across,
+            section="compile",
+        )
+    )
+    compile_time = Measurement(
+        key="compile_seconds",
+        label="compilation: wall time of the first compiled calls",
+        unit="s",
+        higher_is_better=False,
+        runners={},
+        ratios=(),
+        section="compile",
+    )
     compile_time.samples = compile_seconds
     measurements.append(compile_time)
     return measurements
@@ -669,19 +862,57 @@ def compile_measurements(shape: Shape, seed: int, log) -> list[Measurement]:
 
 def flops_rows(models: dict, shape: Shape, train_ratio: dict) -> list[dict]:
     flops = {name: forward_flops_per_token(model.eval(), shape.train_seq) for name, model in models.items()}
-    rows = [dict(section="comparison", metric="forward_flops_per_token", label=f"forward FLOPs per token "
-                 f"(flop_counter, {shape.train_seq} tokens)", variant=name, unit="MFLOP", median=value / 1e6,
-                 q1=value / 1e6, q3=value / 1e6, min=value / 1e6, max=value / 1e6, n=1, higher_is_better=False,
-                 target="") for name, value in flops.items()]
+    rows = [
+        dict(
+            section="comparison",
+            metric="forward_flops_per_token",
+            label=f"forward FLOPs per token (flop_counter, {shape.train_seq} tokens)",
+            variant=name,
+            unit="MFLOP",
+            median=value / 1e6,
+            q1=value / 1e6,
+            q3=value / 1e6,
+            min=value / 1e6,
+            max=value / 1e6,
+            n=1,
+            higher_is_better=False,
+            target="",
+        )
+        for name, value in flops.items()
+    ]
     for peer in PEERS:
         ratio = flops["SepFormer"] / flops[peer]
-        rows.append(dict(rows[0], variant=f"SepFormer / {peer}", unit="ratio", median=ratio, q1=ratio, q3=ratio,
-                         min=ratio, max=ratio))
+        rows.append(
+            dict(
+                rows[0],
+                variant=f"SepFormer / {peer}",
+                unit="ratio",
+                median=ratio,
+                q1=ratio,
+                q3=ratio,
+                min=ratio,
+                max=ratio,
+            )
+        )
         # measured time per token, for comparison with the FLOP ratio: 1 / throughput ratio
         q1, median, q3 = (1 / train_ratio[peer][2], 1 / train_ratio[peer][1], 1 / train_ratio[peer][0])
-        rows.append(dict(section="comparison", metric="train_time_per_token", label="training time per token "
-                         "(1 / throughput ratio, beside the FLOP ratio)", variant=f"SepFormer / {peer}", unit="ratio",
-                         median=median, q1=q1, q3=q3, min=q1, max=q3, n=1, higher_is_better=False, target=""))
+        rows.append(
+            dict(
+                section="comparison",
+                metric="train_time_per_token",
+                label="training time per token (1 / throughput ratio, beside the FLOP ratio)",
+                variant=f"SepFormer / {peer}",
+                unit="ratio",
+                median=median,
+                q1=q1,
+                q3=q3,
+                min=q1,
+                max=q3,
+                n=1,
+                higher_is_better=False,
+                target="",
+            )
+        )
     return rows
 
 
@@ -726,18 +957,28 @@ def markdown(rows: list[dict], header: str, notes: dict[str, list[str]]) -> str:
 
     comparison = sections.get("comparison", []) + sections.get("memory", [])
     if comparison:
-        lines += ["| measurement | unit | SepFormer | GPT-2 | Llama | SepFormer / GPT-2 | SepFormer / Llama | target |",
-                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "| measurement | unit | SepFormer | GPT-2 | Llama | SepFormer / GPT-2 | SepFormer / Llama | target |",
+            "|---|---|---:|---:|---:|---:|---:|---|",
+        ]
         for group in comparison:
             first = group[0]
             unit = next((r["unit"] for r in group if r["unit"] != "ratio"), "ratio")
             direction = " (higher is better)" if first["higher_is_better"] else ""
-            lines.append(f"| {first['label']} | {unit}{direction} | " + " | ".join(
-                cell(find(group, v)) for v in ("SepFormer", "GPT-2", "Llama", "SepFormer / GPT-2", "SepFormer / Llama"))
-                + f" | {first['target']} |")
+            lines.append(
+                f"| {first['label']} | {unit}{direction} | "
+                + " | ".join(
+                    cell(find(group, v))
+                    for v in ("SepFormer", "GPT-2", "Llama", "SepFormer / GPT-2", "SepFormer / Llama")
+                )
+                + f" | {first['target']} |"
+            )
         lines.append("")
-    for section, title in (("extrapolation", "Extrapolation past the trained length"),
-                           ("mitigations", "Position-bias mitigations"), ("compile", "torch.compile")):
+    for section, title in (
+        ("extrapolation", "Extrapolation past the trained length"),
+        ("mitigations", "Position-bias mitigations"),
+        ("compile", "torch.compile"),
+    ):
         if section not in sections:
             continue
         lines += [f"### {title}", "", "| measurement | variant | median [q1, q3] | target |", "|---|---|---:|---|"]
@@ -745,8 +986,10 @@ def markdown(rows: list[dict], header: str, notes: dict[str, list[str]]) -> str:
             for i, row in enumerate(group):
                 label = group[0]["label"] if i == 0 else ""
                 unit = "" if row["unit"] == "ratio" else " " + row["unit"]
-                lines.append(f"| {label} | {row['variant']} | {cell(row)}{unit} | "
-                             f"{row['target'] if row['unit'] == 'ratio' else ''} |")
+                lines.append(
+                    f"| {label} | {row['variant']} | {cell(row)}{unit} | "
+                    f"{row['target'] if row['unit'] == 'ratio' else ''} |"
+                )
         lines += ["", *notes.get(section, ()), *([""] if notes.get(section) else ())]
     return "\n".join(lines)
 
@@ -761,15 +1004,17 @@ def header(shape: Shape, args, sections: list[str], load_before: float, elapsed:
     if shape.device == "cuda":
         cpu = f"{torch.cuda.get_device_name()} (host: {cpu})"
     d_pos = shape.hidden_size // shape.heads
-    text = (f"## SepFormer benchmark{' (tiny preset)' if args.tiny else ''}\n\n"
-            f"d_model={shape.hidden_size}, layers={shape.layers}, heads={shape.heads} (SepFormer d_pos = head_dim = "
-            f"{d_pos}), vocab={shape.vocab_size}, {shape.dtype} on {shape.device}, sdpa, Llama intermediate="
-            f"{shape.llama_intermediate}; sections: {', '.join(sections)}; "
-            f"{shape.reps} repetitions, models interleaved; cells are median [q1, q3], ratios the median of "
-            f"per-repetition SepFormer / peer ratios.\n"
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-            f"{cpu}, {os.cpu_count()} CPUs, 1-min load average at start {load_before:.2f}, wall time "
-            f"{elapsed / 60:.1f} min.")
+    text = (
+        f"## SepFormer benchmark{' (tiny preset)' if args.tiny else ''}\n\n"
+        f"d_model={shape.hidden_size}, layers={shape.layers}, heads={shape.heads} (SepFormer d_pos = head_dim = "
+        f"{d_pos}), vocab={shape.vocab_size}, {shape.dtype} on {shape.device}, sdpa, Llama intermediate="
+        f"{shape.llama_intermediate}; sections: {', '.join(sections)}; "
+        f"{shape.reps} repetitions, models interleaved; cells are median [q1, q3], ratios the median of "
+        f"per-repetition SepFormer / peer ratios.\n"
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"{cpu}, {os.cpu_count()} CPUs, 1-min load average at start {load_before:.2f}, wall time "
+        f"{elapsed / 60:.1f} min."
+    )
     return text
 
 
@@ -777,8 +1022,9 @@ def model_names(text: str) -> list[str]:
     """--memory-worker: a comma-separated list of `MODELS`."""
     names = text.split(",")
     if unknown := [name for name in names if name not in MODELS]:
-        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))} in {text!r}: give a comma-separated list "
-                                         f"of {', '.join(MODELS)}")
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, unknown))} in {text!r}: give a comma-separated list of {', '.join(MODELS)}"
+        )
     return names
 
 
@@ -803,9 +1049,11 @@ def shape_json(text: str) -> Shape:
         return positive(value)
 
     if wrong := [name for name, value in fields.items() if not fits(name, value)]:
-        raise argparse.ArgumentTypeError(f"{', '.join(wrong)} in {text!r}: each field is a positive integer (a list "
-                                         "of them for prefill_lengths and generate_batches; a string for device and "
-                                         "dtype)")
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(wrong)} in {text!r}: each field is a positive integer (a list "
+            "of them for prefill_lengths and generate_batches; a string for device and "
+            "dtype)"
+        )
     return Shape(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 
@@ -822,15 +1070,25 @@ def main(argv=None):
     parser.add_argument("--shape-json", type=shape_json, help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models run (default cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the models' precision (default float32)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), action=Distinct,
-                        help="what to measure (default: all); mitigations are timed in generation's repetitions")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        action=Distinct,
+        help="what to measure (default: all); mitigations are timed in generation's repetitions",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("argument --device: cuda given, but torch finds no CUDA GPU here (torch.cuda.is_available() is "
-                     "False); give --device cpu")
+        parser.error(
+            "argument --device: cuda given, but torch finds no CUDA GPU here (torch.cuda.is_available() is "
+            "False); give --device cpu"
+        )
     if "mitigations" in args.sections and "generation" not in args.sections:
-        parser.error(f"argument --sections: mitigations are timed in the repetitions of generation; give generation "
-                     f"with them (given: {' '.join(args.sections)})")
+        parser.error(
+            f"argument --sections: mitigations are timed in the repetitions of generation; give generation "
+            f"with them (given: {' '.join(args.sections)})"
+        )
     sections = [name for name in SECTIONS if name in args.sections and not (name == "memory" and args.no_memory)]
     if not sections and not args.compile:
         parser.error("argument --sections: only memory given, and --no-memory skips it: nothing to measure")
@@ -877,8 +1135,11 @@ def main(argv=None):
 
     rows = [row for m in measurements for row in summary_rows(m)]
     if "training" in sections:  # FLOPs per token beside the training throughput
-        train = {r["variant"].split(" / ")[1]: (r["q1"], r["median"], r["q3"]) for r in rows
-                 if r["metric"] == "train_tokens_per_s" and r["unit"] == "ratio"}
+        train = {
+            r["variant"].split(" / ")[1]: (r["q1"], r["median"], r["q3"])
+            for r in rows
+            if r["metric"] == "train_tokens_per_s" and r["unit"] == "ratio"
+        }
         after_train = max(i for i, r in enumerate(rows) if r["metric"] == "train_tokens_per_s") + 1
         rows[after_train:after_train] = flops_rows(models, shape, train)
 

@@ -36,27 +36,48 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=positive_int, default=256)
     args = parser.parse_args(argv)
 
-    sepformer = SepFormerForCausalLM(SepFormerConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, max_position_embeddings=args.seq_len)).eval()
-    gpt2 = GPT2LMHeadModel(GPT2Config(
-        vocab_size=args.vocab_size, n_embd=args.hidden_size, n_layer=args.layers, n_head=args.heads,
-        n_positions=args.seq_len, bos_token_id=257, eos_token_id=258)).eval()
+    sepformer = SepFormerForCausalLM(
+        SepFormerConfig(
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            max_position_embeddings=args.seq_len,
+        )
+    ).eval()
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=args.vocab_size,
+            n_embd=args.hidden_size,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_positions=args.seq_len,
+            bos_token_id=257,
+            eos_token_id=258,
+        )
+    ).eval()
     rows = []
     for name, model in (("SepFormer", sepformer), ("GPT-2", gpt2)):
         total = model.num_parameters()
         # token/position embeddings and the (untied) head: what scales with vocabulary and table length
-        embedding = sum(p.numel() for n, p in model.named_parameters()
-                        if "embed" in n or "lm_head" in n or n.startswith(("transformer.wte", "transformer.wpe")))
+        embedding = sum(
+            p.numel()
+            for n, p in model.named_parameters()
+            if "embed" in n or "lm_head" in n or n.startswith(("transformer.wte", "transformer.wpe"))
+        )
         rows.append((name, total, total - embedding, forward_flops_per_token(model, args.seq_len)))
-    print(f"d_model={args.hidden_size} layers={args.layers} heads={args.heads} vocab={args.vocab_size} "
-          f"seq_len={args.seq_len} (SepFormer d_pos={sepformer.config.position_size})\n")
+    print(
+        f"d_model={args.hidden_size} layers={args.layers} heads={args.heads} vocab={args.vocab_size} "
+        f"seq_len={args.seq_len} (SepFormer d_pos={sepformer.config.position_size})\n"
+    )
     print("| model | parameters | non-embedding parameters | forward FLOPs / token |")
     print("|---|---:|---:|---:|")
     for name, total, body, flops in rows:
         print(f"| {name} | {total:,} | {body:,} | {flops / 1e6:.2f} M |")
-    print(f"| ratio SepFormer / GPT-2 | {rows[0][1] / rows[1][1]:.3f} | {rows[0][2] / rows[1][2]:.3f} | "
-          f"{rows[0][3] / rows[1][3]:.3f} |")
+    print(
+        f"| ratio SepFormer / GPT-2 | {rows[0][1] / rows[1][1]:.3f} | {rows[0][2] / rows[1][2]:.3f} | "
+        f"{rows[0][3] / rows[1][3]:.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ nonnegative_int = int_at_least(0)
 
 def float_in(low: float, high: float = math.inf, low_inclusive: bool = False):
     """A finite float above `low` (or at it, with `low_inclusive`) and at most `high`."""
-    allowed = f"a finite number {'>=' if low_inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high < math.inf
-                                                                             else "")
+    allowed = f"a finite number {'>=' if low_inclusive else '>'} {low:g}" + (
+        f" and <= {high:g}" if high < math.inf else ""
+    )
 
     def parse(text: str) -> float:
         try:
@@ -75,12 +76,15 @@ def torch_device(text: str) -> str:
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; give {' or '.join(available)}") from None
     if device.type not in available:
-        raise argparse.ArgumentTypeError(f"{text} is not available on this machine (it has {' and '.join(available)}): "
-                                         f"give {' or '.join(available)}")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not available on this machine (it has {' and '.join(available)}): give {' or '.join(available)}"
+        )
     count = torch.accelerator.device_count() if device.type != "cpu" else 1
     if (device.index or 0) >= count:
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: this machine has {count} {device.type} devices "
-                                         f"({device.type}:0 to {device.type}:{count - 1})")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not allowed: this machine has {count} {device.type} devices "
+            f"({device.type}:0 to {device.type}:{count - 1})"
+        )
     return text
 
 
@@ -95,8 +99,10 @@ def trainer_device(text: str) -> str:
     process's own device."""
     kind, index = text.partition(":")[::2]
     if index:
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: Trainer places the model on each process's own "
-                                         f"device; give {kind} (and choose GPUs with CUDA_VISIBLE_DEVICES)")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not allowed: Trainer places the model on each process's own "
+            f"device; give {kind} (and choose GPUs with CUDA_VISIBLE_DEVICES)"
+        )
     return torch_device(text)
 
 
@@ -106,8 +112,11 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[
     given."""
     unset = object()
     namespace = parser.parse_args(argv, argparse.Namespace(**{action.dest: unset for action in parser._actions}))
-    return {action.option_strings[0] for action in parser._actions
-            if action.option_strings and getattr(namespace, action.dest) is not unset}
+    return {
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings and getattr(namespace, action.dest) is not unset
+    }
 
 
 def refuse_beside(parser: argparse.ArgumentParser, given: set[str], flag: str, others, why: str) -> None:
@@ -123,6 +132,8 @@ class Distinct(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         repeated = sorted({value for value in values if values.count(value) > 1})
         if repeated:
-            parser.error(f"argument {option_string}: {' '.join(map(str, repeated))} given more than once in "
-                         f"{' '.join(map(str, values))}; give each value once")
+            parser.error(
+                f"argument {option_string}: {' '.join(map(str, repeated))} given more than once in "
+                f"{' '.join(map(str, values))}; give each value once"
+            )
         setattr(namespace, self.dest, values)

@@ -82,10 +82,15 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=positive_int, default=600)
     parser.add_argument("--batch-size", type=positive_int, default=16)
     # the sample's prompt (<s> and its bytes) and at least one new token fit in L
-    parser.add_argument("--block-size", type=int_at_least(len(SAMPLE_PROMPT) + 2), default=256,
-                        help="training length L (max_position_embeddings)")
-    parser.add_argument("--max-bytes", type=positive_int, default=6_000_000,
-                        help="how much standard-library source to read")
+    parser.add_argument(
+        "--block-size",
+        type=int_at_least(len(SAMPLE_PROMPT) + 2),
+        default=256,
+        help="training length L (max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--max-bytes", type=positive_int, default=6_000_000, help="how much standard-library source to read"
+    )
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     return parser.parse_args(argv)
 
@@ -97,15 +102,20 @@ def main(argv=None):
 
     tokenizer = SepFormerTokenizer()
     train_texts, validation_texts = stdlib_sources(args.max_bytes, validation_fraction=0.05)
-    train, validation = byte_blocks(train_texts, tokenizer, args.block_size), byte_blocks(
-        validation_texts, tokenizer, args.block_size
+    train, validation = (
+        byte_blocks(train_texts, tokenizer, args.block_size),
+        byte_blocks(validation_texts, tokenizer, args.block_size),
     )
     validation = validation.select(range(min(len(validation), 64)))
     if len(train) < args.batch_size or not len(validation):
-        raise SystemExit(f"--max-bytes {args.max_bytes} gives {len(train)} training and {len(validation)} validation "
-                         f"blocks of {args.block_size} bytes: at least --batch-size {args.batch_size} and 1 are needed")
-    print(f"data: {len(train_texts)} train files -> {len(train)} blocks, "
-          f"{len(validation_texts)} validation files -> {len(validation)} blocks of {args.block_size} bytes")
+        raise SystemExit(
+            f"--max-bytes {args.max_bytes} gives {len(train)} training and {len(validation)} validation "
+            f"blocks of {args.block_size} bytes: at least --batch-size {args.batch_size} and 1 are needed"
+        )
+    print(
+        f"data: {len(train_texts)} train files -> {len(train)} blocks, "
+        f"{len(validation_texts)} validation files -> {len(validation)} blocks of {args.block_size} bytes"
+    )
 
     config = SepFormerConfig(
         vocab_size=len(tokenizer),
@@ -115,8 +125,10 @@ def main(argv=None):
         max_position_embeddings=args.block_size,
     )
     model = SepFormerForCausalLM(config)
-    print(f"model: {model.num_parameters() / 1e6:.2f}M parameters, d_model={config.hidden_size}, "
-          f"d_pos={config.position_size}, d_sem={config.semantic_size}, layers={config.num_hidden_layers}")
+    print(
+        f"model: {model.num_parameters() / 1e6:.2f}M parameters, d_model={config.hidden_size}, "
+        f"d_pos={config.position_size}, d_sem={config.semantic_size}, layers={config.num_hidden_layers}"
+    )
 
     training_args = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"),
@@ -145,8 +157,10 @@ def main(argv=None):
     last_logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
     print(f"train loss      {last_logged:.4f} (last logged; {train_result.training_loss:.4f} averaged over the run)")
     validation_result = validation_perplexity(trainer, validation)
-    print(f"validation loss {validation_result['mean_loss']:.4f} ({validation_result['bits_per_token']:.3f} bits per "
-          f"byte, perplexity {validation_result['perplexity']:.2f}; the package's `perplexity` metric)")
+    print(
+        f"validation loss {validation_result['mean_loss']:.4f} ({validation_result['bits_per_token']:.3f} bits per "
+        f"byte, perplexity {validation_result['perplexity']:.2f}; the package's `perplexity` metric)"
+    )
 
     model.eval()
     inputs = tokenizer([tokenizer.bos_token + SAMPLE_PROMPT], return_tensors="pt", split_special_tokens=False)

@@ -45,29 +45,48 @@ from sepformer import SepFormerConfig, SepFormerForCausalLM
 # ------------------------------------------------------------------------------------------------------- models
 
 
-def model_config(name: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, max_length: int,
-                 **config):
+def model_config(
+    name: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, max_length: int, **config
+):
     """The config of `name` (sepformer, llama, gpt2, bloom) at this width, depth, heads and training length; `config`
     adds or overrides fields. Peers get GPT-2's 4·d_model MLP (Llama's gated MLP 8/3·d_model: as many weights);
     Bloom (ALiBi) has no length."""
     d = hidden_size
     if name == "sepformer":
-        return SepFormerConfig(vocab_size=vocab_size, hidden_size=d, num_hidden_layers=num_layers,
-                               num_attention_heads=num_heads, max_position_embeddings=max_length, **config)
+        return SepFormerConfig(
+            vocab_size=vocab_size,
+            hidden_size=d,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            max_position_embeddings=max_length,
+            **config,
+        )
     if name == "llama":
-        return LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=round(8 * d / 3),
-                           num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                           max_position_embeddings=max_length, **config)
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=d,
+            intermediate_size=round(8 * d / 3),
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=max_length,
+            **config,
+        )
     if name == "gpt2":
-        return GPT2Config(vocab_size=vocab_size, n_embd=d, n_layer=num_layers, n_head=num_heads,
-                          n_positions=max_length, **config)
+        return GPT2Config(
+            vocab_size=vocab_size, n_embd=d, n_layer=num_layers, n_head=num_heads, n_positions=max_length, **config
+        )
     if name == "bloom":
         return BloomConfig(vocab_size=vocab_size, hidden_size=d, n_layer=num_layers, n_head=num_heads, **config)
     raise ValueError(f"model {name!r} is not one of {', '.join(MODEL_CLASSES)}")
 
 
-MODEL_CLASSES = {"sepformer": SepFormerForCausalLM, "llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel,
-                 "bloom": BloomForCausalLM}
+MODEL_CLASSES = {
+    "sepformer": SepFormerForCausalLM,
+    "llama": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+    "bloom": BloomForCausalLM,
+}
 
 
 def build_model(name: str, *shape, **config) -> torch.nn.Module:
@@ -101,24 +120,39 @@ def experiment_parser(description: str, quick: str) -> argparse.ArgumentParser:
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help=f"the quick preset ({quick})")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
-    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", action=Distinct,
-                        help="one full run per seed (default preset: 0 1 2)")
+    parser.add_argument(
+        "--seeds",
+        type=nonnegative_int,
+        nargs="+",
+        action=Distinct,
+        help="one full run per seed (default preset: 0 1 2)",
+    )
     parser.add_argument("--hidden-size", type=positive_int)
     parser.add_argument("--num-layers", type=positive_int)
     parser.add_argument("--num-heads", type=positive_int)
     parser.add_argument("--batch-size", type=positive_int, help="sequences per step, over all processes")
     parser.add_argument("--learning-rate", type=positive_float)
-    parser.add_argument("--device", type=trainer_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or this machine's accelerator (default: cuda where there is a GPU)")
+    parser.add_argument(
+        "--device",
+        type=trainer_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or this machine's accelerator (default: cuda where there is a GPU)",
+    )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs that have it, or CPU)")
     precision.add_argument("--fp16", action="store_true", help="fp16 mixed precision (CUDA GPUs only)")
-    parser.add_argument("--save-steps", type=positive_int,
-                        help="save a checkpoint of each model every this many steps (and at the end), under "
-                             "OUTPUT_DIR/checkpoints/<model>-seed<seed>")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue each model from its last checkpoint under OUTPUT_DIR/checkpoints (a model "
-                             "without one trains from the start)")
+    parser.add_argument(
+        "--save-steps",
+        type=positive_int,
+        help="save a checkpoint of each model every this many steps (and at the end), under "
+        "OUTPUT_DIR/checkpoints/<model>-seed<seed>",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each model from its last checkpoint under OUTPUT_DIR/checkpoints (a model "
+        "without one trains from the start)",
+    )
     return parser
 
 
@@ -140,11 +174,15 @@ def apply_preset(parser: argparse.ArgumentParser, args, presets: dict) -> None:
 def check_training_arguments(parser: argparse.ArgumentParser, args) -> None:
     """Refuse, before any work, what `Trainer` would refuse or silently change once a model is built."""
     if args.batch_size % world_size():
-        parser.error(f"argument --batch-size: {args.batch_size} does not split over {world_size()} processes: give a "
-                     f"multiple of {world_size()} (each process takes an equal share of every step's batch)")
+        parser.error(
+            f"argument --batch-size: {args.batch_size} does not split over {world_size()} processes: give a "
+            f"multiple of {world_size()} (each process takes an equal share of every step's batch)"
+        )
     if args.fp16 and torch.device(args.device).type != "cuda":
-        parser.error(f"argument --fp16: not allowed with --device {args.device}: fp16 mixed precision needs a CUDA "
-                     "GPU; give --bf16 instead")
+        parser.error(
+            f"argument --fp16: not allowed with --device {args.device}: fp16 mixed precision needs a CUDA "
+            "GPU; give --bf16 instead"
+        )
 
 
 def checkpoint_dir(args, name: str, seed: int) -> Path:
@@ -159,8 +197,10 @@ def check_resumable(args, names_and_seeds) -> None:
     """`--resume` with no checkpoint for any model of the run: a mistyped or empty --output-dir would otherwise
     train everything again, silently."""
     if args.resume and not any(last_checkpoint(checkpoint_dir(args, name, seed)) for name, seed in names_and_seeds):
-        raise SystemExit(f"--resume: {Path(args.output_dir) / 'checkpoints'} holds no checkpoint of this run's models; "
-                         "give the --output-dir of the run that saved them (with --save-steps)")
+        raise SystemExit(
+            f"--resume: {Path(args.output_dir) / 'checkpoints'} holds no checkpoint of this run's models; "
+            "give the --output-dir of the run that saved them (with --save-steps)"
+        )
 
 
 def world_size() -> int:
@@ -186,7 +226,7 @@ def next_token_loss(outputs, labels: torch.Tensor, num_items_in_batch=None) -> t
     convention): `labels` may be one token longer than the input, so that its last position has a target too.
     Summed and divided by the labelled tokens of the whole global batch (`Trainer` counts them over processes)."""
     targets = labels[:, 1:]
-    logits = outputs.logits[:, :targets.shape[1]].float()
+    logits = outputs.logits[:, : targets.shape[1]].float()
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return loss / (num_items_in_batch if num_items_in_batch is not None else targets.ne(-100).sum())
 
@@ -198,8 +238,14 @@ class LossBar(TrainerCallback):
         self.description, self.postfix, self.bar = description, postfix, None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=self.description, leave=False,
-                        dynamic_ncols=True, disable=not state.is_world_process_zero)
+        self.bar = tqdm(
+            total=state.max_steps,
+            initial=state.global_step,
+            desc=self.description,
+            leave=False,
+            dynamic_ncols=True,
+            disable=not state.is_world_process_zero,
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         self.bar.update(1)
@@ -212,10 +258,24 @@ class LossBar(TrainerCallback):
         self.bar.close()
 
 
-def train(model, dataset, *, steps: int, learning_rate: float, batch_size: int, seed: int, output_dir: Path | None,
-          weight_decay: float = 0.1, device: str = "cpu", bf16: bool = False, fp16: bool = False,
-          save_steps: int | None = None, resume_from_checkpoint: bool = False, description: str = "train",
-          postfix=lambda loss: {"loss": f"{loss:.3f}"}) -> list[float]:
+def train(
+    model,
+    dataset,
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+    output_dir: Path | None,
+    weight_decay: float = 0.1,
+    device: str = "cpu",
+    bf16: bool = False,
+    fp16: bool = False,
+    save_steps: int | None = None,
+    resume_from_checkpoint: bool = False,
+    description: str = "train",
+    postfix=lambda loss: {"loss": f"{loss:.3f}"},
+) -> list[float]:
     """Train `model` with `Trainer` on `dataset` (rows "input_ids" and "labels", see `next_token_loss`; `steps` x
     `batch_size` rows, taken in order: row i is in step i // batch_size). AdamW (betas 0.9, 0.95), linear warm-up over
     5% of the steps then cosine decay, gradient clipping at 1. Under `torchrun` each of the N processes takes
@@ -225,28 +285,49 @@ def train(model, dataset, *, steps: int, learning_rate: float, batch_size: int, 
         raise ValueError("save_steps and resume_from_checkpoint need an output_dir for the checkpoints")
     processes = world_size()
     if batch_size % processes:
-        raise ValueError(f"batch size {batch_size} does not split over {processes} processes: give a multiple of "
-                         f"{processes}")
+        raise ValueError(
+            f"batch size {batch_size} does not split over {processes} processes: give a multiple of {processes}"
+        )
     if len(dataset) != steps * batch_size:
-        raise ValueError(f"the dataset has {len(dataset)} rows; {steps} steps of {batch_size} need "
-                         f"{steps * batch_size}")
+        raise ValueError(
+            f"the dataset has {len(dataset)} rows; {steps} steps of {batch_size} need {steps * batch_size}"
+        )
     cpu = torch.device(device).type == "cpu"
     checkpoint = last_checkpoint(output_dir) if resume_from_checkpoint else None
     with tempfile.TemporaryDirectory() as scratch:  # Trainer makes its output_dir even where it saves nothing
         arguments = TrainingArguments(
-            output_dir=str(output_dir) if save_steps else scratch, max_steps=steps,
-            per_device_train_batch_size=batch_size // processes, train_sampling_strategy="sequential",
-            max_grad_norm=1.0, seed=seed, bf16=bf16, fp16=fp16, use_cpu=cpu,
-            ddp_backend="gloo" if cpu and processes > 1 else None, ddp_find_unused_parameters=False,
-            logging_strategy="steps", logging_steps=1, report_to="none", dataloader_num_workers=0,
+            output_dir=str(output_dir) if save_steps else scratch,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size // processes,
+            train_sampling_strategy="sequential",
+            max_grad_norm=1.0,
+            seed=seed,
+            bf16=bf16,
+            fp16=fp16,
+            use_cpu=cpu,
+            ddp_backend="gloo" if cpu and processes > 1 else None,
+            ddp_find_unused_parameters=False,
+            logging_strategy="steps",
+            logging_steps=1,
+            report_to="none",
+            dataloader_num_workers=0,
             use_cache=model.config.use_cache,  # Trainer sets the config's to this: a saved model keeps its own
-            save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
+            save_strategy="steps" if save_steps else "no",
+            save_steps=save_steps or 500,
+        )
         model.to(arguments.device)  # before the optimizer is made: it holds the parameters where they train
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95),
-                                      weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay
+        )
         schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 20), steps)
-        trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=default_data_collator,
-                          optimizers=(optimizer, schedule), compute_loss_func=next_token_loss)
+        trainer = Trainer(
+            model=model,
+            args=arguments,
+            train_dataset=dataset,
+            data_collator=default_data_collator,
+            optimizers=(optimizer, schedule),
+            compute_loss_func=next_token_loss,
+        )
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(LossBar(description, postfix))
@@ -257,7 +338,7 @@ def train(model, dataset, *, steps: int, learning_rate: float, batch_size: int, 
 
 def tail_mean(losses: list[float]) -> float:
     """The mean of the last 10% of the steps' losses (at least one)."""
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     return sum(tail) / len(tail)
 
 
@@ -276,8 +357,21 @@ def every_seed(seeds, run_seed, after_each=lambda *tables: None) -> list[list[di
 
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (the interval of a mean over a few seeds)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         15: 2.131, 20: 2.086, 30: 2.042}
+T_975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    15: 2.131,
+    20: 2.086,
+    30: 2.042,
+}
 
 
 def mean_and_std(values: list[float]) -> tuple[float, float]:
@@ -303,8 +397,13 @@ def write_csv(rows: list[dict], path: Path, fields: list[str], float_fields=()) 
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: (f"{v:.5f}" if isinstance(v, float) and k in float_fields else v)
-                             for k, v in row.items() if k in fields})
+            writer.writerow(
+                {
+                    k: (f"{v:.5f}" if isinstance(v, float) and k in float_fields else v)
+                    for k, v in row.items()
+                    if k in fields
+                }
+            )
 
 
 def table_lines(header: list[str], rows: list[list[str]], left: int) -> list[str]:

@@ -92,14 +92,44 @@ from experiment_common import train as train_with_trainer  # noqa: E402
 
 PRESETS = {
     # three seeds of fourteen models: about 10 minutes on 2 idle CPU cores (18 CPU-minutes)
-    "default": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=1000,
-                    learning_rate=3e-3, eval_tokens=8192, max_bytes=1_000_000, seeds=[0, 1, 2]),
+    "default": dict(
+        block_size=32,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        batch_size=16,
+        max_steps=1000,
+        learning_rate=3e-3,
+        eval_tokens=8192,
+        max_bytes=1_000_000,
+        seeds=[0, 1, 2],
+    ),
     # one seed, 400 steps, half the validation tokens: about 2 CPU-minutes
-    "quick": dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=400,
-                  learning_rate=3e-3, eval_tokens=4096, max_bytes=1_000_000, seeds=[0]),
+    "quick": dict(
+        block_size=32,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        batch_size=16,
+        max_steps=400,
+        learning_rate=3e-3,
+        eval_tokens=4096,
+        max_bytes=1_000_000,
+        seeds=[0],
+    ),
     # seconds: checks the plumbing, learns nothing (the test and CI run this)
-    "tiny": dict(block_size=16, hidden_size=32, num_layers=1, num_heads=2, batch_size=4, max_steps=3,
-                 learning_rate=3e-3, eval_tokens=1024, max_bytes=300_000, seeds=[0]),
+    "tiny": dict(
+        block_size=16,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        batch_size=4,
+        max_steps=3,
+        learning_rate=3e-3,
+        eval_tokens=1024,
+        max_bytes=300_000,
+        seeds=[0],
+    ),
 }
 MULTIPLIERS = (1, 2, 4, 8)
 NATIVE = "-"  # the method column of models that have no extrapolation method to choose
@@ -144,23 +174,37 @@ def contenders(args) -> list[Contender]:
         Contender("SepFormer learned", sepformer_model(), args.methods),
         Contender("SepFormer learned, last row untrained", sepformer_model(), ("clamp",), last_position_target=False),
         # Half the training sequences shifted by a random offset: all 8L rows trained, no extrapolation up to 8L.
-        Contender("SepFormer learned, random offsets (8L table)",
-                  sepformer_model(position_table_size=longest, random_position_offsets=True)),
+        Contender(
+            "SepFormer learned, random offsets (8L table)",
+            sepformer_model(position_table_size=longest, random_position_offsets=True),
+        ),
         Contender("SepFormer learned, randomized positions (8L table)", sepformer_model(**randomized)),
         Contender("SepFormer sinusoidal", sepformer_model(positional_map="sinusoidal")),
-        Contender("SepFormer sinusoidal, randomized positions (8L)",
-                  sepformer_model(positional_map="sinusoidal", **randomized)),
+        Contender(
+            "SepFormer sinusoidal, randomized positions (8L)",
+            sepformer_model(positional_map="sinusoidal", **randomized),
+        ),
         Contender(f"SepFormer B-spline (n={args.spline_control_points})", sepformer_model(**spline)),
-        Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions (8L)",
-                  sepformer_model(**randomized_spline)),
+        Contender(
+            f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions (8L)",
+            sepformer_model(**randomized_spline),
+        ),
         # Each sequence draws its own range first: gaps from none (as at inference) to 8L / L.
-        Contender("SepFormer sinusoidal, randomized positions, range per sequence (8L)",
-                  sepformer_model(positional_map="sinusoidal", randomized_range="per_sequence", **randomized)),
-        Contender(f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions, range per "
-                  "sequence (8L)", sepformer_model(randomized_range="per_sequence", **randomized_spline)),
+        Contender(
+            "SepFormer sinusoidal, randomized positions, range per sequence (8L)",
+            sepformer_model(positional_map="sinusoidal", randomized_range="per_sequence", **randomized),
+        ),
+        Contender(
+            f"SepFormer B-spline (n={args.spline_randomized_control_points}), randomized positions, range per "
+            "sequence (8L)",
+            sepformer_model(randomized_range="per_sequence", **randomized_spline),
+        ),
         Contender("SepFormer d_pos=0", sepformer_model(position_size=0)),
-        Contender("GPT-2 (learned, additive)", peer("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-                  max_length=args.block_size),
+        Contender(
+            "GPT-2 (learned, additive)",
+            peer("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            max_length=args.block_size,
+        ),
         Contender("Llama (rotary)", peer("llama")),
         Contender("Bloom (ALiBi)", peer("bloom")),
     ]
@@ -183,6 +227,7 @@ def check_models(args, vocab_size: int) -> None:
 def load_texts(args) -> tuple[list[str], list[str]]:
     """Train and validation documents: files, a Hub data set, or (default) the standard library's source."""
     if args.train_file:
+
         def read(paths):
             return [Path(path).read_text(encoding="utf-8", errors="replace") for path in paths]
 
@@ -193,8 +238,10 @@ def load_texts(args) -> tuple[list[str], list[str]]:
         dataset = load_dataset(args.dataset_name, args.dataset_config)
         validation_split = next((s for s in ("validation", "test") if s in dataset), None)
         if "train" not in dataset or validation_split is None:
-            raise SystemExit(f"{args.dataset_name} needs a 'train' and a 'validation' (or 'test') split; "
-                             f"it has {list(dataset)}")
+            raise SystemExit(
+                f"{args.dataset_name} needs a 'train' and a 'validation' (or 'test') split; it has {list(dataset)}"
+            )
+
         def take(split):
             return first_bytes(dataset[split][args.text_column], args.max_bytes)
 
@@ -245,13 +292,17 @@ def token_data(args, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     windows = torch.tensor(byte_blocks(validation_texts, tokenizer, longest)["input_ids"])  # (n, longest)
     count = min(args.eval_tokens // longest, len(windows))
     if count == 0:
-        raise SystemExit(f"--eval-tokens {args.eval_tokens} and the validation text ({windows.numel()} tokens) must "
-                         f"hold at least one window of 8L = {longest} tokens")
+        raise SystemExit(
+            f"--eval-tokens {args.eval_tokens} and the validation text ({windows.numel()} tokens) must "
+            f"hold at least one window of 8L = {longest} tokens"
+        )
     if len(train) < args.batch_size:
         raise SystemExit(f"training text makes {len(train)} blocks of {args.block_size}: fewer than one batch")
     stream = windows[torch.linspace(0, len(windows) - 1, count).long()].flatten()
-    print(f"data: {len(train_texts)} train documents -> {len(train)} blocks of {args.block_size + 1} tokens; "
-          f"{len(validation_texts)} validation documents -> {len(stream)} tokens scored at each length")
+    print(
+        f"data: {len(train_texts)} train documents -> {len(train)} blocks of {args.block_size + 1} tokens; "
+        f"{len(validation_texts)} validation documents -> {len(stream)} tokens scored at each length"
+    )
     return train, stream
 
 
@@ -266,8 +317,16 @@ def batch_order(num_blocks: int, args, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ train, evaluate
 
 
-def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: str,
-          last_position_target: bool = True, seed: int = 0, checkpoints: Path | None = None) -> float:
+def train(
+    model,
+    blocks: torch.Tensor,
+    order: torch.Tensor,
+    args,
+    description: str,
+    last_position_target: bool = True,
+    seed: int = 0,
+    checkpoints: Path | None = None,
+) -> float:
     """`experiment_common.train` on the blocks of `order` (steps, batch); returns the mean loss of the last 10% of
     the steps in bits per byte. `seed` seeds what is random in training (e.g. randomized positions); `checkpoints`:
     where `--save-steps` saves and `--resume` continues.
@@ -281,10 +340,21 @@ def train(model, blocks: torch.Tensor, order: torch.Tensor, args, description: s
         labels[:, -1] = -100
     dataset = [{"input_ids": ids[:-1], "labels": targets} for ids, targets in zip(rows, labels, strict=True)]
     losses = train_with_trainer(
-        model, dataset, steps=order.shape[0], learning_rate=args.learning_rate, batch_size=order.shape[1],
-        seed=seed, output_dir=checkpoints, device=args.device, bf16=args.bf16, fp16=args.fp16,
-        save_steps=args.save_steps, resume_from_checkpoint=args.resume, description=description,
-        postfix=lambda loss: {"bits_per_byte": f"{loss / math.log(2):.3f}"})
+        model,
+        dataset,
+        steps=order.shape[0],
+        learning_rate=args.learning_rate,
+        batch_size=order.shape[1],
+        seed=seed,
+        output_dir=checkpoints,
+        device=args.device,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        save_steps=args.save_steps,
+        resume_from_checkpoint=args.resume,
+        description=description,
+        postfix=lambda loss: {"bits_per_byte": f"{loss / math.log(2):.3f}"},
+    )
     return tail_mean(losses) / math.log(2)
 
 
@@ -300,7 +370,7 @@ def bits_per_byte(model, stream: torch.Tensor, length: int, args, **forward_kwar
         nll = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (b, length - 1)
         per_position += nll.sum(0).double().cpu()
     nats = per_position.sum().item() / (len(windows) * (length - 1))
-    beyond = per_position[args.block_size - 1:]
+    beyond = per_position[args.block_size - 1 :]
     nats_beyond = beyond.sum().item() / (len(windows) * len(beyond)) if len(beyond) else float("nan")
     return nats / math.log(2), nats_beyond / math.log(2)
 
@@ -312,8 +382,14 @@ def evaluate(model, contender: Contender, stream: torch.Tensor, args) -> list[di
     for method, length in tqdm(cells, desc=f"  evaluate {contender.name}", leave=False, dynamic_ncols=True):
         kwargs = {} if method == NATIVE else {"position_extrapolation": method}
         scored = len(stream) - len(stream) // length  # the first token of each window has no prediction
-        row = dict(model=contender.name, method=method, length=length, tokens_scored=scored,
-                   bits_per_byte=float("nan"), bits_per_byte_beyond_L=float("nan"))
+        row = dict(
+            model=contender.name,
+            method=method,
+            length=length,
+            tokens_scored=scored,
+            bits_per_byte=float("nan"),
+            bits_per_byte_beyond_L=float("nan"),
+        )
         if contender.max_length is not None and length > contender.max_length:
             row["status"] = f"cannot run: its position table has {contender.max_length} rows (n_positions = L)"
         else:
@@ -334,17 +410,32 @@ def run_seed(seed: int, train_blocks: torch.Tensor, stream: torch.Tensor, vocab_
         torch.manual_seed(seed)
         model = contender.build(vocab_size)
         started = time.time()
-        train_bpb = train(model, train_blocks, order, args, f"seed {seed} · train {contender.name}",
-                          contender.last_position_target, seed, checkpoint_dir(args, contender.name, seed))
+        train_bpb = train(
+            model,
+            train_blocks,
+            order,
+            args,
+            f"seed {seed} · train {contender.name}",
+            contender.last_position_target,
+            seed,
+            checkpoint_dir(args, contender.name, seed),
+        )
         train_seconds = time.time() - started
         new_rows = evaluate(model, contender, stream, args)
         for row in new_rows:
-            row.update(seed=seed, train_length=args.block_size, parameters=model.num_parameters(),
-                       train_steps=args.max_steps, train_bits_per_byte=round(train_bpb, 4),
-                       train_seconds=round(train_seconds, 1))
+            row.update(
+                seed=seed,
+                train_length=args.block_size,
+                parameters=model.num_parameters(),
+                train_steps=args.max_steps,
+                train_bits_per_byte=round(train_bpb, 4),
+                train_seconds=round(train_seconds, 1),
+            )
         at_l = min((r["bits_per_byte"] for r in new_rows if r["length"] == args.block_size), default=float("nan"))
-        tqdm.write(f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
-                   f"{train_seconds:5.1f} s, train {train_bpb:.3f} / validation {at_l:.3f} bits per byte at L")
+        tqdm.write(
+            f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
+            f"{train_seconds:5.1f} s, train {train_bpb:.3f} / validation {at_l:.3f} bits per byte at L"
+        )
         rows += new_rows
     return rows
 
@@ -391,17 +482,33 @@ def markdown_table(rows: list[dict], args) -> str:
                 out.append(f"{mean:.3f}" + (f" ± {std:.3f}" if len(seeds) > 1 else ""))
         table.append(out)
     lines = table_lines(header, table, left=3)
-    lines += ["", "Bits per byte on held-out text (lower is better): the same "
-              f"{args.eval_tokens_used} validation tokens at every length n, cut into windows of n, every token but "
-              "the first of each window scored. Trained at "
-              f"L = {args.block_size} for {args.max_steps} steps of {args.batch_size} sequences; "
-              + (f"mean ± std over seeds {seeds}." if len(seeds) > 1 else f"seed {seeds[0]}.")]
+    lines += [
+        "",
+        "Bits per byte on held-out text (lower is better): the same "
+        f"{args.eval_tokens_used} validation tokens at every length n, cut into windows of n, every token but "
+        "the first of each window scored. Trained at "
+        f"L = {args.block_size} for {args.max_steps} steps of {args.batch_size} sequences; "
+        + (f"mean ± std over seeds {seeds}." if len(seeds) > 1 else f"seed {seeds[0]}."),
+    ]
     lines += [f"[{i}] {reason}" for i, (_, reason) in enumerate(reasons, 1)]
     return "\n".join(lines)
 
 
-RESULT_FIELDS = ["model", "method", "seed", "train_length", "length", "bits_per_byte", "bits_per_byte_beyond_L",
-                 "tokens_scored", "status", "parameters", "train_steps", "train_bits_per_byte", "train_seconds"]
+RESULT_FIELDS = [
+    "model",
+    "method",
+    "seed",
+    "train_length",
+    "length",
+    "bits_per_byte",
+    "bits_per_byte_beyond_L",
+    "tokens_scored",
+    "status",
+    "parameters",
+    "train_steps",
+    "train_bits_per_byte",
+    "train_seconds",
+]
 
 
 def read_csv(paths: list[str], args) -> list[dict]:
@@ -414,8 +521,10 @@ def read_csv(paths: list[str], args) -> list[dict]:
         with open(path, newline="") as handle:
             reader = csv.DictReader(handle)
             if missing := [name for name in RESULT_FIELDS if name not in (reader.fieldnames or ())]:
-                raise SystemExit(f"--from-csv {path} has no column {', '.join(missing)}: give the results.csv that "
-                                 "an extrapolation run wrote")
+                raise SystemExit(
+                    f"--from-csv {path} has no column {', '.join(missing)}: give the results.csv that "
+                    "an extrapolation run wrote"
+                )
             for row in reader:
                 try:
                     typed(row, ("seed", "train_length", "length", "tokens_scored", "parameters", "train_steps"), int)
@@ -424,18 +533,23 @@ def read_csv(paths: list[str], args) -> list[dict]:
                     raise SystemExit(f"--from-csv {path}, line {reader.line_num}: {error}") from None
                 cell = (row["model"], row["method"], row["seed"], row["length"])
                 if cell in origin:
-                    raise SystemExit(f"--from-csv {origin[cell]} and {path} both hold {row['model']} / "
-                                     f"{row['method']}, seed {row['seed']}, length {row['length']}: give each run's "
-                                     "results once")
+                    raise SystemExit(
+                        f"--from-csv {origin[cell]} and {path} both hold {row['model']} / "
+                        f"{row['method']}, seed {row['seed']}, length {row['length']}: give each run's "
+                        "results once"
+                    )
                 origin[cell] = path
                 rows.append(row)
     if not rows:
         raise SystemExit(f"--from-csv {' '.join(paths)}: no rows; give the results.csv that an extrapolation run wrote")
     if {row["train_length"] for row in rows} != {args.block_size} or {row["train_steps"] for row in rows} != {
-            args.max_steps}:
-        raise SystemExit(f"--from-csv rows were trained at L={sorted({r['train_length'] for r in rows})} for "
-                         f"{sorted({r['train_steps'] for r in rows})} steps; give the runs' preset flags "
-                         f"(now L={args.block_size}, {args.max_steps} steps)")
+        args.max_steps
+    }:
+        raise SystemExit(
+            f"--from-csv rows were trained at L={sorted({r['train_length'] for r in rows})} for "
+            f"{sorted({r['train_steps'] for r in rows})} steps; give the runs' preset flags "
+            f"(now L={args.block_size}, {args.max_steps} steps)"
+        )
     first = next(row for row in rows if row["length"] == args.block_size)
     args.eval_tokens_used = first["tokens_scored"] * args.block_size // (args.block_size - 1)
     return rows
@@ -447,8 +561,9 @@ def typed(row: dict, names, kind) -> None:
         try:
             row[name] = kind(row[name])
         except (TypeError, ValueError):  # TypeError: a row shorter than the header (None)
-            raise ValueError(f"column {name} holds {row[name]!r}, not {'an integer' if kind is int else 'a number'}"
-                             ) from None
+            raise ValueError(
+                f"column {name} holds {row[name]!r}, not {'an integer' if kind is int else 'a number'}"
+            ) from None
 
 
 def plot(rows: list[dict], args, path: Path) -> None:
@@ -466,8 +581,16 @@ def plot(rows: list[dict], args, path: Path) -> None:
             continue
         x, mean, std = zip(*points, strict=True)
         style = "-" if model.startswith("SepFormer") else "--"
-        axes.errorbar(x, mean, yerr=[0 if math.isnan(s) else s for s in std], fmt=style + "osD^v"[index // 20 % 5],
-                      color=colors[index % 20], capsize=3, markersize=4, label=label)
+        axes.errorbar(
+            x,
+            mean,
+            yerr=[0 if math.isnan(s) else s for s in std],
+            fmt=style + "osD^v"[index // 20 % 5],
+            color=colors[index % 20],
+            capsize=3,
+            markersize=4,
+            label=label,
+        )
     axes.axvline(args.block_size, color="grey", linestyle=":", linewidth=1)
     axes.set_xscale("log", base=2)
     axes.set_xticks(lengths, [f"{args.block_size * m}\n({m}L)" for m in MULTIPLIERS])
@@ -489,29 +612,49 @@ def plot(rows: list[dict], args, path: Path) -> None:
 def parse_args(argv=None):
     parser = experiment_parser(__doc__, quick="a few minutes")
     parser.add_argument("--models", nargs="+", help="substrings of model names to keep, e.g. sepformer llama")
-    parser.add_argument("--methods", nargs="+", choices=sepformer.EXTRAPOLATION_METHODS, action=Distinct,
-                        help="extrapolation methods for the learned SepFormer (default: all)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=sepformer.EXTRAPOLATION_METHODS,
+        action=Distinct,
+        help="extrapolation methods for the learned SepFormer (default: all)",
+    )
     # L >= 2: a window of L tokens scores L - 1 of them
     parser.add_argument("--block-size", type=int_at_least(2), help="training length L")
     parser.add_argument("--max-steps", type=positive_int)
     parser.add_argument("--eval-tokens", type=positive_int, help="validation tokens scored at each length")
     parser.add_argument("--eval-batch-size", type=positive_int, default=8)
     parser.add_argument("--max-bytes", type=positive_int, help="how much text to read (train and validation)")
-    parser.add_argument("--spline-control-points", type=positive_int, default=16,
-                        help="control points of the B-spline map over [0, L)")
-    parser.add_argument("--spline-randomized-control-points", type=positive_int, default=32,
-                        help="control points of the B-spline map over [0, 8L) trained with randomized positions")
-    parser.add_argument("--text", choices=("source", "docs"), default="source",
-                        help="the text to train and evaluate on: the standard library's source (split by file) or "
-                             "the Python documentation's topics (pydoc_data, split by topic)")
+    parser.add_argument(
+        "--spline-control-points", type=positive_int, default=16, help="control points of the B-spline map over [0, L)"
+    )
+    parser.add_argument(
+        "--spline-randomized-control-points",
+        type=positive_int,
+        default=32,
+        help="control points of the B-spline map over [0, 8L) trained with randomized positions",
+    )
+    parser.add_argument(
+        "--text",
+        choices=("source", "docs"),
+        default="source",
+        help="the text to train and evaluate on: the standard library's source (split by file) or "
+        "the Python documentation's topics (pydoc_data, split by topic)",
+    )
     parser.add_argument("--train-file", type=existing_file, nargs="+", help="text files, one document each")
     parser.add_argument("--validation-file", type=existing_file, nargs="+")
     parser.add_argument("--dataset-name", help="a Hub data set with train and validation (or test) splits")
     parser.add_argument("--dataset-config")
     parser.add_argument("--text-column", default="text")
-    parser.add_argument("--from-csv", type=existing_file, nargs="+", action=Distinct, metavar="RESULTS_CSV",
-                        help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
-                             "seed, side by side), with the preset flags those runs had")
+    parser.add_argument(
+        "--from-csv",
+        type=existing_file,
+        nargs="+",
+        action=Distinct,
+        metavar="RESULTS_CSV",
+        help="train nothing: make the table and plot from earlier runs' results.csv (e.g. one run per "
+        "seed, side by side), with the preset flags those runs had",
+    )
     parser.add_argument("--output-dir", type=output_directory, default="outputs/extrapolation")
     args = parser.parse_args(argv)
     check_flags_given(parser, given_flags(parser, argv))
@@ -527,14 +670,28 @@ FROM_CSV_READS = {"--from-csv", "--output-dir", "--quick", "--tiny", "--block-si
 def check_flags_given(parser, given: set[str]) -> None:
     """Refuse flags that the run would not read: beside --from-csv all but the table's, and all but one source of
     text (the files, a Hub data set or --text)."""
-    refuse_beside(parser, given, "--from-csv", given - FROM_CSV_READS,
-                  "the table is made from the CSV's rows, their seeds, models and methods; give only the preset flags "
-                  "of the runs that wrote them")
-    refuse_beside(parser, given, "--train-file", ["--dataset-name", "--dataset-config", "--text-column", "--text"],
-                  "the text is the files'")
+    refuse_beside(
+        parser,
+        given,
+        "--from-csv",
+        given - FROM_CSV_READS,
+        "the table is made from the CSV's rows, their seeds, models and methods; give only the preset flags "
+        "of the runs that wrote them",
+    )
+    refuse_beside(
+        parser,
+        given,
+        "--train-file",
+        ["--dataset-name", "--dataset-config", "--text-column", "--text"],
+        "the text is the files'",
+    )
     refuse_beside(parser, given, "--dataset-name", ["--text"], "the text is the data set's")
-    for flag, needed in (("--train-file", "--validation-file"), ("--validation-file", "--train-file"),
-                         ("--dataset-config", "--dataset-name"), ("--text-column", "--dataset-name")):
+    for flag, needed in (
+        ("--train-file", "--validation-file"),
+        ("--validation-file", "--train-file"),
+        ("--dataset-config", "--dataset-name"),
+        ("--text-column", "--dataset-name"),
+    ):
         if flag in given and needed not in given:
             parser.error(f"argument {flag}: read only with {needed}: give both or neither")
 
@@ -560,10 +717,12 @@ def run(args) -> list[dict]:
         check_resumable(args, [(contender.name, seed) for seed in args.seeds for contender in contenders(args)])
         train_blocks, stream = token_data(args, tokenizer)
         args.eval_tokens_used = len(stream)
-        print(f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
-              f"L={args.block_size}; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; "
-              f"SepFormer methods {list(args.methods)}"
-              + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
+        print(
+            f"models: d_model={args.hidden_size}, {args.num_layers} layers, {args.num_heads} heads, "
+            f"L={args.block_size}; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}; "
+            f"SepFormer methods {list(args.methods)}"
+            + (f"; data parallel over {world_size()} processes" if world_size() > 1 else "")
+        )
         (rows,) = every_seed(args.seeds, lambda seed: (run_seed(seed, train_blocks, stream, len(tokenizer), args),))
 
     table = markdown_table(rows, args)
@@ -574,8 +733,10 @@ def run(args) -> list[dict]:
     write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("bits_per_byte", "bits_per_byte_beyond_L"))
     (output_dir / "results.md").write_text(table + "\n")
     plot(rows, args, output_dir / "extrapolation.png")
-    print(f"wrote {output_dir / 'results.csv'}, {output_dir / 'results.md'}, {output_dir / 'extrapolation.png'} "
-          f"in {(time.time() - started) / 60:.1f} min")
+    print(
+        f"wrote {output_dir / 'results.csv'}, {output_dir / 'results.md'}, {output_dir / 'extrapolation.png'} "
+        f"in {(time.time() - started) / 60:.1f} min"
+    )
     return rows
 
 

@@ -86,8 +86,10 @@ OPTIONS: dict[str, Callable] = {  # name -> the option, from the batch's documen
     "reorder_documents": lambda spans, scaling: ReorderDocuments(spans=spans, by="attention", strategy="ends"),
 }
 MITIGATIONS = (NONE, *OPTIONS)
-DEFAULTS = {"key-value": dict(num_documents=75, examples_per_slot=10, max_new_tokens=100),  # the paper's 75 keys
-            "qa": dict(num_documents=20, examples_per_slot=10, max_new_tokens=100)}
+DEFAULTS = {
+    "key-value": dict(num_documents=75, examples_per_slot=10, max_new_tokens=100),  # the paper's 75 keys
+    "qa": dict(num_documents=20, examples_per_slot=10, max_new_tokens=100),
+}
 TINY = dict(num_documents=3, examples_per_slot=2, max_new_tokens=4)
 RESULT_FIELDS = ["model", "mitigation", "slot", "accuracy", "n"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,8 +114,10 @@ class Example:
 
 
 KV_HEAD = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
-QA_HEAD = ("Write a high-quality answer for the given question using only the provided search results (some of which "
-           "might be irrelevant).\n\n")
+QA_HEAD = (
+    "Write a high-quality answer for the given question using only the provided search results (some of which "
+    "might be irrelevant).\n\n"
+)
 
 
 def random_uuid(rng: random.Random) -> str:
@@ -123,8 +127,10 @@ def random_uuid(rng: random.Random) -> str:
 def kv_records(pairs: list[tuple[str, str]]) -> tuple[str, ...]:
     """The paper's JSON object, one string per pair: `{"k": "v",\\n`, ` "k": "v",\\n`, ..., ` "k": "v"}`."""
     last = len(pairs) - 1
-    return tuple(("{" if i == 0 else " ") + f'"{key}": "{value}"' + (",\n" if i < last else "}")
-                 for i, (key, value) in enumerate(pairs))
+    return tuple(
+        ("{" if i == 0 else " ") + f'"{key}": "{value}"' + (",\n" if i < last else "}")
+        for i, (key, value) in enumerate(pairs)
+    )
 
 
 def kv_examples(rng: random.Random, count: int, num_documents: int) -> list[Example]:
@@ -133,8 +139,10 @@ def kv_examples(rng: random.Random, count: int, num_documents: int) -> list[Exam
     for _ in range(count):
         pairs = [(random_uuid(rng), random_uuid(rng)) for _ in range(num_documents)]
         records = kv_records(pairs)
-        examples += [Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:', (value,), slot)
-                     for slot, (key, value) in enumerate(pairs)]
+        examples += [
+            Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:', (value,), slot)
+            for slot, (key, value) in enumerate(pairs)
+        ]
     return examples
 
 
@@ -143,13 +151,18 @@ def qa_examples(records: list[dict], num_documents: int) -> list[Example]:
     examples = []
     for record in records:
         gold = next(ctx for ctx in record["ctxs"] if ctx.get("isgold") is True)
-        others = [ctx for ctx in record["ctxs"] if ctx is not gold][:num_documents - 1]
+        others = [ctx for ctx in record["ctxs"] if ctx is not gold][: num_documents - 1]
         for slot in range(num_documents):
             ctxs = [*others[:slot], gold, *others[slot:]]
-            documents = tuple(f"Document [{i + 1}](Title: {ctx['title']}) {ctx['text']}"
-                              + ("\n" if i < num_documents - 1 else "") for i, ctx in enumerate(ctxs))
-            examples.append(Example(QA_HEAD, documents, f"\n\nQuestion: {record['question']}\nAnswer:",
-                                    tuple(record["answers"]), slot))
+            documents = tuple(
+                f"Document [{i + 1}](Title: {ctx['title']}) {ctx['text']}" + ("\n" if i < num_documents - 1 else "")
+                for i, ctx in enumerate(ctxs)
+            )
+            examples.append(
+                Example(
+                    QA_HEAD, documents, f"\n\nQuestion: {record['question']}\nAnswer:", tuple(record["answers"]), slot
+                )
+            )
     return examples
 
 
@@ -164,8 +177,10 @@ def read_qa_file(path: str, count: int, num_documents: int) -> list[dict]:
             if line.strip():
                 records.append(checked_qa_record(line, f"--qa-file {path} line {number}", num_documents))
     if len(records) < count:
-        raise SystemExit(f"--qa-file {path} has {len(records)} questions: --examples-per-slot {count} needs as many; "
-                         "give a smaller --examples-per-slot")
+        raise SystemExit(
+            f"--qa-file {path} has {len(records)} questions: --examples-per-slot {count} needs as many; "
+            "give a smaller --examples-per-slot"
+        )
     return records
 
 
@@ -180,16 +195,24 @@ def checked_qa_record(line: str, where: str, num_documents: int) -> dict:
         raise SystemExit(f"{where} is not JSON: {error}") from None
     record = record if isinstance(record, dict) else {}
     answers, ctxs = record.get("answers"), record.get("ctxs")
-    if not (isinstance(record.get("question"), str) and strings(answers) and isinstance(ctxs, list)
-            and all(isinstance(ctx, dict) and strings([ctx.get("title"), ctx.get("text")]) for ctx in ctxs)):
-        raise SystemExit(f"{where}: a record is an object with question (a string), answers (strings) and ctxs "
-                         "(objects with title and text, one with isgold: true), as the paper's released data")
+    if not (
+        isinstance(record.get("question"), str)
+        and strings(answers)
+        and isinstance(ctxs, list)
+        and all(isinstance(ctx, dict) and strings([ctx.get("title"), ctx.get("text")]) for ctx in ctxs)
+    ):
+        raise SystemExit(
+            f"{where}: a record is an object with question (a string), answers (strings) and ctxs "
+            "(objects with title and text, one with isgold: true), as the paper's released data"
+        )
     golds = sum(ctx.get("isgold") is True for ctx in ctxs)
     if golds != 1:
         raise SystemExit(f"{where} has {golds} documents with isgold: true; give exactly one")
     if len(ctxs) < num_documents:
-        raise SystemExit(f"{where} has {len(ctxs)} documents: --num-documents {num_documents} needs as many; give a "
-                         "smaller --num-documents")
+        raise SystemExit(
+            f"{where} has {len(ctxs)} documents: --num-documents {num_documents} needs as many; give a "
+            "smaller --num-documents"
+        )
     return record
 
 
@@ -238,18 +261,21 @@ class Encoder:
         prompt around it, or the prompt as it is."""
         if not self.chat:
             return prompt, 0
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         if (start := text.find(prompt)) < 0:
-            raise ValueError("the tokenizer's chat template changes the user's message, so the documents cannot be "
-                             f"found in its text: {text!r}")
+            raise ValueError(
+                "the tokenizer's chat template changes the user's message, so the documents cannot be "
+                f"found in its text: {text!r}"
+            )
         return text, start
 
     def tokens_before(self, text: str, end: int, ids: tuple[int, ...]) -> int:
         """How many of `ids` (all of `text`) lie before character `end`: where the tokenisation of `text[:end]` stops
         agreeing with that of the whole text."""
         prefix = self.ids(text[:end])
-        if ids[:len(prefix)] == prefix:
+        if ids[: len(prefix)] == prefix:
             return len(prefix)
         return next(i for i, (mine, whole) in enumerate(zip(prefix, ids, strict=False)) if mine != whole)
 
@@ -260,8 +286,10 @@ class Encoder:
         starts = [self.tokens_before(text, boundary, ids) for boundary in boundaries]
         spans = tuple(zip(starts[:-1], starts[1:], strict=True))
         if empty := [k for k, (first, end) in enumerate(spans) if end <= first]:
-            raise ValueError(f"document {empty[0]} of {example.text!r} has no token of its own: a token of this "
-                             "tokenizer crosses both of its boundaries")
+            raise ValueError(
+                f"document {empty[0]} of {example.text!r} has no token of its own: a token of this "
+                "tokenizer crosses both of its boundaries"
+            )
         return Prompt(example, ids, spans)
 
 
@@ -314,9 +342,11 @@ def check_vocabulary(model, tokenizer, prompts: list[Prompt], args) -> None:
     rows = model.get_input_embeddings().num_embeddings
     largest = max(max(prompt.input_ids) for prompt in prompts)
     if max(largest, tokenizer.pad_token_id) >= rows:
-        raise SystemExit(f"--model {args.model}: its tokenizer gives ids up to {max(largest, tokenizer.pad_token_id)} "
-                         f"(the largest prompt id {largest}, the pad id {tokenizer.pad_token_id}), past the model's "
-                         f"{rows} embedding rows")
+        raise SystemExit(
+            f"--model {args.model}: its tokenizer gives ids up to {max(largest, tokenizer.pad_token_id)} "
+            f"(the largest prompt id {largest}, the pad id {tokenizer.pad_token_id}), past the model's "
+            f"{rows} embedding rows"
+        )
 
 
 def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
@@ -328,8 +358,10 @@ def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     try:
         generate(model, tokenizer, [longest], NONE, None, args.max_new_tokens)
     except (ValueError, TypeError, IndexError) as error:
-        raise SystemExit(f"--model {args.model} cannot generate {args.max_new_tokens} tokens after the longest prompt "
-                         f"({len(longest.input_ids)} tokens): {type(error).__name__}: {error}") from None
+        raise SystemExit(
+            f"--model {args.model} cannot generate {args.max_new_tokens} tokens after the longest prompt "
+            f"({len(longest.input_ids)} tokens): {type(error).__name__}: {error}"
+        ) from None
     scaling = PositionalScaling() if is_sepformer(model) else PositionalScaling(channels=(0,))
     for mitigation in [name for name in args.mitigations if name != NONE]:
         try:
@@ -346,8 +378,7 @@ def positional_scaling(model, encoder: Encoder, args) -> PositionalScaling | Non
     if is_sepformer(model):
         return PositionalScaling()
     rng = random.Random(f"{args.seed}:validation")  # a stream apart from the test's
-    batches = [validation_batch(encoder, example, model.device)
-               for example in kv_examples(rng, 1, args.num_documents)]
+    batches = [validation_batch(encoder, example, model.device) for example in kv_examples(rng, 1, args.num_documents)]
     try:
         return search_positional_scaling(model, batches).option
     except ValueError as error:  # no positional channel, or attention the search cannot hook
@@ -361,7 +392,7 @@ def validation_batch(encoder: Encoder, example: Example, device) -> dict:
     answer = encoder.tokenizer(("" if encoder.chat else " ") + example.answers[0], add_special_tokens=False)
     ids = torch.tensor([[*prompt, *answer["input_ids"]]], device=device)
     labels = ids.clone()
-    labels[:, :len(prompt)] = -100
+    labels[:, : len(prompt)] = -100
     return {"input_ids": ids, "labels": labels, "gold_position": torch.tensor([example.slot])}
 
 
@@ -370,11 +401,18 @@ def generate(model, tokenizer, prompts: list[Prompt], mitigation: str, scaling, 
     """The greedy continuations of `prompts` (left-padded together) under `mitigation`."""
     batch = tokenizer.pad({"input_ids": [list(prompt.input_ids) for prompt in prompts]}, return_tensors="pt")
     batch = batch.to(model.device)
-    options = {} if mitigation == NONE else {
-        mitigation: OPTIONS[mitigation]([prompt.spans for prompt in prompts], scaling)}
-    output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                            pad_token_id=tokenizer.pad_token_id, **options)
-    return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    options = (
+        {} if mitigation == NONE else {mitigation: OPTIONS[mitigation]([prompt.spans for prompt in prompts], scaling)}
+    )
+    output = model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=tokenizer.pad_token_id,
+        **options,
+    )
+    return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], correct, scaling, args) -> list[dict]:
@@ -384,14 +422,22 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, scaling, args) ->
         for mitigation in args.mitigations:
             scores = {}
             for first in range(0, len(prompts), args.batch_size):
-                batch = prompts[first:first + args.batch_size]
+                batch = prompts[first : first + args.batch_size]
                 bar.set_postfix(mitigation=mitigation)
                 outputs = generate(model, tokenizer, batch, mitigation, scaling, args.max_new_tokens)
                 for prompt, output in zip(batch, outputs, strict=True):
                     scores.setdefault(prompt.example.slot, []).append(correct(output, prompt.example.answers))
                 bar.update(len(batch))
-            rows += [{"model": args.model, "mitigation": mitigation, "slot": slot + 1,
-                      "accuracy": statistics.fmean(hits), "n": len(hits)} for slot, hits in sorted(scores.items())]
+            rows += [
+                {
+                    "model": args.model,
+                    "mitigation": mitigation,
+                    "slot": slot + 1,
+                    "accuracy": statistics.fmean(hits),
+                    "n": len(hits),
+                }
+                for slot, hits in sorted(scores.items())
+            ]
     return rows
 
 
@@ -404,11 +450,14 @@ def markdown_table(rows: list[dict], args) -> str:
     lines = []
     for mitigation in args.mitigations:
         accuracy = {row["slot"]: row["accuracy"] for row in rows if row["mitigation"] == mitigation}
-        lines.append([mitigation, *(f"{accuracy[slot]:.3f}" for slot in slots),
-                      f"{statistics.mean(accuracy.values()):.3f}"])
+        lines.append(
+            [mitigation, *(f"{accuracy[slot]:.3f}" for slot in slots), f"{statistics.mean(accuracy.values()):.3f}"]
+        )
     task = "multi-document QA" if args.qa_file else "key-value retrieval"
-    title = (f"{task}, {args.model}: accuracy by the gold document's slot ({args.num_documents} documents, "
-             f"{args.examples_per_slot} examples per slot)")
+    title = (
+        f"{task}, {args.model}: accuracy by the gold document's slot ({args.num_documents} documents, "
+        f"{args.examples_per_slot} examples per slot)"
+    )
     left_out = [f"left out: {mitigation} ({why})" for mitigation, why in args.left_out.items()]
     return "\n".join([title, "", *table_lines(header, lines, left=1), *([""] if left_out else []), *left_out])
 
@@ -419,8 +468,12 @@ def plot(rows: list[dict], args, path: Path) -> None:
     for mitigation in args.mitigations:
         mine = [row for row in rows if row["mitigation"] == mitigation]
         axes.plot([row["slot"] for row in mine], [row["accuracy"] for row in mine], marker="o", label=mitigation)
-    axes.set(xlabel="slot of the gold document", ylabel="accuracy", ylim=(-0.02, 1.02),
-             title=f"Lost in the middle: {Path(args.model).name}")
+    axes.set(
+        xlabel="slot of the gold document",
+        ylabel="accuracy",
+        ylim=(-0.02, 1.02),
+        title=f"Lost in the middle: {Path(args.model).name}",
+    )
     axes.legend(fontsize="small")
     save_figure(figure, path, dpi=120, bbox_inches="tight")
 
@@ -431,24 +484,34 @@ def plot(rows: list[dict], args, path: Path) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a checkpoint folder or a Hub name in the local cache")
-    parser.add_argument("--qa-file", type=existing_file,
-                        help="multi-document QA from this JSON-lines file (the paper's format) instead of key-value "
-                             "retrieval")
-    parser.add_argument("--mitigations", nargs="+", choices=MITIGATIONS, action=Distinct,
-                        help="default: all of them")
-    parser.add_argument("--num-documents", type=positive_int,
-                        help="key-value pairs (default 75) or search results (default 20) in every prompt")
-    parser.add_argument("--examples-per-slot", type=positive_int,
-                        help="JSON objects or questions, each asked with its gold at every slot (default 10)")
+    parser.add_argument(
+        "--qa-file",
+        type=existing_file,
+        help="multi-document QA from this JSON-lines file (the paper's format) instead of key-value retrieval",
+    )
+    parser.add_argument("--mitigations", nargs="+", choices=MITIGATIONS, action=Distinct, help="default: all of them")
+    parser.add_argument(
+        "--num-documents",
+        type=positive_int,
+        help="key-value pairs (default 75) or search results (default 20) in every prompt",
+    )
+    parser.add_argument(
+        "--examples-per-slot",
+        type=positive_int,
+        help="JSON objects or questions, each asked with its gold at every slot (default 10)",
+    )
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="the UUIDs' random stream")
     parser.add_argument("--max-new-tokens", type=positive_int, help="greedy tokens per answer (default 100)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
     parser.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and compute")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/lost_in_the_middle")
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"a smoke run: {TINY['num_documents']} documents, {TINY['examples_per_slot']} examples "
-                             f"per slot, {TINY['max_new_tokens']} new tokens (flags given still win)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"a smoke run: {TINY['num_documents']} documents, {TINY['examples_per_slot']} examples "
+        f"per slot, {TINY['max_new_tokens']} new tokens (flags given still win)",
+    )
     args = parser.parse_args(argv)
     preset = TINY if args.tiny else DEFAULTS["qa" if args.qa_file else "key-value"]
     for name, value in preset.items():
@@ -459,8 +522,11 @@ def parse_args(argv=None):
     config = model_config(args.model)
     if config.model_type != "sepformer" and getattr(sepformer, "add_mitigations", None) is None:
         for mitigation in [name for name in args.mitigations if name != NONE]:
-            refuse(mitigation, "this copy of sepformer has no add_mitigations, which gives a model other than "
-                               "SepFormer the options", args)
+            refuse(
+                mitigation,
+                "this copy of sepformer has no add_mitigations, which gives a model other than SepFormer the options",
+                args,
+            )
     args.qa_records = read_qa_file(args.qa_file, args.examples_per_slot, args.num_documents) if args.qa_file else None
     return args
 
@@ -502,8 +568,10 @@ def main(argv=None) -> list[dict]:
     print("\n" + table + "\n")
     (output_dir / "results.md").write_text(table + "\n")
     plot(rows, args, output_dir / "lost_in_the_middle.png")
-    print(f"wrote results.csv, results.md, lost_in_the_middle.png under {output_dir} in "
-          f"{(time.time() - started) / 60:.1f} min")
+    print(
+        f"wrote results.csv, results.md, lost_in_the_middle.png under {output_dir} in "
+        f"{(time.time() - started) / 60:.1f} min"
+    )
     return rows
 
 

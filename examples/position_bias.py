@@ -131,17 +131,59 @@ from sepformer.reordering import eager_attention
 
 PRESETS = {
     # 12.5 minutes for the three seeds on 2 CPU cores
-    "default": dict(num_pairs=16, num_keys=32, num_values=16, end_slots=2, gold_at_ends=1.0, hidden_size=64,
-                    num_layers=2, num_heads=2, batch_size=32, max_steps=1500, learning_rate=3e-3, weight_decay=0.1,
-                    eval_per_slot=100, validation_per_slot=25, seeds=[0, 1, 2]),
+    "default": dict(
+        num_pairs=16,
+        num_keys=32,
+        num_values=16,
+        end_slots=2,
+        gold_at_ends=1.0,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        batch_size=32,
+        max_steps=1500,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        eval_per_slot=100,
+        validation_per_slot=25,
+        seeds=[0, 1, 2],
+    ),
     # the default's task and training, one seed, half the evaluation prompts
-    "quick": dict(num_pairs=16, num_keys=32, num_values=16, end_slots=2, gold_at_ends=1.0, hidden_size=64,
-                  num_layers=2, num_heads=2, batch_size=32, max_steps=1500, learning_rate=3e-3, weight_decay=0.1,
-                  eval_per_slot=50, validation_per_slot=25, seeds=[0]),
+    "quick": dict(
+        num_pairs=16,
+        num_keys=32,
+        num_values=16,
+        end_slots=2,
+        gold_at_ends=1.0,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        batch_size=32,
+        max_steps=1500,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        eval_per_slot=50,
+        validation_per_slot=25,
+        seeds=[0],
+    ),
     # seconds: checks the plumbing, learns nothing (the test and CI run this)
-    "tiny": dict(num_pairs=4, num_keys=8, num_values=8, end_slots=1, gold_at_ends=1.0, hidden_size=32,
-                 num_layers=2, num_heads=2, batch_size=16, max_steps=20, learning_rate=3e-3, weight_decay=0.1,
-                 eval_per_slot=6, validation_per_slot=4, seeds=[0]),
+    "tiny": dict(
+        num_pairs=4,
+        num_keys=8,
+        num_values=8,
+        end_slots=1,
+        gold_at_ends=1.0,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        batch_size=16,
+        max_steps=20,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        eval_per_slot=6,
+        validation_per_slot=4,
+        seeds=[0],
+    ),
 }
 NONE = "none"
 IN2, REORDER = "in2", "reorder"
@@ -194,8 +236,9 @@ def random_lists(generator: torch.Generator, count: int, num_pairs: int, vocab: 
     with replacement. Returns the ids (count, n + 2), the keys and the values (count, n)."""
     keys = torch.rand(count, vocab.num_keys, generator=generator).argsort(-1)[:, :num_pairs]
     values = torch.randint(0, vocab.num_values, (count, num_pairs), generator=generator)
-    prefix = torch.cat([torch.full((count, 1), vocab.bos), vocab.document(keys, values),
-                        torch.full((count, 1), vocab.sep)], 1)
+    prefix = torch.cat(
+        [torch.full((count, 1), vocab.bos), vocab.document(keys, values), torch.full((count, 1), vocab.sep)], 1
+    )
     return prefix, keys, values
 
 
@@ -236,7 +279,7 @@ def prompts_by_slot(generator: torch.Generator, per_slot: int, num_pairs: int, v
     columns = {"input_ids": [], "answer": [], "gold_slot": []}
     for slot in range(num_pairs):
         prefix, keys, values = random_lists(generator, per_slot, num_pairs, vocab)
-        columns["input_ids"].append(torch.cat([prefix, vocab.query(keys[:, slot:slot + 1])], 1))
+        columns["input_ids"].append(torch.cat([prefix, vocab.query(keys[:, slot : slot + 1])], 1))
         columns["answer"].append(vocab.value(values[:, slot]))
         columns["gold_slot"].append(torch.full((per_slot,), slot))
     return {name: torch.cat(parts) for name, parts in columns.items()}
@@ -254,9 +297,15 @@ def validation_batches(seed: int, num_pairs: int, vocab: Vocabulary, args) -> li
     input_ids = torch.cat([prompts["input_ids"], prompts["answer"][:, None]], 1)
     labels = torch.full_like(input_ids, -100)
     labels[:, -1] = input_ids[:, -1]
-    return [{"input_ids": ids, "labels": lab, "gold_position": gold} for ids, lab, gold in
-            zip(input_ids.split(args.eval_batch_size), labels.split(args.eval_batch_size),
-                prompts["gold_slot"].split(args.eval_batch_size), strict=True)]
+    return [
+        {"input_ids": ids, "labels": lab, "gold_position": gold}
+        for ids, lab, gold in zip(
+            input_ids.split(args.eval_batch_size),
+            labels.split(args.eval_batch_size),
+            prompts["gold_slot"].split(args.eval_batch_size),
+            strict=True,
+        )
+    ]
 
 
 def document_spans(num_pairs: int) -> tuple[tuple[int, int], ...]:
@@ -293,8 +342,9 @@ def plain_logits(model, input_ids, **kwargs):
 def keyword(mitigation: str, setting: str, make_value: Callable, details: str | Callable = "") -> Condition:
     """A mitigation option keyword of `forward` (SepFormer's own, `add_mitigations`' on the Hugging Face models);
     `make_value(batch_size)` its value for a batch."""
-    return Condition(mitigation, setting,
-                     lambda model, ids: plain_logits(model, ids, **{mitigation: make_value(len(ids))}), details)
+    return Condition(
+        mitigation, setting, lambda model, ids: plain_logits(model, ids, **{mitigation: make_value(len(ids))}), details
+    )
 
 
 def mitigation_conditions(spans, vocab: Vocabulary) -> list[Condition]:
@@ -304,21 +354,35 @@ def mitigation_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     conditions = [Condition(NONE, "-", plain_logits)]
     conditions += [keyword("stable_mask", f"gamma={g}", lambda b, g=g: {"gamma": g}) for g in (0.02, 0.05, 0.2)]
     conditions += [keyword("ms_poe", f"r_max={r}", lambda b, r=r: {"r_min": 1.2, "r_max": r}) for r in (1.5, 1.8, 2.4)]
-    conditions += [keyword("attention_calibration", f"temperature={t}, dummy passes",
-                           lambda b, t=t: {"spans": [spans] * b, "temperature": t,
-                                           "dummy_document": vocab.dummy_document})
-                   for t in (5e-5, 1e-3, 1e-2)]
-    conditions += [keyword("positional_scaling", f"factor={s}", lambda b, s=s: {"factor": s})
-                   for s in (0.5, 0.0, -0.5, -1.0)]
-    conditions += [keyword("attention_buckets", f"scales={list(s)}", lambda b, s=s: {"scales": s})
-                   for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))]
-    conditions += [keyword("attention_buckets", f"bases={list(bases)}", lambda b, bases=bases: {"bases": bases})
-                   for bases in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))]
-    conditions += [keyword("parallel_context_windows", setting, lambda b, w=windows: {"spans": [w] * b})
-                   for setting, windows in window_settings(spans)]
+    conditions += [
+        keyword(
+            "attention_calibration",
+            f"temperature={t}, dummy passes",
+            lambda b, t=t: {"spans": [spans] * b, "temperature": t, "dummy_document": vocab.dummy_document},
+        )
+        for t in (5e-5, 1e-3, 1e-2)
+    ]
+    conditions += [
+        keyword("positional_scaling", f"factor={s}", lambda b, s=s: {"factor": s}) for s in (0.5, 0.0, -0.5, -1.0)
+    ]
+    conditions += [
+        keyword("attention_buckets", f"scales={list(s)}", lambda b, s=s: {"scales": s})
+        for s in ((1.0, 0.9, 0.8), (1.0, 0.75, 0.5))
+    ]
+    conditions += [
+        keyword("attention_buckets", f"bases={list(bases)}", lambda b, bases=bases: {"bases": bases})
+        for bases in ((10000, 17500, 25000), (10000, 13000, 16000, 19000, 22000, 25000, 28000))
+    ]
+    conditions += [
+        keyword("parallel_context_windows", setting, lambda b, w=windows: {"spans": [w] * b})
+        for setting, windows in window_settings(spans)
+    ]
     # the experiment's SepFormer has no rotary (rotary_dim 0): its positions are in the positional block only
-    return conditions + reorder_conditions(spans, vocab) + [
-        reordered("position-free attention (SepFormer)", spans, by="position_free")]
+    return (
+        conditions
+        + reorder_conditions(spans, vocab)
+        + [reordered("position-free attention (SepFormer)", spans, by="position_free")]
+    )
 
 
 def refusal(model, condition: Condition, prompt: torch.Tensor) -> str | None:
@@ -355,8 +419,9 @@ def window_settings(spans) -> list[tuple[str, list]]:
     settings = [("documents as windows", spans)]
     for per_window in sorted({4, len(spans) // 2}):
         if 1 < per_window < len(spans):
-            windows = [(spans[i][0], spans[min(i + per_window, len(spans)) - 1][1])
-                       for i in range(0, len(spans), per_window)]
+            windows = [
+                (spans[i][0], spans[min(i + per_window, len(spans)) - 1][1]) for i in range(0, len(spans), per_window)
+            ]
             settings.append((f"{len(windows)} windows of {per_window} documents", windows))
     return settings
 
@@ -365,9 +430,11 @@ def reordered(setting: str, spans, **options) -> Condition:
     """Each prompt's documents reordered by relevance read from the model (`reorder_documents` with strategy "ends":
     the most relevant first, the second last, ...; scored in eager attention), then the model, as it is, predicts on
     the reordered prompt."""
+
     def reorder(model, ids):
         ids, _, order = reorder_documents(
-            model, ids, None, ReorderDocuments(spans=[spans] * len(ids), strategy="ends", **options))
+            model, ids, None, ReorderDocuments(spans=[spans] * len(ids), strategy="ends", **options)
+        )
         return ids, order
 
     return Condition(REORDER, setting, plain_logits, reorder=reorder)
@@ -376,9 +443,11 @@ def reordered(setting: str, spans, **options) -> Condition:
 def reorder_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     """The relevance sources every model has: its attention, attention sorting, and calibrated attention (`bias(k)`
     measured with the calibration rows' dummy document)."""
-    return [reordered("by attention", spans, by="attention"),
-            reordered("attention sorting, 3 rounds", spans, by="attention", rounds=3),
-            reordered("by calibrated attention", spans, by="calibrated", dummy_document=vocab.dummy_document)]
+    return [
+        reordered("by attention", spans, by="attention"),
+        reordered("attention sorting, 3 rounds", spans, by="attention", rounds=3),
+        reordered("by calibrated attention", spans, by="calibrated", dummy_document=vocab.dummy_document),
+    ]
 
 
 def searched_scaling(model, validation: list[dict]) -> list[Condition]:
@@ -388,17 +457,29 @@ def searched_scaling(model, validation: list[dict]) -> list[Condition]:
     try:
         result = search_positional_scaling(model, validation)
     except NoPositionalChannelError as error:
+
         def no_candidate(model, input_ids, error=error):
             raise error
 
         return [Condition("positional_scaling", SEARCH_PICK, no_candidate)]
     best = result.best
-    details = (f"channels={list(best.channels)}, factor={best.factor} (validation loss {best.loss:.3f}, "
-               f"unscaled {result.base.loss:.3f})")
-    sweep = [] if is_sepformer(model) else [
-        keyword("positional_scaling", f"searched channels, factor={factor}",
-                lambda b, f=factor: replace(result.option, factor=f), f"channels={list(best.channels)}")
-        for factor in (0.5, 0.0, -0.5, -1.0)]
+    details = (
+        f"channels={list(best.channels)}, factor={best.factor} (validation loss {best.loss:.3f}, "
+        f"unscaled {result.base.loss:.3f})"
+    )
+    sweep = (
+        []
+        if is_sepformer(model)
+        else [
+            keyword(
+                "positional_scaling",
+                f"searched channels, factor={factor}",
+                lambda b, f=factor: replace(result.option, factor=f),
+                f"channels={list(best.channels)}",
+            )
+            for factor in (0.5, 0.0, -0.5, -1.0)
+        ]
+    )
     return sweep + [keyword("positional_scaling", SEARCH_PICK, lambda b: result.option, details)]
 
 
@@ -421,7 +502,7 @@ def calibration_without_dummy_passes(prompts: torch.Tensor, spans, vocab: Vocabu
     """Calibration with `bias(k)` read off the positional block (no dummy passes; refused by a model without one), with
     how closely that estimate tracks the dummy passes' on these prompts: Pearson's r over the documents, per prompt,
     layer and head, and for the mean over prompts, per layer and head."""
-    prompts = prompts[::max(1, len(prompts) // 64)][:64]  # spread over the gold slots
+    prompts = prompts[:: max(1, len(prompts) // 64)][:64]  # spread over the gold slots
     documents = {"spans": [spans] * len(prompts)}
 
     @functools.cache
@@ -429,12 +510,20 @@ def calibration_without_dummy_passes(prompts: torch.Tensor, spans, vocab: Vocabu
         on_device = prompts.to(model.device)
         dummy = calibration_bias(model, on_device, {**documents, "dummy_document": vocab.dummy_document})
         positional = calibration_bias(model, on_device, {**documents, "bias_estimate": "positional"})
-        return (f"bias(k) vs the dummy passes': Pearson r {pearson(positional, dummy).nanmean():.2f} per prompt, "
-                f"{pearson(positional.mean(0), dummy.mean(0)).nanmean():.2f} for the mean over prompts")
+        return (
+            f"bias(k) vs the dummy passes': Pearson r {pearson(positional, dummy).nanmean():.2f} per prompt, "
+            f"{pearson(positional.mean(0), dummy.mean(0)).nanmean():.2f} for the mean over prompts"
+        )
 
-    return [keyword("attention_calibration", f"temperature={t}, positional bias(k)",
-                    lambda b, t=t: {"spans": [spans] * b, "temperature": t, "bias_estimate": "positional"}, agreement)
-            for t in (5e-5, 1e-3, 1e-2)]
+    return [
+        keyword(
+            "attention_calibration",
+            f"temperature={t}, positional bias(k)",
+            lambda b, t=t: {"spans": [spans] * b, "temperature": t, "bias_estimate": "positional"},
+            agreement,
+        )
+        for t in (5e-5, 1e-3, 1e-2)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -462,34 +551,66 @@ def contenders(args, vocab: Vocabulary) -> list[Contender]:
     def gpt2():
         return build_model("gpt2", *shape, **special)
 
-    every = [Contender("SepFormer", "sepformer", sepformer), Contender("Llama (rotary)", "llama", llama),
-             Contender("GPT-2 (learned absolute)", "gpt2", gpt2)]
+    every = [
+        Contender("SepFormer", "sepformer", sepformer),
+        Contender("Llama (rotary)", "llama", llama),
+        Contender("GPT-2 (learned absolute)", "gpt2", gpt2),
+    ]
 
     def matches(word, contender):
         return word.lower() in contender.name.lower() or word.lower() == contender.slug
 
-    return chosen(every, args.models, matches, f"{', '.join(c.name for c in every)} (nor the folder names "
-                                               f"{', '.join(c.slug for c in every)})")
+    return chosen(
+        every,
+        args.models,
+        matches,
+        f"{', '.join(c.name for c in every)} (nor the folder names {', '.join(c.slug for c in every)})",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ train, evaluate
 
 
-def train(model, data: datasets.Dataset, args, description: str, seed: int = 0, checkpoints: Path | None = None
-          ) -> float:
+def train(
+    model, data: datasets.Dataset, args, description: str, seed: int = 0, checkpoints: Path | None = None
+) -> float:
     """`experiment_common.train` on `data` (every step's batch, in order); returns the mean loss of the last 10% of
     the steps. `seed` seeds what is random in training (dropout); `checkpoints`: where `--save-steps` saves and
     `--resume` continues."""
     losses = train_with_trainer(
-        model, data, steps=args.max_steps, learning_rate=args.learning_rate, batch_size=args.batch_size, seed=seed,
-        output_dir=checkpoints, weight_decay=args.weight_decay, device=args.device, bf16=args.bf16, fp16=args.fp16,
-        save_steps=args.save_steps, resume_from_checkpoint=args.resume, description=description)
+        model,
+        data,
+        steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        batch_size=args.batch_size,
+        seed=seed,
+        output_dir=checkpoints,
+        weight_decay=args.weight_decay,
+        device=args.device,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        save_steps=args.save_steps,
+        resume_from_checkpoint=args.resume,
+        description=description,
+    )
     return tail_mean(losses)
 
 
 # What a trained model depends on, besides the model and the seed: a saved model is reused only under the same.
-TRAINING_SETTINGS = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_at_ends", "hidden_size", "num_layers",
-                     "num_heads", "batch_size", "max_steps", "learning_rate", "weight_decay")
+TRAINING_SETTINGS = (
+    "num_pairs",
+    "num_keys",
+    "num_values",
+    "end_slots",
+    "gold_at_ends",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "batch_size",
+    "max_steps",
+    "learning_rate",
+    "weight_decay",
+)
 
 
 # What a config records besides the model: the dtype and class names it was saved with, the library's version.
@@ -526,8 +647,11 @@ def full_config(config) -> dict:
 
 
 def differences(saved: dict, wanted: dict) -> str:
-    return ", ".join(f"{name} {saved.get(name)!r} there, {value!r} here" for name, value in wanted.items()
-                     if saved.get(name) != value)
+    return ", ".join(
+        f"{name} {saved.get(name)!r} there, {value!r} here"
+        for name, value in wanted.items()
+        if saved.get(name) != value
+    )
 
 
 def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module, dict] | None:
@@ -541,8 +665,9 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
         return None
 
     def refuse(why: str) -> NoReturn:
-        raise SystemExit(f"--reuse-models: {folder} {why}; give another --models-dir or remove that folder to train "
-                         "again")
+        raise SystemExit(
+            f"--reuse-models: {folder} {why}; give another --models-dir or remove that folder to train again"
+        )
 
     try:
         record = json.loads((folder / "training.json").read_text())
@@ -550,10 +675,15 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
         refuse(f"has a training.json that does not read ({type(error).__name__}: {error})")
     if not isinstance(record, dict):
         refuse(f"has a training.json that holds a {type(record).__name__}, not an object")
-    if wrong := [f"{key} is {'missing' if key not in record else 'a ' + type(record[key]).__name__}"
-                 for key, kind in TRAINING_RECORD.items() if not isinstance(record.get(key), kind)]:
-        refuse(f"has a training.json where {', '.join(wrong)} (a record holds the objects settings and config and the "
-               "numbers train_loss and train_seconds)")
+    if wrong := [
+        f"{key} is {'missing' if key not in record else 'a ' + type(record[key]).__name__}"
+        for key, kind in TRAINING_RECORD.items()
+        if not isinstance(record.get(key), kind)
+    ]:
+        refuse(
+            f"has a training.json where {', '.join(wrong)} (a record holds the objects settings and config and the "
+            "numbers train_loss and train_seconds)"
+        )
     settings, config = record["settings"], record["config"]
     if differing := differences(settings, training_settings(args, seed)):
         refuse(f"was trained with other settings ({differing})")
@@ -569,8 +699,11 @@ def saved_model(args, contender: Contender, seed: int) -> tuple[torch.nn.Module,
     try:
         weights = load_file(folder / "model.safetensors")
         own = model.state_dict()
-        if other := [f"{name} {tensor.dtype} there, {own[name].dtype} here" for name, tensor in weights.items()
-                     if name in own and tensor.dtype != own[name].dtype]:
+        if other := [
+            f"{name} {tensor.dtype} there, {own[name].dtype} here"
+            for name, tensor in weights.items()
+            if name in own and tensor.dtype != own[name].dtype
+        ]:
             refuse(f"has weights of another dtype ({listed(other)})")
         if not_finite := [name for name, tensor in weights.items() if not tensor.isfinite().all()]:
             refuse(f"has weights that are not finite ({listed(not_finite)})")
@@ -588,8 +721,9 @@ def listed(items: list[str], shown: int = 2) -> str:
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
-def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.Dataset], args
-                  ) -> tuple[torch.nn.Module, dict]:
+def trained_model(
+    contender: Contender, seed: int, data: Callable[[], datasets.Dataset], args
+) -> tuple[torch.nn.Module, dict]:
     """The contender trained on `data()` (or loaded, with `--reuse-models`, from the run that trained it), and its
     training record. A model trained here is saved under `--models-dir` (`save_pretrained`) with its record, which is
     written last: a folder left half-written by a stopped run has no record, and is trained again."""
@@ -600,10 +734,15 @@ def trained_model(contender: Contender, seed: int, data: Callable[[], datasets.D
         return model, record
     model = seeded_build(contender, seed)
     started = time.time()
-    train_loss = train(model, data(), args, f"seed {seed} · train {contender.name}", seed,
-                       checkpoint_dir(args, contender.slug, seed))
-    record = dict(settings=training_settings(args, seed), config=full_config(model.config),
-                  train_loss=round(train_loss, 4), train_seconds=round(time.time() - started, 1))
+    train_loss = train(
+        model, data(), args, f"seed {seed} · train {contender.name}", seed, checkpoint_dir(args, contender.slug, seed)
+    )
+    record = dict(
+        settings=training_settings(args, seed),
+        config=full_config(model.config),
+        train_loss=round(train_loss, 4),
+        train_seconds=round(time.time() - started, 1),
+    )
     if is_main_process():
         (folder / "training.json").unlink(missing_ok=True)
         model.save_pretrained(folder)
@@ -619,8 +758,15 @@ def in2_arguments(args, fraction: float) -> argparse.Namespace:
     """The IN2 fine-tune's settings: the training's (same learning rate, batch size and weight decay; a fresh AdamW
     with its own warm-up and cosine decay), for `fraction` of its steps, on lists whose answers sit at every slot
     uniformly (`gold_at_ends` 0), without checkpoints (fine-tuned models are not saved)."""
-    return argparse.Namespace(**{**vars(args), "max_steps": in2_steps(args, fraction), "gold_at_ends": 0.0,
-                                 "save_steps": None, "resume": False})
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "max_steps": in2_steps(args, fraction),
+            "gold_at_ends": 0.0,
+            "save_steps": None,
+            "resume": False,
+        }
+    )
 
 
 def in2_set(seed: int, vocab: Vocabulary, in2_args) -> datasets.Dataset:
@@ -629,8 +775,7 @@ def in2_set(seed: int, vocab: Vocabulary, in2_args) -> datasets.Dataset:
     return training_set(30_000 + seed, vocab, in2_args)
 
 
-def in2_rows(model, contender: Contender, seed: int, vocab: Vocabulary, evaluation: dict, metric, args
-             ) -> list[dict]:
+def in2_rows(model, contender: Contender, seed: int, vocab: Vocabulary, evaluation: dict, metric, args) -> list[dict]:
     """IN2 ("Make Your LLM Fully Utilize the Context", made by rule from the experiment's own task): for each of
     `--in2-fractions`, a copy of the trained model fine-tuned by `in2_arguments`, evaluated on the test prompts with no
     other mitigation; the rows record the fine-tune's steps, loss and time (`finetune_*`)."""
@@ -639,17 +784,24 @@ def in2_rows(model, contender: Contender, seed: int, vocab: Vocabulary, evaluati
         in2_args = in2_arguments(args, fraction)
         tuned = copy.deepcopy(model)  # the base rows stay the trained model's
         started = time.time()
-        loss = train(tuned, in2_set(seed, vocab, in2_args), in2_args,
-                     f"seed {seed} · IN2 {fraction:g} {contender.name}", seed)
-        record = dict(finetune_steps=in2_args.max_steps, finetune_loss=round(loss, 4),
-                      finetune_seconds=round(time.time() - started, 1))
+        loss = train(
+            tuned, in2_set(seed, vocab, in2_args), in2_args, f"seed {seed} · IN2 {fraction:g} {contender.name}", seed
+        )
+        record = dict(
+            finetune_steps=in2_args.max_steps,
+            finetune_loss=round(loss, 4),
+            finetune_seconds=round(time.time() - started, 1),
+        )
         steps = f"{in2_args.max_steps} step" + "s" * (in2_args.max_steps != 1)
         condition = Condition(IN2, f"{fraction * 100:g}% of training steps ({steps})", plain_logits)
         for pairs, data in evaluation.items():
-            rows += [{**row, **record} for row in evaluate_model(tuned, [condition], data, pairs, metric, args,
-                                                                 contender)]
-        tqdm.write(f"seed {seed} · {contender.name}: IN2 fine-tune of {steps} in "
-                   f"{record['finetune_seconds']:.1f} s to loss {loss:.3f}")
+            rows += [
+                {**row, **record} for row in evaluate_model(tuned, [condition], data, pairs, metric, args, contender)
+            ]
+        tqdm.write(
+            f"seed {seed} · {contender.name}: IN2 fine-tune of {steps} in "
+            f"{record['finetune_seconds']:.1f} s to loss {loss:.3f}"
+        )
     return rows
 
 
@@ -674,8 +826,9 @@ def gold_at_an_end(orders: torch.Tensor, gold_slot: torch.Tensor, end_slots: int
     return (place < end_slots) | (place >= orders.shape[-1] - end_slots)
 
 
-def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: int, metric, args,
-                   contender: Contender) -> list[dict]:
+def evaluate_model(
+    model, conditions: list[Condition], data: dict, num_pairs: int, metric, args, contender: Contender
+) -> list[dict]:
     """One row per condition and gold slot. The slot is the gold's slot in the test prompt, before any reordering; a
     reordering condition's rows also hold `gold_at_end`: the fraction of the slot's prompts whose gold document the
     reordering put in the first or last `--end-slots` places (None on other rows)."""
@@ -685,19 +838,32 @@ def evaluate_model(model, conditions: list[Condition], data: dict, num_pairs: in
         details = condition.details(model) if callable(condition.details) else condition.details
         try:
             predictions, orders = predict(model, data["input_ids"], condition, args)
-            result = metric.compute(predictions=predictions.tolist(), references=data["answer"].tolist(),
-                                    positions=data["gold_slot"].tolist())
+            result = metric.compute(
+                predictions=predictions.tolist(),
+                references=data["answer"].tolist(),
+                positions=data["gold_slot"].tolist(),
+            )
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
             if orders is not None:
                 at_end = gold_at_an_end(orders, data["gold_slot"], args.end_slots)
         except NoPositionalChannelError as error:  # the search's pick where the search found no candidate
             status = f"not evaluated: {first_line(error)}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
-        rows += [dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting,
-                      num_pairs=num_pairs, slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot],
-                      status=status, details=details,
-                      gold_at_end=None if at_end is None else at_end[data["gold_slot"] == slot].float().mean().item())
-                 for slot in range(num_pairs)]
+        rows += [
+            dict(
+                model=contender.name,
+                mitigation=condition.mitigation,
+                setting=condition.setting,
+                num_pairs=num_pairs,
+                slot=slot + 1,
+                accuracy=by_slot[slot],
+                examples=counts[slot],
+                status=status,
+                details=details,
+                gold_at_end=None if at_end is None else at_end[data["gold_slot"] == slot].float().mean().item(),
+            )
+            for slot in range(num_pairs)
+        ]
     return rows
 
 
@@ -709,7 +875,7 @@ def attention_by_group(model, prompts: torch.Tensor, num_pairs: int, args) -> tu
     """
     groups = [("<bos>", (0, 1))] + [(f"slot {k + 1}", span) for k, span in enumerate(document_spans(num_pairs))]
     groups.append(("<sep> query", (1 + num_pairs, 3 + num_pairs)))
-    batch = prompts[::max(1, len(prompts) // args.eval_batch_size)][:args.eval_batch_size].to(model.device)
+    batch = prompts[:: max(1, len(prompts) // args.eval_batch_size)][: args.eval_batch_size].to(model.device)
     with eager_attention(model):
         attentions = model(input_ids=batch, use_cache=False, output_attentions=True).attentions
     last = torch.stack([layer[:, :, -1].float() for layer in attentions], 1).mean(0)  # (layers, heads, keys)
@@ -733,29 +899,51 @@ def run_seed(seed: int, vocab: Vocabulary, metric, args) -> tuple[list[dict], li
                 conditions += searched_scaling(model, validation) if "positional_scaling" in args.mitigations else []
             conditions += calibration_without_dummy_passes(evaluation[pairs]["input_ids"], spans[pairs], vocab)
             conditions = [c for c in conditions if c.mitigation in args.mitigations]
-            conditions = accepted(model, conditions, evaluation[pairs]["input_ids"][:1].to(model.device),
-                                  f"seed {seed} · {contender.name}, {pairs} pairs")
+            conditions = accepted(
+                model,
+                conditions,
+                evaluation[pairs]["input_ids"][:1].to(model.device),
+                f"seed {seed} · {contender.name}, {pairs} pairs",
+            )
             new_rows += evaluate_model(model, conditions, evaluation[pairs], pairs, metric, args, contender)
         if IN2 in args.mitigations:
             new_rows += in2_rows(model, contender, seed, vocab, evaluation, metric, args)
         for row in new_rows:
-            row.update(seed=seed, train_pairs=args.num_pairs, parameters=model.num_parameters(),
-                       train_steps=args.max_steps, train_loss=train_loss, train_seconds=train_seconds)
+            row.update(
+                seed=seed,
+                train_pairs=args.num_pairs,
+                parameters=model.num_parameters(),
+                train_steps=args.max_steps,
+                train_loss=train_loss,
+                train_seconds=train_seconds,
+            )
         at_n = [r["accuracy"] for r in new_rows if r["mitigation"] == NONE and r["num_pairs"] == args.num_pairs]
-        tqdm.write(f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
-                   f"{train_seconds:5.1f} s to loss {train_loss:.3f}; accuracy at {args.num_pairs} pairs "
-                   f"{statistics.fmean(at_n):.3f}, by slot " + " ".join(f"{a:.2f}" for a in at_n))
+        tqdm.write(
+            f"seed {seed} · {contender.name:26s} {model.num_parameters() / 1e6:.3f}M params, trained in "
+            f"{train_seconds:5.1f} s to loss {train_loss:.3f}; accuracy at {args.num_pairs} pairs "
+            f"{statistics.fmean(at_n):.3f}, by slot " + " ".join(f"{a:.2f}" for a in at_n)
+        )
         rows += new_rows
 
         names, groups = attention_by_group(model, evaluation[args.num_pairs]["input_ids"], args.num_pairs, args)
         for layer in range(groups.shape[0]):
             for head in range(groups.shape[1]):
-                attention_rows += [dict(model=contender.name, seed=seed, layer=layer, head=head, group=name,
-                                        attention=groups[layer, head, g].item()) for g, name in enumerate(names)]
+                attention_rows += [
+                    dict(
+                        model=contender.name,
+                        seed=seed,
+                        layer=layer,
+                        head=head,
+                        group=name,
+                        attention=groups[layer, head, g].item(),
+                    )
+                    for g, name in enumerate(names)
+                ]
     return rows, attention_rows
 
 
 # --------------------------------------------------------------------------------------------------------- report
+
 
 @dataclass
 class Curve:
@@ -809,8 +997,9 @@ def markdown_table(rows: list[dict], args) -> str:
         header += [str(slot) for slot in range(1, pairs + 1)]
         title = "the training length" if pairs == args.num_pairs else f"trained at {args.num_pairs}"
         table = []
-        baseline = {c.model: statistics.fmean(c.mean_by_slot) for c in every
-                    if c.num_pairs == pairs and c.mitigation == NONE}
+        baseline = {
+            c.model: statistics.fmean(c.mean_by_slot) for c in every if c.num_pairs == pairs and c.mitigation == NONE
+        }
         for curve in every:
             if curve.num_pairs != pairs:
                 continue
@@ -821,19 +1010,38 @@ def markdown_table(rows: list[dict], args) -> str:
             mean = statistics.fmean(seed_means)
             worst = min(range(pairs), key=means.__getitem__)
             delta = "" if curve.mitigation == NONE else f"{mean - baseline.get(curve.model, float('nan')):+.3f}"
-            table.append([curve.model, curve.mitigation, curve.setting,
-                          f"**{mean:.3f}** ± {interval95(seed_means):.3f}", f"{means[worst]:.2f} (slot {worst + 1})",
-                          f"{curve.worst_over_best:.2f}", delta, *(f"{a:.2f}" for a in means)])
-        lines += [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds", "",
-                  *table_lines(header, table, left=3), ""]
+            table.append(
+                [
+                    curve.model,
+                    curve.mitigation,
+                    curve.setting,
+                    f"**{mean:.3f}** ± {interval95(seed_means):.3f}",
+                    f"{means[worst]:.2f} (slot {worst + 1})",
+                    f"{curve.worst_over_best:.2f}",
+                    delta,
+                    *(f"{a:.2f}" for a in means),
+                ]
+            )
+        lines += [
+            f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds",
+            "",
+            *table_lines(header, table, left=3),
+            "",
+        ]
         if reordered_curves := [c for c in every if c.num_pairs == pairs and c.gold_at_end]:
-            lines += [f"Gold at an end after reordering ({pairs} pairs): the fraction of test prompts whose gold "
-                      f"document the reordering put in the first or last {args.end_slots} slots (the trained end "
-                      "slots); the table's slots are the gold's before reordering.", ""]
+            lines += [
+                f"Gold at an end after reordering ({pairs} pairs): the fraction of test prompts whose gold "
+                f"document the reordering put in the first or last {args.end_slots} slots (the trained end "
+                "slots); the table's slots are the gold's before reordering.",
+                "",
+            ]
             lines += [f"- {c.model}, {c.setting}: {statistics.fmean(c.gold_at_end):.3f}" for c in reordered_curves]
             lines.append("")
-    picks = [f"{r['model']}, seed {r['seed']}: {r['details']}" for r in rows
-             if r["setting"] == SEARCH_PICK and r["slot"] == 1 and r["num_pairs"] == args.num_pairs]
+    picks = [
+        f"{r['model']}, seed {r['seed']}: {r['details']}"
+        for r in rows
+        if r["setting"] == SEARCH_PICK and r["slot"] == 1 and r["num_pairs"] == args.num_pairs
+    ]
     if picks:
         lines += ["The positional-dimension search's pick (on validation prompts):", ""]
         lines += [f"- {pick}" for pick in picks] + [""]
@@ -841,22 +1049,56 @@ def markdown_table(rows: list[dict], args) -> str:
         f"Trained on lists of {args.num_pairs} documents ({args.num_keys} keys, {args.num_values} values), the "
         f"answer in the first or last {args.end_slots} slots with probability {args.gold_at_ends:g} and anywhere "
         f"otherwise, {args.max_steps} steps of {args.batch_size}; {args.eval_per_slot} test prompts per gold slot; "
-        + (f"mean over seeds {seeds}, ± the 95% interval of the mean over seeds. " if len(seeds) > 1
-           else f"seed {seeds[0]}. ")
+        + (
+            f"mean over seeds {seeds}, ± the 95% interval of the mean over seeds. "
+            if len(seeds) > 1
+            else f"seed {seeds[0]}. "
+        )
         + "Δ mean: against the same model with no mitigation."
-        + (f" IN2: a copy of each trained model fine-tuned for the stated fraction of its {args.max_steps} steps on "
-           "lists of the same task with the answer at every slot uniformly (its own data stream; the same learning "
-           f"rate {args.learning_rate:g}, batch size {args.batch_size} and weight decay, a fresh optimiser and "
-           "schedule), evaluated with no other mitigation." if IN2 in args.mitigations else ""))
+        + (
+            f" IN2: a copy of each trained model fine-tuned for the stated fraction of its {args.max_steps} steps on "
+            "lists of the same task with the answer at every slot uniformly (its own data stream; the same learning "
+            f"rate {args.learning_rate:g}, batch size {args.batch_size} and weight decay, a fresh optimiser and "
+            "schedule), evaluated with no other mitigation."
+            if IN2 in args.mitigations
+            else ""
+        )
+    )
     return "\n".join(lines)
 
 
-RESULT_FIELDS = ["model", "mitigation", "setting", "seed", "num_pairs", "slot", "accuracy", "examples", "status",
-                 "details", "gold_at_end", "train_pairs", "parameters", "train_steps", "train_loss", "train_seconds",
-                 "finetune_steps", "finetune_loss", "finetune_seconds"]
-COLOURS = {NONE: "black", "stable_mask": "tab:blue", "ms_poe": "tab:orange", "attention_calibration": "tab:green",
-           "positional_scaling": "tab:red", "attention_buckets": "tab:purple", "parallel_context_windows": "tab:brown",
-           IN2: "tab:pink", REORDER: "tab:olive"}
+RESULT_FIELDS = [
+    "model",
+    "mitigation",
+    "setting",
+    "seed",
+    "num_pairs",
+    "slot",
+    "accuracy",
+    "examples",
+    "status",
+    "details",
+    "gold_at_end",
+    "train_pairs",
+    "parameters",
+    "train_steps",
+    "train_loss",
+    "train_seconds",
+    "finetune_steps",
+    "finetune_loss",
+    "finetune_seconds",
+]
+COLOURS = {
+    NONE: "black",
+    "stable_mask": "tab:blue",
+    "ms_poe": "tab:orange",
+    "attention_calibration": "tab:green",
+    "positional_scaling": "tab:red",
+    "attention_buckets": "tab:purple",
+    "parallel_context_windows": "tab:brown",
+    IN2: "tab:pink",
+    REORDER: "tab:olive",
+}
 
 
 def plot_curves(rows: list[dict], args, path: Path) -> None:
@@ -874,17 +1116,24 @@ def plot_curves(rows: list[dict], args, path: Path) -> None:
             if curve.setting == SEARCH_PICK:  # the search's pick, not one picked on the test prompts
                 best[curve.mitigation] = curve
             elif best.get(curve.mitigation, curve).setting != SEARCH_PICK and (
-                    curve.mitigation not in best or statistics.fmean(curve.mean_by_slot) > statistics.fmean(
-                        best[curve.mitigation].mean_by_slot)):
+                curve.mitigation not in best
+                or statistics.fmean(curve.mean_by_slot) > statistics.fmean(best[curve.mitigation].mean_by_slot)
+            ):
                 best[curve.mitigation] = curve
         for mitigation, curve in best.items():
             means, half = torch.tensor(curve.mean_by_slot), torch.tensor(curve.interval_by_slot)
             colour = COLOURS.get(mitigation, "grey")
             label = NONE if mitigation == NONE else f"{mitigation} {curve.setting}"
-            axis.plot(slots, means, marker="o", markersize=3, color=colour, label=label,
-                      linewidth=2.5 if mitigation == NONE else 1.2)
-            axis.fill_between(slots, (means - half).clamp(min=0), (means + half).clamp(max=1), color=colour,
-                              alpha=0.15)
+            axis.plot(
+                slots,
+                means,
+                marker="o",
+                markersize=3,
+                color=colour,
+                label=label,
+                linewidth=2.5 if mitigation == NONE else 1.2,
+            )
+            axis.fill_between(slots, (means - half).clamp(min=0), (means + half).clamp(max=1), color=colour, alpha=0.15)
         axis.set_title(f"{model}, {args.num_pairs} pairs", fontsize=9)
         axis.set_xlabel("gold slot")
         axis.set_xticks(list(slots)[:: max(1, len(slots) // 16)])  # at most ~16 labels: 64 slots would overlap
@@ -893,8 +1142,11 @@ def plot_curves(rows: list[dict], args, path: Path) -> None:
         axis.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15))  # below: the curves stay visible
     axes[0][0].set_ylabel("exact-match accuracy")
     seeds = sorted({r["seed"] for r in rows})
-    figure.suptitle(f"Key-value retrieval accuracy by the gold pair's position (seeds {seeds}, 95% bands; "
-                    "positional scaling at the search's pick, the others at their best setting)", fontsize=10)
+    figure.suptitle(
+        f"Key-value retrieval accuracy by the gold pair's position (seeds {seeds}, 95% bands; "
+        "positional scaling at the search's pick, the others at their best setting)",
+        fontsize=10,
+    )
     figure.tight_layout()
     save_figure(figure, path, dpi=120, bbox_inches="tight")
 
@@ -923,45 +1175,85 @@ def plot_attention(attention_rows: list[dict], path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------------------- main
 
-MITIGATION_NAMES = (NONE, "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
-                    "parallel_context_windows", IN2, REORDER)
+MITIGATION_NAMES = (
+    NONE,
+    "stable_mask",
+    "ms_poe",
+    "attention_calibration",
+    "positional_scaling",
+    "attention_buckets",
+    "parallel_context_windows",
+    IN2,
+    REORDER,
+)
 
 
 def parse_args(argv=None):
     parser = experiment_parser(__doc__, quick="about 10 minutes")
-    parser.add_argument("--models", nargs="+",
-                        help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)")
-    parser.add_argument("--mitigations", nargs="+", choices=MITIGATION_NAMES, action=Distinct,
-                        help="mitigations to evaluate (default: all), always beside 'none', the models as they "
-                             "are, that every mitigation is compared with; 'none' alone: no mitigation")
-    parser.add_argument("--in2-fractions", type=positive_float, nargs="+", action=Distinct,
-                        help="IN2 fine-tunes' budgets as fractions of --max-steps, one row each (default: "
-                             f"{' '.join(map(str, IN2_FRACTIONS))}); needs 'in2' in --mitigations")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        help="models to keep: substrings of their names, or their folder names (sepformer llama gpt2)",
+    )
+    parser.add_argument(
+        "--mitigations",
+        nargs="+",
+        choices=MITIGATION_NAMES,
+        action=Distinct,
+        help="mitigations to evaluate (default: all), always beside 'none', the models as they "
+        "are, that every mitigation is compared with; 'none' alone: no mitigation",
+    )
+    parser.add_argument(
+        "--in2-fractions",
+        type=positive_float,
+        nargs="+",
+        action=Distinct,
+        help="IN2 fine-tunes' budgets as fractions of --max-steps, one row each (default: "
+        f"{' '.join(map(str, IN2_FRACTIONS))}); needs 'in2' in --mitigations",
+    )
     parser.add_argument("--num-pairs", type=positive_int, help="key-value pairs per training list")
-    parser.add_argument("--eval-pairs", type=positive_int, nargs="+", action=Distinct,
-                        help="numbers of pairs evaluated, at most --num-pairs (default: the training's)")
+    parser.add_argument(
+        "--eval-pairs",
+        type=positive_int,
+        nargs="+",
+        action=Distinct,
+        help="numbers of pairs evaluated, at most --num-pairs (default: the training's)",
+    )
     parser.add_argument("--num-keys", type=positive_int)
     parser.add_argument("--num-values", type=positive_int)
-    parser.add_argument("--max-steps", type=positive_int,
-                        help="training steps (default: the preset's steps per pair times --num-pairs, e.g. 1500 at "
-                             "16 pairs and 3000 at 32)")
+    parser.add_argument(
+        "--max-steps",
+        type=positive_int,
+        help="training steps (default: the preset's steps per pair times --num-pairs, e.g. 1500 at "
+        "16 pairs and 3000 at 32)",
+    )
     parser.add_argument("--weight-decay", type=nonnegative_float)
-    parser.add_argument("--end-slots", type=positive_int,
-                        help="training answers sit in the first or last this many slots")
-    parser.add_argument("--gold-at-ends", type=probability,
-                        help="probability that a training answer sits in an end slot (otherwise: any slot)")
+    parser.add_argument(
+        "--end-slots", type=positive_int, help="training answers sit in the first or last this many slots"
+    )
+    parser.add_argument(
+        "--gold-at-ends",
+        type=probability,
+        help="probability that a training answer sits in an end slot (otherwise: any slot)",
+    )
     parser.add_argument("--eval-per-slot", type=positive_int, help="test prompts per gold slot")
-    parser.add_argument("--validation-per-slot", type=positive_int,
-                        help="validation prompts per gold slot (the search's)")
+    parser.add_argument(
+        "--validation-per-slot", type=positive_int, help="validation prompts per gold slot (the search's)"
+    )
     parser.add_argument("--eval-batch-size", type=positive_int, default=256)
     parser.add_argument("--output-dir", type=output_directory, default="outputs/position_bias")
-    parser.add_argument("--models-dir", type=output_directory,
-                        help="where trained models are saved and, with --reuse-models, read (default: "
-                             "OUTPUT_DIR/models)")
-    parser.add_argument("--reuse-models", action="store_true",
-                        help="load the models an earlier run saved under --models-dir instead of training them again; "
-                             "one saved with other training settings or config is refused, with what differs, and so "
-                             "is a --models-dir without any of the run's models")
+    parser.add_argument(
+        "--models-dir",
+        type=output_directory,
+        help="where trained models are saved and, with --reuse-models, read (default: OUTPUT_DIR/models)",
+    )
+    parser.add_argument(
+        "--reuse-models",
+        action="store_true",
+        help="load the models an earlier run saved under --models-dir instead of training them again; "
+        "one saved with other training settings or config is refused, with what differs, and so "
+        "is a --models-dir without any of the run's models",
+    )
     args = parser.parse_args(argv)
     if args.max_steps is None and args.num_pairs is not None:
         # At the preset's budget Llama does not learn twice the documents; at the same steps per pair it does.
@@ -971,22 +1263,32 @@ def parse_args(argv=None):
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(dict.fromkeys((NONE, *(args.mitigations or MITIGATION_NAMES))))  # the baseline first
     if args.in2_fractions is not None and IN2 not in args.mitigations:
-        raise SystemExit(f"--in2-fractions {' '.join(map(str, args.in2_fractions))}: read only by the IN2 rows, and "
-                         f"--mitigations {' '.join(args.mitigations)} has no '{IN2}': add it or drop the flag")
+        raise SystemExit(
+            f"--in2-fractions {' '.join(map(str, args.in2_fractions))}: read only by the IN2 rows, and "
+            f"--mitigations {' '.join(args.mitigations)} has no '{IN2}': add it or drop the flag"
+        )
     args.in2_fractions = tuple(args.in2_fractions or IN2_FRACTIONS)
     if IN2 in args.mitigations and (none_steps := [f for f in args.in2_fractions if in2_steps(args, f) < 1]):
-        raise SystemExit(f"--in2-fractions {' '.join(map(str, none_steps))}: of --max-steps {args.max_steps} "
-                         "rounds to 0 fine-tuning steps; give fractions that round to at least one step")
+        raise SystemExit(
+            f"--in2-fractions {' '.join(map(str, none_steps))}: of --max-steps {args.max_steps} "
+            "rounds to 0 fine-tuning steps; give fractions that round to at least one step"
+        )
     args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
     if not 1 <= 2 * args.end_slots <= args.num_pairs:
-        raise SystemExit(f"--end-slots {args.end_slots}: the first and the last {args.end_slots} slots must fit in "
-                         f"--num-pairs {args.num_pairs} (1 <= 2 x end slots <= pairs)")
+        raise SystemExit(
+            f"--end-slots {args.end_slots}: the first and the last {args.end_slots} slots must fit in "
+            f"--num-pairs {args.num_pairs} (1 <= 2 x end slots <= pairs)"
+        )
     if args.hidden_size % args.num_heads:
-        raise SystemExit(f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}: every "
-                         "model splits its width into heads of equal size")
+        raise SystemExit(
+            f"--hidden-size {args.hidden_size} is not a multiple of --num-heads {args.num_heads}: every "
+            "model splits its width into heads of equal size"
+        )
     if not all(1 <= pairs <= args.num_pairs for pairs in args.eval_pairs):
-        raise SystemExit(f"--eval-pairs {list(args.eval_pairs)}: each must be between 1 and --num-pairs "
-                         f"{args.num_pairs} (the models' positions end at the training length)")
+        raise SystemExit(
+            f"--eval-pairs {list(args.eval_pairs)}: each must be between 1 and --num-pairs "
+            f"{args.num_pairs} (the models' positions end at the training length)"
+        )
     if args.num_pairs > args.num_keys:
         raise SystemExit(f"--num-keys {args.num_keys}: a list has {args.num_pairs} distinct keys")
     if args.num_pairs not in args.eval_pairs:
@@ -1010,22 +1312,28 @@ def run(args) -> list[dict]:
 
     vocab = Vocabulary(args.num_keys, args.num_values)
     metric = evaluate.load(metric_path("accuracy_by_position"))
-    print(f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
-          f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
-          f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}"
-          + (f"; data parallel over {world_size()} processes" if world_size() > 1 else ""))
+    print(
+        f"task: {args.num_pairs} pairs (evaluated at {', '.join(map(str, args.eval_pairs))}), {args.num_keys} keys, "
+        f"{args.num_values} values; models: d_model={args.hidden_size}, {args.num_layers} layers, "
+        f"{args.num_heads} heads; {args.max_steps} steps of {args.batch_size}; seeds {args.seeds}"
+        + (f"; data parallel over {world_size()} processes" if world_size() > 1 else "")
+    )
     # a saved model that cannot be reused fails now, not after hours of training
     runs = [(contender, seed) for seed in args.seeds for contender in contenders(args, vocab)]
     reused = [saved_model(args, contender, seed) is not None for contender, seed in runs] if args.reuse_models else []
     if reused and all(reused) and (args.save_steps or args.resume):
-        raise SystemExit("--save-steps and --resume act on training, and --reuse-models reuses every model of this "
-                         "run: nothing trains, so drop them")
+        raise SystemExit(
+            "--save-steps and --resume act on training, and --reuse-models reuses every model of this "
+            "run: nothing trains, so drop them"
+        )
     if args.reuse_models and not any(reused):
         # an empty or mistyped folder would otherwise train everything again, silently
         folders = ", ".join(model_dir(args, contender, seed).name for contender, seed in runs)
         where = f"holds none of this run's models ({folders})" if Path(args.models_dir).is_dir() else "does not exist"
-        raise SystemExit(f"--reuse-models: --models-dir {args.models_dir} {where}; give the --models-dir of the run "
-                         "that trained them")
+        raise SystemExit(
+            f"--reuse-models: --models-dir {args.models_dir} {where}; give the --models-dir of the run "
+            "that trained them"
+        )
     check_resumable(args, [(contender.slug, seed) for contender, seed in runs])
 
     def write_results(rows, attention_rows):  # after each seed: a long run keeps what it did
@@ -1038,12 +1346,18 @@ def run(args) -> list[dict]:
     if not is_main_process():
         return rows
     (output_dir / "results.md").write_text(table + "\n")
-    write_csv(attention_rows, output_dir / "attention.csv", ["model", "seed", "layer", "head", "group", "attention"],
-              float_fields=("attention",))
+    write_csv(
+        attention_rows,
+        output_dir / "attention.csv",
+        ["model", "seed", "layer", "head", "group", "attention"],
+        float_fields=("attention",),
+    )
     plot_curves(rows, args, output_dir / "position_bias.png")
     plot_attention(attention_rows, output_dir / "attention_by_position.png")
-    print(f"wrote results.csv, results.md, position_bias.png, attention.csv, attention_by_position.png under "
-          f"{output_dir} in {(time.time() - started) / 60:.1f} min")
+    print(
+        f"wrote results.csv, results.md, position_bias.png, attention.csv, attention_by_position.png under "
+        f"{output_dir} in {(time.time() - started) / 60:.1f} min"
+    )
     return rows
 
 

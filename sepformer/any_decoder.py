@@ -73,8 +73,11 @@ class DecoderPositions:
             raise ValueError(
                 f"attention_buckets bases replace the rotary base rope_theta of {self.description}, whose rotary "
                 f"({type(self.rotary).__name__}, rope_type {rope_type!r}) "
-                + ("changes its frequencies with the sequence length" if rope_type in LENGTH_DEPENDENT_ROPE else
-                   "has no rope_parameters['rope_theta']")
+                + (
+                    "changes its frequencies with the sequence length"
+                    if rope_type in LENGTH_DEPENDENT_ROPE
+                    else "has no rope_parameters['rope_theta']"
+                )
                 + ": give scales=[...] instead, or use a model with a fixed rotary."
             )
 
@@ -125,7 +128,14 @@ def wrapped_function(implementation: str, module: nn.Module):
 
 
 def mitigated_attention(
-    implementation, module, query, key, value, attention_mask, mitigation_plan=None, mitigation_projection=None,
+    implementation,
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    mitigation_plan=None,
+    mitigation_projection=None,
     **kwargs,
 ):
     """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`

@@ -44,9 +44,9 @@ TRANSFORMERS_KEYWORDS = frozenset(
 # (`PreTrainedConfig.__post_init__`); every other parameter of `GenerationConfig` it keeps on the config, where the
 # model's `generation_config` reads it (`GenerationConfig.from_model_config`), also after saving and loading.
 DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation_params()) - {"use_cache"}
-KEPT_GENERATION_KEYWORDS = frozenset(
-    name for name in vars(GenerationConfig()) if not name.startswith("_")
-) - DROPPED_GENERATION_KEYWORDS
+KEPT_GENERATION_KEYWORDS = (
+    frozenset(name for name in vars(GenerationConfig()) if not name.startswith("_")) - DROPPED_GENERATION_KEYWORDS
+)
 
 
 class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):

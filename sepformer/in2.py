@@ -27,9 +27,20 @@ QUESTION_WORDS = {
 MAX_TRIES = 100  # draws of an example's spans (then of its segments) before the text is declared too repetitive
 
 
-def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_length: int = 128, num_examples: int,
-                question: str = "follows", segments_per_question: int = 1, span_length: int = 8,
-                answer_length: int = 8, seed: int = 0, text_column: str | None = None) -> "datasets.Dataset":
+def in2_dataset(
+    texts_or_dataset,
+    tokenizer,
+    *,
+    context_length: int,
+    segment_length: int = 128,
+    num_examples: int,
+    question: str = "follows",
+    segments_per_question: int = 1,
+    span_length: int = 8,
+    answer_length: int = 8,
+    seed: int = 0,
+    text_column: str | None = None,
+) -> "datasets.Dataset":
     """IN2 examples: `[bos] segment_1 ... segment_n [sep] question [sep] answer eos`, at most `context_length` tokens.
 
     The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, `"text"` by default, or the
@@ -55,26 +66,42 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
     context, in input ids), `answer_start` (the first answer token after the question), `num_segments` (`n`).
     Deterministic for a given `seed`.
     """
-    counts = check_arguments(context_length=context_length, segment_length=segment_length, num_examples=num_examples,
-                             segments_per_question=segments_per_question, span_length=span_length,
-                             answer_length=answer_length, seed=seed, question=question, text_column=text_column)
+    counts = check_arguments(
+        context_length=context_length,
+        segment_length=segment_length,
+        num_examples=num_examples,
+        segments_per_question=segments_per_question,
+        span_length=span_length,
+        answer_length=answer_length,
+        seed=seed,
+        question=question,
+        text_column=text_column,
+    )
     context_length, segment_length, num_examples, segments_per_question, span_length, answer_length, seed = counts
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        raise TypeError(f"tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}: give a transformers tokenizer "
-                        "(a PreTrainedTokenizerBase, e.g. SepFormerTokenizer() or AutoTokenizer.from_pretrained(...)).")
+        raise TypeError(
+            f"tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}: give a transformers tokenizer "
+            "(a PreTrainedTokenizerBase, e.g. SepFormerTokenizer() or AutoTokenizer.from_pretrained(...))."
+        )
     if context_length > tokenizer.model_max_length:
-        raise ValueError(f"context_length={context_length} is longer than the tokenizer's model_max_length="
-                         f"{tokenizer.model_max_length}: give at most the model's length (max_position_embeddings).")
+        raise ValueError(
+            f"context_length={context_length} is longer than the tokenizer's model_max_length="
+            f"{tokenizer.model_max_length}: give at most the model's length (max_position_embeddings)."
+        )
     texts = source_texts(texts_or_dataset, text_column)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no eos_token: IN2 examples end with eos; "
-                         "set tokenizer.eos_token.")
+        raise ValueError(
+            f"the tokenizer {type(tokenizer).__name__} has no eos_token: IN2 examples end with eos; "
+            "set tokenizer.eos_token."
+        )
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     sep = tokenizer.eos_token_id if tokenizer.sep_token_id is None else tokenizer.sep_token_id
-    opening, between, closing = (tokenizer(words, add_special_tokens=False)["input_ids"]
-                                 for words in QUESTION_WORDS[question])
-    question_length = (len(opening) + segments_per_question * span_length + (segments_per_question - 1) * len(between)
-                       + len(closing))
+    opening, between, closing = (
+        tokenizer(words, add_special_tokens=False)["input_ids"] for words in QUESTION_WORDS[question]
+    )
+    question_length = (
+        len(opening) + segments_per_question * span_length + (segments_per_question - 1) * len(between) + len(closing)
+    )
     overhead = len(bos) + 1 + question_length + 1 + segments_per_question * answer_length + 1
     num_segments = (context_length - overhead) // segment_length
     if num_segments < segments_per_question:
@@ -93,11 +120,22 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
         )
 
     rng = np.random.default_rng(seed)
-    columns = {name: [] for name in ("input_ids", "attention_mask", "labels", "gold_slots", "answer_positions",
-                                     "answer_start", "num_segments")}
+    columns = {
+        name: []
+        for name in (
+            "input_ids",
+            "attention_mask",
+            "labels",
+            "gold_slots",
+            "answer_positions",
+            "answer_start",
+            "num_segments",
+        )
+    }
     for slots in gold_slots(rng, num_examples, num_segments, segments_per_question):
-        context, positions, spans, answers = draw_example(rng, segments, num_segments, slots, question, span_length,
-                                                          answer_length)
+        context, positions, spans, answers = draw_example(
+            rng, segments, num_segments, slots, question, span_length, answer_length
+        )
         order = rng.permutation(len(spans))  # quoted in a random order; answered in the context's
         quoted = [*opening]
         for rank, piece in enumerate(order):
@@ -118,8 +156,15 @@ def in2_dataset(texts_or_dataset, tokenizer, *, context_length: int, segment_len
 
 def check_arguments(*, question, text_column, **counts) -> tuple[int, ...]:
     """The counts as plain ints, in the order given, once every argument is checked."""
-    minimum = {"context_length": 1, "segment_length": 1, "num_examples": 1, "segments_per_question": 1,
-               "span_length": 1, "answer_length": 1, "seed": 0}
+    minimum = {
+        "context_length": 1,
+        "segment_length": 1,
+        "num_examples": 1,
+        "segments_per_question": 1,
+        "span_length": 1,
+        "answer_length": 1,
+        "seed": 0,
+    }
     for name, given in counts.items():
         value = counts[name] = plain_integer(given)
         if value is None:
@@ -143,8 +188,10 @@ def source_texts(source, text_column: str | None) -> list[str]:
     import datasets
 
     if text_column is not None and not isinstance(source, datasets.Dataset):
-        raise ValueError(f"text_column={text_column!r} is read only from a datasets.Dataset (it would be ignored); the "
-                         f"source is a {type(source).__name__}: leave text_column out.")
+        raise ValueError(
+            f"text_column={text_column!r} is read only from a datasets.Dataset (it would be ignored); the "
+            f"source is a {type(source).__name__}: leave text_column out."
+        )
     if isinstance(source, str | os.PathLike):
         path = Path(source)
         try:
@@ -152,28 +199,37 @@ def source_texts(source, text_column: str | None) -> list[str]:
         except OSError:  # a text given as the source: "File name too long"
             is_file = False
         if not is_file:
-            raise ValueError(f"{str(source)!r:.80} is not a file: a str source is the path of a text file; give a text "
-                             "as a list of strings ([text]), or a datasets.Dataset.")
+            raise ValueError(
+                f"{str(source)!r:.80} is not a file: a str source is the path of a text file; give a text "
+                "as a list of strings ([text]), or a datasets.Dataset."
+            )
         try:
             return [path.read_text(encoding="utf-8")]
         except UnicodeDecodeError as error:
-            raise ValueError(f"the source file {str(path)!r} is not UTF-8 text ({error}): give a UTF-8 file, or its "
-                             "text decoded as a list of strings.") from None
+            raise ValueError(
+                f"the source file {str(path)!r} is not UTF-8 text ({error}): give a UTF-8 file, or its "
+                "text decoded as a list of strings."
+            ) from None
     if isinstance(source, datasets.Dataset):
         text_column = text_column or "text"
         if text_column not in source.column_names:
-            raise ValueError(f"the dataset has no column text_column={text_column!r}: its columns are "
-                             f"{source.column_names}.")
+            raise ValueError(
+                f"the dataset has no column text_column={text_column!r}: its columns are {source.column_names}."
+            )
         texts = source[text_column]
     elif isinstance(source, list | tuple):
         texts = source
     else:
-        raise TypeError(f"the source is a {type(source).__name__}: give a list of strings, a datasets.Dataset or the "
-                        "path of a text file.")
+        raise TypeError(
+            f"the source is a {type(source).__name__}: give a list of strings, a datasets.Dataset or the "
+            "path of a text file."
+        )
     wrong = next((index for index, text in enumerate(texts) if not isinstance(text, str)), None)
     if wrong is not None:
-        raise TypeError(f"the source holds a {type(texts[wrong]).__name__} ({texts[wrong]!r:.60}) at index {wrong}: "
-                        "every text must be a str.")
+        raise TypeError(
+            f"the source holds a {type(texts[wrong]).__name__} ({texts[wrong]!r:.60}) at index {wrong}: "
+            "every text must be a str."
+        )
     if not texts:
         raise ValueError("the source holds no text: give at least one document.")
     return list(texts)
@@ -181,8 +237,11 @@ def source_texts(source, text_column: str | None) -> list[str]:
 
 def cut_segments(documents: list[list[int]], segment_length: int) -> np.ndarray:
     """Each document's consecutive runs of `segment_length` tokens (its shorter tail dropped), as rows."""
-    rows = [ids[start:start + segment_length] for ids in documents
-            for start in range(0, len(ids) - segment_length + 1, segment_length)]
+    rows = [
+        ids[start : start + segment_length]
+        for ids in documents
+        for start in range(0, len(ids) - segment_length + 1, segment_length)
+    ]
     return np.array(rows, dtype=np.int64).reshape(len(rows), segment_length)
 
 
@@ -190,15 +249,16 @@ def gold_slots(rng: np.random.Generator, num_examples: int, num_segments: int, p
     """The gold slots of each example, in increasing order (see `in2_dataset`)."""
     if per_question == 1:
         for block in range(0, num_examples, num_segments):
-            for slot in rng.permutation(num_segments)[:num_examples - block]:
+            for slot in rng.permutation(num_segments)[: num_examples - block]:
                 yield [int(slot)]
     else:
         for _ in range(num_examples):
             yield sorted(int(slot) for slot in rng.choice(num_segments, per_question, replace=False))
 
 
-def draw_example(rng, segments: np.ndarray, num_segments: int, slots: list[int], question: str, span_length: int,
-                 answer_length: int):
+def draw_example(
+    rng, segments: np.ndarray, num_segments: int, slots: list[int], question: str, span_length: int, answer_length: int
+):
     """A context of `num_segments` distinct segments and, in each gold slot, a span found once in the context and
     its answer: the context's ids, each answer piece's position in it, the spans and the answer pieces."""
     segment_length = segments.shape[1]
@@ -209,13 +269,13 @@ def draw_example(rng, segments: np.ndarray, num_segments: int, slots: list[int],
         for _ in range(MAX_TRIES):
             starts = [slot * segment_length + int(rng.integers(segment_length - window + 1)) for slot in slots]
             span_starts = [start + (answer_length if question == "precedes" else 0) for start in starts]
-            if all(occurrences(context, context[start:start + span_length]) == 1 for start in span_starts):
+            if all(occurrences(context, context[start : start + span_length]) == 1 for start in span_starts):
                 break
         else:
             continue  # every span drawn in these segments repeats: draw other segments
         answer_starts = [start + (0 if question == "precedes" else span_length) for start in starts]
-        spans = [context[start:start + span_length].tolist() for start in span_starts]
-        answers = [context[start:start + answer_length].tolist() for start in answer_starts]
+        spans = [context[start : start + span_length].tolist() for start in span_starts]
+        answers = [context[start : start + answer_length].tolist() for start in answer_starts]
         return context.tolist(), answer_starts, spans, answers
     raise ValueError(
         f"found no span of span_length={span_length} tokens that occurs once in its context in {MAX_TRIES} draws of "

@@ -157,7 +157,13 @@ class SepFormerAttention(nn.Module):
         attention_function = hooks.attention_function(self.layer_idx, interface, projection)
         dropout = 0.0 if not self.training else self.attention_dropout
         return attention_function(
-            self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=dropout,
+            scaling=self.scaling,
             **kwargs,
         )
 
@@ -197,8 +203,13 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
             step_inputs = (hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
             return fused.step(self, *step_inputs, **kwargs)
         attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states), attention_mask, position_embeddings, past_key_values, hooks,
-            residual=hidden_states, **kwargs,
+            self.input_layernorm(hidden_states),
+            attention_mask,
+            position_embeddings,
+            past_key_values,
+            hooks,
+            residual=hidden_states,
+            **kwargs,
         )
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
@@ -368,9 +379,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         super().__init__(config)
         config = self.config  # with its sizes fixed
         self.embed_tokens = nn.Embedding(config.vocab_size, config.semantic_size)
-        self.embed_positions = (
-            POSITIONAL_MAPS[config.positional_map](config) if config.position_size > 0 else None
-        )
+        self.embed_positions = POSITIONAL_MAPS[config.positional_map](config) if config.position_size > 0 else None
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(
             [SepFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]

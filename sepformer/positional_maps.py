@@ -81,9 +81,7 @@ def clamp_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: Posi
     return table[-1:].expand(positions.shape[0], -1)
 
 
-def sinusoidal_rows(
-    table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation
-) -> torch.Tensor:
+def sinusoidal_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
     """`σ · PE(i)`, `σ` the std of the table."""
     return (table.float().std() * sinusoid(positions, table.shape[1])).to(table.dtype)
 
@@ -263,6 +261,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
                 + f". Choose an extrapolation method: {', '.join(map(repr, choices))}"
                 + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."
             )
+
         def make(count: int) -> torch.Tensor:
             return self.method_rows(torch.arange(length, length + count, device=self.weight.device), extrapolation)
 
@@ -423,8 +422,12 @@ class BSplinePositions(nn.Module, PositionalMap):
 POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions, "bspline": BSplinePositions}
 
 
-def check_registries(methods=EXTRAPOLATION_PARAMETERS, extrapolations=EXTRAPOLATIONS, map_names=POSITIONAL_MAP_NAMES,
-                     maps=POSITIONAL_MAPS) -> None:
+def check_registries(
+    methods=EXTRAPOLATION_PARAMETERS,
+    extrapolations=EXTRAPOLATIONS,
+    map_names=POSITIONAL_MAP_NAMES,
+    maps=POSITIONAL_MAPS,
+) -> None:
     """The names the config knows (`positional_options`) and the implementations here agree: a method or map named in
     one registry only would be accepted by the config and fail in the model, or never be reachable."""
     for kind, named, implemented, where in (

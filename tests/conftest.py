@@ -100,8 +100,14 @@ def tiny_gpt2(attn="sdpa"):
 def run_script(script: Path, *args: str, output_dir: Path, csv_name: str) -> tuple[str, list[dict]]:
     """Run an example or benchmark as a user types it; return its stdout and the rows of the CSV it wrote."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    completed = subprocess.run([sys.executable, str(script), *args, "--output-dir", str(output_dir)], check=False,
-                               capture_output=True, text=True, env=env, timeout=300)
+    completed = subprocess.run(
+        [sys.executable, str(script), *args, "--output-dir", str(output_dir)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     with open(Path(output_dir) / csv_name) as handle:
         return completed.stdout, list(csv.DictReader(handle))

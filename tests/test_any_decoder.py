@@ -153,8 +153,15 @@ def test_ms_poe_refuses_a_rotary_that_pairs_neighbouring_dimensions():
     """Cohere rotates pairs (0, 1), (2, 3), ...: MS-PoE's further turn in the rotate-half layout would be wrong."""
     from transformers import CohereConfig, CohereForCausalLM
 
-    config = CohereConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=2, eos_token_id=0)
+    config = CohereConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        eos_token_id=0,
+    )
     model = add_mitigations(CohereForCausalLM(config).eval())
     with pytest.raises(ValueError, match="CohereForCausalLM's apply_rotary_pos_emb does not rotate so"):
         model(random_ids(1, 6), ms_poe={})

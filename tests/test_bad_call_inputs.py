@@ -39,23 +39,35 @@ MASK_VALUES = r"a 2-D padding mask holds only 0 \(padding\) and 1 \(a token\), a
         ({"input_ids": IDS[:, :0]}, r"the input has no tokens \(shape \(2, 0\)\)"),
         ({"input_ids": IDS[:0]}, r"the input has no tokens \(shape \(0, 12\)\)"),
         ({"input_ids": IDS[0]}, r"input_ids must be a 2-D tensor .* got shape \(12,\) .* input_ids\[None\]"),
-        ({"input_ids": IDS[None]},
-         r"got shape \(1, 2, 12\) of torch.int64 \(give one row of ids per sequence: input_ids.flatten\(0, -2\)"),
+        (
+            {"input_ids": IDS[None]},
+            r"got shape \(1, 2, 12\) of torch.int64 \(give one row of ids per sequence: input_ids.flatten\(0, -2\)",
+        ),
         ({"input_ids": IDS[0, 0]}, r"got shape \(\) .* \(give a batch and a sequence dimension: input_ids.view\(1, 1"),
-        ({"input_ids": torch.zeros(2, 12, 24)},
-         r"got shape \(2, 12, 24\) of torch.float32 \(give token ids; vectors go in inputs_embeds, \(batch, sequence, "
-         r"semantic_size=24\)\)"),
-        ({"input_ids": IDS.to("meta")},
-         r"input_ids is on the meta device, which holds shapes but no values: give tensors holding the inputs, on the "
-         r"model's device \(cpu\)"),
+        (
+            {"input_ids": torch.zeros(2, 12, 24)},
+            r"got shape \(2, 12, 24\) of torch.float32 \(give token ids; vectors go in inputs_embeds, "
+            r"\(batch, sequence, semantic_size=24\)\)",
+        ),
+        (
+            {"input_ids": IDS.to("meta")},
+            r"input_ids is on the meta device, which holds shapes but no values: give tensors holding the inputs, "
+            r"on the model's device \(cpu\)",
+        ),
         ({"input_ids": IDS, "attention_mask": torch.ones(2, 12, device="meta")}, r"attention_mask is on the meta"),
-        ({"input_ids": IDS, "attention_mask": torch.ones(2, 1, 11, 12, dtype=torch.bool)},
-         r"attention_mask has shape \(2, 1, 11, 12\); a 4-D mask must be \(batch or 1, 1 or heads, new tokens, past \+ "
-         r"new tokens\) = \(2 or 1, 1 or 4, 12, 12\)"),
-        ({"input_ids": IDS, "attention_mask": torch.ones(1, 1, 12, 13, dtype=torch.bool)},
-         r"attention_mask has shape \(1, 1, 12, 13\); a 4-D mask must be"),
-        ({"input_ids": IDS, "attention_mask": torch.ones(3, 1, 12, 12, dtype=torch.bool)},
-         r"attention_mask has shape \(3, 1, 12, 12\); a 4-D mask must be"),
+        (
+            {"input_ids": IDS, "attention_mask": torch.ones(2, 1, 11, 12, dtype=torch.bool)},
+            r"attention_mask has shape \(2, 1, 11, 12\); a 4-D mask must be \(batch or 1, 1 or heads, new tokens, "
+            r"past \+ new tokens\) = \(2 or 1, 1 or 4, 12, 12\)",
+        ),
+        (
+            {"input_ids": IDS, "attention_mask": torch.ones(1, 1, 12, 13, dtype=torch.bool)},
+            r"attention_mask has shape \(1, 1, 12, 13\); a 4-D mask must be",
+        ),
+        (
+            {"input_ids": IDS, "attention_mask": torch.ones(3, 1, 12, 12, dtype=torch.bool)},
+            r"attention_mask has shape \(3, 1, 12, 12\); a 4-D mask must be",
+        ),
         ({"input_ids": IDS.float()}, r"input_ids must be a 2-D tensor of token ids .* torch.float32"),
         ({"input_ids": with_id(259)}, r"input_ids contains id 259, outside the vocabulary 0..258"),
         ({"input_ids": with_id(-1)}, r"input_ids contains id -1, outside the vocabulary 0..258"),
@@ -68,32 +80,46 @@ MASK_VALUES = r"a 2-D padding mask holds only 0 \(padding\) and 1 \(a token\), a
         ({"input_ids": IDS.to(torch.uint8)}, TO_INT64 + r"torch.uint8 \(give integer token ids: input_ids.long\(\)\)"),
         ({"input_ids": IDS.bool()}, TO_INT64 + "torch.bool"),
         ({"input_ids": IDS.short()}, TO_INT64 + "torch.int16"),
-        ({"inputs_embeds": torch.zeros(2, 12, 24, dtype=torch.float64)},
-         r"inputs_embeds has dtype torch.float64, but the model's embeddings are torch.float32: give "
-         r"inputs_embeds.to\(torch.float32\)"),
+        (
+            {"inputs_embeds": torch.zeros(2, 12, 24, dtype=torch.float64)},
+            r"inputs_embeds has dtype torch.float64, but the model's embeddings are torch.float32: give "
+            r"inputs_embeds.to\(torch.float32\)",
+        ),
         ({"inputs_embeds": torch.zeros(2, 12, 24, dtype=torch.bfloat16)}, r"inputs_embeds has dtype torch.bfloat16"),
-        ({"input_ids": IDS, "labels": LABELS[:, :5]},
-         r"labels must be token ids of torch.int64 shaped like the input \(batch, sequence\) = \(2, 12\); got "
-         r"shape \(2, 5\) of torch.int64"),
+        (
+            {"input_ids": IDS, "labels": LABELS[:, :5]},
+            r"labels must be token ids of torch.int64 shaped like the input \(batch, sequence\) = \(2, 12\); got "
+            r"shape \(2, 5\) of torch.int64",
+        ),
         ({"input_ids": IDS, "labels": LABELS[0]}, r"labels must be .* = \(2, 12\); got shape \(12,\)"),
         ({"input_ids": IDS, "labels": LABELS.float()}, r"labels must be .*; got shape \(2, 12\) of torch.float32"),
         ({"input_ids": IDS, "labels": LABELS.int()}, r"labels must be .*; got shape \(2, 12\) of torch.int32"),
         ({"inputs_embeds": torch.zeros(2, 12, 24), "labels": LABELS[:1]}, r"labels must be .* got shape \(1, 12\)"),
-        ({"input_ids": IDS, "labels": with_id(259)},
-         r"labels contains 259: a label is a token id 0..258 or ignore_index=-100 \(not scored\)"),
+        (
+            {"input_ids": IDS, "labels": with_id(259)},
+            r"labels contains 259: a label is a token id 0..258 or ignore_index=-100 \(not scored\)",
+        ),
         ({"input_ids": IDS, "labels": with_id(-5)}, r"labels contains -5: a label is a token id 0..258"),
         ({"input_ids": IDS, "labels": with_id(-100), "ignore_index": -1}, r"labels contains -100: .* ignore_index=-1"),
         ({"input_ids": IDS, "labels": LABELS, "shift_labels": with_id(300)}, r"shift_labels contains 300"),
-        ({"input_ids": IDS, "labels": LABELS, "logits_to_keep": 1},
-         r"labels are scored at every position, but logits_to_keep=1 keeps fewer logits"),
-        ({"input_ids": IDS, "logits_to_keep": -1},
-         r"logits_to_keep=-1 is negative: give 0 \(every position\), n > 0 \(the last n positions\) or a tensor"),
-        ({"input_ids": IDS, "position_ids": torch.full((1, 12), float("nan"))},
-         r"position_ids must be integer positions of torch.int64 or torch.int32; got torch.float32"),
+        (
+            {"input_ids": IDS, "labels": LABELS, "logits_to_keep": 1},
+            r"labels are scored at every position, but logits_to_keep=1 keeps fewer logits",
+        ),
+        (
+            {"input_ids": IDS, "logits_to_keep": -1},
+            r"logits_to_keep=-1 is negative: give 0 \(every position\), n > 0 \(the last n positions\) or a tensor",
+        ),
+        (
+            {"input_ids": IDS, "position_ids": torch.full((1, 12), float("nan"))},
+            r"position_ids must be integer positions of torch.int64 or torch.int32; got torch.float32",
+        ),
         ({"input_ids": IDS, "position_ids": torch.arange(12.0)[None]}, r"position_ids must be integer positions"),
         ({"input_ids": IDS, "position_ids": torch.ones(1, 12, dtype=torch.bool)}, r"got torch.bool"),
-        ({"input_ids": IDS, "position_ids": torch.arange(12)[None] - 3},
-         r"position_ids: position -3 is negative: positions start at 0"),
+        (
+            {"input_ids": IDS, "position_ids": torch.arange(12)[None] - 3},
+            r"position_ids: position -3 is negative: positions start at 0",
+        ),
         ({"input_ids": IDS, "attention_mask": torch.full((2, 12), 2)}, r"attention_mask contains 2: " + MASK_VALUES),
         ({"input_ids": IDS, "attention_mask": torch.full((2, 12), 0.5)}, r"attention_mask contains 0.5: "),
         ({"input_ids": IDS, "attention_mask": -torch.ones(2, 12, dtype=torch.long)}, r"attention_mask contains -1: "),
@@ -188,8 +214,11 @@ def test_a_4d_mask_of_the_right_shape_runs():
 @pytest.mark.parametrize(
     ("step", "message"),
     [
-        (IDS[:1, :1], r"the input's batch is 1, but past_key_values holds 2 rows: a call continuing a cache gives "
-                      r"every cached row its new tokens \(keep some rows with past_key_values.batch_select_indices"),
+        (
+            IDS[:1, :1],
+            r"the input's batch is 1, but past_key_values holds 2 rows: a call continuing a cache gives "
+            r"every cached row its new tokens \(keep some rows with past_key_values.batch_select_indices",
+        ),
         (torch.tensor([[5], [300]]), r"input_ids contains id 300, outside the vocabulary 0..258"),
         (torch.tensor([[-2], [5]]), r"input_ids contains id -2, outside the vocabulary 0..258"),
     ],
@@ -210,8 +239,10 @@ def test_a_legacy_tuple_cache_is_refused_with_its_conversion():
         cache = model(IDS, use_cache=True).past_key_values
         legacy = tuple((layer.keys, layer.values) for layer in cache.layers)
         step = torch.tensor([[5], [6]])
-        message = (r"past_key_values must be a Cache; got a tuple .* "
-                   r"SepFormerCache\(past_key_values, config=model.config\)")
+        message = (
+            r"past_key_values must be a Cache; got a tuple .* "
+            r"SepFormerCache\(past_key_values, config=model.config\)"
+        )
         refused_before_any_work(model, TypeError, message, lambda: model(step, past_key_values=legacy))
         converted = SepFormerCache(legacy, config=model.config)  # as the message says
         torch.testing.assert_close(
@@ -259,7 +290,10 @@ def test_generating_past_the_table_is_refused_before_the_first_step(length):
     model.generation_config.max_new_tokens = 6  # the model's own generation config, read last
     refused_before_any_work(model, ValueError, message, lambda: model.generate(IDS, do_sample=False))
     refused_before_any_work(
-        model, ValueError, message, lambda: model.generate(IDS, GenerationConfig(do_sample=False))  # positional
+        model,
+        ValueError,
+        message,
+        lambda: model.generate(IDS, GenerationConfig(do_sample=False)),  # positional
     )
 
 
@@ -269,19 +303,24 @@ def test_the_last_position_counts_a_rows_real_tokens_and_the_extrapolation_of_th
     mask[:, :2] = 0  # every row left-padded by 2: 10 real tokens, 6 new reach position 15, the table's last row
     assert model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (2, 18)
     refused_before_any_work(
-        model, ValueError, PAST_THE_TABLE.format(16),
+        model,
+        ValueError,
+        PAST_THE_TABLE.format(16),
         lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=7, do_sample=False),
     )
     assert model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="clamp").shape == (2, 18)
     # a cached `interpolate` keeps the table's scale once decoding starts: it needs the final length
     refused_before_any_work(
-        model, ValueError, r"position 17 is past position_extrapolation 'interpolate' length=16",
+        model,
+        ValueError,
+        r"position 17 is past position_extrapolation 'interpolate' length=16",
         lambda: model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate"),
     )
     interpolated = {"method": "interpolate", "length": 18}
     assert model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation=interpolated).shape == (2, 18)
-    uncached = model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate",
-                              use_cache=False)  # every step compresses the whole sequence anew
+    uncached = model.generate(
+        IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate", use_cache=False
+    )  # every step compresses the whole sequence anew
     assert uncached.shape == (2, 18)
 
 
@@ -291,11 +330,15 @@ def test_the_last_position_is_the_longest_rows():
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :4] = 0  # row 0: 12 real tokens, 6 new reach position 17; row 1: 8 real tokens reach 13
     refused_before_any_work(
-        model, ValueError, PAST_THE_TABLE.format(17),
+        model,
+        ValueError,
+        PAST_THE_TABLE.format(17),
         lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False),
     )
     refused_before_any_work(
-        model, ValueError, r"position 17 is past position_extrapolation 'interpolate' length=16",
+        model,
+        ValueError,
+        r"position 17 is past position_extrapolation 'interpolate' length=16",
         lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, position_extrapolation="interpolate"),
     )
     assert model.generate(IDS, attention_mask=mask, max_new_tokens=4, do_sample=False).shape == (2, 16)

@@ -249,8 +249,11 @@ UNIFORM = np.zeros((3, 4)).tolist()  # 3 positions over a vocabulary of 4
 @pytest.mark.parametrize(
     ("labels", "message"),
     [
-        ([0, -1, 2], r"label -1 at position 1 of example 0 is not allowed: a label is a token id 0..3 \(the logits' "
-                     r"vocabulary\) or ignore_index=-100"),
+        (
+            [0, -1, 2],
+            r"label -1 at position 1 of example 0 is not allowed: a label is a token id 0..3 \(the logits' "
+            r"vocabulary\) or ignore_index=-100",
+        ),
         ([0, -5, -100], r"label -5 at position 1 of example 0 .* 0..3 .* or ignore_index=-100"),
         ([0, 1, 4], r"label 4 at position 2 of example 0 .* a token id 0..3 .* or ignore_index=-100"),
         ([7, 1, 2], r"label 7 at position 0 of example 0"),  # never scored with shift=True, still a mistake
@@ -264,8 +267,11 @@ def test_perplexity_refuses_a_label_outside_the_vocabulary(labels, message):
 @pytest.mark.parametrize(
     ("labels", "message"),
     [
-        ([0, 1.2, 2], r"label 1.2 at position 1 of example 0 is a float: a label is an integer, a token id of the "
-                      r"logits' vocabulary or ignore_index"),  # evaluate refuses it without saying where
+        (
+            [0, 1.2, 2],
+            r"label 1.2 at position 1 of example 0 is a float: a label is an integer, a token id of the "
+            r"logits' vocabulary or ignore_index",
+        ),  # evaluate refuses it without saying where
         ([0, 1.0, 2], r"label 1.0 at position 1 of example 0 is a float"),  # evaluate would cast it to 1
         ([0, True, 2], r"label True at position 1 of example 0 is a bool"),
         (["0", "1", "2"], r"label '0' at position 0 of example 0 is a str"),  # evaluate would cast it to 0
@@ -292,8 +298,9 @@ def test_perplexity_refuses_logits_and_losses_that_are_no_numbers():
         perplexity().compute(predictions=[[[True] * 4] * 3], references=[[0, 1, 2]])
     with pytest.raises(ValueError, match=r"the losses of example 0 are strings"):
         perplexity("losses").compute(predictions=[["0.5"]])
-    assert perplexity().compute(predictions=[np.zeros((3, 4), dtype=int)], references=[np.arange(3)])["perplexity"] \
-        == pytest.approx(4.0)  # integer logits and arrays are numbers
+    assert perplexity().compute(predictions=[np.zeros((3, 4), dtype=int)], references=[np.arange(3)])[
+        "perplexity"
+    ] == pytest.approx(4.0)  # integer logits and arrays are numbers
 
 
 def test_perplexity_accepts_a_custom_ignore_index_and_refuses_the_default_then():
@@ -307,12 +314,24 @@ def test_perplexity_accepts_a_custom_ignore_index_and_refuses_the_default_then()
     ("predictions", "references", "message"),
     [
         ([UNIFORM, UNIFORM], [[0, 1, 2]], r"perplexity got 2 predictions and 1 references: one list of labels per"),
-        ([UNIFORM], [[0, 1]], r"logits of shape \(3, 4\) do not match 2 labels in example 0; each example needs "
-                              r"logits \(n, vocab\) and n labels"),
-        ([[[0.0] * 4, [0.0] * 3, [0.0] * 4]], [[0, 1, 2]], r"the logits of example 0 have rows of different widths "
-                                                            r"\[3, 4\]"),
-        ([UNIFORM, np.zeros((3, 5)).tolist()], [[0, 1, 2], [0, 1, 2]], r"the logits of example 1 have a vocabulary "
-                                                                       r"of 5, those of the examples before 4"),
+        (
+            [UNIFORM],
+            [[0, 1]],
+            r"logits of shape \(3, 4\) do not match 2 labels in example 0; each example needs "
+            r"logits \(n, vocab\) and n labels",
+        ),
+        (
+            [[[0.0] * 4, [0.0] * 3, [0.0] * 4]],
+            [[0, 1, 2]],
+            r"the logits of example 0 have rows of different widths "
+            r"\[3, 4\]",
+        ),
+        (
+            [UNIFORM, np.zeros((3, 5)).tolist()],
+            [[0, 1, 2], [0, 1, 2]],
+            r"the logits of example 1 have a vocabulary "
+            r"of 5, those of the examples before 4",
+        ),
         ([UNIFORM], None, r"perplexity needs references with the predictions: per example, the n labels"),
     ],
     ids=["examples", "positions", "ragged", "vocabularies", "no-references"],
@@ -353,8 +372,11 @@ def test_perplexity_refuses_bad_compute_keywords(kwargs, message):
 @pytest.mark.parametrize(
     ("losses", "message"),
     [
-        ([[math.log(2), -0.5]], r"the loss -0.5 at position 1 of example 0 is not allowed: losses are negative "
-                                r"log-likelihoods in nats, >= 0 .* a negative one is a log-probability"),
+        (
+            [[math.log(2), -0.5]],
+            r"the loss -0.5 at position 1 of example 0 is not allowed: losses are negative "
+            r"log-likelihoods in nats, >= 0 .* a negative one is a log-probability",
+        ),
         ([[0.5], [0.5, NAN]], r"the loss nan at position 1 of example 1 is not allowed: .* >= 0"),
     ],
 )
@@ -397,15 +419,27 @@ def test_accuracy_by_position_refuses_mismatched_lengths(accuracy, predictions, 
 @pytest.mark.parametrize(
     ("predictions", "references", "message"),
     [
-        ([3.7], [3], r"the prediction 3.7 of example 0 is a float: an answer is a token id \(int\), a list of token "
-                     r"ids or a string"),  # evaluate would cast it to 3, a hit
+        (
+            [3.7],
+            [3],
+            r"the prediction 3.7 of example 0 is a float: an answer is a token id \(int\), a list of token "
+            r"ids or a string",
+        ),  # evaluate would cast it to 3, a hit
         ([None], [3], r"the prediction None of example 0 is a NoneType: an answer is a token id"),
         ([True], [1], r"the prediction True of example 0 is a bool"),
         ([[[1]]], [[[1]]], r"the prediction \[\[1\]\] of example 0 is a list: an answer is a token id \(int\), a list"),
-        (["3"], [3], r"the reference 3 of example 0 is a token id, but the answers before it are strings: "
-                     r"predictions and references are all of one kind"),  # evaluate would cast 3 to "3", a hit
-        ([3, [3]], [3, [3]], r"the prediction \[3\] of example 1 is a list of token ids, but the answers before it "
-                             r"are token ids"),
+        (
+            ["3"],
+            [3],
+            r"the reference 3 of example 0 is a token id, but the answers before it are strings: "
+            r"predictions and references are all of one kind",
+        ),  # evaluate would cast 3 to "3", a hit
+        (
+            [3, [3]],
+            [3, [3]],
+            r"the prediction \[3\] of example 1 is a list of token ids, but the answers before it "
+            r"are token ids",
+        ),
     ],
     ids=["float", "none", "bool", "nested", "string-vs-id", "kinds-across-examples"],
 )
@@ -416,8 +450,11 @@ def test_accuracy_by_position_refuses_answers_it_would_cast(accuracy, prediction
 
 def test_accuracy_by_position_refuses_a_batch_of_another_kind_than_the_first(accuracy):
     accuracy.add_batch(predictions=[1], references=[1], positions=[0])
-    with pytest.raises(ValueError, match=r"the prediction 'a' of example 0 is a string, but the answers before it are "
-                                         r"token ids"):
+    with pytest.raises(
+        ValueError,
+        match=r"the prediction 'a' of example 0 is a string, but the answers before it are "
+        r"token ids",
+    ):
         accuracy.add_batch(predictions=["a"], references=["a"], positions=[0])
 
 
@@ -468,13 +505,20 @@ NUMERIC_KINDS = {
 def test_config_fields_take_numbers_of_any_numeric_type_as_plain_python_numbers(tmp_path, kinds):
     integer, real = kinds
     config = SepFormerConfig(
-        **SMALL, max_position_embeddings=integer(64), norm_eps=real(0.25), eos_token_id=[integer(258)],
+        **SMALL,
+        max_position_embeddings=integer(64),
+        norm_eps=real(0.25),
+        eos_token_id=[integer(258)],
         position_extrapolation={"method": "interpolate", "length": integer(128)},
         stable_mask={"gamma": real(0.5), "columns": integer(64)},
     )
     plain = SepFormerConfig(
-        **SMALL, max_position_embeddings=64, norm_eps=0.25, eos_token_id=[258],
-        position_extrapolation={"method": "interpolate", "length": 128}, stable_mask={"gamma": 0.5, "columns": 64},
+        **SMALL,
+        max_position_embeddings=64,
+        norm_eps=0.25,
+        eos_token_id=[258],
+        position_extrapolation={"method": "interpolate", "length": 128},
+        stable_mask={"gamma": 0.5, "columns": 64},
     )
     assert json.loads(config.to_json_string()) == json.loads(plain.to_json_string())  # plain numbers: JSON
     config.save_pretrained(tmp_path)

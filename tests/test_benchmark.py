@@ -22,8 +22,9 @@ MODELS = ("SepFormer", "GPT-2", "Llama")
 def run(tmp_path_factory):
     """The command as a user types it, tiny preset, two repetitions, one thread (CI runs tests side by side)."""
     output_dir = tmp_path_factory.mktemp("benchmark")
-    stdout, rows = run_script(SCRIPT, "--tiny", "--reps", "2", "--threads", "1", output_dir=output_dir,
-                              csv_name="benchmark.csv")
+    stdout, rows = run_script(
+        SCRIPT, "--tiny", "--reps", "2", "--threads", "1", output_dir=output_dir, csv_name="benchmark.csv"
+    )
     return stdout, rows, output_dir
 
 
@@ -42,8 +43,14 @@ def test_every_measurement_has_every_model_and_finite_ratios(run):
     by_metric = {}
     for row in rows:
         by_metric.setdefault(row["metric"], {})[row["variant"]] = row
-    speed = ["train_tokens_per_s", "prefill_64_ms", "prefill_256_ms", "generate_b1_tokens_per_s",
-             "generate_b2_tokens_per_s", "forward_flops_per_token"]
+    speed = [
+        "train_tokens_per_s",
+        "prefill_64_ms",
+        "prefill_256_ms",
+        "generate_b1_tokens_per_s",
+        "generate_b2_tokens_per_s",
+        "forward_flops_per_token",
+    ]
     for metric in speed:
         variants = by_metric[metric]
         for model in MODELS:
@@ -103,14 +110,30 @@ def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
     shape = dict(prompt=8, new_tokens=2, generate_batches=[1], hidden_size=32, layers=1, heads=2)
     two = ("stable_mask", "attention_calibration_positional")
     monkeypatch.setattr(benchmark, "MITIGATIONS", {name: benchmark.MITIGATIONS[name] for name in two})
-    benchmark.main(["--shape-json", json.dumps(shape), "--reps", "1", "--dtype", "bfloat16", "--sections", "generation",
-                    "mitigations", "--output-dir", str(tmp_path)])
+    benchmark.main(
+        [
+            "--shape-json",
+            json.dumps(shape),
+            "--reps",
+            "1",
+            "--dtype",
+            "bfloat16",
+            "--sections",
+            "generation",
+            "mitigations",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     table = (tmp_path / "benchmark.md").read_text()
     assert "bfloat16 on cpu" in table and "sections: generation, mitigations" in table
     with open(tmp_path / "benchmark.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert {row["metric"].split("_mitigation_")[0] for row in rows} == {
-        "generate_b1_tokens_per_s", "generate_b1_add_mitigations", "generate_b1"}
+        "generate_b1_tokens_per_s",
+        "generate_b1_add_mitigations",
+        "generate_b1",
+    }
     llama = benchmark.MITIGATED_LLAMA
     ratios = [row for row in rows if row["unit"] == "ratio" and row["variant"].startswith(llama)]
     assert [row["variant"] for row in ratios] == [f"{llama} / Llama", f"{llama} + stable_mask / {llama}"]
@@ -118,14 +141,17 @@ def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
     assert f"- {llama} + attention_calibration_positional: skipped" in table
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--sections", "mitigations"], "mitigations are timed in the repetitions of generation"),
-    (["--sections", "memory", "--no-memory"], "nothing to measure"),
-    (["--sections", "generation", "generation"], "generation given more than once"),
-    (["--sections", "speed"], "invalid choice: 'speed'"),
-    (["--dtype", "float64"], "invalid choice: 'float64'"),
-    (["--device", "tpu"], "invalid choice: 'tpu'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sections", "mitigations"], "mitigations are timed in the repetitions of generation"),
+        (["--sections", "memory", "--no-memory"], "nothing to measure"),
+        (["--sections", "generation", "generation"], "generation given more than once"),
+        (["--sections", "speed"], "invalid choice: 'speed'"),
+        (["--dtype", "float64"], "invalid choice: 'float64'"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+    ],
+)
 def test_bad_flags_are_refused_before_any_work(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(benchmark, "build", None)  # any work would fail on it
     with pytest.raises(SystemExit):

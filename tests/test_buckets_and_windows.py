@@ -215,8 +215,10 @@ def test_bad_bucket_options_are_refused_with_a_clear_error(options, message):
 def test_scales_reaching_past_a_learned_table_are_refused_naming_the_scale_before_any_cache_is_written(scales):
     model = tiny_model(max_position_embeddings=16)
     cache = SepFormerCache(config=model.config)
-    message = (r"attention_buckets scale 2 reads position 11 at 22, past the learned positional table's 16 rows, "
-               r"which position_extrapolation='none' does not extend: give scales <= 1.36364 .* \('clamp', ")
+    message = (
+        r"attention_buckets scale 2 reads position 11 at 22, past the learned positional table's 16 rows, "
+        r"which position_extrapolation='none' does not extend: give scales <= 1.36364 .* \('clamp', "
+    )
     with pytest.raises(ValueError, match=message), torch.no_grad():
         model(random_ids(1, 12), past_key_values=cache, use_cache=True, attention_buckets={"scales": scales})
     assert cache.get_seq_length() == 0

@@ -45,15 +45,19 @@ COMPILED_OPTIONS = {  # (config, options as a user passes them: dicts)
     "stable_mask": ({}, {"stable_mask": {"gamma": 0.5}}),
     "ms_poe ranked at prefill": ({}, {"ms_poe": {"layers": [0, 1]}}),
     "ms_poe head_order, fourier past L": (dict(PAST_L, position_extrapolation="fourier"), FIXED_HEADS),
-    "ms_poe head_order, interpolate": (PAST_L, {**FIXED_HEADS, "position_extrapolation": {"method": "interpolate",
-                                                                                          "length": 30}}),
+    "ms_poe head_order, interpolate": (
+        PAST_L,
+        {**FIXED_HEADS, "position_extrapolation": {"method": "interpolate", "length": 30}},
+    ),
     "positional_scaling": ({}, {"positional_scaling": {"layers": [1], "factor": 0.5}}),
     "attention_calibration": ({}, {"attention_calibration": {"spans": SPANS}}),
     "attention_calibration positional": ({}, {"attention_calibration": dict(spans=SPANS, bias_estimate="positional")}),
     "parallel_context_windows": ({}, {"parallel_context_windows": {"spans": SPANS}}),
     "attention_buckets, one scale": ({}, {"attention_buckets": {"scales": [0.5]}}),
-    "attention_buckets, fourier past L": (dict(PAST_L, position_extrapolation="fourier"),
-                                          {"attention_buckets": {"scales": [1.5, 0.5]}}),
+    "attention_buckets, fourier past L": (
+        dict(PAST_L, position_extrapolation="fourier"),
+        {"attention_buckets": {"scales": [1.5, 0.5]}},
+    ),
     "attention_buckets, rotary bases": (dict(rotary_dim=4), {"attention_buckets": {"bases": [100.0, 10000.0]}}),
 }
 
@@ -74,8 +78,11 @@ def test_every_option_given_as_a_dict_runs_under_fullgraph_compile_as_eagerly(va
 
 @pytest.mark.parametrize(
     "options",
-    [{"positional_scaling": {"layers": [1], "factor": 0.5}}, {"ms_poe": {"layers": [0, 1]}},
-     {"attention_calibration": {"spans": [[[1, 4], [4, 8]]] * 2}}],
+    [
+        {"positional_scaling": {"layers": [1], "factor": 0.5}},
+        {"ms_poe": {"layers": [0, 1]}},
+        {"attention_calibration": {"spans": [[[1, 4], [4, 8]]] * 2}},
+    ],
     ids=["positional_scaling", "ms_poe", "attention_calibration"],
 )
 def test_a_compiled_forward_with_its_own_cache_is_a_prefill(options):

@@ -24,8 +24,17 @@ def flat(model):
 
 
 def train(model, output_dir, **kwargs):
-    return experiment_common.train(model, dataset(), steps=STEPS, learning_rate=1e-2, batch_size=BATCH, seed=0,
-                                   output_dir=output_dir, save_steps=STEPS // 2, **kwargs)
+    return experiment_common.train(
+        model,
+        dataset(),
+        steps=STEPS,
+        learning_rate=1e-2,
+        batch_size=BATCH,
+        seed=0,
+        output_dir=output_dir,
+        save_steps=STEPS // 2,
+        **kwargs,
+    )
 
 
 def test_resume_continues_from_the_last_checkpoint_as_if_never_stopped(tmp_path):
@@ -88,8 +97,10 @@ def test_resume_without_any_checkpoint_is_refused_before_the_data_is_read(monkey
 
 def test_models_of_one_shape_are_built_by_name_and_an_unknown_name_is_refused():
     shape = (259, 32, 2, 4, 16)
-    sizes = {name: experiment_common.build_model(name, *shape).config.hidden_size
-             for name in ("sepformer", "llama", "gpt2", "bloom")}
+    sizes = {
+        name: experiment_common.build_model(name, *shape).config.hidden_size
+        for name in ("sepformer", "llama", "gpt2", "bloom")
+    }
     assert sizes == {"sepformer": 32, "llama": 32, "gpt2": 32, "bloom": 32}
     with pytest.raises(ValueError, match="model 'mamba' is not one of sepformer, llama, gpt2, bloom"):
         experiment_common.build_model("mamba", *shape)

@@ -54,8 +54,9 @@ def test_fourier_with_every_coefficient_reproduces_the_table_and_is_periodic():
     every = L // 2 + 1
     torch.testing.assert_close(fourier_rows(weight, torch.arange(L), every), weight, rtol=1e-4, atol=1e-5)
     # past L, the series continues with period L: p(L + i) = p(i) (the documented discontinuity at L-1 -> L)
-    torch.testing.assert_close(rows(model, list(range(L, 3 * L)), "fourier", components=every), weight.repeat(2, 1),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        rows(model, list(range(L, 3 * L)), "fourier", components=every), weight.repeat(2, 1), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_fourier_top_k_equals_the_formula_with_the_largest_coefficients():
@@ -69,15 +70,16 @@ def test_fourier_top_k_equals_the_formula_with_the_largest_coefficients():
         for k in half.abs().topk(K).indices.tolist():
             scale = 1 / L if k in (0, L // 2) else 2 / L
             expected[:, dim] += scale * (half[k] * torch.exp(2j * math.pi * k * i / L)).real
-    torch.testing.assert_close(rows(model, list(range(L, 2 * L)), "fourier", components=K).double(), expected,
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        rows(model, list(range(L, 2 * L)), "fourier", components=K).double(), expected, rtol=1e-4, atol=1e-5
+    )
 
 
 def test_fourier_with_few_components_is_smoother_than_the_table():
     model = model_with_table()
     weight = model.model.embed_positions.weight
     smooth = fourier_rows(weight, torch.arange(L), 2)
-    assert (smooth.diff(dim=0).abs().mean() < weight.diff(dim=0).abs().mean())
+    assert smooth.diff(dim=0).abs().mean() < weight.diff(dim=0).abs().mean()
 
 
 def test_interpolate_is_the_identity_up_to_L_and_compresses_longer_sequences():
@@ -145,8 +147,9 @@ def test_cached_decoding_past_L_equals_the_full_forward(method):
     extrapolation = {"method": method, "length": 3 * L} if method == "interpolate" else method
     with torch.no_grad():
         full = model(ids, position_extrapolation=extrapolation).logits
-    torch.testing.assert_close(decode_step_by_step(model, ids, 10, position_extrapolation=extrapolation), full,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        decode_step_by_step(model, ids, 10, position_extrapolation=extrapolation), full, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_interpolate_without_a_length_refuses_cached_decoding_past_L():
@@ -163,8 +166,9 @@ def test_interpolate_without_a_length_continues_a_cache_up_to_the_whole_table():
     ids = torch.randint(0, 256, (2, 3 * L), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(ids, position_extrapolation="interpolate").logits
-    torch.testing.assert_close(decode_step_by_step(model, ids, 6, position_extrapolation="interpolate"), full,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        decode_step_by_step(model, ids, 6, position_extrapolation="interpolate"), full, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -181,13 +185,19 @@ def test_per_call_override_reaches_every_decoding_step(monkeypatch):
     table = model.model.embed_positions
     seen = []
     original = type(table).forward
+
     def recording_forward(self, ids, extrapolation, store=None):
         seen.append(extrapolation.method)
         return original(self, ids, extrapolation, store)
 
     monkeypatch.setattr(type(table), "forward", recording_forward)
-    model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2 * L, do_sample=False, pad_token_id=256,
-                   position_extrapolation="clamp")
+    model.generate(
+        torch.zeros(1, 4, dtype=torch.long),
+        max_new_tokens=2 * L,
+        do_sample=False,
+        pad_token_id=256,
+        position_extrapolation="clamp",
+    )
     assert seen == ["clamp"] * (2 * L)
 
 
@@ -212,11 +222,17 @@ def test_rows_past_the_table_are_kept_on_the_generation_only():
         assert first.shape[0] == 3 * L  # rows L .. 4L-1: capacity rounded up to L * 2^m
         assert table.rows_past_table(3 * L, fourier, None) is not first
         table.weight.data.mul_(2.0)  # no version counter moves
-        torch.testing.assert_close(table.rows_past_table(3 * L, fourier, None),
-                                   fourier_rows(table.weight, torch.arange(L, 4 * L), 4))
+        torch.testing.assert_close(
+            table.rows_past_table(3 * L, fourier, None), fourier_rows(table.weight, torch.arange(L, 4 * L), 4)
+        )
         cache = SepFormerCache(config=model.config)
-        model.generate(torch.randint(0, 256, (1, L - 2)), max_new_tokens=L, do_sample=False, past_key_values=cache,
-                       position_extrapolation="fourier")
+        model.generate(
+            torch.randint(0, 256, (1, L - 2)),
+            max_new_tokens=L,
+            do_sample=False,
+            past_key_values=cache,
+            position_extrapolation="fourier",
+        )
     assert cache.derived[("rows past the table", PositionExtrapolation(method="fourier"))].shape[0] == L  # 2L - L
 
 
@@ -242,8 +258,12 @@ def test_compiled_forward_past_L_equals_eager(method):
     ids = torch.randint(0, 256, (2, 3 * L))
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(ids, position_extrapolation=extrapolation).logits,
-                                   model(ids, position_extrapolation=extrapolation).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            compiled(ids, position_extrapolation=extrapolation).logits,
+            model(ids, position_extrapolation=extrapolation).logits,
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 def test_training_past_L_sends_gradients_to_the_table():
@@ -358,8 +378,9 @@ def test_an_extrapolation_from_another_copy_of_the_module_is_accepted():
     model = model_with_table()
     ids = torch.randint(0, 256, (1, 2 * L))
     with torch.no_grad():
-        assert torch.equal(model(ids, position_extrapolation=foreign).logits,
-                           model(ids, position_extrapolation="clamp").logits)
+        assert torch.equal(
+            model(ids, position_extrapolation=foreign).logits, model(ids, position_extrapolation="clamp").logits
+        )
 
 
 def test_sinusoidal_map_runs_past_L_as_is():

@@ -17,35 +17,44 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import extrapolation  # noqa: E402  (after the path)
 
-MODELS = {"SepFormer learned": tuple(sepformer.EXTRAPOLATION_METHODS),
-          "SepFormer learned, last row untrained": ("clamp",),
-          "SepFormer learned, random offsets (8L table)": ("-",),
-          "SepFormer learned, randomized positions (8L table)": ("-",),
-          "SepFormer sinusoidal": ("-",),
-          "SepFormer sinusoidal, randomized positions (8L)": ("-",),
-          "SepFormer B-spline (n=16)": ("-",),
-          "SepFormer B-spline (n=32), randomized positions (8L)": ("-",),
-          "SepFormer sinusoidal, randomized positions, range per sequence (8L)": ("-",),
-          "SepFormer B-spline (n=32), randomized positions, range per sequence (8L)": ("-",),
-          "SepFormer d_pos=0": ("-",), "GPT-2 (learned, additive)": ("-",), "Llama (rotary)": ("-",),
-          "Bloom (ALiBi)": ("-",)}
+MODELS = {
+    "SepFormer learned": tuple(sepformer.EXTRAPOLATION_METHODS),
+    "SepFormer learned, last row untrained": ("clamp",),
+    "SepFormer learned, random offsets (8L table)": ("-",),
+    "SepFormer learned, randomized positions (8L table)": ("-",),
+    "SepFormer sinusoidal": ("-",),
+    "SepFormer sinusoidal, randomized positions (8L)": ("-",),
+    "SepFormer B-spline (n=16)": ("-",),
+    "SepFormer B-spline (n=32), randomized positions (8L)": ("-",),
+    "SepFormer sinusoidal, randomized positions, range per sequence (8L)": ("-",),
+    "SepFormer B-spline (n=32), randomized positions, range per sequence (8L)": ("-",),
+    "SepFormer d_pos=0": ("-",),
+    "GPT-2 (learned, additive)": ("-",),
+    "Llama (rotary)": ("-",),
+    "Bloom (ALiBi)": ("-",),
+}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The command as a user types it: tiny preset (3 steps), two seeds, every model and method."""
     output_dir = tmp_path_factory.mktemp("extrapolation")
-    stdout, rows = run_script(EXAMPLES / "extrapolation.py", "--tiny", "--seeds", "0", "1", output_dir=output_dir,
-                              csv_name="results.csv")
+    stdout, rows = run_script(
+        EXAMPLES / "extrapolation.py", "--tiny", "--seeds", "0", "1", output_dir=output_dir, csv_name="results.csv"
+    )
     return stdout, rows, output_dir
 
 
 def test_every_model_method_seed_and_length_has_a_row(run):
     _, rows, _ = run
     lengths = {str(16 * m) for m in (1, 2, 4, 8)}
-    expected = {(model, method, seed, length)
-                for model, methods in MODELS.items() for method in methods
-                for seed in ("0", "1") for length in lengths}
+    expected = {
+        (model, method, seed, length)
+        for model, methods in MODELS.items()
+        for method in methods
+        for seed in ("0", "1")
+        for length in lengths
+    }
     assert {(r["model"], r["method"], r["seed"], r["length"]) for r in rows} == expected
     assert len(rows) == len(expected)
 
@@ -83,8 +92,14 @@ def test_table_and_plot(run):
 def test_table_and_plot_from_the_csv_of_runs_made_side_by_side(run, tmp_path):
     """`--from-csv` trains nothing and gives the table of the runs it reads."""
     stdout, _, output_dir = run
-    again, rows = run_script(EXAMPLES / "extrapolation.py", "--tiny", "--from-csv", str(output_dir / "results.csv"),
-                             output_dir=tmp_path, csv_name="results.csv")
+    again, rows = run_script(
+        EXAMPLES / "extrapolation.py",
+        "--tiny",
+        "--from-csv",
+        str(output_dir / "results.csv"),
+        output_dir=tmp_path,
+        csv_name="results.csv",
+    )
     assert (tmp_path / "results.md").read_text() == (output_dir / "results.md").read_text()
     assert len(rows) == len(list(csv_rows(output_dir / "results.csv")))
     assert (tmp_path / "extrapolation.png").exists()
@@ -95,19 +110,35 @@ FIELDS = extrapolation.RESULT_FIELDS
 
 def write_results(path, rows, fields=FIELDS):
     """A results.csv of `rows`, each a row of the tiny preset's run with some fields changed."""
-    row = dict(model="Llama (rotary)", method="-", seed=0, train_length=16, length=16, bits_per_byte=2.0,
-               bits_per_byte_beyond_L="nan", tokens_scored=960, status="ok", parameters=1, train_steps=3,
-               train_bits_per_byte=2.0, train_seconds=1.0)
+    row = dict(
+        model="Llama (rotary)",
+        method="-",
+        seed=0,
+        train_length=16,
+        length=16,
+        bits_per_byte=2.0,
+        bits_per_byte_beyond_L="nan",
+        tokens_scored=960,
+        status="ok",
+        parameters=1,
+        train_steps=3,
+        train_bits_per_byte=2.0,
+        train_seconds=1.0,
+    )
     extrapolation.write_csv([{**row, **changes} for changes in rows], path, fields)
     return str(path)
 
 
-@pytest.mark.parametrize("fields, rows, message", [
-    ([f for f in FIELDS if f not in ("seed", "length")], [{}], " has no column seed, length: give"),
-    (FIELDS, [{}, {"seed": 1, "length": "x"}], r", line 3: column length holds 'x', not an integer"),
-    (FIELDS, [{"bits_per_byte": ""}], r", line 2: column bits_per_byte holds '', not a number"),
-    (FIELDS, [], r": no rows; give the results.csv"),
-], ids=["columns missing", "not an integer", "not a number", "no rows"])
+@pytest.mark.parametrize(
+    "fields, rows, message",
+    [
+        ([f for f in FIELDS if f not in ("seed", "length")], [{}], " has no column seed, length: give"),
+        (FIELDS, [{}, {"seed": 1, "length": "x"}], r", line 3: column length holds 'x', not an integer"),
+        (FIELDS, [{"bits_per_byte": ""}], r", line 2: column bits_per_byte holds '', not a number"),
+        (FIELDS, [], r": no rows; give the results.csv"),
+    ],
+    ids=["columns missing", "not an integer", "not a number", "no rows"],
+)
 def test_a_malformed_csv_is_refused_naming_the_file_and_what_is_wrong(fields, rows, message, tmp_path):
     path = write_results(tmp_path / "results.csv", rows, fields)
     with pytest.raises(SystemExit, match=re.escape(f"--from-csv {path}") + message):
@@ -119,8 +150,11 @@ def test_rows_of_a_cell_given_twice_are_refused(tmp_path):
     args = extrapolation.parse_args(["--tiny"])
     first, other = (write_results(tmp_path / name, [{}, {"seed": 1}]) for name in ("a.csv", "b.csv"))
     assert len(extrapolation.read_csv([first], args)) == 2
-    with pytest.raises(SystemExit, match=f"--from-csv {first} and {other} both hold Llama \\(rotary\\) / -, seed 0, "
-                                         "length 16: give each run's results once"):
+    with pytest.raises(
+        SystemExit,
+        match=f"--from-csv {first} and {other} both hold Llama \\(rotary\\) / -, seed 0, "
+        "length 16: give each run's results once",
+    ):
         extrapolation.read_csv([first, other], args)
 
 
@@ -170,18 +204,25 @@ def test_bits_per_byte_is_the_model_loss():
         loss = model(input_ids=windows, labels=windows, position_extrapolation="clamp").loss
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), windows[:, 1:], reduction="none")
     assert total == pytest.approx(loss.item() / math.log(2), rel=1e-5)
-    assert beyond == pytest.approx(nll[:, args.block_size - 1:].mean().item() / math.log(2), rel=1e-5)
+    assert beyond == pytest.approx(nll[:, args.block_size - 1 :].mean().item() / math.log(2), rel=1e-5)
 
 
 def no_data(*args, **kwargs):
     raise AssertionError("the data was read")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num-heads", "1"], "SepFormer learned cannot be built with these flags: position_size=32 is not allowed"),
-    (["--block-size", "8"], "SepFormer B-spline (n=16) cannot be built with these flags: spline_control_points=16 is "
-                            "more than the position_table_size=8"),
-], ids=["one head", "spline longer than L"])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-heads", "1"], "SepFormer learned cannot be built with these flags: position_size=32 is not allowed"),
+        (
+            ["--block-size", "8"],
+            "SepFormer B-spline (n=16) cannot be built with these flags: spline_control_points=16 is "
+            "more than the position_table_size=8",
+        ),
+    ],
+    ids=["one head", "spline longer than L"],
+)
 def test_sizes_a_model_refuses_stop_the_run_before_the_data_is_read(flags, message, monkeypatch, tmp_path):
     """Not after the models before it have trained (the B-spline comes seventh)."""
     monkeypatch.setattr(extrapolation, "token_data", no_data)
@@ -200,8 +241,20 @@ def test_data_parallel_run_gives_the_table_of_one_process(run, tmp_path):
     """`torchrun --nproc_per_node 2` runs the experiment unchanged: 2 processes of half the batch each train as one
     process does (same global batches, same order), so the table is the one-process run's (seed 0 of `run`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(EXAMPLES / "extrapolation.py"), "--tiny", "--seeds", "0", "--output-dir", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(EXAMPLES / "extrapolation.py"),
+        "--tiny",
+        "--seeds",
+        "0",
+        "--output-dir",
+        str(tmp_path),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "data parallel over 2 processes" in completed.stdout

@@ -190,8 +190,11 @@ def test_a_folder_that_is_missing_or_holds_no_config_is_named(tmp_path):
     (tmp_path / "notes.txt").write_text("")
     with pytest.raises(OSError, match=r"'.*' is a file; give the folder save_pretrained wrote"):
         SepFormerForCausalLM.from_pretrained(tmp_path / "notes.txt")
-    with pytest.raises(OSError, match=r"the folder '.*' has no config.json, so it is not a saved model "
-                       r"\(save_pretrained writes config.json beside the weights\); it holds \['notes.txt'\]"):
+    with pytest.raises(
+        OSError,
+        match=r"the folder '.*' has no config.json, so it is not a saved model "
+        r"\(save_pretrained writes config.json beside the weights\); it holds \['notes.txt'\]",
+    ):
         SepFormerForCausalLM.from_pretrained(tmp_path)
     model = tiny_model()
     model.save_pretrained(tmp_path / "saved")
@@ -202,8 +205,11 @@ def test_a_folder_that_is_missing_or_holds_no_config_is_named(tmp_path):
 
 @pytest.mark.parametrize(("model", "tokenizer", "kind"), [(None, None, "NoneType"), ("model", "tokenizer", "str")])
 def test_prepare_for_hub_refuses_what_is_no_sepformer_model(model, tokenizer, kind):
-    with pytest.raises(TypeError, match=rf"prepare_for_hub takes a SepFormer model \(SepFormerForCausalLM or "
-                       rf"SepFormerModel\); got {kind}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"prepare_for_hub takes a SepFormer model \(SepFormerForCausalLM or "
+        rf"SepFormerModel\); got {kind}",
+    ):
         prepare_for_hub(model, tokenizer)
     with pytest.raises(TypeError, match=r"prepare_for_hub: tokenizer must be a transformers tokenizer; got dict"):
         prepare_for_hub(tiny_model(), {})

@@ -78,15 +78,16 @@ def joined(pieces, separator):
 
 
 def occurrences(ids, span) -> int:
-    return sum(ids[start:start + len(span)] == span for start in range(len(ids) - len(span) + 1))
+    return sum(ids[start : start + len(span)] == span for start in range(len(ids) - len(span) + 1))
 
 
 @pytest.mark.parametrize("question", ["follows", "precedes"])
 @pytest.mark.parametrize("per_question", [1, 3])
 def test_each_answer_stands_by_its_quoted_span_once_in_its_gold_segment(question, per_question):
     span, answer, segment = SMALL["span_length"], SMALL["answer_length"], SMALL["segment_length"]
-    opening, between, closing = (TOKENIZER(words, add_special_tokens=False)["input_ids"]
-                                 for words in sepformer.in2.QUESTION_WORDS[question])
+    opening, between, closing = (
+        TOKENIZER(words, add_special_tokens=False)["input_ids"] for words in sepformer.in2.QUESTION_WORDS[question]
+    )
     bos, eos = TOKENIZER.bos_token_id, TOKENIZER.eos_token_id
     dataset = build(40, question=question, segments_per_question=per_question)
     quoted_orders = set()
@@ -95,23 +96,26 @@ def test_each_answer_stands_by_its_quoted_span_once_in_its_gold_segment(question
         context_end = 1 + row["num_segments"] * segment
         assert ids[0] == bos and ids[context_end] == eos and ids[start - 1] == eos and ids[-1] == eos
         context = ids[1:context_end]
-        pieces = [ids[start + i * answer:start + (i + 1) * answer] for i in range(per_question)]
+        pieces = [ids[start + i * answer : start + (i + 1) * answer] for i in range(per_question)]
         assert start + per_question * answer + 1 == len(ids)
         assert slots == sorted(set(slots)) and len(slots) == per_question
         spans = []
         for piece, slot, position in zip(pieces, slots, row["answer_positions"], strict=True):
-            assert ids[position:position + answer] == piece  # in the context, where the metadata says
+            assert ids[position : position + answer] == piece  # in the context, where the metadata says
             span_at = position - span if question == "follows" else position + answer
-            quoted = ids[span_at:span_at + span]
+            quoted = ids[span_at : span_at + span]
             spans.append(quoted)
             first, last = 1 + slot * segment, 1 + (slot + 1) * segment  # the gold segment, in input ids
             assert first <= min(span_at, position) and max(span_at + span, position + answer) <= last
             assert occurrences(context, quoted) == 1  # the span determines the answer
             # the answer needs this segment: without it (blanked), the span is nowhere in the context
-            assert occurrences(context[:first - 1] + [-1] * segment + context[last - 1:], quoted) == 0
-        question_ids = ids[context_end + 1:start - 1]
-        orders = [order for order in itertools.permutations(range(per_question))
-                  if question_ids == opening + joined([spans[i] for i in order], between) + closing]
+            assert occurrences(context[: first - 1] + [-1] * segment + context[last - 1 :], quoted) == 0
+        question_ids = ids[context_end + 1 : start - 1]
+        orders = [
+            order
+            for order in itertools.permutations(range(per_question))
+            if question_ids == opening + joined([spans[i] for i in order], between) + closing
+        ]
         assert len(orders) == 1, TOKENIZER.decode(question_ids)
         quoted_orders.add(orders[0])
     if per_question > 1:  # the quoted order is not the context's (which would give away the answer's order)
@@ -133,9 +137,13 @@ def test_every_example_fits_the_context_length_with_as_many_segments_as_fit(segm
     """Every context length over a whole period of the segment length: a length budget miscounted by one token (the
     final eos forgotten) makes the examples of one context length in each period one token too long."""
     for context_length in range(160, 160 + segment_length):
-        dataset = in2_dataset(TEXTS[:10], TOKENIZER, **{**SMALL, "segment_length": segment_length,
-                                                         "context_length": context_length},
-                              num_examples=2, segments_per_question=per_question)
+        dataset = in2_dataset(
+            TEXTS[:10],
+            TOKENIZER,
+            **{**SMALL, "segment_length": segment_length, "context_length": context_length},
+            num_examples=2,
+            segments_per_question=per_question,
+        )
         for ids in dataset["input_ids"]:
             assert context_length - segment_length < len(ids) <= context_length, (context_length, len(ids))
 
@@ -172,8 +180,11 @@ def test_sources_a_list_a_dataset_and_a_file_give_the_same_examples(tmp_path):
         (dict(seed=-1), ValueError, "seed=-1 is out of range: give an integer >= 0"),
         (dict(text_column=0), TypeError, "text_column=0 is a int"),
         (dict(text_column="body"), ValueError, r"text_column='body' is read only from a datasets.Dataset .* a list"),
-        (dict(context_length=10**6), ValueError,
-         r"segment\(s\) of 32 tokens; an example of context_length=1000000 holds 31248 distinct"),
+        (
+            dict(context_length=10**6),
+            ValueError,
+            r"segment\(s\) of 32 tokens; an example of context_length=1000000 holds 31248 distinct",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(overrides, error, message):
@@ -188,9 +199,12 @@ def test_bad_arguments_are_refused(overrides, error, message):
         (["text", 3], TypeError, "the source holds a int"),
         (["text", None], TypeError, r"the source holds a NoneType \(None\) at index 1: every text must be a str"),
         (Dataset.from_dict({"text": ["a", None, "b"]}), TypeError, r"a NoneType \(None\) at index 1"),
-        ("a text, not a path " * 300, ValueError,
-         r"'a text, not a path a text.* is not a file: a str source is the path of a text file; give a text as a list "
-         r"of strings \(\[text\]\)"),
+        (
+            "a text, not a path " * 300,
+            ValueError,
+            r"'a text, not a path a text.* is not a file: a str source is the path of a text file; give a text as a "
+            r"list of strings \(\[text\]\)",
+        ),
         ([], ValueError, "the source holds no text"),
         ({"text": "a"}, TypeError, "the source is a dict"),
         (Dataset.from_dict({"body": ["a"]}), ValueError, r"no column text_column='text': its columns are \['body'\]"),
@@ -214,8 +228,11 @@ def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
     [
         ("gpt2", TypeError, "tokenizer='gpt2' is a str: give a transformers tokenizer"),
         (TOKENIZER.encode, TypeError, "is a method: give a transformers tokenizer"),
-        (SepFormerTokenizer(model_max_length=256), ValueError,
-         "context_length=300 is longer than the tokenizer's model_max_length=256: give at most the model's length"),
+        (
+            SepFormerTokenizer(model_max_length=256),
+            ValueError,
+            "context_length=300 is longer than the tokenizer's model_max_length=256: give at most the model's length",
+        ),
     ],
 )
 def test_bad_tokenizers_are_refused(tokenizer, error, message):
@@ -250,13 +267,27 @@ def test_trainer_reports_the_answer_only_loss(tmp_folder):
     dataset = build(24, context_length=128, segment_length=16, span_length=4, answer_length=4)
     collator = DataCollatorForSeq2Seq(TOKENIZER, label_pad_token_id=-100)
     batch_size = 4
-    batches = [collator([{key: row[key] for key in ("input_ids", "attention_mask", "labels")}
-                         for row in dataset.select(range(start, start + batch_size))])
-               for start in range(0, len(dataset), batch_size)]
+    batches = [
+        collator(
+            [
+                {key: row[key] for key in ("input_ids", "attention_mask", "labels")}
+                for row in dataset.select(range(start, start + batch_size))
+            ]
+        )
+        for start in range(0, len(dataset), batch_size)
+    ]
     model = tiny_model(seed=0, max_position_embeddings=128)
-    args = TrainingArguments(output_dir=tmp_folder, max_steps=len(batches), per_device_train_batch_size=batch_size,
-                             learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True,
-                             train_sampling_strategy="sequential", save_strategy="no")
+    args = TrainingArguments(
+        output_dir=tmp_folder,
+        max_steps=len(batches),
+        per_device_train_batch_size=batch_size,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+    )
     hand = HandLosses(batches)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[hand])
     trainer.train()
@@ -272,7 +303,8 @@ def test_trainer_reports_the_answer_only_loss(tmp_folder):
 def test_the_collator_pads_labels_with_minus_100():
     rows = [build(1, context_length=length)[0] for length in (300, 340)]
     batch = DataCollatorForSeq2Seq(TOKENIZER, label_pad_token_id=-100)(
-        [{key: row[key] for key in ("input_ids", "attention_mask", "labels")} for row in rows])
+        [{key: row[key] for key in ("input_ids", "attention_mask", "labels")} for row in rows]
+    )
     short, long = (len(row["input_ids"]) for row in rows)
     assert short < long and batch["input_ids"].shape == (2, long)
     assert batch["labels"][0, short:].tolist() == [-100] * (long - short)

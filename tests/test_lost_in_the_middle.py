@@ -21,18 +21,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import lost_in_the_middle as litm  # noqa: E402  (after the path)
 
 PNG = b"\x89PNG\r\n\x1a\n"
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 QA_RECORDS = [
-    {"question": "who wrote the tiny test", "answers": ["The Maintainers", "maintainers"],
-     "ctxs": [{"title": "Unrelated", "text": "Nothing to see here.", "isgold": False},
-              {"title": "Tests", "text": "The tiny test was written by the maintainers.", "isgold": True},
-              {"title": "Weather", "text": "It rained on Tuesday.", "isgold": False},
-              {"title": "Sport", "text": "The match ended in a draw.", "isgold": False}]},
-    {"question": "what colour is the sky", "answers": ["blue"],
-     "ctxs": [{"title": "Sky", "text": "On a clear day the sky is blue.", "isgold": True},
-              {"title": "Grass", "text": "Grass is green.", "isgold": False},
-              {"title": "Snow", "text": "Snow is white.", "isgold": False}]},
+    {
+        "question": "who wrote the tiny test",
+        "answers": ["The Maintainers", "maintainers"],
+        "ctxs": [
+            {"title": "Unrelated", "text": "Nothing to see here.", "isgold": False},
+            {"title": "Tests", "text": "The tiny test was written by the maintainers.", "isgold": True},
+            {"title": "Weather", "text": "It rained on Tuesday.", "isgold": False},
+            {"title": "Sport", "text": "The match ended in a draw.", "isgold": False},
+        ],
+    },
+    {
+        "question": "what colour is the sky",
+        "answers": ["blue"],
+        "ctxs": [
+            {"title": "Sky", "text": "On a clear day the sky is blue.", "isgold": True},
+            {"title": "Grass", "text": "Grass is green.", "isgold": False},
+            {"title": "Snow", "text": "Snow is white.", "isgold": False},
+        ],
+    },
 ]
 
 
@@ -52,9 +64,15 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -65,9 +83,19 @@ def llama_dir(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("llama")
     tokenizer = bpe_tokenizer()
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-                                 bos_token_id=0, eos_token_id=1)).save_pretrained(folder)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -75,8 +103,9 @@ def llama_dir(tmp_path_factory) -> str:
 def save_sepformer(folder: Path, **config) -> str:
     tokenizer = SepFormerTokenizer()
     torch.manual_seed(0)
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     SepFormerForCausalLM(tiny_config(**{"max_position_embeddings": 1024, **ids, **config})).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -108,8 +137,9 @@ def run(model: str, output_dir: Path, *flags: str) -> tuple[list[dict], str]:
         reader = csv.DictReader(handle)
         assert reader.fieldnames == ["model", "mitigation", "slot", "accuracy", "n"]
         rows = list(reader)
-    assert [(r["mitigation"], int(r["slot"]), int(r["n"])) for r in rows] == \
-           [(r["mitigation"], r["slot"], r["n"]) for r in returned]
+    assert [(r["mitigation"], int(r["slot"]), int(r["n"])) for r in rows] == [
+        (r["mitigation"], r["slot"], r["n"]) for r in returned
+    ]
     assert (output_dir / "lost_in_the_middle.png").read_bytes().startswith(PNG)
     return rows, (output_dir / "results.md").read_text()
 
@@ -117,8 +147,9 @@ def run(model: str, output_dir: Path, *flags: str) -> tuple[list[dict], str]:
 def check_rows(rows: list[dict], model: str, mitigations, slots: int, per_slot: int) -> None:
     """One row per (mitigation, slot), in that order, each over `per_slot` prompts. Accuracy 0: an untrained model
     never writes a UUID (or "blue"), but the prompt holds every value, so a prompt scored with the answer fails."""
-    assert [(r["model"], r["mitigation"], int(r["slot"])) for r in rows] == \
-           [(model, mitigation, slot) for mitigation in mitigations for slot in range(1, slots + 1)]
+    assert [(r["model"], r["mitigation"], int(r["slot"])) for r in rows] == [
+        (model, mitigation, slot) for mitigation in mitigations for slot in range(1, slots + 1)
+    ]
     assert all(int(r["n"]) == per_slot and float(r["accuracy"]) == 0 for r in rows)
 
 
@@ -140,58 +171,89 @@ def test_tiny_run_on_a_llama_with_a_chat_template(llama_dir, tmp_path):
     left_out = dict(re.findall(r"^left out: (\w+) \((.+)\)$", table, re.MULTILINE))
     taken = [mitigation for mitigation in litm.MITIGATIONS if mitigation not in left_out]
     check_rows(rows, llama_dir, taken, 2, litm.TINY["examples_per_slot"])
-    assert {"none", "stable_mask", "ms_poe", "attention_calibration", "parallel_context_windows",
-            "reorder_documents"} <= set(taken)
+    assert {
+        "none",
+        "stable_mask",
+        "ms_poe",
+        "attention_calibration",
+        "parallel_context_windows",
+        "reorder_documents",
+    } <= set(taken)
     assert set(left_out) <= {"positional_scaling", "attention_buckets"}
 
 
 def test_multi_document_qa_from_a_file_of_the_papers_format(sepformer_dir, qa_file, tmp_path):
-    rows, table = run(sepformer_dir, tmp_path, "--qa-file", qa_file, "--mitigations", "none",
-                      "parallel_context_windows")
+    rows, table = run(
+        sepformer_dir, tmp_path, "--qa-file", qa_file, "--mitigations", "none", "parallel_context_windows"
+    )
     check_rows(rows, sepformer_dir, ["none", "parallel_context_windows"], 3, 2)
     assert table.startswith("multi-document QA")
 
 
-def test_each_answer_is_scored_against_its_own_prompt_and_counted_at_its_gold_slot(sepformer_dir, tmp_path,
-                                                                                  monkeypatch):
+def test_each_answer_is_scored_against_its_own_prompt_and_counted_at_its_gold_slot(
+    sepformer_dir, tmp_path, monkeypatch
+):
     def answers(model, tokenizer, prompts, mitigation, scaling, max_new_tokens):  # right at slots 1 and 3 of 4
         return [f' "{p.example.answers[0]}"' if p.example.slot % 2 == 0 else "no idea" for p in prompts]
 
     monkeypatch.setattr(litm, "generate", answers)
-    rows, _ = run(sepformer_dir, tmp_path, "--mitigations", "none", "ms_poe", "--num-documents", "4",
-                  "--batch-size", "3")
-    assert [(r["mitigation"], int(r["slot"]), float(r["accuracy"])) for r in rows] == \
-           [(m, slot, float(slot % 2)) for m in ("none", "ms_poe") for slot in range(1, 5)]
+    rows, _ = run(
+        sepformer_dir, tmp_path, "--mitigations", "none", "ms_poe", "--num-documents", "4", "--batch-size", "3"
+    )
+    assert [(r["mitigation"], int(r["slot"]), float(r["accuracy"])) for r in rows] == [
+        (m, slot, float(slot % 2)) for m in ("none", "ms_poe") for slot in range(1, 5)
+    ]
 
 
-def test_a_mitigation_the_model_refuses_stops_a_run_that_names_it_before_any_evaluation(learned_sepformer_dir,
-                                                                                         tmp_path, monkeypatch):
+def test_a_mitigation_the_model_refuses_stops_a_run_that_names_it_before_any_evaluation(
+    learned_sepformer_dir, tmp_path, monkeypatch
+):
     monkeypatch.setattr(litm, "evaluate", lambda *args: pytest.fail("evaluated"))
-    with pytest.raises(SystemExit, match=r"--mitigations attention_buckets: refused for --model .*: attention_buckets "
-                                         r"bases=.* mean nothing for this model"):
-        litm.main(["--model", learned_sepformer_dir, "--tiny", "--output-dir", str(tmp_path / "out"),
-                   "--mitigations", "none", "attention_buckets"])
+    with pytest.raises(
+        SystemExit,
+        match=r"--mitigations attention_buckets: refused for --model .*: attention_buckets "
+        r"bases=.* mean nothing for this model",
+    ):
+        litm.main(
+            [
+                "--model",
+                learned_sepformer_dir,
+                "--tiny",
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--mitigations",
+                "none",
+                "attention_buckets",
+            ]
+        )
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused_before_any_evaluation(llama_dir, tmp_path,
-                                                                                          monkeypatch):
+def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused_before_any_evaluation(
+    llama_dir, tmp_path, monkeypatch
+):
     tokenizer = bpe_tokenizer()
     tokenizer.add_special_tokens({"pad_token": "<pad>"})  # id 400: the Llama has 400 embedding rows
     tokenizer.save_pretrained(tmp_path)
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((Path(llama_dir) / name).read_bytes())
     monkeypatch.setattr(litm, "evaluate", lambda *args: pytest.fail("evaluated"))
-    with pytest.raises(SystemExit, match=r"its tokenizer gives ids up to 400 \(the largest prompt id \d+, the pad id "
-                                         r"400\), past the model's 400 embedding rows"):
+    with pytest.raises(
+        SystemExit,
+        match=r"its tokenizer gives ids up to 400 \(the largest prompt id \d+, the pad id "
+        r"400\), past the model's 400 embedding rows",
+    ):
         litm.main(["--model", str(tmp_path), "--tiny", "--output-dir", str(tmp_path / "out")])
 
 
 def test_a_model_whose_positions_end_before_the_answer_stops_the_run_before_any_evaluation(tmp_path, monkeypatch):
     short = save_sepformer(tmp_path / "short", max_position_embeddings=64)
     monkeypatch.setattr(litm, "evaluate", lambda *args: pytest.fail("evaluated"))
-    with pytest.raises(SystemExit, match=r"--model .*short cannot generate 4 tokens after the longest prompt \(\d+ "
-                                         r"tokens\): ValueError: .*64"):
+    with pytest.raises(
+        SystemExit,
+        match=r"--model .*short cannot generate 4 tokens after the longest prompt \(\d+ "
+        r"tokens\): ValueError: .*64",
+    ):
         litm.main(["--model", short, "--tiny", "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
@@ -206,17 +268,20 @@ def test_the_default_run_leaves_out_what_the_model_refuses_and_says_why(learned_
 
 def test_without_add_mitigations_another_model_takes_none_only(llama_dir, tmp_path, monkeypatch):
     monkeypatch.delattr(litm.sepformer, "add_mitigations")
-    with pytest.raises(SystemExit, match="--mitigations ms_poe: refused for --model .*: this copy of sepformer has no "
-                                         "add_mitigations"):
+    with pytest.raises(
+        SystemExit, match="--mitigations ms_poe: refused for --model .*: this copy of sepformer has no add_mitigations"
+    ):
         litm.parse_args(["--model", llama_dir, "--mitigations", "none", "ms_poe"])
     rows, table = run(llama_dir, tmp_path)
     check_rows(rows, llama_dir, ["none"], litm.TINY["num_documents"], litm.TINY["examples_per_slot"])
-    assert all(f"left out: {mitigation} (this copy of sepformer has no add_mitigations" in table
-               for mitigation in litm.OPTIONS)
+    assert all(
+        f"left out: {mitigation} (this copy of sepformer has no add_mitigations" in table for mitigation in litm.OPTIONS
+    )
 
 
-@pytest.mark.parametrize("mitigation", ["none", "attention_calibration", "parallel_context_windows",
-                                        "reorder_documents"])
+@pytest.mark.parametrize(
+    "mitigation", ["none", "attention_calibration", "parallel_context_windows", "reorder_documents"]
+)
 def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(llama_dir, mitigation):
     args = litm.parse_args(["--model", llama_dir, "--mitigations", mitigation])
     tokenizer = litm.load_tokenizer(args)
@@ -235,10 +300,9 @@ def test_each_object_is_asked_with_the_gold_key_at_every_slot():
     examples = litm.kv_examples(random.Random(0), 2, 5)
     assert [example.slot for example in examples] == [*range(5), *range(5)]
     for first in (0, 5):
-        objects = examples[first:first + 5]
+        objects = examples[first : first + 5]
         assert len({example.documents for example in objects}) == 1  # the same object, another key asked
-        pairs = [re.fullmatch(r'[{ ]"(.+)": "(.+)"(,\n|})', document).groups()[:2]
-                 for document in objects[0].documents]
+        pairs = [re.fullmatch(r'[{ ]"(.+)": "(.+)"(,\n|})', document).groups()[:2] for document in objects[0].documents]
         for example in objects:
             key, value = pairs[example.slot]
             assert example.tail == f'\n\nKey: "{key}"\nCorresponding value:' and example.answers == (value,)
@@ -250,17 +314,28 @@ def test_each_object_is_asked_with_the_gold_key_at_every_slot():
 
 def test_the_prompts_are_the_papers():
     pairs = [("test key1", "test value1"), ("test key2", "test value2"), ("test key3", "test value3")]
-    example = litm.Example(litm.KV_HEAD, litm.kv_records(pairs), '\n\nKey: "test key2"\nCorresponding value:',
-                           ("test value2",), 1)
-    assert example.text == "\n".join([
-        "Extract the value corresponding to the specified key in the JSON object below.", "", "JSON data:",
-        '{"test key1": "test value1",', ' "test key2": "test value2",', ' "test key3": "test value3"}', "",
-        'Key: "test key2"', "Corresponding value:"])
+    example = litm.Example(
+        litm.KV_HEAD, litm.kv_records(pairs), '\n\nKey: "test key2"\nCorresponding value:', ("test value2",), 1
+    )
+    assert example.text == "\n".join(
+        [
+            "Extract the value corresponding to the specified key in the JSON object below.",
+            "",
+            "JSON data:",
+            '{"test key1": "test value1",',
+            ' "test key2": "test value2",',
+            ' "test key3": "test value3"}',
+            "",
+            'Key: "test key2"',
+            "Corresponding value:",
+        ]
+    )
     qa = litm.qa_examples(QA_RECORDS[1:], 2)
     assert qa[0].text == (
         "Write a high-quality answer for the given question using only the provided search results (some of which "
         "might be irrelevant).\n\nDocument [1](Title: Sky) On a clear day the sky is blue.\nDocument [2](Title: "
-        "Grass) Grass is green.\n\nQuestion: what colour is the sky\nAnswer:")
+        "Grass) Grass is green.\n\nQuestion: what colour is the sky\nAnswer:"
+    )
 
 
 def test_the_gold_document_moves_to_every_slot_among_the_others_in_their_order():
@@ -279,13 +354,13 @@ def test_spans_are_exact_token_ranges_of_the_documents_in_the_final_ids(tokenize
     for example in [*litm.kv_examples(random.Random(0), 1, 4), *litm.qa_examples(QA_RECORDS, 3)]:
         prompt = encoder(example)
         if encoder.chat:
-            expected = tokenizer.apply_chat_template([{"role": "user", "content": example.text}],
-                                                     add_generation_prompt=True)["input_ids"]
+            expected = tokenizer.apply_chat_template(
+                [{"role": "user", "content": example.text}], add_generation_prompt=True
+            )["input_ids"]
         else:
             expected = tokenizer(example.text)["input_ids"]
         assert list(prompt.input_ids) == list(expected)
-        assert [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans] == \
-               list(example.documents)
+        assert [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans] == list(example.documents)
         assert [end for _, end in prompt.spans[:-1]] == [start for start, _ in prompt.spans[1:]]  # no gaps: PCW
 
 
@@ -339,8 +414,11 @@ def test_positional_scaling_where_the_search_finds_no_channel_is_refused(llama_d
     args = litm.parse_args(["--model", llama_dir, "--tiny", "--mitigations", "none", "positional_scaling"])
     tokenizer = litm.load_tokenizer(args)
     model = litm.load_model(args, tokenizer)
-    with pytest.raises(SystemExit, match="positional_scaling: refused for --model .*: the channel search does not "
-                                         "run on it .no channel of the attention input is monotone"):
+    with pytest.raises(
+        SystemExit,
+        match="positional_scaling: refused for --model .*: the channel search does not "
+        "run on it .no channel of the attention input is monotone",
+    ):
         litm.positional_scaling(model, litm.Encoder(tokenizer), args)
 
 
@@ -397,25 +475,42 @@ def test_cuda_without_a_gpu_is_refused(llama_dir, capsys):
     assert "--device: cuda is not available on this machine" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("lines, flags, message", [
-    (["{not json"], [], "line 1 is not JSON"),
-    (["[1, 2]"], [], "line 1: a record is an object with question"),
-    ([json.dumps(QA_RECORDS[0]), json.dumps({"question": "q", "answers": "a", "ctxs": []})], [],
-     "line 2: a record is an object with question (a string), answers (strings) and ctxs"),
-    ([two_golds()], [], "line 1 has 3 documents with isgold: true; give exactly one"),
-    ([json.dumps({**QA_RECORDS[1], "ctxs": QA_RECORDS[1]["ctxs"][1:]})], [], "has 0 documents with isgold: true"),
-    ([json.dumps(QA_RECORDS[1])], ["--num-documents", "4"], "line 1 has 3 documents: --num-documents 4 needs"),
-    ([json.dumps(QA_RECORDS[0])], ["--examples-per-slot", "2"], "has 1 questions: --examples-per-slot 2 needs"),
-])
+@pytest.mark.parametrize(
+    "lines, flags, message",
+    [
+        (["{not json"], [], "line 1 is not JSON"),
+        (["[1, 2]"], [], "line 1: a record is an object with question"),
+        (
+            [json.dumps(QA_RECORDS[0]), json.dumps({"question": "q", "answers": "a", "ctxs": []})],
+            [],
+            "line 2: a record is an object with question (a string), answers (strings) and ctxs",
+        ),
+        ([two_golds()], [], "line 1 has 3 documents with isgold: true; give exactly one"),
+        ([json.dumps({**QA_RECORDS[1], "ctxs": QA_RECORDS[1]["ctxs"][1:]})], [], "has 0 documents with isgold: true"),
+        ([json.dumps(QA_RECORDS[1])], ["--num-documents", "4"], "line 1 has 3 documents: --num-documents 4 needs"),
+        ([json.dumps(QA_RECORDS[0])], ["--examples-per-slot", "2"], "has 1 questions: --examples-per-slot 2 needs"),
+    ],
+)
 def test_bad_qa_files_are_refused_before_the_model_is_loaded(llama_dir, tmp_path, monkeypatch, lines, flags, message):
     monkeypatch.setattr(litm.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match=re.escape(message)):
-        litm.main(["--model", llama_dir, "--tiny", "--qa-file", bad_qa(tmp_path, *lines), *flags,
-                   "--output-dir", str(tmp_path / "out")])
+        litm.main(
+            [
+                "--model",
+                llama_dir,
+                "--tiny",
+                "--qa-file",
+                bad_qa(tmp_path, *lines),
+                *flags,
+                "--output-dir",
+                str(tmp_path / "out"),
+            ]
+        )
 
 
-def test_a_chat_template_that_rewrites_the_message_is_refused_before_the_model_is_loaded(llama_dir, tmp_path,
-                                                                                        monkeypatch):
+def test_a_chat_template_that_rewrites_the_message_is_refused_before_the_model_is_loaded(
+    llama_dir, tmp_path, monkeypatch
+):
     tokenizer = bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE.replace("m['content']", "m['content'] | upper")
     tokenizer.save_pretrained(tmp_path)

@@ -23,8 +23,9 @@ def test_metric_path_names_shipped_scripts():
 
 
 def test_accuracy_by_position_token_ids(accuracy_by_position):
-    result = accuracy_by_position.compute(predictions=[3, 5, 7, 1, 9], references=[3, 4, 7, 1, 2],
-                                          positions=[2, 0, 0, 2, 1])
+    result = accuracy_by_position.compute(
+        predictions=[3, 5, 7, 1, 9], references=[3, 4, 7, 1, 2], positions=[2, 0, 0, 2, 1]
+    )
     assert result["accuracy"] == pytest.approx(3 / 5)
     assert result["accuracy_by_position"] == {0: 0.5, 1: 0.0, 2: 1.0}
     assert list(result["accuracy_by_position"]) == [0, 1, 2]  # in position order
@@ -33,16 +34,20 @@ def test_accuracy_by_position_token_ids(accuracy_by_position):
 
 def test_accuracy_by_position_sequences_need_every_token(accuracy_by_position):
     # a multi-token answer is right only if every token matches and nothing is missing or extra
-    result = accuracy_by_position.compute(predictions=[[1, 2], [1, 2], [1], [4, 5, 6]],
-                                          references=[[1, 2], [1, 3], [1, 2], [4, 5, 6]], positions=[0, 0, 1, 1])
+    result = accuracy_by_position.compute(
+        predictions=[[1, 2], [1, 2], [1], [4, 5, 6]],
+        references=[[1, 2], [1, 3], [1, 2], [4, 5, 6]],
+        positions=[0, 0, 1, 1],
+    )
     assert result["accuracy_by_position"] == {0: 0.5, 1: 0.5}
     assert result["accuracy"] == 0.5
 
 
 def test_accuracy_by_position_a_shorter_or_longer_sequence_is_a_miss_not_broadcast(accuracy_by_position):
     # compared element-wise with broadcasting, each of these would be a hit
-    result = accuracy_by_position.compute(predictions=[[3], [3, 3], [], [7]], references=[[3, 3], [3], [3], [7]],
-                                          positions=[0, 1, 2, 3])
+    result = accuracy_by_position.compute(
+        predictions=[[3], [3, 3], [], [7]], references=[[3, 3], [3], [3], [7]], positions=[0, 1, 2, 3]
+    )
     assert result["accuracy_by_position"] == {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0}
 
 
@@ -116,6 +121,9 @@ def test_perplexity_past_the_float_range_is_inf_not_an_error():
 
 
 def test_accuracy_by_position_takes_tensors_and_arrays(accuracy_by_position):
-    result = accuracy_by_position.compute(predictions=torch.tensor([[1, 2], [3, 4]]), references=np.array([[1, 2],
-                                          [3, 5]]), positions=torch.tensor([0, 1]))
+    result = accuracy_by_position.compute(
+        predictions=torch.tensor([[1, 2], [3, 4]]),
+        references=np.array([[1, 2], [3, 5]]),
+        positions=torch.tensor([0, 1]),
+    )
     assert result["accuracy_by_position"] == {0: 1.0, 1: 0.0}

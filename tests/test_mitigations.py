@@ -855,8 +855,9 @@ def test_calibrated_decoding_step_returns_attentions_as_its_implementation_does(
     option = AttentionCalibration(spans=(SPANS,), temperature=0.01)
     with torch.no_grad():
         prefill = model(ids[:, :13], attention_calibration=option, use_cache=True)
-        step = model(ids[:, 13:], past_key_values=prefill.past_key_values, attention_calibration=option,
-                     output_attentions=True)
+        step = model(
+            ids[:, 13:], past_key_values=prefill.past_key_values, attention_calibration=option, output_attentions=True
+        )
     if implementation == "sdpa":
         assert step.attentions is None or all(weights is None for weights in step.attentions)
         return

@@ -178,7 +178,6 @@ def test_block_norm_keeps_float32_statistics_under_autocast(norm_type):
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
-
 @pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
 def test_block_norm_outside_autograd_follows_its_parameters(norm_type):
     """Outside autograd the block norm keeps its combined parameters; a change in place (an optimiser step, loading),
@@ -220,6 +219,7 @@ def test_block_norm_reads_a_parametrised_weight_at_every_call():
             reference = torch.cat((norm.position(x[..., :12]), norm.semantic(x[..., 12:])), -1)
             torch.testing.assert_close(norm(x), reference, rtol=1e-5, atol=1e-5)
             norm.semantic.parametrizations.weight.original.add_(1.0)
+
 
 def test_constants_first_made_under_inference_mode_train_afterwards():
     """The cached constants (block norms, StableMask's τ) made under `inference_mode` are not inference tensors."""
@@ -352,8 +352,11 @@ SCALED = (tuple(range(8)), 0.5)  # positional scaling's default channels (the po
     + [
         ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,)}}, SCALED),
         ("rotary", {"positional_scaling": {"factor": 0.5, "layers": (1,)}}, SCALED),
-        ("wide_positions", {"positional_scaling": {"factor": -1.0, "channels": (3, 20), "layers": (1,)}},
-         ((3, 20), -1.0)),
+        (
+            "wide_positions",
+            {"positional_scaling": {"factor": -1.0, "channels": (3, 20), "layers": (1,)}},
+            ((3, 20), -1.0),
+        ),
         # steps at positions 8-11 are not scaled, then 12-19 are: the scale changes within the generation
         ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,), "skip_first": 12}}, SCALED),
         ("learned", {"positional_scaling": {"factor": 0.5, "layers": (1,), "skip_first": 30}}, (SCALED[0], 1.0)),
@@ -476,8 +479,11 @@ def test_a_module_whose_forward_accelerate_replaced_runs_it(target):
     hook: that layer keeps its modules, and its hook changes the steps as it changes a full forward pass."""
     model = tiny_model()
     layer = model.model.layers[0]
-    module = {"q_proj": layer.self_attn.q_proj, "input_layernorm": layer.input_layernorm,
-              "act_fn": layer.mlp.semantic.act_fn}[target]
+    module = {
+        "q_proj": layer.self_attn.q_proj,
+        "input_layernorm": layer.input_layernorm,
+        "act_fn": layer.mlp.semantic.act_fn,
+    }[target]
     add_hook_to_module(module, Shifted())
     ids = random_ids(2, 12)
     with torch.no_grad():

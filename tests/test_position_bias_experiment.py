@@ -29,21 +29,33 @@ def run(tmp_path_factory):
     return stdout, rows, output_dir
 
 
-EVERY_MITIGATION = {"none", "stable_mask", "ms_poe", "attention_calibration", "positional_scaling", "attention_buckets",
-                    "parallel_context_windows", "in2", "reorder"}
-EXPECTED_MITIGATIONS = {"SepFormer": EVERY_MITIGATION, "Llama (rotary)": EVERY_MITIGATION,
-                        "GPT-2 (learned absolute)": EVERY_MITIGATION - {"ms_poe", "attention_buckets"}}
+EVERY_MITIGATION = {
+    "none",
+    "stable_mask",
+    "ms_poe",
+    "attention_calibration",
+    "positional_scaling",
+    "attention_buckets",
+    "parallel_context_windows",
+    "in2",
+    "reorder",
+}
+EXPECTED_MITIGATIONS = {
+    "SepFormer": EVERY_MITIGATION,
+    "Llama (rotary)": EVERY_MITIGATION,
+    "GPT-2 (learned absolute)": EVERY_MITIGATION - {"ms_poe", "attention_buckets"},
+}
 # What each model refuses, with the start of its reason, as the run prints it; everything else has its rows.
 REFUSED = {
     ("SepFormer", "attention_buckets"): "bases=[10000, 17500, 25000]; bases=[10000, 13000, ",
     ("Llama (rotary)", "positional_scaling"): "factor=0.5; factor=0.0; factor=-0.5; factor=-1.0: refused: "
-                                              "positional_scaling on LlamaForCausalLM needs channels",
+    "positional_scaling on LlamaForCausalLM needs channels",
     ("Llama (rotary)", "attention_calibration"): "bias_estimate='positional' reads the positional block, but Llama",
     ("Llama (rotary)", "reorder"): "by='position_free' zeroes SepFormer's positional block",
     ("GPT-2 (learned absolute)", "ms_poe"): "r_max=1.5; r_max=1.8; r_max=2.4: refused: ms_poe rescales the rotary "
-                                            "positions of each head, but GPT2LMHeadModel",
+    "positions of each head, but GPT2LMHeadModel",
     ("GPT-2 (learned absolute)", "attention_buckets"): "attention_buckets reads positions with other rotary bases or "
-                                                       "scales, but GPT2LMHeadModel",
+    "scales, but GPT2LMHeadModel",
     ("GPT-2 (learned absolute)", "positional_scaling"): "positional_scaling on GPT2LMHeadModel needs channels",
     ("GPT-2 (learned absolute)", "attention_calibration"): "bias_estimate='positional' reads the positional block",
     ("GPT-2 (learned absolute)", "reorder"): "by='position_free' zeroes SepFormer's positional block",
@@ -67,8 +79,11 @@ def test_every_slot_of_every_setting_has_a_row(run):
         picks = {r["details"] for r in mine if r["setting"] == position_bias.SEARCH_PICK}
         assert len(picks) == 1 and next(iter(picks)).startswith("channels="), (model, picks)
     for model in EXPECTED_MITIGATIONS:
-        calibrations = {r["setting"]: r["details"] for r in rows
-                        if r["model"] == model and r["mitigation"] == "attention_calibration"}
+        calibrations = {
+            r["setting"]: r["details"]
+            for r in rows
+            if r["model"] == model and r["mitigation"] == "attention_calibration"
+        }
         positional = [setting for setting in calibrations if ", positional bias(k)" in setting]
         assert len(calibrations) == 3 + len(positional) and len(positional) == 3 * (model == "SepFormer"), model
         assert all(calibrations[s].startswith("bias(k) vs the dummy passes': Pearson r ") for s in positional)
@@ -96,7 +111,9 @@ def test_each_setting_has_a_row_on_every_model_that_runs_it_and_the_run_says_why
     refusals = [line for line in stdout.splitlines() if ": refused: " in line]
     for (model, mitigation), reason in REFUSED.items():
         assert any(f"{model}, 4 pairs: no {mitigation} row for " in line and reason in line for line in refusals), (
-            model, mitigation)
+            model,
+            mitigation,
+        )
     assert len(refusals) == len(REFUSED), refusals
 
 
@@ -108,8 +125,11 @@ def test_in2_and_reorder_rows_of_every_model(run):
         mine = [r for r in rows if r["model"] == model]
         in2 = {(r["setting"], r["finetune_steps"]) for r in mine if r["mitigation"] == "in2"}
         assert in2 == {("5% of training steps (1 step)", "1"), ("20% of training steps (4 steps)", "4")}, model
-        assert all(float(r["finetune_loss"]) > 0 and float(r["finetune_seconds"]) >= 0 for r in mine
-                   if r["mitigation"] == "in2")
+        assert all(
+            float(r["finetune_loss"]) > 0 and float(r["finetune_seconds"]) >= 0
+            for r in mine
+            if r["mitigation"] == "in2"
+        )
         reorder = {r["setting"] for r in mine if r["mitigation"] == "reorder"}
         extra = {"position-free attention (SepFormer)"} if model == "SepFormer" else set()
         assert reorder == REORDER_SETTINGS | extra, model
@@ -129,9 +149,11 @@ def test_in2_data_has_the_gold_at_every_slot_uniformly():
     def gold_slots(data):
         slots = []
         for ids in data["input_ids"].tolist():
-            place = {vocab.query(document // vocab.num_values): slot
-                     for slot, document in enumerate(ids[1:args.num_pairs + 1])}
-            slots += [place[query] for query in ids[args.num_pairs + 2::2]]
+            place = {
+                vocab.query(document // vocab.num_values): slot
+                for slot, document in enumerate(ids[1 : args.num_pairs + 1])
+            }
+            slots += [place[query] for query in ids[args.num_pairs + 2 :: 2]]
         return torch.bincount(torch.tensor(slots), minlength=args.num_pairs)
 
     in2_args = position_bias.in2_arguments(args, 1.0)
@@ -144,7 +166,11 @@ def test_in2_data_has_the_gold_at_every_slot_uniformly():
     assert not torch.equal(in2[:16]["input_ids"], base[:16]["input_ids"])
     short = position_bias.in2_arguments(args, 0.2)
     assert (short.max_steps, short.learning_rate, short.batch_size, short.weight_decay) == (
-        4, args.learning_rate, args.batch_size, args.weight_decay)
+        4,
+        args.learning_rate,
+        args.batch_size,
+        args.weight_decay,
+    )
     assert len(position_bias.in2_set(0, vocab, short)) == 4 * args.batch_size
     assert position_bias.in2_steps(position_bias.parse_args([]), 0.05) == 75  # the default run's 5% of 1500
 
@@ -155,6 +181,7 @@ def test_in2_rows_leave_the_base_rows_unchanged(tmp_path):
     argv = ["--tiny", "--mitigations", "none"]
     base = position_bias.main([*argv, "--output-dir", str(tmp_path / "base")])
     with_in2 = position_bias.main([*argv, "in2", "--in2-fractions", "0.5", "--output-dir", str(tmp_path / "in2")])
+
     def timeless(rows):
         return [{key: value for key, value in row.items() if key != "train_seconds"} for row in rows]
 
@@ -191,18 +218,32 @@ def test_in2_rows_evaluate_the_fine_tuned_copy(monkeypatch):
     assert len(tuned) == 1 and [r["accuracy"] for r in rows] == [1.0] * args.num_pairs
     assert {(r["mitigation"], r["finetune_steps"], r["finetune_loss"]) for r in rows} == {("in2", 1, 0.5)}
     none = position_bias.mitigation_conditions(position_bias.document_spans(4), vocab)[:1]
-    base = position_bias.evaluate_model(model, none, evaluation[args.num_pairs], args.num_pairs, metric, args,
-                                        contender)
+    base = position_bias.evaluate_model(
+        model, none, evaluation[args.num_pairs], args.num_pairs, metric, args, contender
+    )
     assert [r["accuracy"] for r in base] != [1.0] * args.num_pairs  # the base model, left as it was
 
 
 def test_mitigations_without_none_run_beside_it(tmp_path, capsys):
     """Every mitigation row is compared with the model as it is (Δ mean, the progress line): 'none' is evaluated
     even where --mitigations leaves it out."""
-    rows = position_bias.main(["--tiny", "--max-steps", "2", "--models", "gpt", "--mitigations",
-                               "parallel_context_windows", "--output-dir", str(tmp_path)])
+    rows = position_bias.main(
+        [
+            "--tiny",
+            "--max-steps",
+            "2",
+            "--models",
+            "gpt",
+            "--mitigations",
+            "parallel_context_windows",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert [mitigation for mitigation in dict.fromkeys(r["mitigation"] for r in rows)] == [
-        "none", "parallel_context_windows"]
+        "none",
+        "parallel_context_windows",
+    ]
     table = (tmp_path / "results.md").read_text()
     assert table.count("| parallel_context_windows |") == 2 and "nan" not in table
 
@@ -232,8 +273,11 @@ def reorder_rows(monkeypatch, scores, name="gpt2"):
     args, vocab, contender, model = untrained(name)
     monkeypatch.setattr(reordering, "relevance", lambda model, options, ids, mask, **kwargs: scores(ids, vocab))
     data = position_bias.evaluation_set(0, args.num_pairs, vocab, args)
-    conditions = [c for c in position_bias.mitigation_conditions(position_bias.document_spans(args.num_pairs), vocab)
-                  if c.setting == "by attention"]
+    conditions = [
+        c
+        for c in position_bias.mitigation_conditions(position_bias.document_spans(args.num_pairs), vocab)
+        if c.setting == "by attention"
+    ]
     metric = evaluate.load(metric_path("accuracy_by_position"))
     rows = position_bias.evaluate_model(model, conditions, data, args.num_pairs, metric, args, contender)
     return rows, data, model, args
@@ -242,7 +286,7 @@ def reorder_rows(monkeypatch, scores, name="gpt2"):
 def oracle(ids, vocab):
     """1 for the document whose key the last token queries, 0 for the others."""
     pairs = ids.shape[1] - 3
-    keys = ids[:, 1:pairs + 1] // vocab.num_values
+    keys = ids[:, 1 : pairs + 1] // vocab.num_values
     return (keys == (ids[:, -1:] - vocab.query(0))).double()
 
 
@@ -260,7 +304,8 @@ def test_reorder_rows_are_keyed_by_the_gold_slot_before_reordering(monkeypatch):
     assert [r["examples"] for r in rows] == [args.eval_per_slot] * args.num_pairs
     assert [r["gold_at_end"] for r in rows] == [1.0] * args.num_pairs
     assert [r["accuracy"] for r in rows] == pytest.approx(
-        [correct[data["gold_slot"] == slot].float().mean().item() for slot in range(args.num_pairs)])
+        [correct[data["gold_slot"] == slot].float().mean().item() for slot in range(args.num_pairs)]
+    )
 
 
 def test_gold_at_an_end_is_a_hand_count(monkeypatch):
@@ -286,8 +331,9 @@ def test_a_search_without_candidates_is_a_row_that_says_why(monkeypatch, tmp_pat
         raise NoPositionalChannelError(reason)
 
     monkeypatch.setattr(position_bias, "search_positional_scaling", no_candidate)
-    rows = position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling",
-                               "--output-dir", str(tmp_path)])
+    rows = position_bias.main(
+        ["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling", "--output-dir", str(tmp_path)]
+    )
     statuses = {(r["mitigation"], r["setting"]): r["status"] for r in rows}
     pick = ("positional_scaling", position_bias.SEARCH_PICK)
     assert statuses == {("none", "-"): "ok", pick: f"not evaluated: {reason}"}
@@ -303,8 +349,9 @@ def test_a_search_given_bad_arguments_stops_the_run(monkeypatch, tmp_path):
 
     monkeypatch.setattr(position_bias, "search_positional_scaling", called_wrongly)
     with pytest.raises(ValueError, match="factors must be numbers < 1"):
-        position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling",
-                            "--output-dir", str(tmp_path)])
+        position_bias.main(
+            ["--tiny", "--models", "gpt", "--mitigations", "none", "positional_scaling", "--output-dir", str(tmp_path)]
+        )
 
 
 def test_window_settings_tile_the_documents():
@@ -315,7 +362,9 @@ def test_window_settings_tile_the_documents():
     assert settings["4 windows of 4 documents"] == [(spans[i][0], spans[i + 3][1]) for i in (0, 4, 8, 12)]
     assert settings["2 windows of 8 documents"] == [(spans[0][0], spans[7][1]), (spans[8][0], spans[15][1])]
     assert [setting for setting, _ in position_bias.window_settings(spans[:4])] == [
-        "documents as windows", "2 windows of 2 documents"]
+        "documents as windows",
+        "2 windows of 2 documents",
+    ]
 
 
 def fails_on_batches(model, input_ids):
@@ -328,17 +377,34 @@ def fails_with_type_error(model, input_ids):
     raise TypeError("forward() got an unexpected keyword argument 'parallel_context_window'")
 
 
-@pytest.mark.parametrize("logits, message", [(fails_on_batches, "spans overlap"),
-                                             (fails_with_type_error, "unexpected keyword")])
+@pytest.mark.parametrize(
+    "logits, message", [(fails_on_batches, "spans overlap"), (fails_with_type_error, "unexpected keyword")]
+)
 def test_a_mitigation_that_fails_past_the_models_checks_stops_the_run(monkeypatch, tmp_path, logits, message):
     """A refusal is the ValueError of the model's checks on one prompt, before any work; an error after it, or of
     another kind, is a bug to see, not a missing row (only the search's missing candidates become rows)."""
     conditions = position_bias.mitigation_conditions
-    monkeypatch.setattr(position_bias, "mitigation_conditions", lambda spans, vocab: [
-        *conditions(spans, vocab)[:1], position_bias.Condition("parallel_context_windows", "x", logits)])
+    monkeypatch.setattr(
+        position_bias,
+        "mitigation_conditions",
+        lambda spans, vocab: [
+            *conditions(spans, vocab)[:1],
+            position_bias.Condition("parallel_context_windows", "x", logits),
+        ],
+    )
     with pytest.raises((ValueError, TypeError), match=message):
-        position_bias.main(["--tiny", "--models", "gpt2", "--mitigations", "none", "parallel_context_windows",
-                            "--output-dir", str(tmp_path)])
+        position_bias.main(
+            [
+                "--tiny",
+                "--models",
+                "gpt2",
+                "--mitigations",
+                "none",
+                "parallel_context_windows",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
 
 
 def test_finished_seeds_are_written_before_the_next_starts(monkeypatch, tmp_path):
@@ -352,8 +418,9 @@ def test_finished_seeds_are_written_before_the_next_starts(monkeypatch, tmp_path
 
     monkeypatch.setattr(position_bias, "run_seed", crash_at_seed_1)
     with pytest.raises(RuntimeError, match="stopped"):
-        position_bias.main(["--tiny", "--models", "gpt", "--mitigations", "none", "--seeds", "0", "1",
-                            "--output-dir", str(tmp_path)])
+        position_bias.main(
+            ["--tiny", "--models", "gpt", "--mitigations", "none", "--seeds", "0", "1", "--output-dir", str(tmp_path)]
+        )
     with open(tmp_path / "results.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert {row["seed"] for row in rows} == {"0"} and len(rows) == position_bias.PRESETS["tiny"]["num_pairs"]
@@ -396,9 +463,13 @@ def test_interval_is_students_t_over_seeds():
 
 
 def test_curves_summarise_per_slot_over_seeds():
-    rows = [dict(model="m", mitigation="none", setting="-", num_pairs=2, slot=slot, seed=seed, accuracy=accuracy,
-                 status="ok") for seed, curve in ((0, (1.0, 0.5)), (1, (0.8, 0.3))) for slot, accuracy in
-            zip((1, 2), curve, strict=True)]
+    rows = [
+        dict(
+            model="m", mitigation="none", setting="-", num_pairs=2, slot=slot, seed=seed, accuracy=accuracy, status="ok"
+        )
+        for seed, curve in ((0, (1.0, 0.5)), (1, (0.8, 0.3)))
+        for slot, accuracy in zip((1, 2), curve, strict=True)
+    ]
     (curve,) = position_bias.curves(rows)
     assert curve.mean_by_slot == pytest.approx([0.9, 0.4])
     assert curve.seed_means == pytest.approx([0.75, 0.55])
@@ -428,14 +499,14 @@ def test_training_data_queries_the_list_and_labels_every_answer():
     n = args.num_pairs
     assert ids[0] == vocab.bos and ids[n + 1] == vocab.sep and len(ids) == position_bias.train_length(n)
     stored = {}
-    for document in ids[1:n + 1]:
+    for document in ids[1 : n + 1]:
         key, value = divmod(document, vocab.num_values)
         assert vocab.document(key, value) == document
         stored[vocab.query(key)] = vocab.value(value)
-    queries = ids[n + 2::2]
+    queries = ids[n + 2 :: 2]
     assert len(queries) == n and set(queries) <= set(stored)  # n queries of the list's keys
-    assert ids[n + 3::2] == [stored[query] for query in queries]  # each followed by its value
-    assert [label for label in labels if label != -100] == ids[n + 3::2]  # only the answers are labelled
+    assert ids[n + 3 :: 2] == [stored[query] for query in queries]  # each followed by its value
+    assert [label for label in labels if label != -100] == ids[n + 3 :: 2]  # only the answers are labelled
 
 
 def test_evaluation_prompts_end_with_the_gold_query():
@@ -444,8 +515,9 @@ def test_evaluation_prompts_end_with_the_gold_query():
     data = position_bias.evaluation_set(0, 4, vocab, args)
     spans = position_bias.document_spans(4)
     assert [position for start, end in spans for position in range(start, end)] == [1, 2, 3, 4]  # the documents
-    for ids, answer, slot in zip(data["input_ids"].tolist(), data["answer"].tolist(), data["gold_slot"].tolist(),
-                                 strict=True):
+    for ids, answer, slot in zip(
+        data["input_ids"].tolist(), data["answer"].tolist(), data["gold_slot"].tolist(), strict=True
+    ):
         (document,) = ids[slice(*spans[slot])]  # the gold slot's span holds the gold document
         key, value = divmod(document, vocab.num_values)
         assert ids[-1] == vocab.query(key) and answer == vocab.value(value)
@@ -456,8 +528,15 @@ def test_evaluation_prompts_end_with_the_gold_query():
     assert not specials & set(ids[:, 1:-2].flatten().tolist())  # documents are never special
 
 
-@pytest.mark.parametrize("models, kept", [(["gpt2"], ["gpt2"]), (["GPT", "sep"], ["sepformer", "gpt2"]),
-                                           (["rotary"], ["llama"]), (None, ["sepformer", "llama", "gpt2"])])
+@pytest.mark.parametrize(
+    "models, kept",
+    [
+        (["gpt2"], ["gpt2"]),
+        (["GPT", "sep"], ["sepformer", "gpt2"]),
+        (["rotary"], ["llama"]),
+        (None, ["sepformer", "llama", "gpt2"]),
+    ],
+)
 def test_models_are_chosen_by_name_or_folder_name(models, kept):
     args = position_bias.parse_args(["--tiny", *(["--models", *models] if models else [])])
     vocab = position_bias.Vocabulary(args.num_keys, args.num_values)
@@ -467,25 +546,33 @@ def test_models_are_chosen_by_name_or_folder_name(models, kept):
 def test_models_that_match_nothing_stop_the_run():
     """Even beside one that matches: a mistyped name would silently drop its model."""
     args = position_bias.parse_args(["--tiny", "--models", "gpt2", "mamba"])
-    with pytest.raises(SystemExit, match="--models mamba matches none of: SepFormer.*folder names sepformer, llama, "
-                                         "gpt2"):
+    with pytest.raises(
+        SystemExit, match="--models mamba matches none of: SepFormer.*folder names sepformer, llama, gpt2"
+    ):
         position_bias.contenders(args, position_bias.Vocabulary(args.num_keys, args.num_values))
 
 
-@pytest.mark.parametrize("slug, mitigation, setting, option", [
-    ("llama", "stable_mask", "gamma=0.05", {"gamma": 0.05}),
-    ("llama", "ms_poe", "r_max=1.8", {"r_min": 1.2, "r_max": 1.8}),
-    ("llama", "attention_buckets", "bases=[10000, 17500, 25000]", {"bases": [10000, 17500, 25000]}),
-    ("gpt2", "stable_mask", "gamma=0.2", {"gamma": 0.2}),
-])
-def test_a_hugging_face_row_is_the_model_given_the_option_by_hand_through_add_mitigations(slug, mitigation, setting,
-                                                                                           option):
+@pytest.mark.parametrize(
+    "slug, mitigation, setting, option",
+    [
+        ("llama", "stable_mask", "gamma=0.05", {"gamma": 0.05}),
+        ("llama", "ms_poe", "r_max=1.8", {"r_min": 1.2, "r_max": 1.8}),
+        ("llama", "attention_buckets", "bases=[10000, 17500, 25000]", {"bases": [10000, 17500, 25000]}),
+        ("gpt2", "stable_mask", "gamma=0.2", {"gamma": 0.2}),
+    ],
+)
+def test_a_hugging_face_row_is_the_model_given_the_option_by_hand_through_add_mitigations(
+    slug, mitigation, setting, option
+):
     """A Llama (GPT-2) row of a setting is the model, built alike, given that option by hand through `add_mitigations`:
     the same logits bit for bit, hence the same accuracy at every slot; and the option acts."""
     args, vocab, contender, model = untrained(slug)
     data = position_bias.evaluation_set(0, args.num_pairs, vocab, args)
-    condition = next(c for c in position_bias.mitigation_conditions(position_bias.document_spans(args.num_pairs), vocab)
-                     if (c.mitigation, c.setting) == (mitigation, setting))
+    condition = next(
+        c
+        for c in position_bias.mitigation_conditions(position_bias.document_spans(args.num_pairs), vocab)
+        if (c.mitigation, c.setting) == (mitigation, setting)
+    )
     metric = evaluate.load(metric_path("accuracy_by_position"))
     rows = position_bias.evaluate_model(model, [condition], data, args.num_pairs, metric, args, contender)
     torch.manual_seed(0)
@@ -496,16 +583,29 @@ def test_a_hugging_face_row_is_the_model_given_the_option_by_hand_through_add_mi
         assert torch.equal(condition.logits(model, data["input_ids"]), logits)
     assert not torch.allclose(logits, plain, atol=1e-4)
     correct = logits.argmax(-1) == data["answer"]
-    assert [r["accuracy"] for r in rows] == [correct[data["gold_slot"] == slot].float().mean().item()
-                                             for slot in range(args.num_pairs)]
+    assert [r["accuracy"] for r in rows] == [
+        correct[data["gold_slot"] == slot].float().mean().item() for slot in range(args.num_pairs)
+    ]
 
 
 def test_presets_mean_what_they_say():
     """`--quick` is the default run reduced (one seed, fewer prompts) with the default's task and training;
     `--tiny` is the smoke run; the two cannot be combined."""
     default, quick, tiny = (position_bias.PRESETS[name] for name in ("default", "quick", "tiny"))
-    learning = ("num_pairs", "num_keys", "num_values", "end_slots", "gold_at_ends", "hidden_size", "num_layers",
-                "num_heads", "batch_size", "max_steps", "learning_rate", "weight_decay")
+    learning = (
+        "num_pairs",
+        "num_keys",
+        "num_values",
+        "end_slots",
+        "gold_at_ends",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "batch_size",
+        "max_steps",
+        "learning_rate",
+        "weight_decay",
+    )
     assert {key: quick[key] for key in learning} == {key: default[key] for key in learning}
     assert len(quick["seeds"]) == 1 and quick["eval_per_slot"] < default["eval_per_slot"]
     assert tiny["max_steps"] < quick["max_steps"] // 10
@@ -558,8 +658,11 @@ def test_every_condition_acts_on_its_model():
         model = position_bias.taking_options(contender.build().eval())
         with torch.no_grad():
             conditions = position_bias.accepted(
-                model, position_bias.mitigation_conditions(spans, vocab) + position_bias.searched_scaling(
-                    model, validation), ids[:1], contender.name)
+                model,
+                position_bias.mitigation_conditions(spans, vocab) + position_bias.searched_scaling(model, validation),
+                ids[:1],
+                contender.name,
+            )
             base = position_bias.plain_logits(model, ids)
             implementation = model.config._attn_implementation
             for condition in conditions[1:]:

@@ -36,8 +36,9 @@ def test_saved_models_are_evaluated_again_without_training(monkeypatch, tmp_path
     first_results = (first / "results.csv").read_text()
 
     monkeypatch.setattr(position_bias, "train", no_training)
-    reused = position_bias.main([*argv[:-1], "--output-dir", str(second), "--models-dir", str(first / "models"),
-                                 "--reuse-models"])
+    reused = position_bias.main(
+        [*argv[:-1], "--output-dir", str(second), "--models-dir", str(first / "models"), "--reuse-models"]
+    )
     assert [(r["model"], r["slot"], r["accuracy"], r["train_loss"]) for r in reused] == [
         (r["model"], r["slot"], r["accuracy"], r["train_loss"]) for r in trained if r["mitigation"] == "none"
     ]
@@ -82,8 +83,11 @@ def spoil_config_json(folder):
 def spoil_tensors(change):
     def spoil(folder):
         weights = load_file(folder / "model.safetensors")
-        save_file({name: change(tensor) for name, tensor in weights.items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
+        save_file(
+            {name: change(tensor) for name, tensor in weights.items()},
+            folder / "model.safetensors",
+            metadata={"format": "pt"},
+        )
 
     return spoil
 
@@ -108,14 +112,17 @@ def saved_gpt2(tmp_path_factory):
         (spoil_record, r"has a training.json that does not read \(JSONDecodeError"),
         (spoil_record_key, r"has a training.json where train_loss is missing, train_seconds is a str \(a record "),
         (spoil_config_json, r"has a config.json of another model \(n_inner 7 there, None here\)"),
-        (spoil_tensors(torch.Tensor.half),
-         r"has weights of another dtype \(\S+ torch.float16 there, torch.float32 here"),
+        (
+            spoil_tensors(torch.Tensor.half),
+            r"has weights of another dtype \(\S+ torch.float16 there, torch.float32 here",
+        ),
         (spoil_tensors(lambda tensor: torch.full_like(tensor, math.nan)), r"has weights that are not finite \(\S+, "),
     ],
     ids=["settings", "config", "weights", "record", "record key", "config.json", "fp16", "nan"],
 )
-def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(monkeypatch, tmp_path, saved_gpt2, spoil,
-                                                                            message):
+def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(
+    monkeypatch, tmp_path, saved_gpt2, spoil, message
+):
     """Checked for every seed before the first trains: seed 1 has no saved model and would be trained first."""
     shutil.copytree(saved_gpt2, tmp_path, dirs_exist_ok=True)
     shutil.rmtree(tmp_path / "models" / "gpt2-seed1")
@@ -148,8 +155,23 @@ def test_reusing_models_from_a_folder_without_them_is_refused(folder, monkeypatc
     monkeypatch.setattr(position_bias, "train", no_training)
     where = "does not exist" if folder == "mistyped" else "holds none of this run's models (gpt2-seed0, gpt2-seed1)"
     with pytest.raises(SystemExit, match=re.escape(f"--reuse-models: --models-dir {tmp_path / folder} {where}; ")):
-        position_bias.main(["--tiny", "--models", "gpt", "--seeds", "0", "1", "--mitigations", "none", "--reuse-models",
-                            "--models-dir", str(tmp_path / folder), "--output-dir", str(tmp_path / "results")])
+        position_bias.main(
+            [
+                "--tiny",
+                "--models",
+                "gpt",
+                "--seeds",
+                "0",
+                "1",
+                "--mitigations",
+                "none",
+                "--reuse-models",
+                "--models-dir",
+                str(tmp_path / folder),
+                "--output-dir",
+                str(tmp_path / "results"),
+            ]
+        )
 
 
 @pytest.mark.parametrize("flag", [["--save-steps", "5"], ["--resume"]])

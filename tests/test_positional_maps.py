@@ -88,8 +88,9 @@ def test_basis_equals_cox_de_boor(n, k):
     torch.testing.assert_close(knots, torch.tensor(reference_knots(n, k, L - 1.0), dtype=torch.float64))
     got = bspline_basis(torch.tensor(POSITIONS, dtype=torch.float64), knots, k, "clamp")
     knot_list = reference_knots(n, k, L - 1.0)
-    expected = torch.tensor([[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS],
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        [[cox_de_boor(i, k, t, knot_list) for i in range(n)] for t in POSITIONS], dtype=torch.float64
+    )
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
@@ -117,9 +118,12 @@ def test_rows_at_integer_and_fractional_positions_equal_the_reference(extension)
     expected = reference_rows(control_points, 3, integers, L - 1.0, extension).float()
     torch.testing.assert_close(hidden[0, :, :D_POS], expected, rtol=1e-4, atol=1e-4)
     fractional = [0.25, 7.5, 14.75, 15.5, 20.125]
-    torch.testing.assert_close(map_rows(model, torch.tensor([fractional]))[0],
-                               reference_rows(control_points, 3, fractional, L - 1.0, extension).float(),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        map_rows(model, torch.tensor([fractional]))[0],
+        reference_rows(control_points, 3, fractional, L - 1.0, extension).float(),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def learned_row_L(table, method):
@@ -216,7 +220,11 @@ def test_save_and_reload(tmp_folder):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
     config = reloaded.config
     assert (config.positional_map, config.spline_control_points, config.spline_degree, config.spline_extension) == (
-        "bspline", 5, 2, "linear")
+        "bspline",
+        5,
+        2,
+        "linear",
+    )
     assert torch.equal(reloaded.model.embed_positions.control_points, model.model.embed_positions.control_points)
     ids = torch.randint(0, 256, (1, 2 * L))
     with torch.no_grad():
@@ -255,8 +263,13 @@ def test_randomized_positions_train_every_row_up_to_M(positional_map):
     every control point of a spline over [0, 8L), gets a gradient."""
     M = 8 * L
     spline = {"spline_control_points": 12} if positional_map == "bspline" else {}
-    model = tiny_model(max_position_embeddings=L, position_table_size=M, randomized_positions=True,
-                       positional_map=positional_map, **spline).train()
+    model = tiny_model(
+        max_position_embeddings=L,
+        position_table_size=M,
+        randomized_positions=True,
+        positional_map=positional_map,
+        **spline,
+    ).train()
     parameter = next(model.model.embed_positions.parameters())
     reached = torch.zeros(parameter.shape[0], dtype=torch.bool)
     for _ in range(30):
@@ -269,8 +282,9 @@ def test_randomized_positions_train_every_row_up_to_M(positional_map):
 
 @pytest.mark.parametrize("positional_map", ["learned", "sinusoidal", "bspline"])
 def test_randomized_positions_only_in_training_and_inference_reads_0_to_n(positional_map):
-    model = tiny_model(max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True,
-                       positional_map=positional_map)
+    model = tiny_model(
+        max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True, positional_map=positional_map
+    )
     ids = torch.randint(0, 256, (3, L))
     with torch.no_grad():
         evaluated = model(ids).logits
@@ -291,20 +305,32 @@ def test_randomized_positions_refuse_a_sequence_longer_than_the_range():
     [
         ({"positional_map": "bspline", "spline_degree": 0}, ValueError, "spline_degree=0 is not allowed"),
         ({"positional_map": "bspline", "spline_control_points": 1}, ValueError, "spline_control_points=1 is not"),
-        ({"positional_map": "bspline", "spline_control_points": 4, "spline_degree": 4}, ValueError,
-         "spline_control_points=4 must be > spline"),
+        (
+            {"positional_map": "bspline", "spline_control_points": 4, "spline_degree": 4},
+            ValueError,
+            "spline_control_points=4 must be > spline",
+        ),
         ({"spline_degree": 2}, ValueError, "spline_degree=2 shape the B-spline map only"),
-        ({"positional_map": "bspline", "max_position_embeddings": 8}, ValueError,
-         "spline_control_points=16 is more than the position_table_size=8"),
+        (
+            {"positional_map": "bspline", "max_position_embeddings": 8},
+            ValueError,
+            "spline_control_points=16 is more than the position_table_size=8",
+        ),
         ({"spline_extension": "cubic"}, ValueError, r"spline_extension='cubic' is not allowed: choose"),
         ({"spline_degree": 2.5}, TypeError, "spline_degree=2.5 is not allowed: .*expected int, got float"),
         ({"positional_map": "bspline", "position_extrapolation": "clamp"}, ValueError, "a B-spline has its spline_ext"),
         ({"positional_map": "bspline", "max_position_embeddings": 1}, ValueError, "position_table_size=1 must be >= 2"),
         ({"randomized_positions": True}, ValueError, "randomized_positions=True needs a positional map"),
-        ({"randomized_positions": True, "position_size": 0, "position_table_size": 32}, ValueError,
-         "randomized_positions=True needs a positional map"),
-        ({"randomized_positions": True, "random_position_offsets": True, "position_table_size": 32}, ValueError,
-         "choose one"),
+        (
+            {"randomized_positions": True, "position_size": 0, "position_table_size": 32},
+            ValueError,
+            "randomized_positions=True needs a positional map",
+        ),
+        (
+            {"randomized_positions": True, "random_position_offsets": True, "position_table_size": 32},
+            ValueError,
+            "choose one",
+        ),
         ({"position_table_size": 32, "positional_map": "sinusoidal"}, ValueError, "or randomized_positions=True"),
         ({"randomized_range": "per_sequence"}, ValueError, "randomized_range='per_sequence' is read only with"),
         ({"randomized_range": "adaptive"}, ValueError, "randomized_range='adaptive' is not allowed: choose one of"),
@@ -345,8 +371,12 @@ def test_a_call_continuing_a_cache_in_training_mode_reads_plain_positions():
     ],
 )
 def test_the_registries_of_names_and_implementations_are_checked_to_agree(registry, entry, message):
-    registries = dict(methods=EXTRAPOLATION_PARAMETERS, extrapolations=EXTRAPOLATIONS, map_names=POSITIONAL_MAP_NAMES,
-                      maps=POSITIONAL_MAPS)
+    registries = dict(
+        methods=EXTRAPOLATION_PARAMETERS,
+        extrapolations=EXTRAPOLATIONS,
+        map_names=POSITIONAL_MAP_NAMES,
+        maps=POSITIONAL_MAPS,
+    )
     check_registries(**registries)  # as at import
     current = registries[registry]
     registries[registry] = (*current, *entry) if isinstance(current, tuple) else {**current, **entry}

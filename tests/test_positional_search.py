@@ -91,8 +91,9 @@ def test_the_search_finds_the_planted_positional_channel_and_reports_every_candi
     with torch.no_grad():
         per_example = torch.cat(
             [
-                torch.nn.functional.cross_entropy(model(batch["input_ids"]).logits[:, -2], batch["labels"][:, -1],
-                                                  reduction="none")
+                torch.nn.functional.cross_entropy(
+                    model(batch["input_ids"]).logits[:, -2], batch["labels"][:, -1], reduction="none"
+                )
                 for batch in batches
             ]
         )
@@ -105,8 +106,13 @@ def test_the_search_finds_the_planted_positional_channel_and_reports_every_candi
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -167,8 +173,9 @@ def test_scaling_by_hooks_on_llama_equals_the_formula(rows):
         assert torch.equal(model(ids, use_cache=False).logits, base)
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, lambda: tiny_model(num_hidden_layers=3)],
-                         ids=["llama", "gpt2", "sepformer"])
+@pytest.mark.parametrize(
+    "make", [tiny_llama, tiny_gpt2, lambda: tiny_model(num_hidden_layers=3)], ids=["llama", "gpt2", "sepformer"]
+)
 def test_scaling_by_hooks_with_factor_one_is_the_base_model_bit_for_bit(make):
     model = make()
     ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -318,8 +325,12 @@ def test_bad_inputs_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="neither model.layers nor transformer.h"):
         with scale_attention_input(torch.nn.Linear(2, 2), (0,), 0.0):
             pass
-    padded = {"input_ids": ids, "labels": torch.tensor([[-100] * 5 + [3]]), "gold_position": [0],
-              "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}
+    padded = {
+        "input_ids": ids,
+        "labels": torch.tensor([[-100] * 5 + [3]]),
+        "gold_position": [0],
+        "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]]),
+    }
     with pytest.raises(ValueError, match="first batch, which has padding"):
         search_positional_scaling(llama, [padded])
 
@@ -345,22 +356,32 @@ def test_every_argument_and_batch_is_checked_before_the_first_forward_pass():
         ({"factors": (-math.inf,)}, [good], r"factors must be finite numbers < 1 .*; got \[-inf\]"),
         ({"layers": (3,)}, [good], r"positional_scaling layers \[3\] are out of range"),
         ({}, [good, {"input_ids": good["input_ids"]}], r"batch 1 lacks \['labels', 'gold_position'\]"),
-        ({}, [good, dict(good, gold_position=good["gold_position"] + 0.5)],
-         r"batch 1: gold_position 0.5 is no integer: a gold position is the slot \(an int\)"),
+        (
+            {},
+            [good, dict(good, gold_position=good["gold_position"] + 0.5)],
+            r"batch 1: gold_position 0.5 is no integer: a gold position is the slot \(an int\)",
+        ),
         ({}, [dict(good, gold_position=good["gold_position"].float())], r"batch 0: gold_position 0.0 is no integer"),
         ({}, [dict(good, gold_position=[True] * 11)], r"batch 0: gold_position True is no integer"),
         ({}, [dict(good, labels=labels.float())], r"batch 0: labels must be token ids of torch.int64; got torch.float"),
-        ({}, [dict(good, labels=labels.masked_fill(labels != -100, 300))],
-         r"batch 0: labels contains 300, outside the vocabulary 0..258 \(-100 where no loss is taken\)"),
-        ({}, [dict(good, input_ids=good["input_ids"].masked_fill(labels != -100, 259))],
-         r"batch 0: input_ids contains 259, outside the vocabulary 0..258\."),
+        (
+            {},
+            [dict(good, labels=labels.masked_fill(labels != -100, 300))],
+            r"batch 0: labels contains 300, outside the vocabulary 0..258 \(-100 where no loss is taken\)",
+        ),
+        (
+            {},
+            [dict(good, input_ids=good["input_ids"].masked_fill(labels != -100, 259))],
+            r"batch 0: input_ids contains 259, outside the vocabulary 0..258\.",
+        ),
         ({}, [dict(good, input_ids=good["input_ids"].tolist())], r"batch 0: input_ids must be a torch tensor"),
     ]
     for kwargs, batches, message in cases:
         error = TypeError if "torch tensor" in message else ValueError
         searched_before_any_forward(model, error, message, batches, **kwargs)
-    int32 = search_positional_scaling(model, [dict(good, input_ids=good["input_ids"].int())], factors=(0.0,),
-                                      channel_sets=[(PLANTED,)])
+    int32 = search_positional_scaling(
+        model, [dict(good, input_ids=good["input_ids"].int())], factors=(0.0,), channel_sets=[(PLANTED,)]
+    )
     assert int32.best.channels == (PLANTED,)
 
 

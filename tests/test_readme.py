@@ -28,8 +28,12 @@ def commands(text: str, *extra: str) -> list[str]:
 def shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
     """`command` as typed in a shell at `cwd`: `python` and the tools are this environment's, `sepformer` this
     checkout's."""
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+    )
     completed = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, f"{command}\n{completed.stdout[-2000:]}\n{completed.stderr[-3000:]}"
     return completed

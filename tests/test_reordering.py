@@ -471,8 +471,11 @@ def test_a_dummy_document_taking_the_dummy_passes_past_the_positions_the_model_r
     with pytest.raises(ValueError, match=r"dummy_document of 60 tokens makes dummy passes of 71 tokens, past max_posi"):
         reorder_documents(gpt2, ids, mask, long)
     long["dummy_document"] = (5,) * 8
-    with pytest.raises(ValueError, match=r"of 8 tokens makes dummy passes of 19 tokens, position 18 is past the learn"
-                       r".*'fourier'\)`\): give a shorter dummy_document\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"of 8 tokens makes dummy passes of 19 tokens, position 18 is past the learn"
+        r".*'fourier'\)`\): give a shorter dummy_document\.$",
+    ):
         reorder_documents(sepformer, ids, mask, long)
     assert not calls
     reorder_documents(sepformer, ids, mask, long, position_extrapolation="clamp")

@@ -120,8 +120,14 @@ def test_invalid_config_is_a_value_error_naming_field_value_and_what_is_allowed(
 
 def test_a_model_without_positions_ties_its_head_whatever_block_it_reads():
     # position_size=0: the whole vector is the semantic block (transformers' test_tied_weights_keys ties such a model)
-    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_size=0,
-                             lm_head_input="all", tie_word_embeddings=True)
+    config = SepFormerConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        position_size=0,
+        lm_head_input="all",
+        tie_word_embeddings=True,
+    )
     model = SepFormerForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -165,8 +171,15 @@ def test_assigning_the_widths_resizes_the_blocks_derived_from_them():
 
 
 def test_explicit_sizes_are_kept_and_none_follows_again():
-    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_size=10,
-                             max_position_embeddings=16, position_table_size=64, random_position_offsets=True)
+    config = SepFormerConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        position_size=10,
+        max_position_embeddings=16,
+        position_table_size=64,
+        random_position_offsets=True,
+    )
     config.hidden_size, config.max_position_embeddings = 64, 32
     assert (config.position_size, config.position_table_size) == (10, 64)  # what the user set
     assert (config.position_intermediate_size, config.semantic_intermediate_size) == (40, 4 * 54)  # derived
@@ -175,8 +188,13 @@ def test_explicit_sizes_are_kept_and_none_follows_again():
 
 
 def test_derived_sizes_save_as_null_and_reload_identically(tmp_path):
-    config = SepFormerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, position_table_size=None,
-                             semantic_intermediate_size=100)
+    config = SepFormerConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        position_table_size=None,
+        semantic_intermediate_size=100,
+    )
     stored = config.to_dict()
     assert [stored[name] for name in DERIVED] == [None, None, None, 100]  # what was given, not the resolved sizes
     assert [getattr(config, name) for name in DERIVED] == [8, 512, 32, 100]
@@ -191,15 +209,40 @@ def test_derived_sizes_save_as_null_and_reload_identically(tmp_path):
 
 # `save_pretrained` of the configuration before the derived sizes were kept as given: every size resolved
 OLD_CONFIG = {
-    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 257, "eos_token_id": 258,
-    "fourier_components": 16, "fuse_decoding_projections": True, "hidden_act": "gelu_pytorch_tanh",
-    "hidden_dropout": 0.0, "hidden_size": 32, "initializer_range": 0.02, "interpolation_length": None,
-    "lm_head_input": "semantic", "max_position_embeddings": 16, "mlp_bias": False, "model_type": "sepformer",
-    "norm_eps": 1e-06, "norm_type": "rmsnorm", "num_attention_heads": 4, "num_hidden_layers": 2, "pad_token_id": 256,
-    "position_extrapolation": "none", "position_intermediate_size": 32, "position_size": 8, "position_table_size": 16,
-    "positional_map": "learned", "random_position_offsets": False, "rope_theta": 10000.0, "rotary_dim": 0,
-    "semantic_intermediate_size": 96, "stable_mask": None, "tie_word_embeddings": False,
-    "transformers_version": "5.23.0", "use_cache": True, "vocab_size": 259,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 257,
+    "eos_token_id": 258,
+    "fourier_components": 16,
+    "fuse_decoding_projections": True,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_dropout": 0.0,
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "interpolation_length": None,
+    "lm_head_input": "semantic",
+    "max_position_embeddings": 16,
+    "mlp_bias": False,
+    "model_type": "sepformer",
+    "norm_eps": 1e-06,
+    "norm_type": "rmsnorm",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "pad_token_id": 256,
+    "position_extrapolation": "none",
+    "position_intermediate_size": 32,
+    "position_size": 8,
+    "position_table_size": 16,
+    "positional_map": "learned",
+    "random_position_offsets": False,
+    "rope_theta": 10000.0,
+    "rotary_dim": 0,
+    "semantic_intermediate_size": 96,
+    "stable_mask": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.23.0",
+    "use_cache": True,
+    "vocab_size": 259,
 }
 
 
@@ -310,8 +353,17 @@ def test_a_saved_config_with_a_key_sepformer_ignores_loads_with_a_warning(tmp_pa
 
 # Generation parameters given to a config: some transformers keeps on it (the model's generation_config reads them),
 # others it drops. LlamaConfig says which.
-GENERATION_PARAMETERS = {"max_new_tokens": 3, "min_new_tokens": 2, "max_time": 5.0, "min_p": 0.1, "max_length": 7,
-                         "num_beams": 2, "temperature": 0.5, "do_sample": True, "repetition_penalty": 1.3}
+GENERATION_PARAMETERS = {
+    "max_new_tokens": 3,
+    "min_new_tokens": 2,
+    "max_time": 5.0,
+    "min_p": 0.1,
+    "max_length": 7,
+    "num_beams": 2,
+    "temperature": 0.5,
+    "do_sample": True,
+    "repetition_penalty": 1.3,
+}
 
 
 @pytest.mark.parametrize("key", list(GENERATION_PARAMETERS))
@@ -319,8 +371,17 @@ def test_a_generation_parameter_is_accepted_where_llama_keeps_it_and_refused_whe
     from transformers import LlamaConfig, LlamaForCausalLM
 
     value = GENERATION_PARAMETERS[key]
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, **{key: value}))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            **{key: value},
+        )
+    )
     llama.save_pretrained(tmp_path / "llama")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
     kept = getattr(llama.generation_config, key) == value
@@ -351,13 +412,19 @@ def test_keywords_transformers_passes_are_accepted(tmp_path):
 # ------------------------------------------------------------------------------ fields the settings never read
 
 UNREAD_FIELDS = [
-    ({"rope_theta": 500000.0}, r"rope_theta=500000.0 is read only with rotary_dim > 0 \(it would be ignored\); this "
-     r"config has rotary_dim=0\. Set that, or leave rope_theta at its default 10000.0"),
+    (
+        {"rope_theta": 500000.0},
+        r"rope_theta=500000.0 is read only with rotary_dim > 0 \(it would be ignored\); this "
+        r"config has rotary_dim=0\. Set that, or leave rope_theta at its default 10000.0",
+    ),
 ]
 # the fields before `position_extrapolation` held its parameters: keywords and saved configs only
 LEGACY_UNREAD = [
-    ({"interpolation_length": 2048}, r"interpolation_length=2048 is read only with 'interpolate' .* has position_"
-     r"extrapolation='none'"),
+    (
+        {"interpolation_length": 2048},
+        r"interpolation_length=2048 is read only with 'interpolate' .* has position_"
+        r"extrapolation='none'",
+    ),
     ({"position_extrapolation": "clamp", "fourier_components": 8}, r"fourier_components=8 is read only with 'fourier'"),
 ]
 

@@ -75,8 +75,9 @@ if _COMMON is not None:
         causal_lm_class = SepFormerForCausalLM
         config_class = SepFormerConfig
 
-        def __init__(self, parent, config_overrides=None, batch_size=13, seq_length=7, is_training=True,
-                     use_input_mask=True):
+        def __init__(
+            self, parent, config_overrides=None, batch_size=13, seq_length=7, is_training=True, use_input_mask=True
+        ):
             self.parent = parent
             self.config_overrides = dict(config_overrides or {})
             config = self.get_config()
@@ -151,8 +152,12 @@ if _COMMON is not None:
 
     class SepFormerTiedRotaryCommonTest(SepFormerCommonTest):
         config_overrides: ClassVar[dict] = {
-            "tie_word_embeddings": True, "positional_map": "sinusoidal", "norm_type": "layernorm", "rotary_dim": 4,
-            "attention_bias": True, "mlp_bias": True,
+            "tie_word_embeddings": True,
+            "positional_map": "sinusoidal",
+            "norm_type": "layernorm",
+            "rotary_dim": 4,
+            "attention_bias": True,
+            "mlp_bias": True,
         }
 
     class SepFormerNoPECommonTest(SepFormerCommonTest):

@@ -118,9 +118,19 @@ def test_trainer_evaluations_between_steps_see_the_current_weights(tmp_path, opt
     evaluation = Blocks(4)
     check = CompareWithFreshCopy(evaluation)
     arguments = TrainingArguments(
-        output_dir=str(tmp_path), optim=optim, learning_rate=1e-2, max_steps=4, eval_strategy="steps", eval_steps=1,
-        per_device_train_batch_size=4, per_device_eval_batch_size=4, report_to=[], save_strategy="no",
-        use_cpu=True, disable_tqdm=True, logging_strategy="no",
+        output_dir=str(tmp_path),
+        optim=optim,
+        learning_rate=1e-2,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_strategy="no",
     )
     trainer = Trainer(model=model, args=arguments, train_dataset=Blocks(8), eval_dataset=evaluation, callbacks=[check])
     assert trainer.args.optim.value == optim

@@ -46,7 +46,7 @@ class GenerationTesterMixin:
     "utils/__init__.py": "",
     # The dict of transformers 5.x `tests/utils/test_configuration_utils.py`: one non-default value for every
     # field of `PreTrainedConfig` (checked by `ConfigTester.check_config_arguments_init`).
-    "utils/test_configuration_utils.py": '''\
+    "utils/test_configuration_utils.py": """\
 config_common_kwargs = {
     "return_dict": False,
     "output_hidden_states": True,
@@ -58,7 +58,7 @@ config_common_kwargs = {
     "label2id": {"label": "0"},
     "problem_type": "regression",
 }
-''',
+""",
 }
 
 
@@ -90,8 +90,18 @@ def fetch_common_tests(version: str | None = None) -> Path:
 def _download_and_extract(version: str, package_dir: Path) -> None:
     with tempfile.TemporaryDirectory(dir=CACHE_ROOT, prefix="download-") as download_dir:
         command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            "--disable-pip-version-check", "--no-input", "--dest", download_dir, f"transformers=={version}",
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--dest",
+            download_dir,
+            f"transformers=={version}",
         ]
         try:
             result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
