@@ -25,6 +25,10 @@ QUESTION_WORDS = {
     "precedes": ('Which text precedes "', '", "', '"?'),
 }
 MAX_TRIES = 100  # draws of an example's spans (then of its segments) before the text is declared too repetitive
+# in2_dataset's integer arguments, in the order it unpacks them, and the least value of each
+MINIMUM = dict(
+    context_length=1, segment_length=1, num_examples=1, segments_per_question=1, span_length=1, answer_length=1, seed=0
+)
 
 
 def in2_dataset(
@@ -54,11 +58,8 @@ def in2_dataset(
     exactly once in the context (otherwise redrawn), so that the context determines the answer. `question="follows"`:
     the answer is the `answer_length` tokens that follow each span in its segment; `"precedes"`: the tokens before it.
     With several gold segments the spans are quoted in a random order and the answers are concatenated in the order
-    of the context: the model must find every span and order them, not copy one piece.
-
-    Gold slots: with one gold segment, each run of `n` consecutive examples uses every slot once, in a shuffled order,
-    so that the slots' counts over the dataset differ by at most one. With several, each example's slots are a uniform
-    random subset (every slot equally likely, i.i.d. over examples).
+    of the context: the model must find every span and order them, not copy one piece. `gold_slots` says how the gold
+    segments' slots are drawn (uniformly).
 
     Separator: the tokenizer's `sep_token`, or its `eos_token` if it has none; the bos token leads where there is one.
     `labels` are the input ids on the answer and the eos that ends it (so that generation learns to stop), -100
@@ -66,111 +67,36 @@ def in2_dataset(
     context, in input ids), `answer_start` (the first answer token after the question), `num_segments` (`n`).
     Deterministic for a given `seed`.
     """
-    counts = check_arguments(
-        context_length=context_length,
-        segment_length=segment_length,
-        num_examples=num_examples,
-        segments_per_question=segments_per_question,
-        span_length=span_length,
-        answer_length=answer_length,
-        seed=seed,
-        question=question,
-        text_column=text_column,
-    )
-    context_length, segment_length, num_examples, segments_per_question, span_length, answer_length, seed = counts
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        raise TypeError(
-            f"tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}: give a transformers tokenizer "
-            "(a PreTrainedTokenizerBase, e.g. SepFormerTokenizer() or AutoTokenizer.from_pretrained(...))."
-        )
-    if context_length > tokenizer.model_max_length:
-        raise ValueError(
-            f"context_length={context_length} is longer than the tokenizer's model_max_length="
-            f"{tokenizer.model_max_length}: give at most the model's length (max_position_embeddings)."
-        )
+    counts = checked_counts(locals())  # every argument, by name
+    context_length, segment_length, num_examples, per_question, span_length, answer_length, seed = counts
     texts = source_texts(texts_or_dataset, text_column)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(
-            f"the tokenizer {type(tokenizer).__name__} has no eos_token: IN2 examples end with eos; "
-            "set tokenizer.eos_token."
-        )
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    sep = tokenizer.eos_token_id if tokenizer.sep_token_id is None else tokenizer.sep_token_id
-    opening, between, closing = (
-        tokenizer(words, add_special_tokens=False)["input_ids"] for words in QUESTION_WORDS[question]
-    )
-    question_length = (
-        len(opening) + segments_per_question * span_length + (segments_per_question - 1) * len(between) + len(closing)
-    )
-    overhead = len(bos) + 1 + question_length + 1 + segments_per_question * answer_length + 1
-    num_segments = (context_length - overhead) // segment_length
-    if num_segments < segments_per_question:
-        raise ValueError(
-            f"context_length={context_length} leaves room for {max(num_segments, 0)} segment(s) of {segment_length} "
-            f"tokens beside the question and answer ({overhead} tokens), fewer than segments_per_question="
-            f"{segments_per_question}: give a context_length of at least "
-            f"{overhead + segments_per_question * segment_length}, or shorter segments."
-        )
-    segments = cut_segments(tokenizer(texts, add_special_tokens=False)["input_ids"], segment_length)
-    if len(segments) < num_segments:
-        raise ValueError(
-            f"the text gives {len(segments)} segment(s) of {segment_length} tokens; an example of context_length="
-            f"{context_length} holds {num_segments} distinct ones: give more text, shorter segments or a shorter "
-            "context_length."
-        )
-
+    bos, sep, words, overhead = example_frame(tokenizer, question, per_question, span_length, answer_length)
+    segments, num_segments = context_segments(tokenizer, texts, context_length, segment_length, overhead, per_question)
     rng = np.random.default_rng(seed)
-    columns = {
-        name: []
-        for name in (
-            "input_ids",
-            "attention_mask",
-            "labels",
-            "gold_slots",
-            "answer_positions",
-            "answer_start",
-            "num_segments",
-        )
-    }
-    for slots in gold_slots(rng, num_examples, num_segments, segments_per_question):
+    rows = []
+    for slots in gold_slots(rng, num_examples, num_segments, per_question):
         context, positions, spans, answers = draw_example(
             rng, segments, num_segments, slots, question, span_length, answer_length
         )
-        order = rng.permutation(len(spans))  # quoted in a random order; answered in the context's
-        quoted = [*opening]
-        for rank, piece in enumerate(order):
-            quoted += ([] if rank == 0 else between) + spans[piece]
-        prompt = [*bos, *context, sep, *quoted, *closing, sep]
+        prompt = [*bos, *context, sep, *quoted(rng, words, spans), sep]
         answer = [token for piece in answers for token in piece] + [tokenizer.eos_token_id]
-        columns["input_ids"].append(prompt + answer)
-        columns["attention_mask"].append([1] * (len(prompt) + len(answer)))
-        columns["labels"].append([-100] * len(prompt) + answer)
-        columns["gold_slots"].append(slots)
-        columns["answer_positions"].append([len(bos) + position for position in positions])
-        columns["answer_start"].append(len(prompt))
-        columns["num_segments"].append(num_segments)
+        rows.append(example_row(prompt, answer, slots, [len(bos) + position for position in positions], num_segments))
     import datasets  # here, not at the top: `import sepformer` would take half a second longer
 
-    return datasets.Dataset.from_dict(columns)
+    return datasets.Dataset.from_list(rows)
 
 
-def check_arguments(*, question, text_column, **counts) -> tuple[int, ...]:
-    """The counts as plain ints, in the order given, once every argument is checked."""
-    minimum = {
-        "context_length": 1,
-        "segment_length": 1,
-        "num_examples": 1,
-        "segments_per_question": 1,
-        "span_length": 1,
-        "answer_length": 1,
-        "seed": 0,
-    }
-    for name, given in counts.items():
+def checked_counts(arguments: dict) -> tuple[int, ...]:
+    """`in2_dataset`'s integer arguments as plain ints, in `MINIMUM`'s order, once every argument is checked."""
+    counts = {}
+    for name, minimum in MINIMUM.items():
+        given = arguments[name]
         value = counts[name] = plain_integer(given)
         if value is None:
-            raise TypeError(f"{name}={given!r} is a {type(given).__name__}: give an integer >= {minimum[name]}.")
-        if value < minimum[name]:
-            raise ValueError(f"{name}={value} is out of range: give an integer >= {minimum[name]}.")
+            raise TypeError(f"{name}={given!r} is a {type(given).__name__}: give an integer >= {minimum}.")
+        if value < minimum:
+            raise ValueError(f"{name}={value} is out of range: give an integer >= {minimum}.")
+    question, text_column, tokenizer = arguments["question"], arguments["text_column"], arguments["tokenizer"]
     if question not in QUESTIONS:
         raise ValueError(f"question={question!r} is not a question type: choose one of {', '.join(QUESTIONS)}.")
     if text_column is not None and not isinstance(text_column, str):
@@ -180,6 +106,16 @@ def check_arguments(*, question, text_column, **counts) -> tuple[int, ...]:
         raise ValueError(
             f"span_length={counts['span_length']} plus answer_length={counts['answer_length']} is {window} tokens, "
             f"more than segment_length={counts['segment_length']}: the span and its answer lie in one segment."
+        )
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(
+            f"tokenizer={tokenizer!r:.60} is a {type(tokenizer).__name__}: give a transformers tokenizer "
+            "(a PreTrainedTokenizerBase, e.g. SepFormerTokenizer() or AutoTokenizer.from_pretrained(...))."
+        )
+    if counts["context_length"] > tokenizer.model_max_length:
+        raise ValueError(
+            f"context_length={counts['context_length']} is longer than the tokenizer's model_max_length="
+            f"{tokenizer.model_max_length}: give at most the model's length (max_position_embeddings)."
         )
     return tuple(counts.values())
 
@@ -193,21 +129,16 @@ def source_texts(source, text_column: str | None) -> list[str]:
             f"source is a {type(source).__name__}: leave text_column out."
         )
     if isinstance(source, str | os.PathLike):
-        path = Path(source)
-        try:
-            is_file = path.is_file()
-        except OSError:  # a text given as the source: "File name too long"
-            is_file = False
-        if not is_file:
+        if not os.path.isfile(source):  # False for a text given as the source too ("File name too long")
             raise ValueError(
                 f"{str(source)!r:.80} is not a file: a str source is the path of a text file; give a text "
                 "as a list of strings ([text]), or a datasets.Dataset."
             )
         try:
-            return [path.read_text(encoding="utf-8")]
+            return [Path(source).read_text(encoding="utf-8")]
         except UnicodeDecodeError as error:
             raise ValueError(
-                f"the source file {str(path)!r} is not UTF-8 text ({error}): give a UTF-8 file, or its "
+                f"the source file {str(Path(source))!r} is not UTF-8 text ({error}): give a UTF-8 file, or its "
                 "text decoded as a list of strings."
             ) from None
     if isinstance(source, datasets.Dataset):
@@ -235,18 +166,53 @@ def source_texts(source, text_column: str | None) -> list[str]:
     return list(texts)
 
 
-def cut_segments(documents: list[list[int]], segment_length: int) -> np.ndarray:
-    """Each document's consecutive runs of `segment_length` tokens (its shorter tail dropped), as rows."""
+def example_frame(tokenizer, question: str, per_question: int, span_length: int, answer_length: int):
+    """The ids around an example's segments: the bos that leads ([] where the tokenizer has none), the separator and
+    the question's words (see `QUESTION_WORDS`); and how many tokens these, the spans and the answer and eos take."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"the tokenizer {type(tokenizer).__name__} has no eos_token: IN2 examples end with eos; "
+            "set tokenizer.eos_token."
+        )
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    sep = tokenizer.eos_token_id if tokenizer.sep_token_id is None else tokenizer.sep_token_id
+    words = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in QUESTION_WORDS[question]]
+    question_length = len(words[0]) + per_question * span_length + (per_question - 1) * len(words[1]) + len(words[2])
+    return bos, sep, words, len(bos) + 1 + question_length + 1 + per_question * answer_length + 1
+
+
+def context_segments(
+    tokenizer, texts, context_length, segment_length, overhead, per_question
+) -> tuple[np.ndarray, int]:
+    """The texts' segments, as rows: each document's consecutive runs of `segment_length` tokens (its shorter tail
+    dropped); and how many fit in an example beside its `overhead` tokens."""
+    num_segments = (context_length - overhead) // segment_length
+    if num_segments < per_question:
+        raise ValueError(
+            f"context_length={context_length} leaves room for {max(num_segments, 0)} segment(s) of {segment_length} "
+            f"tokens beside the question and answer ({overhead} tokens), fewer than segments_per_question="
+            f"{per_question}: give a context_length of at least {overhead + per_question * segment_length}, or "
+            "shorter segments."
+        )
     rows = [
         ids[start : start + segment_length]
-        for ids in documents
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
         for start in range(0, len(ids) - segment_length + 1, segment_length)
     ]
-    return np.array(rows, dtype=np.int64).reshape(len(rows), segment_length)
+    if len(rows) < num_segments:
+        raise ValueError(
+            f"the text gives {len(rows)} segment(s) of {segment_length} tokens; an example of context_length="
+            f"{context_length} holds {num_segments} distinct ones: give more text, shorter segments or a shorter "
+            "context_length."
+        )
+    return np.array(rows, dtype=np.int64).reshape(len(rows), segment_length), num_segments
 
 
 def gold_slots(rng: np.random.Generator, num_examples: int, num_segments: int, per_question: int):
-    """The gold slots of each example, in increasing order (see `in2_dataset`)."""
+    """The gold slots of each example, in increasing order. With one gold segment, each run of `num_segments`
+    consecutive examples uses every slot once, in a shuffled order, so that the slots' counts over the dataset differ
+    by at most one. With several, each example's slots are a uniform random subset (every slot equally likely, i.i.d.
+    over examples)."""
     if per_question == 1:
         for block in range(0, num_examples, num_segments):
             for slot in rng.permutation(num_segments)[: num_examples - block]:
@@ -281,6 +247,28 @@ def draw_example(
         f"found no span of span_length={span_length} tokens that occurs once in its context in {MAX_TRIES} draws of "
         f"segments: the text repeats itself too much for spans this short; give a longer span_length or other text."
     )
+
+
+def quoted(rng: np.random.Generator, words: list[list[int]], spans: list[list[int]]) -> list[int]:
+    """The question's words around the spans, quoted in a random order (the answer keeps the context's)."""
+    opening, between, closing = words
+    question = [*opening]
+    for rank, piece in enumerate(rng.permutation(len(spans))):
+        question += ([] if rank == 0 else between) + spans[piece]
+    return question + closing
+
+
+def example_row(prompt: list[int], answer: list[int], slots, answer_positions, num_segments: int) -> dict:
+    """An example's columns: the loss is on the answer only (see `in2_dataset`)."""
+    return {
+        "input_ids": prompt + answer,
+        "attention_mask": [1] * (len(prompt) + len(answer)),
+        "labels": [-100] * len(prompt) + answer,
+        "gold_slots": slots,
+        "answer_positions": answer_positions,
+        "answer_start": len(prompt),
+        "num_segments": num_segments,
+    }
 
 
 def occurrences(ids: np.ndarray, span: np.ndarray) -> int:
