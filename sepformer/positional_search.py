@@ -94,11 +94,6 @@ def default_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(PositionalScaling().default_layers(num_layers))
 
 
-def hidden_size(model: nn.Module) -> int:
-    config = model.config
-    return getattr(config, "hidden_size", None) or config.n_embd
-
-
 def query_key_inputs_scaled(attention: nn.Module, scale: torch.Tensor):
     """While active, the queries and keys of `attention` read its input times `scale` (d_model,); values do not."""
 
@@ -139,7 +134,7 @@ def scale_attention_input(
     `softmax(q̄ K̄ᵀ) V`, the paper's formula. `factor = 1` gives the base model bit for bit.
     """
     layer_modules = decoder_layers(model)
-    num_layers, width = len(layer_modules), hidden_size(model)
+    num_layers, width = len(layer_modules), model.config.hidden_size
     layers = default_layers(num_layers) if layers is None else tuple(layers)
     options = PositionalScaling(factor, channels=channels, layers=layers, last_recompute_tokens=last_recompute_tokens)
     options.layer_set(num_layers)  # range and duplicates checked, with the option's messages
@@ -281,21 +276,18 @@ def answer_rows(labels: torch.Tensor, index: int) -> int:
     return labels.shape[1] - int(first[0]) + 1
 
 
-def example_losses(model: nn.Module, batches: Sequence[tuple], scaling: tuple | None) -> tuple[list[float], list[int]]:
-    """Per example of the `checked_batch`es, the mean cross-entropy over its labelled tokens, with
-    `scaling = (channels, layers, factor)` or none; and the gold positions."""
-    losses, golds = [], []
-    for input_ids, labels, attention_mask, gold, rows in batches:
-        options = {}
-        context = contextlib.nullcontext()
-        if scaling is not None:
-            channels, layers, factor = scaling
-            if is_sepformer(model):
-                options["positional_scaling"] = PositionalScaling(
-                    factor, channels=channels, layers=layers, last_recompute_tokens=rows
-                )
-            else:
-                context = scale_attention_input(model, channels, factor, layers, last_recompute_tokens=rows)
+def evaluated(model: nn.Module, batches: Sequence[tuple], channels, layers, factor) -> ScalingCandidate:
+    """`channels` scaled by `factor` in `layers` (no channels: the base model) on the `checked_batch`es: each example's
+    mean cross-entropy over its labelled tokens, averaged over the examples of each gold position, then over those."""
+    by_position = {}
+    for input_ids, labels, attention_mask, golds, rows in batches:
+        options, context = {}, contextlib.nullcontext()
+        if channels and is_sepformer(model):
+            options["positional_scaling"] = PositionalScaling(
+                factor, channels=channels, layers=layers, last_recompute_tokens=rows
+            )
+        elif channels:
+            context = scale_attention_input(model, channels, factor, layers, last_recompute_tokens=rows)
         with torch.no_grad(), context:
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **options).logits
         targets = labels[:, 1:]
@@ -303,15 +295,8 @@ def example_losses(model: nn.Module, batches: Sequence[tuple], scaling: tuple | 
             logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
         )  # (b, n - 1)
         labelled = (targets != -100).float()
-        losses += ((token_losses * labelled).sum(-1) / labelled.sum(-1)).tolist()
-        golds += gold
-    return losses, golds
-
-
-def candidate(channels, layers, factor, losses, golds) -> ScalingCandidate:
-    by_position = {}
-    for loss, gold in zip(losses, golds, strict=True):
-        by_position.setdefault(gold, []).append(loss)
+        for loss, gold in zip(((token_losses * labelled).sum(-1) / labelled.sum(-1)).tolist(), golds, strict=True):
+            by_position.setdefault(gold, []).append(loss)
     position_losses = {gold: sum(values) / len(values) for gold, values in sorted(by_position.items())}
     mean = sum(position_losses.values()) / len(position_losses)
     return ScalingCandidate(tuple(channels), tuple(layers), float(factor), mean, position_losses)
@@ -345,6 +330,21 @@ def search_positional_scaling(
     `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and there is no candidate. Every argument
     and batch is checked before the first forward pass.
     """
+    batches, factors, layers, filter_options = checked_arguments(
+        model, batches, factors, layers, channel_sets, top_k, skip
+    )
+    channel_sets = candidate_channel_sets(model, batches[0], layers, channel_sets, filter_options)
+    base = evaluated(model, batches, (), layers, 1.0)
+    candidates = tuple(
+        evaluated(model, batches, channels, layers, factor)
+        for channels, factor in itertools.product(channel_sets, factors)
+    )
+    return PositionalSearchResult(min(candidates, key=lambda scored: scored.loss), base, candidates)
+
+
+def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip):
+    """`search_positional_scaling`'s batches (each a `checked_batch`), factors (floats), layers and channel filter
+    options, once every argument but the channel sets' values (`candidate_channel_sets`) is checked."""
     batches = list(batches)
     if not batches:
         raise ValueError("search_positional_scaling needs at least one validation batch.")
@@ -356,7 +356,6 @@ def search_positional_scaling(
     ]
     if not factors or bad:
         raise ValueError(f"factors must be finite numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
-    factors = tuple(float(factor) for factor in factors)  # numpy scalars too: the options take Python numbers
     if model.training:
         raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
     num_layers = len(decoder_layers(model))
@@ -373,6 +372,11 @@ def search_positional_scaling(
             "skip tune the channel filter, which runs only without channel_sets on a model other than SepFormer."
         )
     batches = [checked_batch(batch, index, model.config.vocab_size) for index, batch in enumerate(batches)]
+    return batches, tuple(float(factor) for factor in factors), layers, filter_options  # floats: numpy's too
+
+
+def candidate_channel_sets(model, first_batch, layers, channel_sets, filter_options) -> list[tuple[int, ...]]:
+    """`channel_sets` checked, or the candidates `search_positional_scaling` describes."""
     if channel_sets is not None:
         channel_sets = [tuple(channels) for channels in channel_sets]
         width = model.config.hidden_size
@@ -385,31 +389,19 @@ def search_positional_scaling(
             raise ValueError(
                 f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad or 'no set'}."
             )
-        channel_sets = [tuple(int(channel) for channel in channels) for channels in channel_sets]
-    else:
-        if is_sepformer(model):
-            channel_sets = sepformer_channel_sets(model.config.position_size)
-        else:
-            first, _, mask, _, _ = batches[0]
-            if mask is not None and not bool(mask.all()):
-                raise ValueError(
-                    "the channel filter reads the position curves of the first batch, which has padding: put an "
-                    "unpadded batch first, or give channel_sets."
-                )
-            curves = attention_input_curves(model, first, layers)
-            chosen = positional_channel_candidates(curves, **filter_options)
-            if not chosen:
-                raise NoPositionalChannelError(
-                    "no channel of the attention input is monotone in position: give channel_sets."
-                )
-            channel_sets = [(channel,) for channel in chosen] + ([tuple(chosen)] if len(chosen) > 1 else [])
-    base = candidate((), layers, 1.0, *example_losses(model, batches, None))
-    candidates = tuple(
-        candidate(channels, layers, factor, *example_losses(model, batches, (tuple(channels), layers, factor)))
-        for channels, factor in itertools.product(channel_sets, factors)
-    )
-    best = min(candidates, key=lambda evaluated: evaluated.loss)
-    return PositionalSearchResult(best, base, candidates)
+        return [tuple(int(channel) for channel in channels) for channels in channel_sets]
+    if is_sepformer(model):
+        return sepformer_channel_sets(model.config.position_size)
+    first, _, mask, _, _ = first_batch
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "the channel filter reads the position curves of the first batch, which has padding: put an unpadded "
+            "batch first, or give channel_sets."
+        )
+    chosen = positional_channel_candidates(attention_input_curves(model, first, layers), **filter_options)
+    if not chosen:
+        raise NoPositionalChannelError("no channel of the attention input is monotone in position: give channel_sets.")
+    return [(channel,) for channel in chosen] + ([tuple(chosen)] if len(chosen) > 1 else [])
 
 
 __all__ = [
