@@ -51,6 +51,16 @@ def tiny_model(seed: int = 0, **overrides) -> SepFormerForCausalLM:
     return SepFormerForCausalLM(tiny_config(**overrides)).eval()
 
 
+SPANS = ((0, 3), (3, 6), (6, 9))  # three documents of a prompt, for the mitigations that read document spans
+
+
+def strong_positions(model):
+    """A fresh table has rows of std 0.02, too small to move anything: make positions matter."""
+    with torch.no_grad():
+        model.model.embed_positions.weight.normal_(0, 1)
+    return model
+
+
 @pytest.fixture
 def tmp_folder(tmp_path):
     return str(tmp_path)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import logits, random_ids
-from test_mitigations import dense_stable_mask
+from test_stable_mask import dense_stable_mask
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_ids, tiny_gpt2, tiny_llama, tiny_model
-from test_mitigations import sharp_attention
+from test_attention_calibration import sharp_attention
 from transformers import DynamicCache
 
 from sepformer import (
