@@ -9,21 +9,10 @@ from experiment_common import mean_and_std, pyplot, save_figure, table_lines, wr
 from extrapolation_conditions import NATIVE
 from extrapolation_task import MULTIPLIERS
 
-RESULT_FIELDS = [
-    "model",
-    "method",
-    "seed",
-    "train_length",
-    "length",
-    "bits_per_byte",
-    "bits_per_byte_beyond_L",
-    "tokens_scored",
-    "status",
-    "parameters",
-    "train_steps",
-    "train_bits_per_byte",
-    "train_seconds",
-]
+RESULT_FIELDS = (
+    "model method seed train_length length bits_per_byte bits_per_byte_beyond_L tokens_scored status parameters "
+    "train_steps train_bits_per_byte train_seconds"
+).split()
 FLOAT_FIELDS = ("bits_per_byte", "bits_per_byte_beyond_L")
 
 
