@@ -8,7 +8,6 @@ No downloads and no GPU: the text is the `.py` files found with `sysconfig`, spl
 
 import argparse
 import os
-import sys
 import sysconfig
 import time
 import zlib
@@ -20,14 +19,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import evaluate  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from cli_arguments import int_at_least, nonnegative_int, output_directory, positive_int  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub  # noqa: E402
 from sepformer.metrics import metric_path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_arguments import int_at_least, nonnegative_int, output_directory, positive_int  # noqa: E402
 
 SAMPLE_PROMPT = "def "
 SAMPLE_TOKENS = 200  # or fewer: the sample stays within the training length
@@ -95,17 +92,11 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    set_seed(args.seed)
-    torch.set_num_threads(os.cpu_count() or 1)
-
-    tokenizer = SepFormerTokenizer()
+def blocks(args, tokenizer: SepFormerTokenizer) -> tuple[Dataset, Dataset]:
+    """The training blocks and (up to 64) validation blocks of `--block-size` bytes."""
     train_texts, validation_texts = stdlib_sources(args.max_bytes, validation_fraction=0.05)
-    train, validation = (
-        byte_blocks(train_texts, tokenizer, args.block_size),
-        byte_blocks(validation_texts, tokenizer, args.block_size),
-    )
+    train = byte_blocks(train_texts, tokenizer, args.block_size)
+    validation = byte_blocks(validation_texts, tokenizer, args.block_size)
     validation = validation.select(range(min(len(validation), 64)))
     if len(train) < args.batch_size or not len(validation):
         raise SystemExit(
@@ -116,20 +107,11 @@ def main(argv=None):
         f"data: {len(train_texts)} train files -> {len(train)} blocks, "
         f"{len(validation_texts)} validation files -> {len(validation)} blocks of {args.block_size} bytes"
     )
+    return train, validation
 
-    config = SepFormerConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        num_attention_heads=4,
-        num_hidden_layers=4,
-        max_position_embeddings=args.block_size,
-    )
-    model = SepFormerForCausalLM(config)
-    print(
-        f"model: {model.num_parameters() / 1e6:.2f}M parameters, d_model={config.hidden_size}, "
-        f"d_pos={config.position_size}, d_sem={config.semantic_size}, layers={config.num_hidden_layers}"
-    )
 
+def trained(model, train: Dataset, validation: Dataset, args) -> Trainer:
+    """`Trainer` on the CPU: AdamW at 2e-3 with warm-up and cosine decay, validation loss every quarter of the run."""
     training_args = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"),
         max_steps=args.max_steps,
@@ -152,22 +134,14 @@ def main(argv=None):
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=validation)
     started = time.time()
     train_result = trainer.train()
-    minutes = (time.time() - started) / 60
-    print(f"\ntrained {args.max_steps} steps in {minutes:.1f} min")
+    print(f"\ntrained {args.max_steps} steps in {(time.time() - started) / 60:.1f} min")
     last_logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
     print(f"train loss      {last_logged:.4f} (last logged; {train_result.training_loss:.4f} averaged over the run)")
-    validation_result = validation_perplexity(trainer, validation)
-    print(
-        f"validation loss {validation_result['mean_loss']:.4f} ({validation_result['bits_per_token']:.3f} bits per "
-        f"byte, perplexity {validation_result['perplexity']:.2f}; the package's `perplexity` metric)"
-    )
+    return trainer
 
-    model.eval()
-    inputs = tokenizer([tokenizer.bos_token + SAMPLE_PROMPT], return_tensors="pt", split_special_tokens=False)
-    new_tokens = min(SAMPLE_TOKENS, args.block_size - inputs["input_ids"].shape[1])
-    generated = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True, temperature=0.7, top_k=40)
-    print("\nsample:\n" + tokenizer.decode(generated[0], skip_special_tokens=True))
 
+def save_and_reload(model, tokenizer: SepFormerTokenizer, inputs, args) -> None:
+    """Save as Hub custom code (with the model card), reload with `AutoModelForCausalLM`, compare the logits."""
     checkpoint = os.path.join(args.output_dir, "checkpoint")
     prepare_for_hub(model, tokenizer).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
@@ -176,10 +150,40 @@ def main(argv=None):
         (Path(checkpoint) / "README.md").write_text(model_card.read_text())
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
     with torch.no_grad():
-        same = torch.equal(reloaded(**inputs).logits, model(**inputs).logits)
-    if not same:
-        raise SystemExit(f"reloaded checkpoint {checkpoint} gives different logits")
+        if not torch.equal(reloaded(**inputs).logits, model(**inputs).logits):
+            raise SystemExit(f"reloaded checkpoint {checkpoint} gives different logits")
     print(f"\nsaved as Hub custom code to {checkpoint} ({type(reloaded).__module__}); reloaded logits identical")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    set_seed(args.seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+    tokenizer = SepFormerTokenizer()
+    train, validation = blocks(args, tokenizer)
+    config = SepFormerConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=4,
+        max_position_embeddings=args.block_size,
+    )
+    model = SepFormerForCausalLM(config)
+    print(
+        f"model: {model.num_parameters() / 1e6:.2f}M parameters, d_model={config.hidden_size}, "
+        f"d_pos={config.position_size}, d_sem={config.semantic_size}, layers={config.num_hidden_layers}"
+    )
+    validation_result = validation_perplexity(trained(model, train, validation, args), validation)
+    print(
+        f"validation loss {validation_result['mean_loss']:.4f} ({validation_result['bits_per_token']:.3f} bits per "
+        f"byte, perplexity {validation_result['perplexity']:.2f}; the package's `perplexity` metric)"
+    )
+    model.eval()
+    inputs = tokenizer([tokenizer.bos_token + SAMPLE_PROMPT], return_tensors="pt", split_special_tokens=False)
+    new_tokens = min(SAMPLE_TOKENS, args.block_size - inputs["input_ids"].shape[1])
+    generated = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True, temperature=0.7, top_k=40)
+    print("\nsample:\n" + tokenizer.decode(generated[0], skip_special_tokens=True))
+    save_and_reload(model, tokenizer, inputs, args)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,12 @@
 """Lost in the middle on a saved causal LM: accuracy by the gold document's slot, with and without each mitigation.
 
-The two tasks of "Lost in the Middle" (Liu et al. 2023, arXiv 2307.03172), with the paper's prompts and metrics, on
-any checkpoint that `from_pretrained` loads (a folder, or a Hub name already in the local cache), with its own
-tokenizer, and its chat template if it has one (the prompt is the user's message, then the generation prompt):
-
-- key-value retrieval (default): a JSON object of `--num-documents` pairs of random UUIDs (uuid4, from `--seed`); the
-  prompt asks for the value of one key. Each object is asked once per slot, the gold key at every slot in turn.
-  Correct when the value appears in the output (the paper's metric, case-insensitive).
-- multi-document QA (`--qa-file`): JSON lines in the format of the paper's released data (`question`, `answers`,
-  `ctxs` of `title` and `text`, exactly one with `isgold: true`): the gold document and the first
-  `--num-documents - 1` others, the gold moved to every slot. Correct when a normalised answer appears in the
-  normalised output (SQuAD's normalisation: the paper's `best_subspan_em`).
-
-Each key-value pair (with its JSON punctuation: `{"k": "v",` and a newline, ` "k": "v",` ..., ` "k": "v"}`) or
-search result (`Document [i](Title: ...) text` and its newline) is a document. Its token span in the final prompt,
-counted from the first token, is what attention calibration, Parallel Context Windows and reordering take: the
-text up to each document boundary is tokenised on its own, and the boundary is where that tokenisation stops
-agreeing with the whole prompt's. So a span is exactly its document's tokens where the tokenizer starts a token at
-the boundary; a token that crosses a boundary belongs to the later document.
-
-Mitigations (`--mitigations`, default all), each at its paper's defaults, the option dataclasses' defaults:
-StableMask (which has no default `γ`: 0.05, the value the README uses), MS-PoE (ratios 1.2 to 1.8), attention
-calibration (`t` = 5e-5, `bias(k)` by dummy passes), positional scaling (factor 0; on SepFormer its positional
-block, on another model the channels and factor `search_positional_scaling` picks on key-value prompts of another
-seed than the test's: a model where it finds no channel refuses it), Parallel Context Windows (one window per
-document), Attention Buckets with the bases of its paper's retrieval-augmented QA, and reordering by the model's
-attention with strategy "ends". Accuracy is by the gold's slot before reordering. A SepFormer takes every option;
-another model takes them through `sepformer.add_mitigations` where this copy of the package has it (only `none`
-otherwise). Each is tried on the longest prompt before any evaluation: one the model refuses (e.g. bases on learned
-absolute positions) stops a run that names it, and is left out of the default run, which says so and why.
-
-Greedy decoding of `--max-new-tokens` (the paper: 100), `--batch-size` prompts at a time, left-padded. Writes under
-`--output-dir`: `results.csv` (model, mitigation, slot, accuracy, n), `results.md` (the table, printed too) and
-`lost_in_the_middle.png` (accuracy by slot, one line per mitigation).
+The two tasks of "Lost in the Middle" (Liu et al. 2023) with the paper's prompts and metrics
+(`lost_in_the_middle_task.py`), on any checkpoint that `from_pretrained` loads (a folder, or a Hub name in the local
+cache) with its own tokenizer and chat template: key-value retrieval (default) or multi-document QA (`--qa-file`, the
+paper's JSON lines). Each mitigation (`--mitigations`, default all) runs at its paper's defaults; one the model refuses
+stops a run that names it and is left out of the default run. Greedy decoding, left-padded batches. Writes
+`results.csv` (model, mitigation, slot, accuracy, n), `results.md` (the table, printed too) and
+`lost_in_the_middle.png` under `--output-dir`. In full: docs/experiments/lost_in_the_middle.md.
 
     python examples/lost_in_the_middle.py --model path/to/checkpoint                      # 75 keys, every mitigation
     python examples/lost_in_the_middle.py --model path/to/checkpoint --mitigations none ms_poe --num-documents 20
@@ -41,23 +15,26 @@ Greedy decoding of `--max-new-tokens` (the paper: 100), `--batch-size` prompts a
 """
 
 import argparse
-import functools
-import json
 import random
-import re
 import statistics
-import string
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 
 import torch
 import transformers
 from cli_arguments import Distinct, existing_file, nonnegative_int, output_directory, positive_int, torch_device
 from experiment_common import check_plotting, pyplot, save_figure, table_lines, write_csv
+from lost_in_the_middle_task import (
+    Encoder,
+    Example,
+    Prompt,
+    kv_correct,
+    kv_examples,
+    qa_correct,
+    qa_examples,
+    read_qa_file,
+)
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -93,204 +70,6 @@ DEFAULTS = {
 TINY = dict(num_documents=3, examples_per_slot=2, max_new_tokens=4)
 RESULT_FIELDS = ["model", "mitigation", "slot", "accuracy", "n"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---------------------------------------------------------------------------------------------------- the tasks
-
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt, `head + "".join(documents) + tail`, with its answers and the gold document's slot (0-based)."""
-
-    head: str
-    documents: tuple[str, ...]
-    tail: str
-    answers: tuple[str, ...]
-    slot: int
-
-    @property
-    def text(self) -> str:
-        return self.head + "".join(self.documents) + self.tail
-
-
-KV_HEAD = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
-QA_HEAD = (
-    "Write a high-quality answer for the given question using only the provided search results (some of which "
-    "might be irrelevant).\n\n"
-)
-
-
-def random_uuid(rng: random.Random) -> str:
-    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-
-
-def kv_records(pairs: list[tuple[str, str]]) -> tuple[str, ...]:
-    """The paper's JSON object, one string per pair: `{"k": "v",\\n`, ` "k": "v",\\n`, ..., ` "k": "v"}`."""
-    last = len(pairs) - 1
-    return tuple(
-        ("{" if i == 0 else " ") + f'"{key}": "{value}"' + (",\n" if i < last else "}")
-        for i, (key, value) in enumerate(pairs)
-    )
-
-
-def kv_examples(rng: random.Random, count: int, num_documents: int) -> list[Example]:
-    """`count` JSON objects of `num_documents` pairs, each asked for the key at every slot in turn."""
-    examples = []
-    for _ in range(count):
-        pairs = [(random_uuid(rng), random_uuid(rng)) for _ in range(num_documents)]
-        records = kv_records(pairs)
-        examples += [
-            Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:', (value,), slot)
-            for slot, (key, value) in enumerate(pairs)
-        ]
-    return examples
-
-
-def qa_examples(records: list[dict], num_documents: int) -> list[Example]:
-    """Each question with its gold document at every slot among the first `num_documents - 1` other documents."""
-    examples = []
-    for record in records:
-        gold = next(ctx for ctx in record["ctxs"] if ctx.get("isgold") is True)
-        others = [ctx for ctx in record["ctxs"] if ctx is not gold][: num_documents - 1]
-        for slot in range(num_documents):
-            ctxs = [*others[:slot], gold, *others[slot:]]
-            documents = tuple(
-                f"Document [{i + 1}](Title: {ctx['title']}) {ctx['text']}" + ("\n" if i < num_documents - 1 else "")
-                for i, ctx in enumerate(ctxs)
-            )
-            examples.append(
-                Example(
-                    QA_HEAD, documents, f"\n\nQuestion: {record['question']}\nAnswer:", tuple(record["answers"]), slot
-                )
-            )
-    return examples
-
-
-def read_qa_file(path: str, count: int, num_documents: int) -> list[dict]:
-    """The first `count` records of a JSON-lines file of the paper's format, each checked; a bad one stops the run,
-    with its line number."""
-    records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if len(records) == count:
-                break
-            if line.strip():
-                records.append(checked_qa_record(line, f"--qa-file {path} line {number}", num_documents))
-    if len(records) < count:
-        raise SystemExit(
-            f"--qa-file {path} has {len(records)} questions: --examples-per-slot {count} needs as many; "
-            "give a smaller --examples-per-slot"
-        )
-    return records
-
-
-def strings(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(text, str) for text in value)
-
-
-def checked_qa_record(line: str, where: str, num_documents: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise SystemExit(f"{where} is not JSON: {error}") from None
-    record = record if isinstance(record, dict) else {}
-    answers, ctxs = record.get("answers"), record.get("ctxs")
-    if not (
-        isinstance(record.get("question"), str)
-        and strings(answers)
-        and isinstance(ctxs, list)
-        and all(isinstance(ctx, dict) and strings([ctx.get("title"), ctx.get("text")]) for ctx in ctxs)
-    ):
-        raise SystemExit(
-            f"{where}: a record is an object with question (a string), answers (strings) and ctxs "
-            "(objects with title and text, one with isgold: true), as the paper's released data"
-        )
-    golds = sum(ctx.get("isgold") is True for ctx in ctxs)
-    if golds != 1:
-        raise SystemExit(f"{where} has {golds} documents with isgold: true; give exactly one")
-    if len(ctxs) < num_documents:
-        raise SystemExit(
-            f"{where} has {len(ctxs)} documents: --num-documents {num_documents} needs as many; give a "
-            "smaller --num-documents"
-        )
-    return record
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD's normalisation, as the paper's QA metric: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(char for char in text.lower() if char not in set(string.punctuation))
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
-
-
-def kv_correct(output: str, answers: tuple[str, ...]) -> bool:
-    """The paper's key-value metric: the value appears in the output, case-insensitive."""
-    return any(answer.lower() in output.lower() for answer in answers)
-
-
-def qa_correct(output: str, answers: tuple[str, ...]) -> bool:
-    """The paper's `best_subspan_em`: a normalised answer appears in the normalised output."""
-    return any(normalize_answer(answer) in normalize_answer(output) for answer in answers)
-
-
-# ------------------------------------------------------------------------------------------------- tokenisation
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """An example's token ids (after the chat template) and its documents' (start, end) token spans in them."""
-
-    example: Example
-    input_ids: tuple[int, ...]
-    spans: tuple[tuple[int, int], ...]
-
-
-class Encoder:
-    """Token ids and document spans of examples, through the tokenizer's chat template when it has one."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.chat = bool(getattr(tokenizer, "chat_template", None))
-        self.ids = functools.lru_cache(maxsize=1024)(self._ids)  # the text before each boundary, once per object
-
-    def _ids(self, text: str) -> tuple[int, ...]:
-        # a chat template writes its special tokens itself; a plain prompt gets the tokenizer's (e.g. <bos>)
-        return tuple(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
-
-    def framed(self, prompt: str) -> tuple[str, int]:
-        """The text the model reads and where `prompt` starts in it: the chat template's user turn and generation
-        prompt around it, or the prompt as it is."""
-        if not self.chat:
-            return prompt, 0
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        if (start := text.find(prompt)) < 0:
-            raise ValueError(
-                "the tokenizer's chat template changes the user's message, so the documents cannot be "
-                f"found in its text: {text!r}"
-            )
-        return text, start
-
-    def tokens_before(self, text: str, end: int, ids: tuple[int, ...]) -> int:
-        """How many of `ids` (all of `text`) lie before character `end`: where the tokenisation of `text[:end]` stops
-        agreeing with that of the whole text."""
-        prefix = self.ids(text[:end])
-        if ids[: len(prefix)] == prefix:
-            return len(prefix)
-        return next(i for i, (mine, whole) in enumerate(zip(prefix, ids, strict=False)) if mine != whole)
-
-    def __call__(self, example: Example) -> Prompt:
-        text, start = self.framed(example.text)
-        ids = self.ids(text)
-        boundaries = accumulate(map(len, example.documents), initial=start + len(example.head))
-        starts = [self.tokens_before(text, boundary, ids) for boundary in boundaries]
-        spans = tuple(zip(starts[:-1], starts[1:], strict=True))
-        if empty := [k for k, (first, end) in enumerate(spans) if end <= first]:
-            raise ValueError(
-                f"document {empty[0]} of {example.text!r} has no token of its own: a token of this "
-                "tokenizer crosses both of its boundaries"
-            )
-        return Prompt(example, ids, spans)
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -401,17 +180,10 @@ def generate(model, tokenizer, prompts: list[Prompt], mitigation: str, scaling, 
     """The greedy continuations of `prompts` (left-padded together) under `mitigation`."""
     batch = tokenizer.pad({"input_ids": [list(prompt.input_ids) for prompt in prompts]}, return_tensors="pt")
     batch = batch.to(model.device)
-    options = (
-        {} if mitigation == NONE else {mitigation: OPTIONS[mitigation]([prompt.spans for prompt in prompts], scaling)}
-    )
-    output = model.generate(
-        **batch,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=tokenizer.pad_token_id,
-        **options,
-    )
+    spans = [prompt.spans for prompt in prompts]
+    options = {} if mitigation == NONE else {mitigation: OPTIONS[mitigation](spans, scaling)}
+    greedy = dict(do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id)
+    output = model.generate(**batch, max_new_tokens=max_new_tokens, **greedy, **options)
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -429,13 +201,9 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, scaling, args) ->
                     scores.setdefault(prompt.example.slot, []).append(correct(output, prompt.example.answers))
                 bar.update(len(batch))
             rows += [
-                {
-                    "model": args.model,
-                    "mitigation": mitigation,
-                    "slot": slot + 1,
-                    "accuracy": statistics.fmean(hits),
-                    "n": len(hits),
-                }
+                dict(
+                    model=args.model, mitigation=mitigation, slot=slot + 1, accuracy=statistics.fmean(hits), n=len(hits)
+                )
                 for slot, hits in sorted(scores.items())
             ]
     return rows
@@ -512,21 +280,21 @@ def parse_args(argv=None):
         help=f"a smoke run: {TINY['num_documents']} documents, {TINY['examples_per_slot']} examples "
         f"per slot, {TINY['max_new_tokens']} new tokens (flags given still win)",
     )
-    args = parser.parse_args(argv)
+    return checked(parser.parse_args(argv))
+
+
+def checked(args):
+    """The preset's values for the flags not given, and what the model or this copy of sepformer refuses."""
     preset = TINY if args.tiny else DEFAULTS["qa" if args.qa_file else "key-value"]
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.named_mitigations, args.left_out = args.mitigations is not None, {}
     args.mitigations = tuple(args.mitigations or MITIGATIONS)
-    config = model_config(args.model)
-    if config.model_type != "sepformer" and getattr(sepformer, "add_mitigations", None) is None:
+    if model_config(args.model).model_type != "sepformer" and getattr(sepformer, "add_mitigations", None) is None:
+        why = "this copy of sepformer has no add_mitigations, which gives a model other than SepFormer the options"
         for mitigation in [name for name in args.mitigations if name != NONE]:
-            refuse(
-                mitigation,
-                "this copy of sepformer has no add_mitigations, which gives a model other than SepFormer the options",
-                args,
-            )
+            refuse(mitigation, why, args)
     args.qa_records = read_qa_file(args.qa_file, args.examples_per_slot, args.num_documents) if args.qa_file else None
     return args
 
@@ -539,6 +307,19 @@ def model_config(name: str):
         raise SystemExit(f"--model {name}: no config to load ({error})") from None
 
 
+def prompts_and_metric(encoder: Encoder, args) -> tuple[list[Prompt], Callable]:
+    """The task's prompts, tokenised with their documents' spans, and the paper's metric for it."""
+    if args.qa_records is None:
+        examples = kv_examples(random.Random(args.seed), args.examples_per_slot, args.num_documents)
+    else:
+        examples = qa_examples(args.qa_records, args.num_documents)
+    try:
+        prompts = [encoder(example) for example in examples]
+    except ValueError as error:  # the documents cannot be found in the prompt's tokens
+        raise SystemExit(f"--model {args.model}: {error}") from None
+    return prompts, kv_correct if args.qa_records is None else qa_correct
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     check_plotting()
@@ -546,15 +327,7 @@ def main(argv=None) -> list[dict]:
     started = time.time()
     tokenizer = load_tokenizer(args)
     encoder = Encoder(tokenizer)
-    if args.qa_records is None:
-        examples = kv_examples(random.Random(args.seed), args.examples_per_slot, args.num_documents)
-    else:
-        examples = qa_examples(args.qa_records, args.num_documents)
-    correct = kv_correct if args.qa_records is None else qa_correct
-    try:
-        prompts = [encoder(example) for example in examples]
-    except ValueError as error:  # the documents cannot be found in the prompt's tokens
-        raise SystemExit(f"--model {args.model}: {error}") from None
+    prompts, correct = prompts_and_metric(encoder, args)
     model = load_model(args, tokenizer)
     check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)

@@ -16,6 +16,10 @@ import sepformer
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import extrapolation  # noqa: E402  (after the path)
+import extrapolation_conditions  # noqa: E402
+import extrapolation_report  # noqa: E402
+import extrapolation_task  # noqa: E402
+from experiment_common import write_csv  # noqa: E402
 
 MODELS = {
     "SepFormer learned": tuple(sepformer.EXTRAPOLATION_METHODS),
@@ -105,7 +109,7 @@ def test_table_and_plot_from_the_csv_of_runs_made_side_by_side(run, tmp_path):
     assert (tmp_path / "extrapolation.png").exists()
 
 
-FIELDS = extrapolation.RESULT_FIELDS
+FIELDS = extrapolation_report.RESULT_FIELDS
 
 
 def write_results(path, rows, fields=FIELDS):
@@ -125,7 +129,7 @@ def write_results(path, rows, fields=FIELDS):
         train_bits_per_byte=2.0,
         train_seconds=1.0,
     )
-    extrapolation.write_csv([{**row, **changes} for changes in rows], path, fields)
+    write_csv([{**row, **changes} for changes in rows], path, fields)
     return str(path)
 
 
@@ -142,20 +146,20 @@ def write_results(path, rows, fields=FIELDS):
 def test_a_malformed_csv_is_refused_naming_the_file_and_what_is_wrong(fields, rows, message, tmp_path):
     path = write_results(tmp_path / "results.csv", rows, fields)
     with pytest.raises(SystemExit, match=re.escape(f"--from-csv {path}") + message):
-        extrapolation.read_csv([path], extrapolation.parse_args(["--tiny"]))
+        extrapolation_report.read_csv([path], extrapolation.parse_args(["--tiny"]))
 
 
 def test_rows_of_a_cell_given_twice_are_refused(tmp_path):
     """Two copies of a run's results.csv would count every row twice in the mean over seeds."""
     args = extrapolation.parse_args(["--tiny"])
     first, other = (write_results(tmp_path / name, [{}, {"seed": 1}]) for name in ("a.csv", "b.csv"))
-    assert len(extrapolation.read_csv([first], args)) == 2
+    assert len(extrapolation_report.read_csv([first], args)) == 2
     with pytest.raises(
         SystemExit,
         match=f"--from-csv {first} and {other} both hold Llama \\(rotary\\) / -, seed 0, "
         "length 16: give each run's results once",
     ):
-        extrapolation.read_csv([first, other], args)
+        extrapolation_report.read_csv([first, other], args)
 
 
 def csv_rows(path):
@@ -168,10 +172,10 @@ def csv_rows(path):
 def test_training_blocks_give_position_L_minus_1_a_target(tmp_path):
     """Blocks of L + 1 tokens; the row trained without that target sees exactly what blocks of L tokens give."""
     args = extrapolation.parse_args(["--tiny"])
-    blocks, _ = extrapolation.token_data(args, sepformer.SepFormerTokenizer())
+    blocks, _ = extrapolation_task.token_data(args, sepformer.SepFormerTokenizer())
     assert blocks.shape[1] == args.block_size + 1
     torch.manual_seed(0)
-    model = sepformer.SepFormerForCausalLM(extrapolation.sepformer_config(args, 259))
+    model = extrapolation_conditions.Contender("SepFormer learned").build(args, 259)
     last_row_gradients = []
     model.model.embed_positions.weight.register_hook(lambda grad: last_row_gradients.append(grad[-1].clone()))
     order = torch.arange(4)[None]
@@ -183,7 +187,7 @@ def test_training_blocks_give_position_L_minus_1_a_target(tmp_path):
 
 
 def test_documentation_text_is_split_by_topic():
-    train, validation = extrapolation.documentation_topics(10**7, validation_fraction=0.1)
+    train, validation = extrapolation_task.documentation_topics(10**7, validation_fraction=0.1)
     assert train and validation and not set(train) & set(validation)
     seen = {paragraph for text in train for paragraph in text.split("\n\n")}
     assert not any(paragraph in seen for text in validation for paragraph in text.split("\n\n"))
@@ -194,7 +198,7 @@ def test_bits_per_byte_is_the_model_loss():
     """The scoring agrees with the model's own loss on the same windows, and 'beyond L' with a manual slice."""
     args = extrapolation.parse_args(["--tiny"])
     torch.manual_seed(0)
-    model = sepformer.SepFormerForCausalLM(extrapolation.sepformer_config(args, 259)).eval()
+    model = extrapolation_conditions.Contender("SepFormer learned").build(args, 259).eval()
     stream = torch.randint(0, 256, (8 * 32,))
     length = 32  # 2L: positions past L need a method
     total, beyond = extrapolation.bits_per_byte(model, stream, length, args, position_extrapolation="clamp")
@@ -234,7 +238,7 @@ def test_a_model_name_that_matches_nothing_stops_the_run():
     """Even beside one that matches: a mistyped name would silently drop its model."""
     args = extrapolation.parse_args(["--tiny", "--models", "llama", "gtp2"])
     with pytest.raises(SystemExit, match="--models gtp2 matches none of: SepFormer learned, "):
-        extrapolation.contenders(args)
+        extrapolation_conditions.contenders(args)
 
 
 def test_data_parallel_run_gives_the_table_of_one_process(run, tmp_path):

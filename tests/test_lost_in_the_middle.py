@@ -19,6 +19,7 @@ from sepformer import PositionalScaling, SepFormerForCausalLM, SepFormerTokenize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import lost_in_the_middle as litm  # noqa: E402  (after the path)
+import lost_in_the_middle_task as task  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHAT_TEMPLATE = (
@@ -59,8 +60,8 @@ def one_thread():
 
 def bpe_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE trained offline on this task's own prompts, with a chat template."""
-    texts = [example.text for example in litm.kv_examples(random.Random(1), 4, 4)]
-    texts += [example.text for example in litm.qa_examples(QA_RECORDS, 3)]
+    texts = [example.text for example in task.kv_examples(random.Random(1), 4, 4)]
+    texts += [example.text for example in task.qa_examples(QA_RECORDS, 3)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -286,8 +287,8 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(llama_di
     args = litm.parse_args(["--model", llama_dir, "--mitigations", mitigation])
     tokenizer = litm.load_tokenizer(args)
     model = litm.load_model(args, tokenizer)
-    encoder = litm.Encoder(tokenizer)
-    prompts = [encoder(example) for example in litm.qa_examples(QA_RECORDS, 3)[::2]]
+    encoder = task.Encoder(tokenizer)
+    prompts = [encoder(example) for example in task.qa_examples(QA_RECORDS, 3)[::2]]
     assert len({len(prompt.input_ids) for prompt in prompts}) > 1  # padding happens
     alone = [litm.generate(model, tokenizer, [prompt], mitigation, None, 6)[0] for prompt in prompts]
     assert litm.generate(model, tokenizer, prompts, mitigation, None, 6) == alone
@@ -297,7 +298,7 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(llama_di
 
 
 def test_each_object_is_asked_with_the_gold_key_at_every_slot():
-    examples = litm.kv_examples(random.Random(0), 2, 5)
+    examples = task.kv_examples(random.Random(0), 2, 5)
     assert [example.slot for example in examples] == [*range(5), *range(5)]
     for first in (0, 5):
         objects = examples[first : first + 5]
@@ -308,14 +309,14 @@ def test_each_object_is_asked_with_the_gold_key_at_every_slot():
             assert example.tail == f'\n\nKey: "{key}"\nCorresponding value:' and example.answers == (value,)
         assert all(uuid.UUID(text).version == 4 for pair in pairs for text in pair)
     assert examples[0].documents != examples[5].documents
-    assert litm.kv_examples(random.Random(0), 2, 5) == examples
-    assert litm.kv_examples(random.Random(1), 2, 5) != examples
+    assert task.kv_examples(random.Random(0), 2, 5) == examples
+    assert task.kv_examples(random.Random(1), 2, 5) != examples
 
 
 def test_the_prompts_are_the_papers():
     pairs = [("test key1", "test value1"), ("test key2", "test value2"), ("test key3", "test value3")]
-    example = litm.Example(
-        litm.KV_HEAD, litm.kv_records(pairs), '\n\nKey: "test key2"\nCorresponding value:', ("test value2",), 1
+    example = task.Example(
+        task.KV_HEAD, task.kv_records(pairs), '\n\nKey: "test key2"\nCorresponding value:', ("test value2",), 1
     )
     assert example.text == "\n".join(
         [
@@ -330,7 +331,7 @@ def test_the_prompts_are_the_papers():
             "Corresponding value:",
         ]
     )
-    qa = litm.qa_examples(QA_RECORDS[1:], 2)
+    qa = task.qa_examples(QA_RECORDS[1:], 2)
     assert qa[0].text == (
         "Write a high-quality answer for the given question using only the provided search results (some of which "
         "might be irrelevant).\n\nDocument [1](Title: Sky) On a clear day the sky is blue.\nDocument [2](Title: "
@@ -339,7 +340,7 @@ def test_the_prompts_are_the_papers():
 
 
 def test_the_gold_document_moves_to_every_slot_among_the_others_in_their_order():
-    examples = litm.qa_examples(QA_RECORDS[:1], 3)
+    examples = task.qa_examples(QA_RECORDS[:1], 3)
     for slot, example in enumerate(examples):
         titles = [re.match(r"Document \[\d\]\(Title: (\w+)\)", document).group(1) for document in example.documents]
         assert example.slot == slot and titles.index("Tests") == slot
@@ -350,8 +351,8 @@ def test_the_gold_document_moves_to_every_slot_among_the_others_in_their_order()
 @pytest.mark.parametrize("tokenizer", ["bpe with chat template", "sepformer bytes"])
 def test_spans_are_exact_token_ranges_of_the_documents_in_the_final_ids(tokenizer):
     tokenizer = bpe_tokenizer() if tokenizer.startswith("bpe") else SepFormerTokenizer()
-    encoder = litm.Encoder(tokenizer)
-    for example in [*litm.kv_examples(random.Random(0), 1, 4), *litm.qa_examples(QA_RECORDS, 3)]:
+    encoder = task.Encoder(tokenizer)
+    for example in [*task.kv_examples(random.Random(0), 1, 4), *task.qa_examples(QA_RECORDS, 3)]:
         prompt = encoder(example)
         if encoder.chat:
             expected = tokenizer.apply_chat_template(
@@ -367,24 +368,24 @@ def test_spans_are_exact_token_ranges_of_the_documents_in_the_final_ids(tokenize
 def test_a_token_across_a_document_boundary_goes_to_the_later_document():
     tokenizer = SepFormerTokenizer()
     tokenizer.add_tokens(["d!e"])  # one token across the boundary between the documents "cd" and "!ef"
-    encoder = litm.Encoder(tokenizer)
-    prompt = encoder(litm.Example("ab", ("cd", "!ef", "gh"), "?", ("x",), 0))
+    encoder = task.Encoder(tokenizer)
+    prompt = encoder(task.Example("ab", ("cd", "!ef", "gh"), "?", ("x",), 0))
     assert [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans] == ["c", "d!ef", "gh"]
     with pytest.raises(ValueError, match=re.escape("document 1 of 'abcd!ef?' has no token of its own")):
-        encoder(litm.Example("ab", ("cd", "!", "ef"), "?", ("x",), 0))
+        encoder(task.Example("ab", ("cd", "!", "ef"), "?", ("x",), 0))
 
 
 # ------------------------------------------------------------------------------------------------------ metrics
 
 
 def test_exact_match_metrics_on_hand_cases():
-    assert litm.kv_correct(' "AB12-cd"', ("ab12-CD",)) and litm.kv_correct("ab12-cd, I think", ("ab12-cd",))
-    assert not litm.kv_correct("ab12-c", ("ab12-cd",)) and not litm.kv_correct("", ("ab12-cd",))
-    assert litm.qa_correct("It was written by THE maintainers!", ("The Maintainers",))
-    assert litm.qa_correct("Paris, France.", ("london", "paris"))
-    assert litm.qa_correct("the U.S. navy", ("US Navy",))  # punctuation gone on both sides
-    assert not litm.qa_correct("blu", ("blue",)) and not litm.qa_correct("maintainer", ("maintainers",))
-    assert litm.normalize_answer("  The  Eiffel-Tower, an icon ") == "eiffeltower icon"
+    assert task.kv_correct(' "AB12-cd"', ("ab12-CD",)) and task.kv_correct("ab12-cd, I think", ("ab12-cd",))
+    assert not task.kv_correct("ab12-c", ("ab12-cd",)) and not task.kv_correct("", ("ab12-cd",))
+    assert task.qa_correct("It was written by THE maintainers!", ("The Maintainers",))
+    assert task.qa_correct("Paris, France.", ("london", "paris"))
+    assert task.qa_correct("the U.S. navy", ("US Navy",))  # punctuation gone on both sides
+    assert not task.qa_correct("blu", ("blue",)) and not task.qa_correct("maintainer", ("maintainers",))
+    assert task.normalize_answer("  The  Eiffel-Tower, an icon ") == "eiffeltower icon"
 
 
 # ----------------------------------------------------------------------------------------- positional scaling
@@ -401,9 +402,9 @@ def test_positional_scaling_on_another_model_is_the_searchs_pick_on_validation_p
         return type("Result", (), {"option": picked})
 
     monkeypatch.setattr(litm, "search_positional_scaling", search)
-    assert litm.positional_scaling(model, litm.Encoder(tokenizer), args) is picked
+    assert litm.positional_scaling(model, task.Encoder(tokenizer), args) is picked
     assert [int(batch["gold_position"]) for batch in seen] == list(range(args.num_documents))
-    tests = {example.answers for example in litm.kv_examples(random.Random(args.seed), 2, args.num_documents)}
+    tests = {example.answers for example in task.kv_examples(random.Random(args.seed), 2, args.num_documents)}
     for batch in seen:
         answer = tokenizer.decode(batch["input_ids"][batch["labels"] != -100])
         assert batch["input_ids"].shape[0] == 1 and (answer,) not in tests  # another stream than the test's
@@ -419,7 +420,7 @@ def test_positional_scaling_where_the_search_finds_no_channel_is_refused(llama_d
         match="positional_scaling: refused for --model .*: the channel search does not "
         "run on it .no channel of the attention input is monotone",
     ):
-        litm.positional_scaling(model, litm.Encoder(tokenizer), args)
+        litm.positional_scaling(model, task.Encoder(tokenizer), args)
 
 
 def test_positional_scaling_on_sepformer_is_the_options_default(sepformer_dir):

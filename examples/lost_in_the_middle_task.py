@@ -1,0 +1,206 @@
+"""The lost-in-the-middle tasks (Liu et al. 2023, arXiv 2307.03172) with the paper's prompts and metrics: key-value
+retrieval over random UUIDs and multi-document QA from the paper's JSON lines, the gold at every slot; and each prompt's
+token ids with its documents' token spans (`Encoder`)."""
+
+import functools
+import json
+import random
+import re
+import string
+import uuid
+from dataclasses import dataclass
+from itertools import accumulate
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt, `head + "".join(documents) + tail`, with its answers and the gold document's slot (0-based)."""
+
+    head: str
+    documents: tuple[str, ...]
+    tail: str
+    answers: tuple[str, ...]
+    slot: int
+
+    @property
+    def text(self) -> str:
+        return self.head + "".join(self.documents) + self.tail
+
+
+KV_HEAD = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
+QA_HEAD = (
+    "Write a high-quality answer for the given question using only the provided search results (some of which "
+    "might be irrelevant).\n\n"
+)
+
+
+def random_uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def kv_records(pairs: list[tuple[str, str]]) -> tuple[str, ...]:
+    """The paper's JSON object, one string per pair: `{"k": "v",\\n`, ` "k": "v",\\n`, ..., ` "k": "v"}`."""
+    last = len(pairs) - 1
+    return tuple(
+        ("{" if i == 0 else " ") + f'"{key}": "{value}"' + (",\n" if i < last else "}")
+        for i, (key, value) in enumerate(pairs)
+    )
+
+
+def kv_examples(rng: random.Random, count: int, num_documents: int) -> list[Example]:
+    """`count` JSON objects of `num_documents` pairs, each asked for the key at every slot in turn."""
+    examples = []
+    for _ in range(count):
+        pairs = [(random_uuid(rng), random_uuid(rng)) for _ in range(num_documents)]
+        records = kv_records(pairs)
+        examples += [
+            Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:', (value,), slot)
+            for slot, (key, value) in enumerate(pairs)
+        ]
+    return examples
+
+
+def qa_examples(records: list[dict], num_documents: int) -> list[Example]:
+    """Each question with its gold document at every slot among the first `num_documents - 1` other documents."""
+    examples = []
+    for record in records:
+        gold = next(ctx for ctx in record["ctxs"] if ctx.get("isgold") is True)
+        others = [ctx for ctx in record["ctxs"] if ctx is not gold][: num_documents - 1]
+        question, answers = f"\n\nQuestion: {record['question']}\nAnswer:", tuple(record["answers"])
+        for slot in range(num_documents):
+            ctxs = [*others[:slot], gold, *others[slot:]]
+            documents = tuple(
+                f"Document [{i + 1}](Title: {ctx['title']}) {ctx['text']}" + ("\n" if i < num_documents - 1 else "")
+                for i, ctx in enumerate(ctxs)
+            )
+            examples.append(Example(QA_HEAD, documents, question, answers, slot))
+    return examples
+
+
+def read_qa_file(path: str, count: int, num_documents: int) -> list[dict]:
+    """The first `count` records of a JSON-lines file of the paper's format, each checked; a bad one stops the run,
+    with its line number."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if len(records) == count:
+                break
+            if line.strip():
+                records.append(checked_qa_record(line, f"--qa-file {path} line {number}", num_documents))
+    if len(records) < count:
+        raise SystemExit(
+            f"--qa-file {path} has {len(records)} questions: --examples-per-slot {count} needs as many; "
+            "give a smaller --examples-per-slot"
+        )
+    return records
+
+
+def strings(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(text, str) for text in value)
+
+
+def checked_qa_record(line: str, where: str, num_documents: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{where} is not JSON: {error}") from None
+    record = record if isinstance(record, dict) else {}
+    answers, ctxs = record.get("answers"), record.get("ctxs")
+    if not (
+        isinstance(record.get("question"), str)
+        and strings(answers)
+        and isinstance(ctxs, list)
+        and all(isinstance(ctx, dict) and strings([ctx.get("title"), ctx.get("text")]) for ctx in ctxs)
+    ):
+        raise SystemExit(
+            f"{where}: a record is an object with question (a string), answers (strings) and ctxs "
+            "(objects with title and text, one with isgold: true), as the paper's released data"
+        )
+    golds = sum(ctx.get("isgold") is True for ctx in ctxs)
+    if golds != 1:
+        raise SystemExit(f"{where} has {golds} documents with isgold: true; give exactly one")
+    if len(ctxs) < num_documents:
+        raise SystemExit(
+            f"{where} has {len(ctxs)} documents: --num-documents {num_documents} needs as many; give a "
+            "smaller --num-documents"
+        )
+    return record
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation, as the paper's QA metric: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(char for char in text.lower() if char not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def kv_correct(output: str, answers: tuple[str, ...]) -> bool:
+    """The paper's key-value metric: the value appears in the output, case-insensitive."""
+    return any(answer.lower() in output.lower() for answer in answers)
+
+
+def qa_correct(output: str, answers: tuple[str, ...]) -> bool:
+    """The paper's `best_subspan_em`: a normalised answer appears in the normalised output."""
+    return any(normalize_answer(answer) in normalize_answer(output) for answer in answers)
+
+
+# ------------------------------------------------------------------------------------------------- tokenisation
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """An example's token ids (after the chat template) and its documents' (start, end) token spans in them."""
+
+    example: Example
+    input_ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+
+
+class Encoder:
+    """Token ids and document spans of examples, through the tokenizer's chat template when it has one. A document's
+    span starts where the tokenisation of the text before it stops agreeing with the whole prompt's: exactly its
+    tokens where the tokenizer starts a token at its boundary; a token that crosses a boundary is the later one's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.ids = functools.lru_cache(maxsize=1024)(self._ids)  # the text before each boundary, once per object
+
+    def _ids(self, text: str) -> tuple[int, ...]:
+        # a chat template writes its special tokens itself; a plain prompt gets the tokenizer's (e.g. <bos>)
+        return tuple(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
+
+    def framed(self, prompt: str) -> tuple[str, int]:
+        """The text the model reads and where `prompt` starts in it: the chat template's user turn and generation
+        prompt around it, or the prompt as it is."""
+        if not self.chat:
+            return prompt, 0
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        if (start := text.find(prompt)) < 0:
+            raise ValueError(
+                "the tokenizer's chat template changes the user's message, so the documents cannot be "
+                f"found in its text: {text!r}"
+            )
+        return text, start
+
+    def tokens_before(self, text: str, end: int, ids: tuple[int, ...]) -> int:
+        """How many of `ids` (all of `text`) lie before character `end`: where the tokenisation of `text[:end]` stops
+        agreeing with that of the whole text."""
+        prefix = self.ids(text[:end])
+        if ids[: len(prefix)] == prefix:
+            return len(prefix)
+        return next(i for i, (mine, whole) in enumerate(zip(prefix, ids, strict=False)) if mine != whole)
+
+    def __call__(self, example: Example) -> Prompt:
+        text, start = self.framed(example.text)
+        ids = self.ids(text)
+        boundaries = accumulate(map(len, example.documents), initial=start + len(example.head))
+        starts = [self.tokens_before(text, boundary, ids) for boundary in boundaries]
+        spans = tuple(zip(starts[:-1], starts[1:], strict=True))
+        if empty := [k for k, (first, end) in enumerate(spans) if end <= first]:
+            raise ValueError(
+                f"document {empty[0]} of {example.text!r} has no token of its own: a token of this "
+                "tokenizer crosses both of its boundaries"
+            )
+        return Prompt(example, ids, spans)
