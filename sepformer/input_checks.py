@@ -8,7 +8,6 @@ from transformers.cache_utils import Cache
 from transformers.utils import TransformersKwargs, logging
 
 from .mitigations import MITIGATIONS
-from .positional_maps import LearnedPositions, call_extrapolation
 
 logger = logging.get_logger(__name__)
 
@@ -190,59 +189,6 @@ def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwarg
         logger.warning(
             f"Every scored label is ignore_index={ignore_index} (the loss scores labels[:, 1:], or shift_labels): no "
             "token is scored, so the loss is NaN (0 / 0)."
-        )
-
-
-def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a generation whose last position (from `max_new_tokens`, else `max_length`)
-    the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
-    `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
-    position would fail with the same error."""
-
-    def setting(name):
-        return generation_setting(model, generation_config, kwargs, name)
-
-    new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
-    final_length = length + new_tokens if new_tokens is not None else setting("max_length")
-    if final_length is None:  # by default generate makes 20 tokens up to max_position_embeddings
-        return
-    mask = kwargs.get("attention_mask")
-    longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
-    use_cache = setting("use_cache") is not False
-    extrapolation = call_extrapolation(model.config, kwargs.get("position_extrapolation"), continuing=use_cache)
-    check_position_readable(model, longest - 1 + final_length - length, extrapolation)
-
-
-def check_position_readable(model, last: int, extrapolation) -> None:
-    """Refuse position `last` where the learned table of `model` (a `SepFormerForCausalLM`) cannot read it under
-    `extrapolation`, with the error reading it would raise; the other maps are defined at every position."""
-    table = model.model.embed_positions
-    if not isinstance(table, LearnedPositions):
-        return
-    if extrapolation.method == "none" and last >= table.num_embeddings:
-        table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
-    if extrapolation.method == "interpolate":
-        table.table_coordinates(torch.tensor([[last]]), extrapolation)
-
-
-def generation_setting(model, generation_config, kwargs: dict, name: str):
-    """A setting of `generate` as it merges them: its keywords, the given generation config, the model's."""
-    sources = [kwargs, vars(generation_config) if generation_config is not None else {}, vars(model.generation_config)]
-    return next((source[name] for source in sources if source.get(name) is not None), None)
-
-
-def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a `pad_token_id` that `generate` would feed the model and the embedding cannot
-    read: a row that ends (on an `eos_token_id` of the vocabulary) is fed padding. transformers' "never stop"
-    (`eos_token_id=-1`) feeds none."""
-    vocab_size = model.config.vocab_size
-    eos = generation_setting(model, generation_config, kwargs, "eos_token_id")
-    eos = eos if isinstance(eos, list) else [eos]
-    pad = generation_setting(model, generation_config, kwargs, "pad_token_id")
-    if isinstance(pad, int) and not 0 <= pad < vocab_size and any(e is not None and 0 <= e < vocab_size for e in eos):
-        raise ValueError(
-            f"generate: pad_token_id={pad} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
-            "model after a row ends (eos_token_id is set): give pad_token_id a token id."
         )
 
 
