@@ -129,18 +129,13 @@ class CalibrationMitigation(Mitigation):
                 "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
                 "does not give: use attn_implementation 'eager' or 'sdpa'."
             )
-        if call.attention_mask is not None and call.attention_mask.dim() != 2:
-            raise ValueError(
-                f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
-                f"{call.attention_mask.dim()}D attention_mask."
-            )
+        check_spans_in_prompt(options, call, "spans")
         if call.continuing and call.new_tokens > 1:
             raise ValueError(
                 f"attention_calibration calibrates each decoding step's token: a call continuing a cache takes one "
                 f"token, and this one has {call.new_tokens}, of which only the last would be calibrated. Feed them "
                 "one per call."
             )
-        check_spans_in_prompt(options, call)
         layers = options.layer_set(config.num_hidden_layers)
         if options.bias_estimate == "positional":
             if call.decoder is not None or config.position_size == 0:
@@ -154,14 +149,10 @@ class CalibrationMitigation(Mitigation):
             if not call.continuing:
                 return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
         elif not call.continuing:
-            cls.check_dummy_passes(options, call)
+            if call.input_ids is None:
+                raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
+            check_dummy_document(options, config)
         return cls(options, layers, call.state)
-
-    @staticmethod
-    def check_dummy_passes(options: AttentionCalibration, call: CallContext) -> None:
-        if call.input_ids is None:
-            raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
-        check_dummy_document(options, call.model.config)
 
     def prepare(self, call: CallContext, others) -> None:
         """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""

@@ -1,19 +1,20 @@
-"""What `generate` does before its first step, with the mitigation options: shared by `SepFormerForCausalLM` and the
-models `add_mitigations` serves.
+"""What `generate` does before its first step with the mitigation options: for `SepFormerForCausalLM` and the models
+`add_mitigations` serves.
 
 `generate` passes the options (keywords of `forward`, see `mitigations.with_mitigation_keywords`) to every prefill and
 decoding step; this mixin makes the cache a `SepFormerCache` (which keeps what the mitigations fix at prefill), repeats
 per-row options for beams and return sequences, refuses assisted decoding with options that act on the prompt's last
-token, and runs `reorder_documents=` on the prompt first. Here too: the checks of `generate`'s inputs that the steps
-would fail on late (a SepFormer's last position, the padding it feeds).
+token, runs `reorder_documents=` on the prompt first, and checks what the steps would fail on late.
 """
+
+import functools
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .cache_sepformer import SepFormerCache
 from .mitigations import MITIGATIONS, check_assisted_decoding
-from .positional_maps import call_extrapolation, check_position_readable
+from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
 
@@ -38,7 +39,7 @@ class MitigationGenerationMixin:
         if isinstance(kwargs.get("past_key_values"), SepFormerCache):
             kwargs["past_key_values"].start_generation()
         if reordering is not None:
-            inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs, generation_config)
+            inputs, kwargs = reorder_generate_prompt(self, reordering, prompt, inputs, kwargs, generation_config)
         return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -75,10 +76,7 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
     the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
     `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
     position would fail with the same error."""
-
-    def setting(name):
-        return generation_setting(model, generation_config, kwargs, name)
-
+    setting = functools.partial(generation_setting, model, generation_config, kwargs)
     new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
     final_length = length + new_tokens if new_tokens is not None else setting("max_length")
     if final_length is None:  # by default generate makes 20 tokens up to max_position_embeddings
@@ -86,8 +84,7 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
     mask = kwargs.get("attention_mask")
     longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
     use_cache = setting("use_cache") is not False
-    extrapolation = call_extrapolation(model.config, kwargs.get("position_extrapolation"), continuing=use_cache)
-    check_position_readable(model, longest - 1 + final_length - length, extrapolation)
+    check_position_readable(model, longest - 1 + final_length - length, kwargs.get("position_extrapolation"), use_cache)
 
 
 def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
@@ -95,9 +92,8 @@ def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
     read: a row that ends (on an `eos_token_id` of the vocabulary) is fed padding. transformers' "never stop"
     (`eos_token_id=-1`) feeds none."""
     vocab_size = model.config.vocab_size
-    eos = generation_setting(model, generation_config, kwargs, "eos_token_id")
+    pad, eos = (generation_setting(model, generation_config, kwargs, name) for name in ("pad_token_id", "eos_token_id"))
     eos = eos if isinstance(eos, list) else [eos]
-    pad = generation_setting(model, generation_config, kwargs, "pad_token_id")
     if isinstance(pad, int) and not 0 <= pad < vocab_size and any(e is not None and 0 <= e < vocab_size for e in eos):
         raise ValueError(
             f"generate: pad_token_id={pad} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
@@ -117,7 +113,7 @@ def generation_padding(model, prompt, generation_config, kwargs: dict) -> torch.
     return prompt.ne(pad).long()
 
 
-def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_config=None):
+def reorder_generate_prompt(model, options, prompt, inputs, kwargs: dict, generation_config=None):
     """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
     return sequences; the options whose spans would describe the old order are refused."""
     options = ReorderDocuments.parse(options)
@@ -129,7 +125,6 @@ def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_con
             "in its old order: generate without past_key_values (or with an empty cache)."
         )
     check_combinable(kwargs)  # the options generation runs with (they do not reach the scoring passes)
-    prompt = inputs if inputs is not None else kwargs.get("input_ids")
     if prompt is None:
         raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
     forward_kwargs = {}  # for the scoring passes only: given scores run none

@@ -39,7 +39,8 @@ def is_sequence(value) -> bool:
     return not isinstance(value, str) and plain_number(value) is None and hasattr(value, "__iter__")
 
 
-def as_int_tuple(name: str, field: str, value):
+def as_int_tuple(name: str, field: str, value, empty: bool = True) -> tuple[int, ...] | None:
+    """`value` (`None` or a sequence of integers, not empty unless `empty`) as a tuple of plain ints."""
     if value is None:
         return None
     if not is_sequence(value):
@@ -48,6 +49,8 @@ def as_int_tuple(name: str, field: str, value):
     integers = tuple(plain_integer(item) for item in items)
     if None in integers:
         raise ValueError(f"{name} {field}={items!r} must be a sequence of integers.")
+    if not (integers or empty):
+        raise ValueError(f"{name} {field}=() is empty: give at least one.")
     return integers
 
 
@@ -122,54 +125,36 @@ def as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
     return rows
 
 
-# Options refused together: (first, second, in the same layer only, why); `reorder_documents` is `generate`'s.
-REFUSED_TOGETHER = (
-    (
-        "stable_mask",
-        "attention_calibration",
-        False,
-        "calibration redistributes a softmax row that sums to 1, and StableMask's rows do not",
+# Options refused together, and why; `reorder_documents` is `generate`'s. SAME_LAYERS_ONLY: refused in shared layers.
+REFUSED_TOGETHER = {
+    ("stable_mask", "attention_calibration"): (
+        "calibration redistributes a softmax row that sums to 1, and StableMask's rows do not"
     ),
-    ("ms_poe", "positional_scaling", True, "both rewrite the positional part of the queries and keys"),
-    (
-        "stable_mask",
-        "attention_buckets",
-        False,
-        "StableMask's sink logits are tabulated at integer positions, and a bucket may read positions m · scale",
+    ("ms_poe", "positional_scaling"): "both rewrite the positional part of the queries and keys",
+    ("stable_mask", "attention_buckets"): (
+        "StableMask's sink logits are tabulated at integer positions, and a bucket may read positions m · scale"
     ),
-    ("ms_poe", "attention_buckets", False, "MS-PoE reads positions with the model's own base, not the bucket's"),
-    (
-        "ms_poe",
-        "parallel_context_windows",
-        False,
-        "MS-PoE rescales the tokens' own positions, which the windows rewrite",
+    ("ms_poe", "attention_buckets"): "MS-PoE reads positions with the model's own base, not the bucket's",
+    ("ms_poe", "parallel_context_windows"): "MS-PoE rescales the tokens' own positions, which the windows rewrite",
+    ("attention_calibration", "parallel_context_windows"): (
+        "calibration's dummy passes splice documents into the prompt, which moves the windows"
     ),
-    (
-        "attention_calibration",
-        "parallel_context_windows",
-        False,
-        "calibration's dummy passes splice documents into the prompt, which moves the windows",
-    ),
-    *(
-        (
-            "reorder_documents",
-            name,
-            False,
-            "its spans would describe the documents where they were before reordering: reorder first "
-            f"(sepformer.reorder_documents returns the prompt and the documents' new spans), then generate with {name} "
-            "on the new spans",
-        )
+    **{
+        ("reorder_documents", name): "its spans would describe the documents where they were before reordering: "
+        "reorder first (sepformer.reorder_documents returns the prompt and the documents' new spans), then generate "
+        f"with {name} on the new spans"
         for name in ("attention_calibration", "parallel_context_windows")
-    ),
-)
+    },
+}
+SAME_LAYERS_ONLY = {("ms_poe", "positional_scaling")}
 
 
 def check_combination(layers: dict) -> None:
     """`layers`: the layers (a set) of each option of the call, by keyword; other keywords are not read."""
-    for first, second, same_layer_only, why in REFUSED_TOGETHER:
+    for (first, second), why in REFUSED_TOGETHER.items():
         if first not in layers or second not in layers:
             continue
-        if not same_layer_only:
+        if (first, second) not in SAME_LAYERS_ONLY:
             raise ValueError(f"{first} and {second} cannot be combined: {why}.")
         shared = layers[first] & layers[second]
         if shared:
@@ -328,9 +313,8 @@ class AttentionCalibration(SpanOptions):
         temperature = check_number(self.name, "temperature", self.temperature, MIN_TEMPERATURE, strict=False, why=why)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
-        object.__setattr__(self, "dummy_document", as_int_tuple(self.name, "dummy_document", self.dummy_document))
-        if self.dummy_document is not None and len(self.dummy_document) == 0:
-            raise ValueError("attention_calibration dummy_document must have at least one token.")
+        dummy_document = as_int_tuple(self.name, "dummy_document", self.dummy_document, empty=False)
+        object.__setattr__(self, "dummy_document", dummy_document)
         if self.bias_estimate not in self.bias_estimates:
             raise ValueError(
                 f"attention_calibration bias_estimate={self.bias_estimate!r} is not one of {list(self.bias_estimates)}."

@@ -89,10 +89,8 @@ def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOp
         return
     acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
     if acting:
-        reader = (
-            f"{', '.join(acting)} acts on each row's last prompt token, which it takes from the prefill's last column"
-        )
-        check_last_column_real(mask, reader)
+        reading = "acts on each row's last prompt token, which it takes from the prefill's last column"
+        check_last_column_real(mask, f"{', '.join(acting)} {reading}")
 
 
 def check_assisted_decoding(config, options: dict) -> None:

@@ -478,9 +478,11 @@ def call_extrapolation(config, value, continuing: bool) -> PositionExtrapolation
     return extrapolation
 
 
-def check_position_readable(model, last: int, extrapolation) -> None:
-    """Refuse position `last` where the learned table of `model` (a `SepFormerForCausalLM`) cannot read it under
-    `extrapolation`, with the error reading it would raise; the other maps are defined at every position."""
+def check_position_readable(model, last: int, position_extrapolation, continuing: bool) -> None:
+    """Refuse position `last` where the learned table of `model` (a `SepFormerForCausalLM`) cannot read it under the
+    call's `position_extrapolation` (`call_extrapolation`), with the error reading it would raise; the other maps are
+    defined at every position."""
+    extrapolation = call_extrapolation(model.config, position_extrapolation, continuing)
     table = model.model.embed_positions
     if not isinstance(table, LearnedPositions):
         return

@@ -24,10 +24,11 @@ from .mitigation_options import (
     check_number,
     plain_integer,
 )
-from .positional_maps import call_extrapolation, check_position_readable
+from .positional_maps import check_position_readable
 from .spans import (
     check_dummy_document,
     check_last_column_real,
+    check_mask_values,
     check_spans,
     dummy_batch,
     key_documents,
@@ -81,9 +82,8 @@ class ReorderDocuments(MitigationOptions):
             raise ValueError(f"reorder_documents rounds={self.rounds!r} must be an integer >= 1.")
         object.__setattr__(self, "rounds", rounds)
         object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
-        object.__setattr__(self, "dummy_document", as_int_tuple(self.name, "dummy_document", self.dummy_document))
-        if self.dummy_document is not None and len(self.dummy_document) == 0:
-            raise ValueError("reorder_documents dummy_document=() is empty: give at least one token id.")
+        dummy_document = as_int_tuple(self.name, "dummy_document", self.dummy_document, empty=False)
+        object.__setattr__(self, "dummy_document", dummy_document)
         if self.dummy_document is not None and self.by != "calibrated":
             raise ValueError(
                 f"reorder_documents dummy_document is only read by by='calibrated' (which measures bias(k) with it); "
@@ -115,10 +115,7 @@ class ReorderDocuments(MitigationOptions):
                 f"reorder_documents by={by!r} must be one of {list(SOURCES)} or one score per document: shape "
                 f"({rows}, {documents}) for these spans; got {shape} (scores per row)."
             )
-        for row in scores:
-            for score in row:
-                check_number(self.name, "by score", score)
-        return tuple(tuple(float(score) for score in row) for row in scores)
+        return tuple(tuple(float(check_number(self.name, "by score", score)) for score in row) for row in scores)
 
     @property
     def from_model(self) -> bool:
@@ -207,12 +204,7 @@ def check_prompt(name: str, input_ids, attention_mask, spans) -> list[int]:
             f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
         )
     if attention_mask is not None:
-        other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-        if other.numel():
-            raise ValueError(
-                f"{name} attention_mask contains {other[0].item()}: a padding mask holds only 0 (padding) and 1 (a "
-                "token)."
-            )
+        check_mask_values(attention_mask, f"{name} ")
     lengths = prompt_lengths(attention_mask, *input_ids.shape)
     check_spans(name, spans, len(input_ids), lengths)
     for row, (row_spans, length) in enumerate(zip(spans, lengths, strict=True)):
@@ -309,24 +301,19 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
         check_dummy_document(options, model.config)
         check_dummy_length(model, options, lengths, model_kwargs)
     if options.by == "position_free":
-        check_position_free(model)
-
-
-def check_position_free(model) -> None:
-    """`by="position_free"` zeroes the positional block: a SepFormer with positions there only."""
-    config = model.config
-    if config.model_type != "sepformer":
-        raise ValueError(
-            f"reorder_documents by='position_free' zeroes SepFormer's positional block; this is a "
-            f"{type(model).__name__} ({config.model_type!r}), whose positions are not in known channels: use "
-            "by='attention' or by='calibrated'."
-        )
-    if config.position_size == 0 or config.rotary_dim > 0:
-        raise ValueError(
-            f"reorder_documents by='position_free' needs positions only in the positional block "
-            f"(position_size > 0, rotary_dim = 0); this model has position_size={config.position_size}, "
-            f"rotary_dim={config.rotary_dim}: use by='attention' or by='calibrated'."
-        )
+        config = model.config
+        if config.model_type != "sepformer":
+            raise ValueError(
+                f"reorder_documents by='position_free' zeroes SepFormer's positional block; this is a "
+                f"{type(model).__name__} ({config.model_type!r}), whose positions are not in known channels: use "
+                "by='attention' or by='calibrated'."
+            )
+        if config.position_size == 0 or config.rotary_dim > 0:
+            raise ValueError(
+                f"reorder_documents by='position_free' needs positions only in the positional block "
+                f"(position_size > 0, rotary_dim = 0); this model has position_size={config.position_size}, "
+                f"rotary_dim={config.rotary_dim}: use by='attention' or by='calibrated'."
+            )
 
 
 def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], model_kwargs: dict) -> None:
@@ -342,9 +329,8 @@ def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], mod
         return
     why = f"past max_position_embeddings={limit} and the prompt's {max(lengths)} tokens"
     if model.config.model_type == "sepformer":  # reads positions past L by its position_extrapolation
-        extrapolation = call_extrapolation(model.config, model_kwargs.get("position_extrapolation"), continuing=False)
         try:
-            return check_position_readable(model, longest - 1, extrapolation)
+            return check_position_readable(model, longest - 1, model_kwargs.get("position_extrapolation"), False)
         except ValueError as error:
             why = str(error).rstrip(".")
     raise ValueError(

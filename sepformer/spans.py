@@ -28,11 +28,27 @@ def check_spans(name: str, spans, batch: int, lengths: list[int] | None) -> None
                 )
 
 
-def check_spans_in_prompt(options, call) -> None:
-    """`options.spans` inside the prompt of `call` (a `CallContext`); the lengths are checked at prefill (a decoding
-    step only adds tokens)."""
+def check_spans_in_prompt(options, call, spans_are: str) -> None:
+    """`options.spans` (the `spans_are`) placed by the 2-D padding mask of `call` (a `CallContext`), inside its prompt;
+    the lengths are checked at prefill (a decoding step only adds tokens)."""
+    if call.attention_mask is not None and call.attention_mask.dim() != 2:
+        raise ValueError(
+            f"{options.name} needs the 2D padding mask (batch, length) to place the {spans_are}; got a "
+            f"{call.attention_mask.dim()}D attention_mask."
+        )
     lengths = None if call.continuing else prompt_lengths(call.attention_mask, call.batch, call.new_tokens)
     check_spans(options.name, options.spans, call.batch, lengths)
+
+
+def check_mask_values(padding_mask: torch.Tensor, name: str = "") -> None:
+    """A padding mask holds only 0s and 1s: its running sum is the positions (a 2 would skip one, a 0.5 be attended
+    yet read as padding); `name` begins the error."""
+    other = padding_mask[(padding_mask != 0) & (padding_mask != 1)]
+    if other.numel():
+        raise ValueError(
+            f"{name}attention_mask contains {other[0].item()}: a 2-D padding mask holds only 0 (padding) and 1 (a "
+            "token), as bool, int or float."
+        )
 
 
 def check_last_column_real(padding_mask: torch.Tensor, reader: str) -> None:
@@ -62,22 +78,16 @@ def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def check_dummy_document(options, config) -> None:
     """`options.dummy_document` (or the default, `pad_token_id` repeated) is made of ids in the vocabulary."""
-    if options.dummy_document is None and config.pad_token_id is None:
+    pad, vocabulary = config.pad_token_id, f"the vocabulary 0..{config.vocab_size - 1}"
+    if options.dummy_document is None and (pad is None or not 0 <= pad < config.vocab_size):
+        lacking = "the config has no pad_token_id" if pad is None else f"pad_token_id={pad} is outside {vocabulary}"
         raise ValueError(
-            f"{options.name}'s default dummy document is pad_token_id repeated, but the config has no "
-            "pad_token_id: give dummy_document=(token ids) explicitly."
-        )
-    if options.dummy_document is None and not 0 <= config.pad_token_id < config.vocab_size:
-        raise ValueError(
-            f"{options.name}'s default dummy document is pad_token_id repeated, but pad_token_id="
-            f"{config.pad_token_id} is outside the vocabulary 0..{config.vocab_size - 1}: give dummy_document=(token "
-            "ids) explicitly."
+            f"{options.name}'s default dummy document is pad_token_id repeated, but {lacking}: give "
+            "dummy_document=(token ids) explicitly."
         )
     bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
     if bad:
-        raise ValueError(
-            f"{options.name} dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
-        )
+        raise ValueError(f"{options.name} dummy_document has ids {bad} outside {vocabulary}.")
 
 
 def dummy_batch(spans, dummy_document, pad_token_id: int, input_ids: torch.Tensor, mask: torch.Tensor | None):

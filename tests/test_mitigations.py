@@ -23,7 +23,7 @@ from sepformer import (
     StableMask,
 )
 from sepformer.attention_calibration import bias_from_positions
-from sepformer.mitigation_options import REFUSED_TOGETHER
+from sepformer.mitigation_options import REFUSED_TOGETHER, SAME_LAYERS_ONLY
 from sepformer.mitigations import (
     KeyDocuments,
     calibrate_row,
@@ -734,15 +734,13 @@ VALID_ALONE = {  # on a 12-token prompt, in layers 0 and 1
 
 
 def test_the_refused_pairs_in_the_code_are_the_ones_written_out():
-    assert {(first, second) for first, second, _, _ in REFUSED_TOGETHER} == REFUSED_PAIRS
-    assert {(first, second) for first, second, same_layers, _ in REFUSED_TOGETHER if same_layers} == (
-        IN_THE_SAME_LAYERS_ONLY
-    )
+    assert set(REFUSED_TOGETHER) == REFUSED_PAIRS
+    assert SAME_LAYERS_ONLY == IN_THE_SAME_LAYERS_ONLY
 
 
 @pytest.mark.parametrize(
     "pair",
-    sorted(pair for pair in REFUSED_PAIRS | {row[:2] for row in REFUSED_TOGETHER} if "reorder_documents" not in pair),
+    sorted(pair for pair in REFUSED_PAIRS | set(REFUSED_TOGETHER) if "reorder_documents" not in pair),
     ids="+".join,
 )
 def test_every_refused_pair_is_refused_and_each_of_it_runs_alone(pair):

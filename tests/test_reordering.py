@@ -410,8 +410,8 @@ def test_bad_orders_and_scores_are_refused():
 @pytest.mark.parametrize(
     ("twos", "spans", "message"),
     [
-        (True, SPANS, r"attention_mask contains 2: a padding mask holds only 0 \(padding\) and 1"),
-        (True, (((1, 4), (5, 8), (9, 20)), SPANS[1]), r"attention_mask contains 2: a padding mask holds only 0"),
+        (True, SPANS, r"attention_mask contains 2: a 2-D padding mask holds only 0 \(padding\) and 1"),
+        (True, (((1, 4), (5, 8), (9, 20)), SPANS[1]), r"attention_mask contains 2: a 2-D padding mask holds only 0"),
         (False, (SPANS[0], ((0, 2), (3, 7), (8, 11))), r"span \(8, 11\) of row 1 holds the prompt's last token \(10,"),
     ],
 )
