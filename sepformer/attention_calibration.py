@@ -18,7 +18,7 @@ from .mitigation_base import (
     last_row_scores,
 )
 from .mitigation_options import AttentionCalibration
-from .spans import check_spans_in_prompt, key_documents, key_positions
+from .spans import check_dummy_document, check_spans_in_prompt, dummy_batch, key_documents, key_positions
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,53 +68,6 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
     dummy_on_k = dummy_scores[:, :, None].masked_fill(~in_document, float("-inf")).logsumexp(-1)  # (b, H, K)
     rest = scores[:, :, None].masked_fill(in_document, float("-inf")).logsumexp(-1)  # (b, H, K): every key but k's
     return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / documents.sizes
-
-
-def dummy_batch(options, config, input_ids: torch.Tensor, mask: torch.Tensor | None):
-    """One left-padded sequence per (row, document): the prompt with the dummy document in place of document `k`.
-
-    `options`: anything with the documents' `spans` and a `dummy_document` (calibration's, reordering's options).
-    Returns ids and padding mask (rows × K, width) and the dummy's keys (rows × K, width), row-major.
-    """
-    sequences, probes = [], []
-    for row, spans in enumerate(options.spans):
-        tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
-        for start, end in spans:
-            if options.dummy_document is None:
-                dummy = tokens.new_full((end - start,), config.pad_token_id)
-            else:
-                dummy = tokens.new_tensor(options.dummy_document)
-            sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))
-            probes.append((start, start + len(dummy)))
-    width = max(len(sequence) for sequence in sequences)
-    ids = input_ids.new_zeros(len(sequences), width)
-    padding = torch.zeros_like(ids)
-    probe = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
-    for index, (sequence, (start, end)) in enumerate(zip(sequences, probes, strict=True)):
-        pad = width - len(sequence)  # left padding
-        ids[index, pad:], padding[index, pad:] = sequence, 1
-        probe[index, pad + start : pad + end] = True
-    return ids, padding, probe
-
-
-def check_dummy_document(options, config) -> None:
-    """`options.dummy_document` (or the default, `pad_token_id` repeated) is made of ids in the vocabulary."""
-    if options.dummy_document is None and config.pad_token_id is None:
-        raise ValueError(
-            f"{options.name}'s default dummy document is pad_token_id repeated, but the config has no "
-            "pad_token_id: give dummy_document=(token ids) explicitly."
-        )
-    if options.dummy_document is None and not 0 <= config.pad_token_id < config.vocab_size:
-        raise ValueError(
-            f"{options.name}'s default dummy document is pad_token_id repeated, but pad_token_id="
-            f"{config.pad_token_id} is outside the vocabulary 0..{config.vocab_size - 1}: give dummy_document=(token "
-            "ids) explicitly."
-        )
-    bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
-    if bad:
-        raise ValueError(
-            f"{options.name} dummy_document has ids {bad} outside the vocabulary 0..{config.vocab_size - 1}."
-        )
 
 
 @dataclass(eq=False)
@@ -176,18 +129,13 @@ class CalibrationMitigation(Mitigation):
                 "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
                 "does not give: use attn_implementation 'eager' or 'sdpa'."
             )
-        if call.attention_mask is not None and call.attention_mask.dim() != 2:
-            raise ValueError(
-                f"attention_calibration needs the 2D padding mask (batch, length) to place the spans; got a "
-                f"{call.attention_mask.dim()}D attention_mask."
-            )
+        check_spans_in_prompt(options, call, "spans")
         if call.continuing and call.new_tokens > 1:
             raise ValueError(
                 f"attention_calibration calibrates each decoding step's token: a call continuing a cache takes one "
                 f"token, and this one has {call.new_tokens}, of which only the last would be calibrated. Feed them "
                 "one per call."
             )
-        check_spans_in_prompt(options, call)
         layers = options.layer_set(config.num_hidden_layers)
         if options.bias_estimate == "positional":
             if call.decoder is not None or config.position_size == 0:
@@ -201,14 +149,10 @@ class CalibrationMitigation(Mitigation):
             if not call.continuing:
                 return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
         elif not call.continuing:
-            cls.check_dummy_passes(options, call)
+            if call.input_ids is None:
+                raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
+            check_dummy_document(options, config)
         return cls(options, layers, call.state)
-
-    @staticmethod
-    def check_dummy_passes(options: AttentionCalibration, call: CallContext) -> None:
-        if call.input_ids is None:
-            raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
-        check_dummy_document(options, call.model.config)
 
     def prepare(self, call: CallContext, others) -> None:
         """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
@@ -219,7 +163,9 @@ class CalibrationMitigation(Mitigation):
         call.state.mitigation_state[options.name] = CalibrationState(spans)
         if options.bias_estimate == "positional":  # measured in the call's own layers
             return
-        ids, padding, probe = dummy_batch(options, config, call.input_ids, call.attention_mask)
+        ids, padding, probe = dummy_batch(
+            options.spans, options.dummy_document, config.pad_token_id, call.input_ids, call.attention_mask
+        )
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(
             call,

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import TransformersKwargs, logging
 
 from .mitigations import MITIGATIONS
-from .positional_maps import LearnedPositions, call_extrapolation
+from .spans import check_mask_values
 
 logger = logging.get_logger(__name__)
 
@@ -20,6 +20,31 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
     The values of a prompt (ids in the vocabulary, a 0/1 padding mask, positions >= 0) are read when there is no cache
     yet: a decoding step's come from `generate`, and reading them would wait for the device at every step."""
     config = model.config
+    tensors = dict(
+        input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids
+    )
+    check_types(model, kwargs, tensors, past_key_values)
+    check_token_inputs(model, input_ids, inputs_embeds)
+    batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    if batch == 0 or seq == 0:
+        raise ValueError(f"the input has no tokens (shape {(batch, seq)}): give at least one row of one token or more.")
+    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    if input_ids is not None and past == 0:
+        low, high = (value.item() for value in torch.aminmax(input_ids))
+        if low < 0 or high >= config.vocab_size:
+            raise ValueError(
+                f"input_ids contains id {low if low < 0 else high}, outside the vocabulary 0..{config.vocab_size - 1}."
+            )
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, batch, config.num_attention_heads, seq, past, past_key_values)
+    if past:
+        check_cache_batch(past_key_values, batch)
+    if position_ids is not None:
+        check_position_ids(position_ids, batch, seq, past)
+
+
+def check_types(model, kwargs: dict, tensors: dict, past_key_values) -> None:
+    """Refuse keywords neither `forward`'s nor transformers', inputs not tensors of values, a cache not a `Cache`."""
     unknown = sorted(set(kwargs) - set(TransformersKwargs.__optional_keys__))
     if unknown:
         raise TypeError(
@@ -27,9 +52,6 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
             f"the mitigations {', '.join(map(repr, MITIGATIONS))} and transformers' "
             f"{', '.join(sorted(TransformersKwargs.__optional_keys__))}."
         )
-    tensors = dict(
-        input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids
-    )
     for name, value in tensors.items():
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(
@@ -48,6 +70,12 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
             "(key, value) pair per layer, is gone from transformers, and with it DynamicCache.from_legacy_cache): "
             "convert it with SepFormerCache(past_key_values, config=model.config)."
         )
+
+
+def check_token_inputs(model, input_ids, inputs_embeds) -> None:
+    """Exactly one of `input_ids` (2-D integer ids) and `inputs_embeds` (the semantic block, in the embeddings'
+    dtype)."""
+    semantic_size = model.config.semantic_size
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
@@ -57,86 +85,70 @@ def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, 
             0: "a batch and a sequence dimension: input_ids.view(1, 1)",
         }.get(input_ids.dim(), "one row of ids per sequence: input_ids.flatten(0, -2) merges the leading dimensions")
         if input_ids.dim() > 2 and input_ids.is_floating_point():
-            hint = f"token ids; vectors go in inputs_embeds, (batch, sequence, semantic_size={config.semantic_size})"
+            hint = f"token ids; vectors go in inputs_embeds, (batch, sequence, semantic_size={semantic_size})"
         raise ValueError(
             f"input_ids must be a 2-D tensor of token ids (batch, sequence) of torch.int64 or torch.int32; got shape "
             f"{tuple(input_ids.shape)} of {input_ids.dtype} (give {hint})."
         )
-    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.semantic_size):
+    if inputs_embeds is None:
+        return
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != semantic_size:
         raise ValueError(
             f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, but SepFormer's inputs_embeds is the semantic "
-            f"block s(token): (batch, sequence, semantic_size={config.semantic_size})."
+            f"block s(token): (batch, sequence, semantic_size={semantic_size})."
         )
     embeds_dtype = model.embed_tokens.weight.dtype  # what inputs_embeds stands in for
-    if (
-        inputs_embeds is not None
-        and inputs_embeds.dtype != embeds_dtype
-        and not torch.is_autocast_enabled(inputs_embeds.device.type)  # autocast casts each operation's inputs
-    ):
+    # autocast casts each operation's inputs
+    if inputs_embeds.dtype != embeds_dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
         raise ValueError(
             f"inputs_embeds has dtype {inputs_embeds.dtype}, but the model's embeddings are {embeds_dtype}: give "
             f"inputs_embeds.to({embeds_dtype})."
         )
-    batch, seq = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-    if batch == 0 or seq == 0:
-        raise ValueError(f"the input has no tokens (shape {(batch, seq)}): give at least one row of one token or more.")
-    past = past_key_values.get_seq_length() if past_key_values is not None else 0
-    if input_ids is not None and past == 0:
-        low, high = (value.item() for value in torch.aminmax(input_ids))
-        if low < 0 or high >= config.vocab_size:
-            raise ValueError(
-                f"input_ids contains id {low if low < 0 else high}, outside the vocabulary 0..{config.vocab_size - 1}."
-            )
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape != (batch, past + seq):
+
+
+def check_attention_mask(mask: torch.Tensor, batch: int, heads: int, seq: int, past: int, cache: Cache | None) -> None:
+    """A 2-D padding mask (batch, past + new tokens) of 0s and 1s (read when there is no cache yet), or a 4-D mask, used
+    as given: (batch or 1, 1 or heads, new tokens, keys), keys `past + new tokens` unless the cache has a fixed size."""
+    if mask.dim() == 2 and mask.shape != (batch, past + seq):
         raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}; a 2-D padding mask must be (batch, past + new "
+            f"attention_mask has shape {tuple(mask.shape)}; a 2-D padding mask must be (batch, past + new "
             f"tokens) = {(batch, past + seq)}."
         )
-    if attention_mask is not None and attention_mask.dim() not in (2, 4):
+    if mask.dim() not in (2, 4):
         raise ValueError(
             f"attention_mask must be a 2-D padding mask (batch, past + new tokens) or a 4-D mask; got shape "
-            f"{tuple(attention_mask.shape)}."
+            f"{tuple(mask.shape)}."
         )
-    if attention_mask is not None and attention_mask.dim() == 4:
-        check_4d_mask(attention_mask.shape, batch, config.num_attention_heads, seq, past, past_key_values)
-    if past:
-        check_cache_batch(past_key_values, batch)
-    if attention_mask is not None and attention_mask.dim() == 2 and past == 0:
-        # positions are the mask's running sum: a 2 would skip positions, a 0.5 be attended yet read as padding
-        other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-        if other.numel():
-            raise ValueError(
-                f"attention_mask contains {other[0].item()}: a 2-D padding mask holds only 0 (padding) and 1 (a "
-                "token), as bool, int or float."
-            )
-    if position_ids is not None and (
-        position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq
+    keys = None if getattr(cache, "is_compileable", False) else past + seq  # a fixed-size cache: its own length
+    shape = mask.shape
+    if mask.dim() == 4 and (
+        shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2] != seq or keys not in (None, shape[3])
     ):
-        raise ValueError(
-            f"position_ids has shape {tuple(position_ids.shape)}; it must be (batch or 1, new tokens) = "
-            f"({batch} or 1, {seq})."
-        )
-    if position_ids is not None and position_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"position_ids must be integer positions of torch.int64 or torch.int32; got {position_ids.dtype}. "
-            "(Fractional positions are the mitigations' own reading: ms_poe, attention_buckets' scales.)"
-        )
-    if position_ids is not None and past == 0:
-        lowest = position_ids.min().item()
-        if lowest < 0:
-            raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
-
-
-def check_4d_mask(shape: torch.Size, batch: int, heads: int, seq: int, past: int, cache: Cache | None) -> None:
-    """A 4-D mask is used as given: (batch or 1, 1 or heads, new tokens, keys), the keys `past + new tokens` unless the
-    cache has a fixed size (its own length)."""
-    keys = None if getattr(cache, "is_compileable", False) else past + seq
-    if shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2] != seq or keys not in (None, shape[3]):
         raise ValueError(
             f"attention_mask has shape {tuple(shape)}; a 4-D mask must be (batch or 1, 1 or heads, new tokens, "
             f"{'keys' if keys is None else 'past + new tokens'}) = ({batch} or 1, 1 or {heads}, {seq}, "
             f"{'keys' if keys is None else keys})."
         )
+    if mask.dim() == 2 and past == 0:
+        check_mask_values(mask)
+
+
+def check_position_ids(position_ids: torch.Tensor, batch: int, seq: int, past: int) -> None:
+    """(batch or 1, new tokens) integer positions, none negative (read when there is no cache yet)."""
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq:
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}; it must be (batch or 1, new tokens) = "
+            f"({batch} or 1, {seq})."
+        )
+    if position_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"position_ids must be integer positions of torch.int64 or torch.int32; got {position_ids.dtype}. "
+            "(Fractional positions are the mitigations' own reading: ms_poe, attention_buckets' scales.)"
+        )
+    if past == 0:
+        lowest = position_ids.min().item()
+        if lowest < 0:
+            raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
 
 
 def check_cache_batch(cache: Cache, batch: int) -> None:
@@ -190,59 +202,6 @@ def check_labels(config, input_ids, inputs_embeds, labels, logits_to_keep, kwarg
         logger.warning(
             f"Every scored label is ignore_index={ignore_index} (the loss scores labels[:, 1:], or shift_labels): no "
             "token is scored, so the loss is NaN (0 / 0)."
-        )
-
-
-def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a generation whose last position (from `max_new_tokens`, else `max_length`)
-    the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
-    `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
-    position would fail with the same error."""
-
-    def setting(name):
-        return generation_setting(model, generation_config, kwargs, name)
-
-    new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
-    final_length = length + new_tokens if new_tokens is not None else setting("max_length")
-    if final_length is None:  # by default generate makes 20 tokens up to max_position_embeddings
-        return
-    mask = kwargs.get("attention_mask")
-    longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
-    use_cache = setting("use_cache") is not False
-    extrapolation = call_extrapolation(model.config, kwargs.get("position_extrapolation"), continuing=use_cache)
-    check_position_readable(model, longest - 1 + final_length - length, extrapolation)
-
-
-def check_position_readable(model, last: int, extrapolation) -> None:
-    """Refuse position `last` where the learned table of `model` (a `SepFormerForCausalLM`) cannot read it under
-    `extrapolation`, with the error reading it would raise; the other maps are defined at every position."""
-    table = model.model.embed_positions
-    if not isinstance(table, LearnedPositions):
-        return
-    if extrapolation.method == "none" and last >= table.num_embeddings:
-        table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
-    if extrapolation.method == "interpolate":
-        table.table_coordinates(torch.tensor([[last]]), extrapolation)
-
-
-def generation_setting(model, generation_config, kwargs: dict, name: str):
-    """A setting of `generate` as it merges them: its keywords, the given generation config, the model's."""
-    sources = [kwargs, vars(generation_config) if generation_config is not None else {}, vars(model.generation_config)]
-    return next((source[name] for source in sources if source.get(name) is not None), None)
-
-
-def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a `pad_token_id` that `generate` would feed the model and the embedding cannot
-    read: a row that ends (on an `eos_token_id` of the vocabulary) is fed padding. transformers' "never stop"
-    (`eos_token_id=-1`) feeds none."""
-    vocab_size = model.config.vocab_size
-    eos = generation_setting(model, generation_config, kwargs, "eos_token_id")
-    eos = eos if isinstance(eos, list) else [eos]
-    pad = generation_setting(model, generation_config, kwargs, "pad_token_id")
-    if isinstance(pad, int) and not 0 <= pad < vocab_size and any(e is not None and 0 <= e < vocab_size for e in eos):
-        raise ValueError(
-            f"generate: pad_token_id={pad} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
-            "model after a row ends (eos_token_id is set): give pad_token_id a token id."
         )
 
 

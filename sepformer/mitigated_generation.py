@@ -1,16 +1,21 @@
-"""`generate` with the mitigation options: shared by `SepFormerForCausalLM` and the models `add_mitigations` serves.
+"""What `generate` does before its first step with the mitigation options: for `SepFormerForCausalLM` and the models
+`add_mitigations` serves.
 
 `generate` passes the options (keywords of `forward`, see `mitigations.with_mitigation_keywords`) to every prefill and
 decoding step; this mixin makes the cache a `SepFormerCache` (which keeps what the mitigations fix at prefill), repeats
 per-row options for beams and return sequences, refuses assisted decoding with options that act on the prompt's last
-token, and runs `reorder_documents=` on the prompt first.
+token, runs `reorder_documents=` on the prompt first, and checks what the steps would fail on late.
 """
 
-from transformers.cache_utils import DynamicCache
+import functools
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
 
 from .cache_sepformer import SepFormerCache
 from .mitigations import MITIGATIONS, check_assisted_decoding
-from .reordering import reorder_generate_prompt
+from .positional_maps import check_position_readable
+from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
 
 class MitigationGenerationMixin:
@@ -34,7 +39,7 @@ class MitigationGenerationMixin:
         if isinstance(kwargs.get("past_key_values"), SepFormerCache):
             kwargs["past_key_values"].start_generation()
         if reordering is not None:
-            inputs, kwargs = reorder_generate_prompt(self, reordering, inputs, kwargs, generation_config)
+            inputs, kwargs = reorder_generate_prompt(self, reordering, prompt, inputs, kwargs, generation_config)
         return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -58,3 +63,75 @@ class MitigationGenerationMixin:
             if model_kwargs.get(name) not in (None, False):
                 model_kwargs[name] = mitigation.options_class.parse(model_kwargs[name]).repeat_rows(expand_size)
         return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+
+
+def generation_setting(model, generation_config, kwargs: dict, name: str):
+    """A setting of `generate` as it merges them: its keywords, the given generation config, the model's."""
+    sources = [kwargs, vars(generation_config) if generation_config is not None else {}, vars(model.generation_config)]
+    return next((source[name] for source in sources if source.get(name) is not None), None)
+
+
+def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
+    """Refuse, before the first step, a generation whose last position (from `max_new_tokens`, else `max_length`)
+    the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
+    `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
+    position would fail with the same error."""
+    setting = functools.partial(generation_setting, model, generation_config, kwargs)
+    new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
+    final_length = length + new_tokens if new_tokens is not None else setting("max_length")
+    if final_length is None:  # by default generate makes 20 tokens up to max_position_embeddings
+        return
+    mask = kwargs.get("attention_mask")
+    longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
+    use_cache = setting("use_cache") is not False
+    check_position_readable(model, longest - 1 + final_length - length, kwargs.get("position_extrapolation"), use_cache)
+
+
+def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:
+    """Refuse, before the first step, a `pad_token_id` that `generate` would feed the model and the embedding cannot
+    read: a row that ends (on an `eos_token_id` of the vocabulary) is fed padding. transformers' "never stop"
+    (`eos_token_id=-1`) feeds none."""
+    vocab_size = model.config.vocab_size
+    pad, eos = (generation_setting(model, generation_config, kwargs, name) for name in ("pad_token_id", "eos_token_id"))
+    eos = eos if isinstance(eos, list) else [eos]
+    if isinstance(pad, int) and not 0 <= pad < vocab_size and any(e is not None and 0 <= e < vocab_size for e in eos):
+        raise ValueError(
+            f"generate: pad_token_id={pad} is outside the vocabulary 0..{vocab_size - 1}, and generate feeds it to the "
+            "model after a row ends (eos_token_id is set): give pad_token_id a token id."
+        )
+
+
+def generation_padding(model, prompt, generation_config, kwargs: dict) -> torch.Tensor | None:
+    """The padding mask `generate` runs with: the given one, or the one it infers without it (`pad_token_id` in the
+    prompt and not an eos: transformers' `_prepare_attention_mask_for_generation`), so that spans count from the
+    first real token that generation sees."""
+    if kwargs.get("attention_mask") is not None:
+        return kwargs["attention_mask"]
+    pad, eos = (generation_setting(model, generation_config, kwargs, name) for name in ("pad_token_id", "eos_token_id"))
+    if pad is None or pad in (eos if isinstance(eos, list) else [eos]) or not (prompt == pad).any():
+        return None
+    return prompt.ne(pad).long()
+
+
+def reorder_generate_prompt(model, options, prompt, inputs, kwargs: dict, generation_config=None):
+    """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
+    return sequences; the options whose spans would describe the old order are refused."""
+    options = ReorderDocuments.parse(options)
+    cache = kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, Cache) or cache.get_seq_length() > 0):
+        held = f"{cache.get_seq_length()} tokens" if isinstance(cache, Cache) else f"a {type(cache).__name__}"
+        raise ValueError(
+            f"reorder_documents moves the prompt's documents, but past_key_values already holds {held} of the prompt "
+            "in its old order: generate without past_key_values (or with an empty cache)."
+        )
+    check_combinable(kwargs)  # the options generation runs with (they do not reach the scoring passes)
+    if prompt is None:
+        raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
+    forward_kwargs = {}  # for the scoring passes only: given scores run none
+    if options.from_model and kwargs.get("position_extrapolation") is not None:
+        forward_kwargs["position_extrapolation"] = kwargs["position_extrapolation"]
+    mask = generation_padding(model, prompt, generation_config, kwargs)
+    reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
+    if inputs is not None:
+        return reordered, kwargs
+    return None, {**kwargs, "input_ids": reordered}

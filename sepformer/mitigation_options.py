@@ -35,23 +35,26 @@ def plain_integer(value) -> int | None:
     return number if isinstance(number, int) else None
 
 
-def _is_sequence(value) -> bool:
+def is_sequence(value) -> bool:
     return not isinstance(value, str) and plain_number(value) is None and hasattr(value, "__iter__")
 
 
-def _as_int_tuple(name: str, field: str, value):
+def as_int_tuple(name: str, field: str, value, empty: bool = True) -> tuple[int, ...] | None:
+    """`value` (`None` or a sequence of integers, not empty unless `empty`) as a tuple of plain ints."""
     if value is None:
         return None
-    if not _is_sequence(value):
+    if not is_sequence(value):
         raise ValueError(f"{name} {field}={value!r} must be a sequence of integers.")
     items = tuple(value)  # a generator is read once, here
     integers = tuple(plain_integer(item) for item in items)
     if None in integers:
         raise ValueError(f"{name} {field}={items!r} must be a sequence of integers.")
+    if not (integers or empty):
+        raise ValueError(f"{name} {field}=() is empty: give at least one.")
     return integers
 
 
-def _check_number(
+def check_number(
     name: str,
     field: str,
     value,
@@ -74,20 +77,20 @@ def _check_number(
     return number
 
 
-def _as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, ...] | None:
-    """A non-empty sequence of finite numbers > 0 (within `bounds`, as `_check_number` takes them), as a tuple of
+def as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, ...] | None:
+    """A non-empty sequence of finite numbers > 0 (within `bounds`, as `check_number` takes them), as a tuple of
     floats, or `None`."""
     if value is None:
         return None
-    if not _is_sequence(value):
+    if not is_sequence(value):
         raise ValueError(f"{name} {field}={value!r} must be a non-empty sequence of positive numbers.")
     items = tuple(value)
     if not items:
         raise ValueError(f"{name} {field}=() is empty: give one number per bucket.")
-    return tuple(float(_check_number(name, field[:-1], item, **{"low": 0.0, **bounds})) for item in items)
+    return tuple(float(check_number(name, field[:-1], item, **{"low": 0.0, **bounds})) for item in items)
 
 
-def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
+def as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every row."""
     try:
         rows = tuple(tuple(tuple(span) for span in row) for row in spans)
@@ -120,6 +123,42 @@ def _as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
             if start < end:
                 raise ValueError(f"{name} spans of row {row_index} overlap: {ordered}.")
     return rows
+
+
+# Options refused together, and why; `reorder_documents` is `generate`'s. SAME_LAYERS_ONLY: refused in shared layers.
+REFUSED_TOGETHER = {
+    ("stable_mask", "attention_calibration"): (
+        "calibration redistributes a softmax row that sums to 1, and StableMask's rows do not"
+    ),
+    ("ms_poe", "positional_scaling"): "both rewrite the positional part of the queries and keys",
+    ("stable_mask", "attention_buckets"): (
+        "StableMask's sink logits are tabulated at integer positions, and a bucket may read positions m · scale"
+    ),
+    ("ms_poe", "attention_buckets"): "MS-PoE reads positions with the model's own base, not the bucket's",
+    ("ms_poe", "parallel_context_windows"): "MS-PoE rescales the tokens' own positions, which the windows rewrite",
+    ("attention_calibration", "parallel_context_windows"): (
+        "calibration's dummy passes splice documents into the prompt, which moves the windows"
+    ),
+    **{
+        ("reorder_documents", name): "its spans would describe the documents where they were before reordering: "
+        "reorder first (sepformer.reorder_documents returns the prompt and the documents' new spans), then generate "
+        f"with {name} on the new spans"
+        for name in ("attention_calibration", "parallel_context_windows")
+    },
+}
+SAME_LAYERS_ONLY = {("ms_poe", "positional_scaling")}
+
+
+def check_combination(layers: dict) -> None:
+    """`layers`: the layers (a set) of each option of the call, by keyword; other keywords are not read."""
+    for (first, second), why in REFUSED_TOGETHER.items():
+        if first not in layers or second not in layers:
+            continue
+        if (first, second) not in SAME_LAYERS_ONLY:
+            raise ValueError(f"{first} and {second} cannot be combined: {why}.")
+        shared = layers[first] & layers[second]
+        if shared:
+            raise ValueError(f"{first} and {second} {why} of layers {sorted(shared)}: give them disjoint `layers`.")
 
 
 class MitigationOptions:
@@ -196,7 +235,7 @@ class StableMask(MitigationOptions):
     renamed: ClassVar[dict[str, str]] = {"length": "columns"}
 
     def __post_init__(self):
-        object.__setattr__(self, "gamma", _check_number(self.name, "gamma", self.gamma, low=0.0))
+        object.__setattr__(self, "gamma", check_number(self.name, "gamma", self.gamma, low=0.0))
         columns = plain_integer(self.columns)
         if self.columns is not None and (columns is None or not 1 <= columns <= INT64_MAX):
             raise ValueError(
@@ -227,12 +266,12 @@ class MSPoE(MitigationOptions):
 
     def __post_init__(self):
         for field in ("r_min", "r_max"):
-            ratio = _check_number(self.name, field, getattr(self, field), low=1.0, strict=False)
+            ratio = check_number(self.name, field, getattr(self, field), low=1.0, strict=False)
             object.__setattr__(self, field, ratio)
         if self.r_max < self.r_min:
             raise ValueError(f"ms_poe r_max={self.r_max} must be >= r_min={self.r_min}.")
-        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
-        object.__setattr__(self, "head_order", _as_int_tuple(self.name, "head_order", self.head_order))
+        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
+        object.__setattr__(self, "head_order", as_int_tuple(self.name, "head_order", self.head_order))
 
     def default_layers(self, num_layers: int) -> range:
         return range(min(2, num_layers // 2), num_layers)
@@ -271,12 +310,11 @@ class AttentionCalibration(SpanOptions):
 
     def __post_init__(self):
         why = ": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it"
-        temperature = _check_number(self.name, "temperature", self.temperature, MIN_TEMPERATURE, strict=False, why=why)
+        temperature = check_number(self.name, "temperature", self.temperature, MIN_TEMPERATURE, strict=False, why=why)
         object.__setattr__(self, "temperature", temperature)
-        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
-        object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
-        if self.dummy_document is not None and len(self.dummy_document) == 0:
-            raise ValueError("attention_calibration dummy_document must have at least one token.")
+        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
+        dummy_document = as_int_tuple(self.name, "dummy_document", self.dummy_document, empty=False)
+        object.__setattr__(self, "dummy_document", dummy_document)
         if self.bias_estimate not in self.bias_estimates:
             raise ValueError(
                 f"attention_calibration bias_estimate={self.bias_estimate!r} is not one of {list(self.bias_estimates)}."
@@ -286,7 +324,7 @@ class AttentionCalibration(SpanOptions):
                 "attention_calibration dummy_document is only read by bias_estimate='dummy_passes'; "
                 "bias_estimate='positional' runs no dummy document."
             )
-        object.__setattr__(self, "spans", _as_spans(self.name, self.spans))
+        object.__setattr__(self, "spans", as_spans(self.name, self.spans))
 
     def default_layers(self, num_layers: int) -> range:
         return range(num_layers // 2, num_layers)
@@ -318,9 +356,9 @@ class PositionalScaling(MitigationOptions):
     name: ClassVar[str] = "positional_scaling"
 
     def __post_init__(self):
-        object.__setattr__(self, "factor", _check_number(self.name, "factor", self.factor))
-        object.__setattr__(self, "channels", _as_int_tuple(self.name, "channels", self.channels))
-        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
+        object.__setattr__(self, "factor", check_number(self.name, "factor", self.factor))
+        object.__setattr__(self, "channels", as_int_tuple(self.name, "channels", self.channels))
+        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
         if self.channels is not None and (len(self.channels) == 0 or len(set(self.channels)) != len(self.channels)):
             raise ValueError(f"positional_scaling channels={self.channels!r} must be distinct and non-empty.")
         for field, low in (("skip_first", 0), ("last_recompute_tokens", 1)):
@@ -357,8 +395,8 @@ class AttentionBuckets(MitigationOptions):
             f": a bucket turns position m by up to m · scale / min(base, 1) radians, in float32, finite for every "
             f"int64 m with bases >= {MIN_BUCKET_BASE:g} and scales <= {MAX_BUCKET_SCALE:g}"
         )
-        bases = _as_positive_numbers(self.name, "bases", self.bases, low=MIN_BUCKET_BASE, strict=False, why=why)
-        scales = _as_positive_numbers(self.name, "scales", self.scales, high=MAX_BUCKET_SCALE, why=why)
+        bases = as_positive_numbers(self.name, "bases", self.bases, low=MIN_BUCKET_BASE, strict=False, why=why)
+        scales = as_positive_numbers(self.name, "scales", self.scales, high=MAX_BUCKET_SCALE, why=why)
         object.__setattr__(self, "bases", bases)
         object.__setattr__(self, "scales", scales)
         if self.bases is None and self.scales is None:
@@ -398,7 +436,7 @@ class ParallelContextWindows(SpanOptions):
     name: ClassVar[str] = "parallel_context_windows"
 
     def __post_init__(self):
-        rows = tuple(tuple(sorted(row)) for row in _as_spans(self.name, self.spans))
+        rows = tuple(tuple(sorted(row)) for row in as_spans(self.name, self.spans))
         for row_index, row in enumerate(rows):
             for (_, end), (start, _) in zip(row, row[1:], strict=False):
                 if start != end:

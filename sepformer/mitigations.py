@@ -9,7 +9,7 @@
 | `parallel_context_windows` | windows attend within themselves, positions restart per window; task attends all   |
 | `attention_buckets`     | copies of the input read positions with other bases or scales; logits mixed            |
 
-This module registers them (`MITIGATIONS`), holds the rules on which can be combined (`REFUSED_TOGETHER`), and
+This module registers them (`MITIGATIONS`), checks which can be combined (`mitigation_options.REFUSED_TOGETHER`), and
 resolves a call's options into a `MitigationPlan`. A new mitigation is a `Mitigation` subclass with its options
 dataclass, added to `MITIGATIONS` here or with `register_mitigation` (see `mitigation_base` for the hooks).
 """
@@ -29,10 +29,12 @@ from .mitigation_options import (
     ParallelContextWindows,
     PositionalScaling,
     StableMask,
+    check_combination,
 )
 from .ms_poe import MSPoEMitigation, fixed_head_ranks, head_ratios, position_awareness
 from .parallel_context_windows import ParallelContextWindowsMitigation
 from .positional_scaling import PositionalScalingMitigation
+from .spans import check_last_column_real
 from .stable_mask import StableMaskMitigation
 
 # By keyword; a plan applies its mitigations' hooks in this order.
@@ -47,36 +49,6 @@ MITIGATIONS: dict[str, type[Mitigation]] = {
         AttentionBucketsMitigation,
     )
 }
-
-# Pairs refused together: (first, second, in the same layer only, why).
-REFUSED_TOGETHER = (
-    (
-        "stable_mask",
-        "attention_calibration",
-        False,
-        "calibration redistributes a softmax row that sums to 1, and StableMask's rows do not",
-    ),
-    ("ms_poe", "positional_scaling", True, "both rewrite the positional part of the queries and keys"),
-    (
-        "stable_mask",
-        "attention_buckets",
-        False,
-        "StableMask's sink logits are tabulated at integer positions, and a bucket may read positions m · scale",
-    ),
-    ("ms_poe", "attention_buckets", False, "MS-PoE reads positions with the model's own base, not the bucket's"),
-    (
-        "ms_poe",
-        "parallel_context_windows",
-        False,
-        "MS-PoE rescales the tokens' own positions, which the windows rewrite",
-    ),
-    (
-        "attention_calibration",
-        "parallel_context_windows",
-        False,
-        "calibration's dummy passes splice documents into the prompt, which moves the windows",
-    ),
-)
 
 
 def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
@@ -109,18 +81,6 @@ def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], Mitigatio
     return wrappers[0] if wrappers else None
 
 
-def check_combination(layers: dict[str, frozenset[int]]) -> None:
-    """`layers`: the layers of each option of the call, by keyword."""
-    for first, second, same_layer_only, why in REFUSED_TOGETHER:
-        if first not in layers or second not in layers:
-            continue
-        if not same_layer_only:
-            raise ValueError(f"{first} and {second} cannot be combined: {why}.")
-        shared = layers[first] & layers[second]
-        if shared:
-            raise ValueError(f"{first} and {second} {why} of layers {sorted(shared)}: give them disjoint `layers`.")
-
-
 def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOptions]) -> None:
     """Options that act on each row's last prompt token find it in the prefill's last column: not in a row padded on
     the right, which has a pad there."""
@@ -128,13 +88,9 @@ def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOp
     if call.continuing or mask is None or mask.dim() != 2:
         return
     acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
-    padded = (mask[:, -1] == 0).nonzero().flatten().tolist() if acting else []
-    if padded:
-        raise ValueError(
-            f"{', '.join(acting)} acts on each row's last prompt token, which it takes from the prefill's last column, "
-            f"but rows {padded} end in padding there (attention_mask[:, -1] == 0): pad on the left (tokenizer "
-            "padding_side='left')."
-        )
+    if acting:
+        reading = "acts on each row's last prompt token, which it takes from the prefill's last column"
+        check_last_column_real(mask, f"{', '.join(acting)} {reading}")
 
 
 def check_assisted_decoding(config, options: dict) -> None:

@@ -33,15 +33,8 @@ from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make
 from .cache_sepformer import SepFormerCache, derived_store
 from .configuration_sepformer import SepFormerConfig
 from .decoding import decoding_weights
-from .input_checks import (
-    check_checkpoint_folder,
-    check_fed_token_ids,
-    check_inputs,
-    check_labels,
-    check_last_position,
-    unreadable_weights,
-)
-from .mitigated_generation import MitigationGenerationMixin
+from .input_checks import check_checkpoint_folder, check_inputs, check_labels, unreadable_weights
+from .mitigated_generation import MitigationGenerationMixin, check_fed_token_ids, check_last_position
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
@@ -49,8 +42,8 @@ from .positional_maps import (
     BSplinePositions,
     apply_partial_rotary,
     call_extrapolation,
-    positions_from_mask,
 )
+from .spans import positions_from_mask
 
 
 class SepFormerRotaryEmbedding(nn.Module):

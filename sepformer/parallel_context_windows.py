@@ -55,12 +55,7 @@ class ParallelContextWindowsMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: ParallelContextWindows, call: CallContext) -> "ParallelContextWindowsMitigation":
-        if call.attention_mask is not None and call.attention_mask.dim() != 2:
-            raise ValueError(
-                f"parallel_context_windows needs the 2D padding mask (batch, length) to place the windows; got a "
-                f"{call.attention_mask.dim()}D attention_mask."
-            )
-        check_spans_in_prompt(options, call)
+        check_spans_in_prompt(options, call, "windows")
         layers = options.layer_set(call.model.config.num_hidden_layers)
         return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
 

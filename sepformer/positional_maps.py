@@ -446,11 +446,6 @@ def check_registries(
 check_registries()
 
 
-def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
-    """(b, n) each slot's position counted from its row's first real token (left padding gets negative values)."""
-    return padding_mask.long().cumsum(-1) - 1
-
-
 def apply_partial_rotary(q, k, cos, sin):
     """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim).
 
@@ -481,3 +476,17 @@ def call_extrapolation(config, value, continuing: bool) -> PositionExtrapolation
         # the scale is 1, can continue them exactly.
         extrapolation = dataclasses.replace(extrapolation, length=config.position_table_size)
     return extrapolation
+
+
+def check_position_readable(model, last: int, position_extrapolation, continuing: bool) -> None:
+    """Refuse position `last` where the learned table of `model` (a `SepFormerForCausalLM`) cannot read it under the
+    call's `position_extrapolation` (`call_extrapolation`), with the error reading it would raise; the other maps are
+    defined at every position."""
+    extrapolation = call_extrapolation(model.config, position_extrapolation, continuing)
+    table = model.model.embed_positions
+    if not isinstance(table, LearnedPositions):
+        return
+    if extrapolation.method == "none" and last >= table.num_embeddings:
+        table(torch.tensor([[last]], device=table.weight.device), extrapolation)  # raises before reading a row
+    if extrapolation.method == "interpolate":
+        table.table_coordinates(torch.tensor([[last]]), extrapolation)

@@ -10,34 +10,35 @@ Spans count from each row's first real token, like calibration's, so a left-padd
 """
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers.cache_utils import Cache
 
-from .attention_calibration import check_dummy_document, dummy_batch
-from .input_checks import check_position_readable, generation_setting
 from .mitigation_options import (
     MitigationOptions,
     PositionalScaling,
-    _as_int_tuple,
-    _as_spans,
-    _check_number,
+    as_int_tuple,
+    as_spans,
+    check_combination,
+    check_number,
     plain_integer,
 )
-from .positional_maps import call_extrapolation, positions_from_mask
-from .spans import check_spans_in_lengths, key_documents, key_positions
+from .positional_maps import check_position_readable
+from .spans import (
+    check_dummy_document,
+    check_last_column_real,
+    check_mask_values,
+    check_spans,
+    dummy_batch,
+    key_documents,
+    key_positions,
+    positions_from_mask,
+    prompt_lengths,
+)
 
 STRATEGIES = ("ends", "last", "first")
 SOURCES = ("attention", "calibrated", "position_free")
-REFUSED_WITH = {
-    name: f"its spans would describe the documents where they were before reordering: reorder first "
-    f"(sepformer.reorder_documents returns the prompt and the documents' new spans), then generate with {name} on "
-    "the new spans"
-    for name in ("attention_calibration", "parallel_context_windows")
-}
 SCORING_KEYWORDS = ("position_ids", "output_attentions", "use_cache", "logits_to_keep", "past_key_values")
 
 
@@ -73,17 +74,16 @@ class ReorderDocuments(MitigationOptions):
     name: ClassVar[str] = "reorder_documents"
 
     def __post_init__(self):
-        object.__setattr__(self, "spans", _as_spans(self.name, self.spans))
+        object.__setattr__(self, "spans", as_spans(self.name, self.spans))
         object.__setattr__(self, "by", self._as_source(self.by))
         check_strategy(self.strategy)
         rounds = plain_integer(self.rounds)
         if rounds is None or rounds < 1:
             raise ValueError(f"reorder_documents rounds={self.rounds!r} must be an integer >= 1.")
         object.__setattr__(self, "rounds", rounds)
-        object.__setattr__(self, "layers", _as_int_tuple(self.name, "layers", self.layers))
-        object.__setattr__(self, "dummy_document", _as_int_tuple(self.name, "dummy_document", self.dummy_document))
-        if self.dummy_document is not None and len(self.dummy_document) == 0:
-            raise ValueError("reorder_documents dummy_document=() is empty: give at least one token id.")
+        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
+        dummy_document = as_int_tuple(self.name, "dummy_document", self.dummy_document, empty=False)
+        object.__setattr__(self, "dummy_document", dummy_document)
         if self.dummy_document is not None and self.by != "calibrated":
             raise ValueError(
                 f"reorder_documents dummy_document is only read by by='calibrated' (which measures bias(k) with it); "
@@ -115,10 +115,7 @@ class ReorderDocuments(MitigationOptions):
                 f"reorder_documents by={by!r} must be one of {list(SOURCES)} or one score per document: shape "
                 f"({rows}, {documents}) for these spans; got {shape} (scores per row)."
             )
-        for row in scores:
-            for score in row:
-                _check_number(self.name, "by score", score)
-        return tuple(tuple(float(score) for score in row) for row in scores)
+        return tuple(tuple(float(check_number(self.name, "by score", score)) for score in row) for row in scores)
 
     @property
     def from_model(self) -> bool:
@@ -207,18 +204,9 @@ def check_prompt(name: str, input_ids, attention_mask, spans) -> list[int]:
             f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
         )
     if attention_mask is not None:
-        other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-        if other.numel():
-            raise ValueError(
-                f"{name} attention_mask contains {other[0].item()}: a padding mask holds only 0 (padding) and 1 (a "
-                "token)."
-            )
-    if len(spans) != len(input_ids):
-        raise ValueError(f"{name} has spans for {len(spans)} rows; the batch has {len(input_ids)} rows.")
-    lengths = (
-        attention_mask.long().sum(-1).tolist() if attention_mask is not None else [input_ids.shape[1]] * len(input_ids)
-    )
-    check_spans_in_lengths(name, spans, lengths)
+        check_mask_values(attention_mask, f"{name} ")
+    lengths = prompt_lengths(attention_mask, *input_ids.shape)
+    check_spans(name, spans, len(input_ids), lengths)
     for row, (row_spans, length) in enumerate(zip(spans, lengths, strict=True)):
         last = max(row_spans, key=lambda span: span[1])
         if last[1] == length:
@@ -239,9 +227,13 @@ def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     lengths shift the gaps' positions; with equal lengths, every gap stays where it was. Tokens before and after the
     block do not move. Spans count from the row's first real token (padding, left or right, is never moved).
     """
-    spans = _as_spans("reorder_prompt", spans)
+    spans = as_spans("reorder_prompt", spans)
     check_prompt("reorder_prompt", input_ids, attention_mask, spans)
-    order = as_order(order, len(spans), len(spans[0]))
+    return move_documents(input_ids, attention_mask, spans, as_order(order, len(spans), len(spans[0])))
+
+
+def move_documents(input_ids, attention_mask, spans, order: list[list[int]]):
+    """`reorder_prompt` on checked inputs."""
     reordered, new_spans = input_ids.clone(), []
     for row, (row_spans, row_order) in enumerate(zip(spans, order, strict=True)):
         columns = (
@@ -267,23 +259,22 @@ def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     return reordered, tuple(new_spans)
 
 
-def check_combinable(options: ReorderDocuments, keywords: dict) -> None:
-    """The mitigations of `keywords` (`generate`'s, or the scoring passes') that reordering cannot run with."""
-    for name, why in REFUSED_WITH.items():
-        if keywords.get(name) not in (None, False):
-            raise ValueError(f"reorder_documents cannot be combined with {name}: {why}.")
-    if options.by == "position_free" and keywords.get("positional_scaling") is not None:
-        raise ValueError(
-            "reorder_documents by='position_free' sets positional_scaling itself (factor 0 on the positional block "
-            f"in every layer); got positional_scaling={keywords['positional_scaling']!r}: drop it."
-        )
+def check_combinable(keywords: dict) -> None:
+    """The options of `keywords` (`generate`'s, or the scoring passes') that reordering cannot run with."""
+    given = {**keywords, "reorder_documents": True}
+    check_combination({name: frozenset() for name, value in given.items() if value is not None and value is not False})
 
 
 def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask, model_kwargs: dict) -> None:
     """Everything `reorder_documents` needs from the model, the prompt and the forwards' `model_kwargs`, before any
     work."""
     lengths = check_prompt(options.name, input_ids, attention_mask, options.spans)
-    check_combinable(options, model_kwargs)
+    check_combinable(model_kwargs)
+    if options.by == "position_free" and model_kwargs.get("positional_scaling") is not None:
+        raise ValueError(
+            "reorder_documents by='position_free' sets positional_scaling itself (factor 0 on the positional block "
+            f"in every layer); got positional_scaling={model_kwargs['positional_scaling']!r}: drop it."
+        )
     own = sorted(set(SCORING_KEYWORDS) & set(model_kwargs))
     if own:
         raise TypeError(
@@ -302,18 +293,15 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
             f"reorder_documents by={options.by!r} scores the documents with the model, whose dropout is on in train "
             "mode: put the model in eval mode (model.eval())."
         )
-    config = model.config
-    options.layer_set(config.num_hidden_layers)
-    if attention_mask is not None and not attention_mask[:, -1].all():
-        padded = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
-        raise ValueError(
-            f"reorder_documents by={options.by!r} reads the last prompt token's attention from the last column, but "
-            f"rows {padded} end in padding there (attention_mask[:, -1] == 0): pad on the left."
-        )
+    options.layer_set(model.config.num_hidden_layers)
+    if attention_mask is not None:
+        reader = f"reorder_documents by={options.by!r} reads the last prompt token's attention from the last column"
+        check_last_column_real(attention_mask, reader)
     if options.by == "calibrated":
-        check_dummy_document(options, config)
+        check_dummy_document(options, model.config)
         check_dummy_length(model, options, lengths, model_kwargs)
     if options.by == "position_free":
+        config = model.config
         if config.model_type != "sepformer":
             raise ValueError(
                 f"reorder_documents by='position_free' zeroes SepFormer's positional block; this is a "
@@ -341,9 +329,8 @@ def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], mod
         return
     why = f"past max_position_embeddings={limit} and the prompt's {max(lengths)} tokens"
     if model.config.model_type == "sepformer":  # reads positions past L by its position_extrapolation
-        extrapolation = call_extrapolation(model.config, model_kwargs.get("position_extrapolation"), continuing=False)
         try:
-            return check_position_readable(model, longest - 1, extrapolation)
+            return check_position_readable(model, longest - 1, model_kwargs.get("position_extrapolation"), False)
         except ValueError as error:
             why = str(error).rstrip(".")
     raise ValueError(
@@ -385,8 +372,9 @@ def last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs)
     return torch.stack([outputs.attentions[layer][:, :, -1].float() for layer in sorted(layers)], 1).mean((1, 2))
 
 
-def relevance(model, options: ReorderDocuments, input_ids, attention_mask, **model_kwargs) -> torch.Tensor:
-    """(b, K) `options.by`'s relevance of the documents at `options.spans` (checked by `check_reordering`)."""
+def relevance(model, options: ReorderDocuments, input_ids, attention_mask, *, spans, **model_kwargs) -> torch.Tensor:
+    """(b, K) `options.by`'s relevance of the documents at `spans` (`options.spans` or where the previous round moved
+    them; checked by `check_reordering`)."""
     if not options.from_model:
         return torch.tensor(options.by, dtype=torch.float64)
     layers = options.layer_set(model.config.num_hidden_layers)
@@ -395,10 +383,11 @@ def relevance(model, options: ReorderDocuments, input_ids, attention_mask, **mod
         model_kwargs = {**model_kwargs, "positional_scaling": PositionalScaling(factor=0.0, layers=all_layers)}
     attention = last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs)  # (b, n)
     positions = key_positions(attention_mask, input_ids.shape[1], input_ids.device)
-    membership = key_documents(torch.tensor(options.spans, device=input_ids.device), positions)  # (b, n, K)
+    membership = key_documents(torch.tensor(spans, device=input_ids.device), positions)  # (b, n, K)
     scores = torch.einsum("bn,bnk->bk", attention, membership) / membership.sum(1)
     if options.by == "calibrated":
-        ids, padding, probe = dummy_batch(options, model.config, input_ids, attention_mask)
+        pad = model.config.pad_token_id
+        ids, padding, probe = dummy_batch(spans, options.dummy_document, pad, input_ids, attention_mask)
         dummy = last_row_attention(model, ids, padding, layers, **model_kwargs)  # (b · K, width)
         bias = (dummy * probe).sum(-1) / probe.sum(-1)
         scores = scores - bias.view(scores.shape)
@@ -426,7 +415,7 @@ def document_relevance(
     """
     options = ReorderDocuments(spans=spans, by=by, layers=layers, dummy_document=dummy_document)
     check_reordering(model, options, input_ids, attention_mask, model_kwargs)
-    return relevance(model, options, input_ids, attention_mask, **model_kwargs)
+    return relevance(model, options, input_ids, attention_mask, spans=options.spans, **model_kwargs)
 
 
 def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs):
@@ -439,52 +428,14 @@ def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs)
     """
     options = ReorderDocuments.parse(options)
     check_reordering(model, options, input_ids, attention_mask, model_kwargs)
-    documents = len(options.spans[0])
+    spans, documents = options.spans, len(options.spans[0])
     order = torch.arange(documents).expand(len(input_ids), documents)
-    for done in range(1, options.rounds + 1):
-        scores = relevance(model, options, input_ids, attention_mask, **model_kwargs)
+    for done in range(1, options.rounds + 1):  # each round on the checked prompt the last one made: not checked again
+        scores = relevance(model, options, input_ids, attention_mask, spans=spans, **model_kwargs)
         step = relevance_order(scores, options.strategy if done == options.rounds else "last")
-        input_ids, spans = reorder_prompt(input_ids, attention_mask, options.spans, step)
-        options, order = dataclasses.replace(options, spans=spans), order.gather(1, step)
-    return input_ids, options.spans, order
-
-
-def generation_padding(model, prompt, generation_config, kwargs: dict) -> torch.Tensor | None:
-    """The padding mask `generate` runs with: the given one, or the one it infers without it (`pad_token_id` in the
-    prompt and not an eos: transformers' `_prepare_attention_mask_for_generation`), so that spans count from the
-    first real token that generation sees."""
-    if kwargs.get("attention_mask") is not None:
-        return kwargs["attention_mask"]
-    pad, eos = (generation_setting(model, generation_config, kwargs, name) for name in ("pad_token_id", "eos_token_id"))
-    if pad is None or pad in (eos if isinstance(eos, list) else [eos]) or not (prompt == pad).any():
-        return None
-    return prompt.ne(pad).long()
-
-
-def reorder_generate_prompt(model, options, inputs, kwargs: dict, generation_config=None):
-    """`generate`'s `(inputs, kwargs)` with the prompt's documents reordered, before it expands the rows for beams and
-    return sequences; the options whose spans would describe the old order are refused."""
-    options = ReorderDocuments.parse(options)
-    cache = kwargs.get("past_key_values")
-    if cache is not None and (not isinstance(cache, Cache) or cache.get_seq_length() > 0):
-        held = f"{cache.get_seq_length()} tokens" if isinstance(cache, Cache) else f"a {type(cache).__name__}"
-        raise ValueError(
-            f"reorder_documents moves the prompt's documents, but past_key_values already holds {held} of the prompt "
-            "in its old order: generate without past_key_values (or with an empty cache)."
-        )
-    # generate's other mitigations do not reach the scoring passes: only those that read the spans matter
-    check_combinable(options, {name: kwargs.get(name) for name in REFUSED_WITH})
-    prompt = inputs if inputs is not None else kwargs.get("input_ids")
-    if prompt is None:
-        raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
-    forward_kwargs = {}  # for the scoring passes only: given scores run none
-    if options.from_model and kwargs.get("position_extrapolation") is not None:
-        forward_kwargs["position_extrapolation"] = kwargs["position_extrapolation"]
-    mask = generation_padding(model, prompt, generation_config, kwargs)
-    reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
-    if inputs is not None:
-        return reordered, kwargs
-    return None, {**kwargs, "input_ids": reordered}
+        input_ids, spans = move_documents(input_ids, attention_mask, spans, step.tolist())
+        order = order.gather(1, step)
+    return input_ids, spans, order
 
 
 __all__ = [

@@ -1,33 +1,65 @@
-"""Spans of tokens (calibration's documents, PCW's windows): per batch row, `(start, end)` counted from the row's first
-real token, end exclusive."""
+"""Spans of tokens (calibration's and reordering's documents, PCW's windows) in a prompt: per batch row, `(start, end)`
+counted from the row's first real token, end exclusive; with the prompt's padding, read from its padding mask."""
 
 import torch
 
-from .mitigation_base import CallContext
-from .positional_maps import positions_from_mask
+
+def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
+    """(b, n) each slot's position counted from its row's first real token (left padding gets negative values)."""
+    return padding_mask.long().cumsum(-1) - 1
 
 
-def check_spans_in_prompt(options, call: CallContext) -> None:
-    """`options.spans`: one row of spans per batch row, each span inside its row's prompt (spans count from the row's
-    first real token); the lengths are checked at prefill (a decoding step only adds tokens)."""
-    if len(options.spans) != call.batch:
-        raise ValueError(f"{options.name} has spans for {len(options.spans)} rows; the batch has {call.batch} rows.")
-    if call.continuing:
-        return
-    mask = call.attention_mask
-    lengths = mask.sum(-1).tolist() if mask is not None else [call.new_tokens] * call.batch
-    check_spans_in_lengths(options.name, options.spans, lengths)
+def prompt_lengths(padding_mask: torch.Tensor | None, batch: int, width: int) -> list[int]:
+    """Each row's number of real tokens: `width` in every row without a padding mask."""
+    return padding_mask.long().sum(-1).tolist() if padding_mask is not None else [width] * batch
 
 
-def check_spans_in_lengths(name: str, rows, lengths: list[int]) -> None:
-    """Each row's spans end within its prompt's `lengths[row]` tokens; `name` begins the error."""
-    for row, (spans, length) in enumerate(zip(rows, lengths, strict=True)):
-        for start, end in spans:
+def check_spans(name: str, spans, batch: int, lengths: list[int] | None) -> None:
+    """One row of `spans` per batch row, each span ending within its row's prompt of `lengths[row]` tokens (not
+    checked when `None`); `name` begins the error."""
+    if len(spans) != batch:
+        raise ValueError(f"{name} has spans for {len(spans)} rows; the batch has {batch} rows.")
+    for row, (row_spans, length) in enumerate(zip(spans, lengths or (), strict=False)):
+        for start, end in row_spans:
             if end > length:
                 raise ValueError(
                     f"{name} span ({start}, {end}) of row {row} is out of range: the prompt of that row has {length} "
                     "tokens (spans count from its first real token)."
                 )
+
+
+def check_spans_in_prompt(options, call, spans_are: str) -> None:
+    """`options.spans` (the `spans_are`) placed by the 2-D padding mask of `call` (a `CallContext`), inside its prompt;
+    the lengths are checked at prefill (a decoding step only adds tokens)."""
+    if call.attention_mask is not None and call.attention_mask.dim() != 2:
+        raise ValueError(
+            f"{options.name} needs the 2D padding mask (batch, length) to place the {spans_are}; got a "
+            f"{call.attention_mask.dim()}D attention_mask."
+        )
+    lengths = None if call.continuing else prompt_lengths(call.attention_mask, call.batch, call.new_tokens)
+    check_spans(options.name, options.spans, call.batch, lengths)
+
+
+def check_mask_values(padding_mask: torch.Tensor, name: str = "") -> None:
+    """A padding mask holds only 0s and 1s: its running sum is the positions (a 2 would skip one, a 0.5 be attended
+    yet read as padding); `name` begins the error."""
+    other = padding_mask[(padding_mask != 0) & (padding_mask != 1)]
+    if other.numel():
+        raise ValueError(
+            f"{name}attention_mask contains {other[0].item()}: a 2-D padding mask holds only 0 (padding) and 1 (a "
+            "token), as bool, int or float."
+        )
+
+
+def check_last_column_real(padding_mask: torch.Tensor, reader: str) -> None:
+    """Refuse rows padded on the right, whose last column is a pad: `reader` (which begins the error) takes each row's
+    last prompt token from there."""
+    padded = (padding_mask[:, -1] == 0).nonzero().flatten().tolist()
+    if padded:
+        raise ValueError(
+            f"{reader}, but rows {padded} end in padding there (attention_mask[:, -1] == 0): pad on the left "
+            "(tokenizer padding_side='left')."
+        )
 
 
 def key_positions(padding_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
@@ -42,3 +74,45 @@ def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     starts, ends = spans[..., 0][:, None], spans[..., 1][:, None]  # (b, 1, K)
     inside = (positions[..., None] >= starts) & (positions[..., None] < ends)
     return inside.float()  # calibration re-weights rows of probabilities kept in float32
+
+
+def check_dummy_document(options, config) -> None:
+    """`options.dummy_document` (or the default, `pad_token_id` repeated) is made of ids in the vocabulary."""
+    pad, vocabulary = config.pad_token_id, f"the vocabulary 0..{config.vocab_size - 1}"
+    if options.dummy_document is None and (pad is None or not 0 <= pad < config.vocab_size):
+        lacking = "the config has no pad_token_id" if pad is None else f"pad_token_id={pad} is outside {vocabulary}"
+        raise ValueError(
+            f"{options.name}'s default dummy document is pad_token_id repeated, but {lacking}: give "
+            "dummy_document=(token ids) explicitly."
+        )
+    bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
+    if bad:
+        raise ValueError(f"{options.name} dummy_document has ids {bad} outside {vocabulary}.")
+
+
+def dummy_batch(spans, dummy_document, pad_token_id: int, input_ids: torch.Tensor, mask: torch.Tensor | None):
+    """One left-padded sequence per (row, document): the prompt with the dummy document in place of document `k`
+    (`dummy_document`, or `pad_token_id` repeated to the document's length when `None`), as calibration's dummy
+    passes and reordering's `by="calibrated"` read it.
+
+    Returns ids and padding mask (rows × K, width) and the dummy's keys (rows × K, width), row-major.
+    """
+    sequences, probes = [], []
+    for row, row_spans in enumerate(spans):
+        tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
+        for start, end in row_spans:
+            if dummy_document is None:
+                dummy = tokens.new_full((end - start,), pad_token_id)
+            else:
+                dummy = tokens.new_tensor(dummy_document)
+            sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))
+            probes.append((start, start + len(dummy)))
+    width = max(len(sequence) for sequence in sequences)
+    ids = input_ids.new_zeros(len(sequences), width)
+    padding = torch.zeros_like(ids)
+    probe = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    for index, (sequence, (start, end)) in enumerate(zip(sequences, probes, strict=True)):
+        pad = width - len(sequence)  # left padding
+        ids[index, pad:], padding[index, pad:] = sequence, 1
+        probe[index, pad + start : pad + end] = True
+    return ids, padding, probe

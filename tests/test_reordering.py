@@ -364,8 +364,8 @@ def test_bad_options_are_refused_before_any_forward(fields, message):
 @pytest.mark.parametrize(
     ("model_overrides", "fields", "kwargs", "message"),
     [
-        ({}, {}, {"attention_calibration": {"spans": SPANS}}, r"cannot be combined with attention_calibration: its"),
-        ({}, {}, {"parallel_context_windows": {"spans": SPANS}}, r"cannot be combined with parallel_context_windows"),
+        ({}, {}, {"attention_calibration": {"spans": SPANS}}, r"and attention_calibration cannot be combined: its"),
+        ({}, {}, {"parallel_context_windows": {"spans": SPANS}}, r"and parallel_context_windows cannot be combined"),
         ({"rotary_dim": 4}, {}, {}, r"by='position_free' needs .* position_size=8, rotary_dim=4"),
         ({"pad_token_id": None}, {"by": "calibrated"}, {}, r"reorder_documents's default dummy document is pad_token"),
         ({}, {"by": "calibrated", "dummy_document": (300,)}, {}, r"dummy_document has ids \[300\] outside the vocab"),
@@ -410,8 +410,8 @@ def test_bad_orders_and_scores_are_refused():
 @pytest.mark.parametrize(
     ("twos", "spans", "message"),
     [
-        (True, SPANS, r"attention_mask contains 2: a padding mask holds only 0 \(padding\) and 1"),
-        (True, (((1, 4), (5, 8), (9, 20)), SPANS[1]), r"attention_mask contains 2: a padding mask holds only 0"),
+        (True, SPANS, r"attention_mask contains 2: a 2-D padding mask holds only 0 \(padding\) and 1"),
+        (True, (((1, 4), (5, 8), (9, 20)), SPANS[1]), r"attention_mask contains 2: a 2-D padding mask holds only 0"),
         (False, (SPANS[0], ((0, 2), (3, 7), (8, 11))), r"span \(8, 11\) of row 1 holds the prompt's last token \(10,"),
     ],
 )
@@ -433,7 +433,7 @@ def test_reorder_prompt_refuses_a_mask_of_other_values_and_a_span_holding_the_qu
     ("keywords", "message"),
     [
         ({"positional_scaling": {"factor": 0.5}}, r"by='position_free' sets positional_scaling itself .* got"),
-        ({"attention_calibration": {"spans": SPANS}}, r"cannot be combined with attention_calibration: its spans"),
+        ({"attention_calibration": {"spans": SPANS}}, r"reorder_documents and attention_calibration cannot be"),
     ],
 )
 def test_forward_keywords_the_scoring_would_override_or_misread_are_refused_before_any_forward(keywords, message):
