@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_OPTIONS, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -87,7 +87,7 @@ def sinusoidal_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation:
 
 
 # The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows, each
-# registered under its name in `positional_options.EXTRAPOLATION_PARAMETERS`, which lists the parameters it reads.
+# registered under its name in `positional_options.EXTRAPOLATION_METHODS`.
 EXTRAPOLATIONS = {
     "clamp": clamp_rows,
     "sinusoidal": sinusoidal_rows,
@@ -122,7 +122,7 @@ def kept_rows(store: dict | None, key, count: int, make) -> torch.Tensor:
 
 class PositionalMap:
     """What every positional map is: an `nn.Module` built from the config, registered in `POSITIONAL_MAPS` under a
-    name of `positional_options.POSITIONAL_MAP_NAMES`, with
+    name of `positional_options.POSITIONAL_MAP_OPTIONS` (which holds its parameters), with
 
     - `forward(position_ids, extrapolation, store=None) -> (b or 1, seq, d_pos)`: `p(i)` at integer or fractional
       positions; `extrapolation` is the call's `PositionExtrapolation` (a map defined everywhere ignores it), `store`
@@ -358,10 +358,10 @@ def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tens
 
 
 class BSplinePositions(nn.Module, PositionalMap):
-    """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`spline_control_points`, `n ≪ L`) and the
-    B-spline basis of degree `k` (`spline_degree`) on clamped uniform knots over `[0, T-1]`, `T` the
-    `position_table_size` (`L`, or the range of randomized positions). Defined at every real position; past `T-1`
-    `spline_extension` decides (`clamp`: the last control point; `linear`: the end's tangent continued).
+    """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`control_points`, `n ≪ L`) and the B-spline
+    basis of degree `k` (`degree`) on clamped uniform knots over `[0, T-1]`, `T` the `position_table_size` (`L`, or
+    the range of randomized positions). Defined at every real position; past `T-1` `extension` decides (`clamp`: the
+    last control point; `linear`: the end's tangent continued): `positional_options.BSplineMap`.
 
     Integer positions read rows computed for `0 .. T·2^m - 1`, once per generation where there is a `store`, as the
     learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.
@@ -369,9 +369,9 @@ class BSplinePositions(nn.Module, PositionalMap):
 
     def __init__(self, config):
         super().__init__()
-        self.degree, self.extension = config.spline_degree, config.spline_extension
-        self.length = config.position_table_size
-        self.control_points = nn.Parameter(torch.empty(config.spline_control_points, config.position_size))
+        options = config.map_options()
+        self.degree, self.extension, self.length = options.degree, options.extension, config.position_table_size
+        self.control_points = nn.Parameter(torch.empty(options.control_points, config.position_size))
         self.setup_training_positions(config)
         self._knots = None  # float64 knots on the control points' device
 
@@ -423,9 +423,9 @@ POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPosition
 
 
 def check_registries(
-    methods=EXTRAPOLATION_PARAMETERS,
+    methods=EXTRAPOLATION_METHODS,
     extrapolations=EXTRAPOLATIONS,
-    map_names=POSITIONAL_MAP_NAMES,
+    map_names=tuple(POSITIONAL_MAP_OPTIONS),
     maps=POSITIONAL_MAPS,
 ) -> None:
     """The names the config knows (`positional_options`) and the implementations here agree: a method or map named in
