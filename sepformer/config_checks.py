@@ -47,8 +47,7 @@ DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation
 KEPT_GENERATION_KEYWORDS = (
     frozenset(name for name in vars(GenerationConfig()) if not name.startswith("_")) - DROPPED_GENERATION_KEYWORDS
 )
-# The fields that name a choice with its parameters: the choice's key in their dicts, their parser, and each choice's
-# parameters with their defaults.
+# The fields that name a choice and its parameters: the choice's key in their dicts, their parser, the parameters.
 OPTION_FIELDS = {
     "position_extrapolation": ("method", PositionExtrapolation.parse, EXTRAPOLATION_PARAMETERS),
     "positional_map": ("map", PositionalMapOptions.parse, MAP_PARAMETERS),

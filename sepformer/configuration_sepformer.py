@@ -87,9 +87,8 @@ class SepFormerConfig(PreTrainedConfig):
       `num_attention_heads`, `position_intermediate_size` and `semantic_intermediate_size` (the two MLPs; `None`: 4x
       their block), `hidden_act` (any name of `ACT2FN`).
     - positions: `max_position_embeddings` (`L`, the training length), `positional_map` (`"learned"`, `"sinusoidal"`,
-      `"bspline"`, or a dict of the map and its parameters: `{"map": "bspline", "control_points": 8}`),
-      `position_extrapolation` (how a learned table answers positions past its rows: a method name or
-      `{"method": "fourier", "components": 16}`, `{"method": "interpolate", "length": 2048}`; overridable per call;
+      `"bspline"`, or `{"map": "bspline", "control_points": 8}`), `position_extrapolation` (how a learned table
+      answers positions past its rows: a method or `{"method": "fourier", "components": 16}`; overridable per call;
       older configs' `fourier_components`, `interpolation_length` and `spline_*` fields read and set the parameters),
       `position_table_size` (`M >= L` positions a map is trained on; `None`: `L`; larger needs one of the next two),
       `random_position_offsets` (random shifts in training, learned table), `randomized_positions` and

@@ -76,21 +76,13 @@ def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return torch.lerp(table[low], table[high], weight)
 
 
-def clamp_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-    """`p(L-1)` at every position."""
-    return table[-1:].expand(positions.shape[0], -1)
-
-
-def sinusoidal_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-    """`σ · PE(i)`, `σ` the std of the table."""
-    return (table.float().std() * sinusoid(positions, table.shape[1])).to(table.dtype)
-
-
-# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows, each
-# registered under its name in `positional_options.EXTRAPOLATION_METHODS`.
+# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows (the
+# module's docstring gives each formula), registered under their names in `positional_options.EXTRAPOLATION_METHODS`.
 EXTRAPOLATIONS = {
-    "clamp": clamp_rows,
-    "sinusoidal": sinusoidal_rows,
+    "clamp": lambda table, positions, extrapolation: table[-1:].expand(positions.shape[0], -1),
+    "sinusoidal": lambda table, positions, extrapolation: (
+        table.float().std() * sinusoid(positions, table.shape[1])
+    ).to(table.dtype),
     "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
 }
 LEARNED_TABLE_METHODS = ("none", "interpolate")  # answered by `LearnedPositions` itself, not by a function here
@@ -131,6 +123,9 @@ class PositionalMap:
     - `table_coordinates(position_ids, extrapolation)`: where those positions read the map (`interpolate` compresses);
     - the training positions below: the positions themselves, shifted by random offsets (a learned table only), or
       randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
+
+    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        return position_ids  # a map defined everywhere: nothing is compressed
 
     def setup_training_positions(self, config) -> None:
         self.random_offsets = config.random_position_offsets
@@ -312,9 +307,6 @@ class SinusoidalPositions(nn.Module, PositionalMap):
         """`base`: another base than the map's own (Attention Buckets). Made from no weight: nothing to `store`."""
         return sinusoid(position_ids, self.dim, base)
 
-    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        return position_ids  # defined everywhere: nothing is compressed
-
     def extra_repr(self):
         return f"dim={self.dim}"
 
@@ -408,9 +400,6 @@ class BSplinePositions(nn.Module, PositionalMap):
             for i in range(1, weight.shape[0]):
                 rows = rows + basis[..., i : i + 1] * weight[i]
             return rows
-
-    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        return position_ids  # defined everywhere: nothing is compressed
 
     def extra_repr(self):
         return (

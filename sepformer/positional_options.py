@@ -1,7 +1,7 @@
 """The positional options a config names, without torch: each positional map and extrapolation method by name, with
 the parameters it reads, their defaults and what they allow. `positional_maps` registers their implementations under
 these names (`POSITIONAL_MAPS`, `EXTRAPOLATIONS`): a new map is its dataclass here and its module there, a new method
-its name in `EXTRAPOLATION_METHODS` (and its parameters in `PositionExtrapolation`) and its function there."""
+its name in `EXTRAPOLATION_METHODS` (its parameters in `PositionExtrapolation`) and its function there."""
 
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -145,18 +145,13 @@ class PositionExtrapolation:
             methods = ", ".join(map(repr, EXTRAPOLATION_METHODS))
             raise ValueError(f"position_extrapolation method {self.method!r} is unknown: choose one of {methods}.")
         check_parameters(self)
-        parameters = fields(self)[1:]
-        unread = [
-            f"{option.name}={getattr(self, option.name)!r}"
-            for option in parameters
-            if getattr(self, option.name) != option.default and option.metadata["reader"] != self.method
-        ]
-        if unread:
-            readers = ", ".join(f"{option.name} by {option.metadata['reader']!r}" for option in parameters)
-            raise ValueError(
-                f"position_extrapolation {', '.join(unread)} is read only by its method ({readers}; it would be "
-                f"ignored), not by {self.method!r}: drop it or use that method."
-            )
+        for option in fields(self)[1:]:
+            if getattr(self, option.name) != option.default and option.metadata["reader"] != self.method:
+                raise ValueError(
+                    f"position_extrapolation {option.name}={getattr(self, option.name)!r} is read only by "
+                    f"{option.metadata['reader']!r} (it would be ignored), not by {self.method!r}: drop it or use "
+                    "that method."
+                )
 
     @classmethod
     def parse(cls, value) -> "PositionExtrapolation":
@@ -164,20 +159,18 @@ class PositionExtrapolation:
         keys = ("method", *(name for parameters in EXTRAPOLATION_PARAMETERS.values() for name in parameters))
         if all(hasattr(value, name) for name in keys):
             # duck-typed: an instance from another copy of this module (installed package vs. Hub custom code)
-            return cls(**{name: getattr(value, name) for name in keys})
-        if isinstance(value, str):
-            return cls(method=value)
-        if isinstance(value, dict):
-            unknown = set(value) - set(keys)
-            if unknown:
-                raise ValueError(
-                    f"position_extrapolation got unknown keys {sorted(unknown)}: allowed are "
-                    f"{', '.join(map(repr, keys))}."
-                )
-            return cls(**value)
-        raise ValueError(
-            f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
-        )
+            value = {name: getattr(value, name) for name in keys}
+        value = {"method": value} if isinstance(value, str) else value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
+            )
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise ValueError(
+                f"position_extrapolation got unknown keys {unknown}: allowed are {', '.join(map(repr, keys))}."
+            )
+        return cls(**value)
 
     def as_config_value(self) -> str | dict:
         return config_value("method", self, EXTRAPOLATION_PARAMETERS[self.method])

@@ -185,13 +185,6 @@ def test_fractional_positions_between_the_last_row_and_the_first_extrapolated_on
     torch.testing.assert_close(rows.double(), torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_ends_are_the_end_control_points():
-    model = spline_model()
-    control_points = model.model.embed_positions.control_points
-    rows = map_rows(model, torch.tensor([[0, L - 1, 4 * L]]))[0]
-    torch.testing.assert_close(rows, control_points[[0, -1, -1]], rtol=1e-6, atol=1e-6)
-
-
 def decode_step_by_step(model, ids, prefill):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
