@@ -79,7 +79,7 @@ class AttentionBucketsMitigation(Mitigation):
         if options.bases is not None:
             if config.rotary_dim > 0:
                 rotary_base = options.bases[0]
-            elif config.position_size > 0 and config.positional_map == "sinusoidal":
+            elif config.position_size > 0 and config.map_options().map == "sinusoidal":
                 map_base = options.bases[0]
             else:
                 raise ValueError(

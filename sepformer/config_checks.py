@@ -1,6 +1,6 @@
 """How `SepFormerConfig` checks its fields, torch-free: each field's `@strict` validators run on every assignment
-with errors naming the field and the value, `None` sizes derived from other fields, older configs' extrapolation fields
-as properties over `position_extrapolation`, and the keywords a config would ignore."""
+with errors naming the field and the value, `None` sizes derived from other fields, older configs' fields as properties
+over the dict fields that now hold them, and the keywords a config would ignore."""
 
 import dataclasses
 import difflib
@@ -12,7 +12,7 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import GenerationConfig
 
 from .mitigation_options import plain_number
-from .positional_options import EXTRAPOLATION_PARAMETERS, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_PARAMETERS, MAP_PARAMETERS, PositionalMapOptions, PositionExtrapolation
 
 # Other architectures' names for SepFormer's fields, and keywords SepFormer has no use for: what to do instead.
 FOREIGN_KEYWORDS = {
@@ -47,6 +47,11 @@ DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation
 KEPT_GENERATION_KEYWORDS = (
     frozenset(name for name in vars(GenerationConfig()) if not name.startswith("_")) - DROPPED_GENERATION_KEYWORDS
 )
+# The fields that name a choice and its parameters: the choice's key in their dicts, their parser, the parameters.
+OPTION_FIELDS = {
+    "position_extrapolation": ("method", PositionExtrapolation.parse, EXTRAPOLATION_PARAMETERS),
+    "positional_map": ("map", PositionalMapOptions.parse, MAP_PARAMETERS),
+}
 
 
 class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
@@ -56,10 +61,14 @@ class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
         Exception.__init__(self, message)
 
 
+class UnreadValueError(ValueError):
+    """A value the config's settings would never read: refused, but only warned about in a saved config."""
+
+
 def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
     """A class decorator: run a field's `@strict` validators whenever it is set, with errors that name the field and
-    the value; make `derived_sizes` (`{name: (meaning, resolve)}`) and `legacy_fields` (`{old field: parameter of
-    position_extrapolation}`) properties."""
+    the value; make `derived_sizes` (`{name: (meaning, resolve)}`) and `legacy_fields` (`{old field: (field of
+    OPTION_FIELDS, parameter)}`) properties."""
 
     def decorate(cls):
         strict_setattr = cls.__setattr__
@@ -74,8 +83,8 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
         cls.__setattr__ = __setattr__
         for name, (meaning, resolve) in derived_sizes.items():
             setattr(cls, name, _derived_size(name, meaning, resolve))
-        for old, parameter in legacy_fields.items():
-            setattr(cls, old, _extrapolation_parameter(old, parameter))
+        for old, (field, parameter) in legacy_fields.items():
+            setattr(cls, old, _legacy_field(old, field, parameter))
         return cls
 
     return decorate
@@ -121,27 +130,27 @@ def _derived_size(name: str, meaning: str, resolve) -> property:
     return property(get, set_, doc=f"`{name}`; `None` (stored and saved as such) reads as {meaning}.")
 
 
-def _extrapolation_parameter(old: str, parameter: str) -> property:
-    """An older config's field, now the parameter of `position_extrapolation`: what `lm_eval --model_args` and
-    `from_pretrained(..., interpolation_length=2048)` set, after the method. At its default a field the method does
-    not read is what every older config saved; another value is refused."""
-    default = PositionExtrapolation.__dataclass_fields__[parameter].default
-    reader = next(method for method, names in EXTRAPOLATION_PARAMETERS.items() if parameter in names)
+def _legacy_field(old: str, field: str, parameter: str) -> property:
+    """An older config's field, now a parameter in `field`'s dict: what `lm_eval --model_args` and
+    `from_pretrained(..., interpolation_length=2048)` set, after the field. At its default a field the choice does not
+    read is what every older config saved; another value is refused."""
+    key, parse, parameters = OPTION_FIELDS[field]
+    reader, default = next((name, names[parameter]) for name, names in parameters.items() if parameter in names)
 
     def get(self):
-        return getattr(self.default_extrapolation(), parameter)
+        return getattr(parse(getattr(self, field)), parameter, default)
 
     def set_(self, value):
-        extrapolation = self.default_extrapolation()
-        if parameter in EXTRAPOLATION_PARAMETERS[extrapolation.method]:
-            self.position_extrapolation = dataclasses.replace(extrapolation, **{parameter: value}).as_config_value()
+        options = parse(getattr(self, field))
+        if parameter in parameters[getattr(options, key)]:
+            setattr(self, field, dataclasses.replace(options, **{parameter: value}).as_config_value())
         elif value != default:
-            raise ValueError(
+            raise UnreadValueError(
                 f"{old}={value!r} is read only with {reader!r} (it would be ignored); this config has "
-                f"position_extrapolation={self.position_extrapolation!r}. Set that first, or leave {old} out."
+                f"{field}={getattr(self, field)!r}. Set that first, or leave {old} out."
             )
 
-    return property(get, set_, doc=f"`position_extrapolation`'s `{parameter}` (a field of older configs).")
+    return property(get, set_, doc=f"`{field}`'s `{parameter}` (a field of older configs).")
 
 
 def allowed(condition, allowed: str):

@@ -1,6 +1,6 @@
 """SepFormer configuration, in the style of transformers' `LlamaConfig`: `@strict` dataclass fields, choices as
 `Literal`, ranges as `interval`, combinations in `validate_architecture`. Torch-free: positional maps and extrapolation
-methods are known here by name (`positional_options`); `positional_maps` holds their code.
+methods are known here by name, with their parameters (`positional_options`); `positional_maps` holds their code.
 
 A value is checked whenever it is set (also on assignment): a wrong type is a `TypeError`, a wrong value a
 `ValueError`, each naming the field and the value. Combinations are checked when the config is made, loaded and saved
@@ -21,6 +21,7 @@ from transformers.utils.type_validators import activation_fn_key, interval
 
 from .config_checks import (
     ConfigTypeError,
+    UnreadValueError,
     allowed,
     check_field,
     checked_on_assignment,
@@ -30,7 +31,7 @@ from .config_checks import (
     require,
 )
 from .mitigation_options import StableMask
-from .positional_options import POSITIONAL_MAP_NAMES, SPLINE_EXTENSIONS, PositionExtrapolation
+from .positional_options import PositionalMapOptions, PositionExtrapolation
 
 # Sizes that `None` derives from other fields (also when those are assigned later), in one place. `None` is stored and
 # saved as such; reading the field gives the resolved integer.
@@ -41,15 +42,21 @@ DERIVED_SIZES = {
     "semantic_intermediate_size": ("4 * (hidden_size - position_size)", lambda config: 4 * config.semantic_size),
 }
 
-# Fields of older configs that `position_extrapolation` now holds, and the parameter each became: still read and set.
-LEGACY_EXTRAPOLATION_FIELDS = {"fourier_components": "components", "interpolation_length": "length"}
+# Fields of older configs that a dict field now holds, with the parameter each became: still read and set.
+LEGACY_FIELDS = {
+    "fourier_components": ("position_extrapolation", "components"),
+    "interpolation_length": ("position_extrapolation", "length"),
+    "spline_control_points": ("positional_map", "control_points"),
+    "spline_degree": ("positional_map", "degree"),
+    "spline_extension": ("positional_map", "extension"),
+}
 
 
-def refuse_both(old: str, value, extrapolation) -> None:
-    """An older field and a `position_extrapolation` dict that both set its parameter."""
-    parameter = LEGACY_EXTRAPOLATION_FIELDS[old]
-    if isinstance(extrapolation, dict) and parameter in extrapolation:
-        raise ValueError(f"{old}={value!r} and position_extrapolation={extrapolation!r} both set {parameter}.")
+def refuse_both(old: str, value, values: dict) -> None:
+    """An older field and a dict in `values` (the config's or `from_pretrained`'s keywords) that both set it."""
+    field, parameter = LEGACY_FIELDS[old]
+    if isinstance(values.get(field), dict) and parameter in values[field]:
+        raise ValueError(f"{old}={value!r} and {field}={values[field]!r} both set {parameter}.")
 
 
 def _stable_mask(value):
@@ -67,7 +74,7 @@ probability = interval(min=0, max=1, exclude_max=True)
 token_id = allowed(lambda value: value != [], "it must be None, a token id or a non-empty list of token ids.")
 
 
-@checked_on_assignment(DERIVED_SIZES, LEGACY_EXTRAPOLATION_FIELDS)
+@checked_on_assignment(DERIVED_SIZES, LEGACY_FIELDS)
 @strict
 class SepFormerConfig(PreTrainedConfig):
     r"""
@@ -80,14 +87,13 @@ class SepFormerConfig(PreTrainedConfig):
       `num_attention_heads`, `position_intermediate_size` and `semantic_intermediate_size` (the two MLPs; `None`: 4x
       their block), `hidden_act` (any name of `ACT2FN`).
     - positions: `max_position_embeddings` (`L`, the training length), `positional_map` (`"learned"`, `"sinusoidal"`,
-      `"bspline"`), `position_extrapolation` (how a learned table answers positions past its rows: a method name or
-      `{"method": "fourier", "components": 16}`, `{"method": "interpolate", "length": 2048}`; overridable per call;
-      `fourier_components` and `interpolation_length` of older configs read and set its parameters),
+      `"bspline"`, or `{"map": "bspline", "control_points": 8}`), `position_extrapolation` (how a learned table
+      answers positions past its rows: a method or `{"method": "fourier", "components": 16}`; overridable per call;
+      older configs' `fourier_components`, `interpolation_length` and `spline_*` fields read and set the parameters),
       `position_table_size` (`M >= L` positions a map is trained on; `None`: `L`; larger needs one of the next two),
       `random_position_offsets` (random shifts in training, learned table), `randomized_positions` and
       `randomized_range` (sorted random positions from `[0, M)` in training, `"fixed"` or `"per_sequence"` ranges),
-      `spline_control_points`, `spline_degree`, `spline_extension` (the B-spline map), `rotary_dim` and `rope_theta`
-      (rotary on the first `rotary_dim` dimensions of every head; 0 is off).
+      `rotary_dim` and `rope_theta` (rotary on the first `rotary_dim` dimensions of every head; 0 is off).
     - the rest: `norm_type` (`"rmsnorm"` or `"layernorm"`, one norm per block), `norm_eps`, `lm_head_input`
       (`"semantic"` or `"all"`), dropouts, biases, `initializer_range`, `stable_mask` (StableMask's fields as a dict,
       on in training and inference), `fuse_decoding_projections` (decoding steps on weights laid out for them, kept on
@@ -110,15 +116,12 @@ class SepFormerConfig(PreTrainedConfig):
     semantic_intermediate_size: int | None = derived_or(1, DERIVED_SIZES["semantic_intermediate_size"][0])
     hidden_act: str = activation_fn_key(default="gelu_pytorch_tanh")
     max_position_embeddings: int = positive(default=512)
-    positional_map: Literal[POSITIONAL_MAP_NAMES] = "learned"
+    positional_map: str | dict = as_validated_field(PositionalMapOptions.parse)(default="learned")
     position_extrapolation: str | dict = as_validated_field(PositionExtrapolation.parse)(default="none")
     position_table_size: int | None = derived_or(1, DERIVED_SIZES["position_table_size"][0])
     random_position_offsets: bool = False
     randomized_positions: bool = False
     randomized_range: Literal["fixed", "per_sequence"] = "fixed"
-    spline_control_points: int = interval(min=2)(default=16)
-    spline_degree: int = positive(default=3)
-    spline_extension: Literal[SPLINE_EXTENSIONS] = "clamp"
     norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float | int = finite_positive(default=1e-6)
     lm_head_input: Literal["semantic", "all"] = "semantic"
@@ -143,13 +146,13 @@ class SepFormerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # Fields were checked one by one as they were set; the keywords that are no field come here.
         saved = self.transformers_version is not None
-        for old in LEGACY_EXTRAPOLATION_FIELDS:
+        for old in LEGACY_FIELDS:
             if old in kwargs:
                 value = kwargs.pop(old)
-                refuse_both(old, value, self.position_extrapolation)
+                refuse_both(old, value, self.__dict__)
                 try:
                     setattr(self, old, value)
-                except ValueError as error:
+                except UnreadValueError as error:
                     refuse_unless_saved(error, saved)
         ignored = ignored_keywords(kwargs, [field.name for field in dataclasses.fields(self)])
         if ignored:
@@ -161,11 +164,11 @@ class SepFormerConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """transformers sets `from_pretrained`'s keywords on the loaded config one by one, in the caller's order: an
-        older field (`interpolation_length=4096`) is set after `position_extrapolation`, whose method would otherwise
-        replace the parameter it sets."""
-        for old in LEGACY_EXTRAPOLATION_FIELDS:
+        older field (`interpolation_length=4096`) is set after the field that holds it (`position_extrapolation`), which
+        would otherwise replace the parameter it sets."""
+        for old in LEGACY_FIELDS:
             if old in kwargs:
-                refuse_both(old, kwargs[old], kwargs.get("position_extrapolation"))
+                refuse_both(old, kwargs[old], kwargs)
                 kwargs[old] = kwargs.pop(old)  # last
         return super().from_dict(config_dict, **kwargs)
 
@@ -198,16 +201,26 @@ class SepFormerConfig(PreTrainedConfig):
 
     @property
     def has_positional_table(self) -> bool:
-        return self.positional_map == "learned" and self.position_size > 0
+        return self.map_options().map == "learned" and self.position_size > 0
 
     def default_extrapolation(self) -> PositionExtrapolation:
         return PositionExtrapolation.parse(self.position_extrapolation)
+
+    def map_options(self) -> PositionalMapOptions:
+        return PositionalMapOptions.parse(self.positional_map)
 
     def validate_architecture(self):
         """Every invalid value or combination, with the fields, their values and what is allowed."""
         for field in dataclasses.fields(self):  # also values that reached `__dict__` without an assignment
             check_field(type(self), field.name, self.__dict__.get(field.name), field.type)
-        L, M, d_pos = self.max_position_embeddings, self.position_table_size, self.position_size
+        self.check_sizes()
+        self.check_rotary()
+        self.map_options().check(self)
+        self.check_extrapolation(self.default_extrapolation())
+        self.check_training_positions()
+
+    def check_sizes(self) -> None:
+        d_pos = self.position_size
         require(
             self.hidden_size % self.num_attention_heads == 0,
             f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}: "
@@ -232,10 +245,18 @@ class SepFormerConfig(PreTrainedConfig):
             self.semantic_intermediate_size >= 1,
             f"semantic_intermediate_size={self.semantic_intermediate_size} must be a positive integer.",
         )
+        # with position_size=0 the whole vector is the semantic block: the head reads the same either way
         require(
-            self.positional_map != "sinusoidal" or d_pos % 2 == 0,
-            f"position_size={d_pos} is odd, but positional_map='sinusoidal' needs an even position_size "
-            "(sine/cosine pairs).",
+            not self.tie_word_embeddings or self.lm_head_input == "semantic" or d_pos == 0,
+            "tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
+            f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}.",
+        )
+
+    def check_rotary(self) -> None:
+        require(
+            self.rotary_dim <= self.head_dim,
+            f"rotary_dim={self.rotary_dim} is not allowed: it must be 0 (off) or an even number <= "
+            f"head_dim={self.head_dim}.",
         )
         if self.rotary_dim == 0 and self.rope_theta != 10000.0:
             message = (
@@ -243,7 +264,10 @@ class SepFormerConfig(PreTrainedConfig):
                 "config has rotary_dim=0. Set that, or leave rope_theta at its default 10000.0."
             )
             refuse_unless_saved(ValueError(message), self.transformers_version is not None)
-        self.check_extrapolation(self.default_extrapolation())
+
+    def check_training_positions(self) -> None:
+        """`position_table_size` and the ways of training the positions up to it."""
+        L, M, d_pos = self.max_position_embeddings, self.position_table_size, self.position_size
         require(M >= L, f"position_table_size={M} must be >= max_position_embeddings={L}.")
         require(
             M == L or self.random_position_offsets or self.randomized_positions,
@@ -266,46 +290,11 @@ class SepFormerConfig(PreTrainedConfig):
             f"randomized_range={self.randomized_range!r} is read only with randomized_positions=True (it would be "
             "ignored): set randomized_positions=True or leave randomized_range='fixed'.",
         )
-        spline = {"spline_control_points": 16, "spline_degree": 3, "spline_extension": "clamp"}
-        changed = ", ".join(f"{name}={getattr(self, name)!r}" for name, v in spline.items() if getattr(self, name) != v)
-        require(
-            not changed or self.positional_map == "bspline",
-            f"{changed} shape the B-spline map only (it would be ignored): set positional_map='bspline' or leave "
-            f"them at their defaults; positional_map is {self.positional_map!r}.",
-        )
-        n, k = self.spline_control_points, self.spline_degree
-        require(
-            k < n,
-            f"spline_degree={k} needs more control points than that: spline_control_points={n} must be > "
-            "spline_degree (a B-spline of degree k has k + 1 control points per segment).",
-        )
-        if self.positional_map == "bspline":
-            require(
-                M >= 2,
-                "positional_map='bspline' spreads its knots over [0, position_table_size - 1]: "
-                f"position_table_size={M} must be >= 2.",
-            )
-            require(
-                n <= M,
-                f"spline_control_points={n} is more than the position_table_size={M} positions it spans: use at "
-                "most that many.",
-            )
         require(
             not self.random_position_offsets or (self.has_positional_table and M > L),
             "random_position_offsets=True needs a learned table (positional_map='learned', position_size > 0) with "
             f"position_table_size > max_position_embeddings={L}; got positional_map={self.positional_map!r}, "
             f"position_size={d_pos}, position_table_size={M}.",
-        )
-        require(
-            self.rotary_dim <= self.head_dim,
-            f"rotary_dim={self.rotary_dim} is not allowed: it must be 0 (off) or an even number <= "
-            f"head_dim={self.head_dim}.",
-        )
-        # with position_size=0 the whole vector is the semantic block: the head reads the same either way
-        require(
-            not self.tie_word_embeddings or self.lm_head_input == "semantic" or d_pos == 0,
-            "tie_word_embeddings=True needs lm_head_input='semantic' (the token embedding has width "
-            f"semantic_size={self.semantic_size}); got lm_head_input={self.lm_head_input!r}.",
         )
 
     def validate_token_ids(self):
@@ -332,8 +321,8 @@ class SepFormerConfig(PreTrainedConfig):
         require(
             extrapolation.method == "none" or self.has_positional_table,
             f"position_extrapolation={extrapolation.method!r} needs a learned positional table; this model has "
-            f"positional_map={self.positional_map!r}, position_size={self.position_size} (a sinusoid is defined at "
-            "every position, a B-spline has its spline_extension, position_size=0 has no positions): use 'none'.",
+            f"positional_map={self.positional_map!r}, position_size={self.position_size} (the other maps are defined "
+            "at every position, position_size=0 has no positions): use 'none'.",
         )
         length, rows = extrapolation.length, self.position_table_size
         require(

@@ -372,7 +372,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         super().__init__(config)
         config = self.config  # with its sizes fixed
         self.embed_tokens = nn.Embedding(config.vocab_size, config.semantic_size)
-        self.embed_positions = POSITIONAL_MAPS[config.positional_map](config) if config.position_size > 0 else None
+        self.embed_positions = POSITIONAL_MAPS[config.map_options().map](config) if config.position_size > 0 else None
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(
             [SepFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES, PositionExtrapolation
+from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_OPTIONS, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -76,21 +76,13 @@ def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return torch.lerp(table[low], table[high], weight)
 
 
-def clamp_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-    """`p(L-1)` at every position."""
-    return table[-1:].expand(positions.shape[0], -1)
-
-
-def sinusoidal_rows(table: torch.Tensor, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-    """`σ · PE(i)`, `σ` the std of the table."""
-    return (table.float().std() * sinusoid(positions, table.shape[1])).to(table.dtype)
-
-
-# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows, each
-# registered under its name in `positional_options.EXTRAPOLATION_PARAMETERS`, which lists the parameters it reads.
+# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows (the
+# module's docstring gives each formula), registered under their names in `positional_options.EXTRAPOLATION_METHODS`.
 EXTRAPOLATIONS = {
-    "clamp": clamp_rows,
-    "sinusoidal": sinusoidal_rows,
+    "clamp": lambda table, positions, extrapolation: table[-1:].expand(positions.shape[0], -1),
+    "sinusoidal": lambda table, positions, extrapolation: (
+        table.float().std() * sinusoid(positions, table.shape[1])
+    ).to(table.dtype),
     "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
 }
 LEARNED_TABLE_METHODS = ("none", "interpolate")  # answered by `LearnedPositions` itself, not by a function here
@@ -122,7 +114,7 @@ def kept_rows(store: dict | None, key, count: int, make) -> torch.Tensor:
 
 class PositionalMap:
     """What every positional map is: an `nn.Module` built from the config, registered in `POSITIONAL_MAPS` under a
-    name of `positional_options.POSITIONAL_MAP_NAMES`, with
+    name of `positional_options.POSITIONAL_MAP_OPTIONS` (which holds its parameters), with
 
     - `forward(position_ids, extrapolation, store=None) -> (b or 1, seq, d_pos)`: `p(i)` at integer or fractional
       positions; `extrapolation` is the call's `PositionExtrapolation` (a map defined everywhere ignores it), `store`
@@ -131,6 +123,9 @@ class PositionalMap:
     - `table_coordinates(position_ids, extrapolation)`: where those positions read the map (`interpolate` compresses);
     - the training positions below: the positions themselves, shifted by random offsets (a learned table only), or
       randomized positions (Ruoss et al. 2023). At inference positions are always `0..n-1`."""
+
+    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
+        return position_ids  # a map defined everywhere: nothing is compressed
 
     def setup_training_positions(self, config) -> None:
         self.random_offsets = config.random_position_offsets
@@ -312,9 +307,6 @@ class SinusoidalPositions(nn.Module, PositionalMap):
         """`base`: another base than the map's own (Attention Buckets). Made from no weight: nothing to `store`."""
         return sinusoid(position_ids, self.dim, base)
 
-    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        return position_ids  # defined everywhere: nothing is compressed
-
     def extra_repr(self):
         return f"dim={self.dim}"
 
@@ -358,10 +350,10 @@ def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tens
 
 
 class BSplinePositions(nn.Module, PositionalMap):
-    """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`spline_control_points`, `n ≪ L`) and the
-    B-spline basis of degree `k` (`spline_degree`) on clamped uniform knots over `[0, T-1]`, `T` the
-    `position_table_size` (`L`, or the range of randomized positions). Defined at every real position; past `T-1`
-    `spline_extension` decides (`clamp`: the last control point; `linear`: the end's tangent continued).
+    """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`control_points`, `n ≪ L`) and the B-spline
+    basis of degree `k` (`degree`) on clamped uniform knots over `[0, T-1]`, `T` the `position_table_size` (`L`, or
+    the range of randomized positions). Defined at every real position; past `T-1` `extension` decides (`clamp`: the
+    last control point; `linear`: the end's tangent continued): `positional_options.BSplineMap`.
 
     Integer positions read rows computed for `0 .. T·2^m - 1`, once per generation where there is a `store`, as the
     learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.
@@ -369,9 +361,9 @@ class BSplinePositions(nn.Module, PositionalMap):
 
     def __init__(self, config):
         super().__init__()
-        self.degree, self.extension = config.spline_degree, config.spline_extension
-        self.length = config.position_table_size
-        self.control_points = nn.Parameter(torch.empty(config.spline_control_points, config.position_size))
+        options = config.map_options()
+        self.degree, self.extension, self.length = options.degree, options.extension, config.position_table_size
+        self.control_points = nn.Parameter(torch.empty(options.control_points, config.position_size))
         self.setup_training_positions(config)
         self._knots = None  # float64 knots on the control points' device
 
@@ -409,9 +401,6 @@ class BSplinePositions(nn.Module, PositionalMap):
                 rows = rows + basis[..., i : i + 1] * weight[i]
             return rows
 
-    def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        return position_ids  # defined everywhere: nothing is compressed
-
     def extra_repr(self):
         return (
             f"control_points={tuple(self.control_points.shape)}, degree={self.degree}, knots=[0, "
@@ -423,9 +412,9 @@ POSITIONAL_MAPS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPosition
 
 
 def check_registries(
-    methods=EXTRAPOLATION_PARAMETERS,
+    methods=EXTRAPOLATION_METHODS,
     extrapolations=EXTRAPOLATIONS,
-    map_names=POSITIONAL_MAP_NAMES,
+    map_names=tuple(POSITIONAL_MAP_OPTIONS),
     maps=POSITIONAL_MAPS,
 ) -> None:
     """The names the config knows (`positional_options`) and the implementations here agree: a method or map named in

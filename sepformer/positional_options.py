@@ -1,33 +1,131 @@
-"""The positional options a config names, without torch: the positional maps and extrapolation methods by name, each
-method's parameters, and `PositionExtrapolation`. `positional_maps` registers their implementations under these names
-(`POSITIONAL_MAPS`, `EXTRAPOLATIONS`); a new method is its entry here and its function there."""
+"""The positional options a config names, without torch: each positional map and extrapolation method by name, with
+the parameters it reads, their defaults and what they allow. `positional_maps` registers their implementations under
+these names (`POSITIONAL_MAPS`, `EXTRAPOLATIONS`): a new map is its dataclass here and its module there, a new method
+its name in `EXTRAPOLATION_METHODS` (its parameters in `PositionExtrapolation`) and its function there."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 from .mitigation_options import plain_integer
 
-POSITIONAL_MAP_NAMES = ("learned", "sinusoidal", "bspline")
-SPLINE_EXTENSIONS = ("clamp", "linear")
 
-# Each extrapolation method and the parameters it reads, with their defaults. `none` refuses positions past the table;
-# `interpolate` compresses positions into it; the others make rows past it (`positional_maps.EXTRAPOLATIONS`).
-EXTRAPOLATION_PARAMETERS = {
-    "none": {},
-    "clamp": {},
-    "sinusoidal": {},
-    "fourier": {"components": 16},  # K: Fourier coefficients kept per dimension
-    "interpolate": {"length": None},  # the length compressed for; None: the current call's
+def parameter(default, *, minimum: int = 1, choices: tuple = (), reader: str | None = None):
+    """A parameter, its default and what it allows: one of `choices`, else an integer >= `minimum` (or None where
+    that is the default). `reader`: the extrapolation method that reads it."""
+    return field(default=default, metadata={"minimum": minimum, "choices": choices, "reader": reader})
+
+
+def check_parameters(options, owner: str | None = None) -> None:
+    """A `ValueError` naming the first parameter of `options` that is not allowed, its value and what is; integers
+    made plain ones, which a config saves as JSON."""
+    for option in fields(options):
+        value, rules = getattr(options, option.name), option.metadata
+        if "choices" not in rules or (value is None and option.default is None):  # not a parameter, or None allowed
+            continue
+        choices, minimum = rules["choices"], rules["minimum"]
+        number = None if choices else plain_integer(value)
+        if value not in choices if choices else number is None or number < minimum:
+            allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            allowed = f"one of {', '.join(map(repr, choices))}" if choices else allowed
+            allowed = f"None or {allowed}" if option.default is None else allowed
+            raise ValueError(f"{owner or rules['reader']} {option.name}={value!r} must be {allowed}.")
+        if number is not None:
+            object.__setattr__(options, option.name, number)
+
+
+def config_value(key: str, options, defaults: dict) -> str | dict:
+    """The name `options` has under `key`, or a dict of it and the parameters not at their `defaults`."""
+    changed = {name: getattr(options, name) for name, default in defaults.items() if getattr(options, name) != default}
+    return {key: getattr(options, key), **changed} if changed else getattr(options, key)
+
+
+@dataclass(frozen=True)
+class PositionalMapOptions:
+    """A positional map and its parameters, as `positional_map` names them (in the manner of transformers'
+    `rope_parameters`): the map's name, or a dict `{"map": name, <its parameters>}`. Each map is a subclass registered
+    in `POSITIONAL_MAP_OPTIONS`, its parameters declared with `parameter`, its checks against the config in `check`."""
+
+    map: ClassVar[str]
+
+    def __post_init__(self):
+        check_parameters(self, self.map)
+
+    @classmethod
+    def parse(cls, value) -> "PositionalMapOptions":
+        name = value.get("map") if isinstance(value, dict) else value
+        if not isinstance(name, str) or name not in POSITIONAL_MAP_OPTIONS:
+            names = ", ".join(map(repr, POSITIONAL_MAP_OPTIONS))
+            raise ValueError(f"choose one of {names}, or a dict {{'map': name, <its parameters>}}.")
+        parameters = {key: item for key, item in value.items() if key != "map"} if isinstance(value, dict) else {}
+        unknown = sorted(set(parameters) - set(MAP_PARAMETERS[name]))
+        if unknown:
+            known = ", ".join(MAP_PARAMETERS[name]) or "none"
+            raise ValueError(f"the {name} map reads no {unknown} (its parameters: {known}).")
+        return POSITIONAL_MAP_OPTIONS[name](**parameters)
+
+    def check(self, config) -> None:
+        """A `ValueError` if the map cannot work with the config's other fields."""
+
+    def as_config_value(self) -> str | dict:
+        return config_value("map", self, MAP_PARAMETERS[self.map])
+
+
+@dataclass(frozen=True)
+class LearnedMap(PositionalMapOptions):
+    """A table of `position_table_size` learned rows, past which `position_extrapolation` answers (the default)."""
+
+    map: ClassVar[str] = "learned"
+
+
+@dataclass(frozen=True)
+class SinusoidalMap(PositionalMapOptions):
+    """The fixed sinusoid of "Attention Is All You Need" over the `position_size` dimensions."""
+
+    map: ClassVar[str] = "sinusoidal"
+
+    def check(self, config) -> None:
+        if config.position_size % 2:
+            raise ValueError(
+                f"position_size={config.position_size} is odd: the sinusoidal map needs sine/cosine pairs."
+            )
+
+
+@dataclass(frozen=True)
+class BSplineMap(PositionalMapOptions):
+    """`control_points` learned control points (`n`, meant to be `≪ T`) on a B-spline of `degree` `k` over the
+    positions `[0, T-1]`, `T` the `position_table_size`. Past `T-1`, `extension`: `clamp` keeps the last control
+    point, `linear` continues the end's tangent."""
+
+    map: ClassVar[str] = "bspline"
+    control_points: int = parameter(16, minimum=2)
+    degree: int = parameter(3)
+    extension: str = parameter("clamp", choices=("clamp", "linear"))
+
+    def check(self, config) -> None:
+        n, k, T = self.control_points, self.degree, config.position_table_size
+        if k >= n:
+            raise ValueError(
+                f"bspline degree={k} needs more control points than that: control_points={n} must be > degree (a "
+                "B-spline of degree k has k + 1 control points per segment)."
+            )
+        if n > T:
+            raise ValueError(f"bspline control_points={n} is more than the position_table_size={T} positions it spans.")
+
+
+POSITIONAL_MAP_OPTIONS = {options.map: options for options in (LearnedMap, SinusoidalMap, BSplineMap)}
+# Each map and the parameters it reads, with their defaults.
+MAP_PARAMETERS = {
+    name: {option.name: option.default for option in fields(options)}
+    for name, options in POSITIONAL_MAP_OPTIONS.items()
 }
-EXTRAPOLATION_METHODS = tuple(EXTRAPOLATION_PARAMETERS)
-
-
-def _methods() -> str:
-    return ", ".join(map(repr, EXTRAPOLATION_METHODS))
+# `none` refuses positions past the table; `interpolate` compresses positions into it; the others make rows past it
+# (`positional_maps.EXTRAPOLATIONS`).
+EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
 
 
 @dataclass(frozen=True)
 class PositionExtrapolation:
-    """How a learned table answers positions past its last row: a method of `EXTRAPOLATION_PARAMETERS` and the
+    """How a learned table answers positions past its last row: a method of `EXTRAPOLATION_METHODS` and the
     parameters it reads.
 
     Args:
@@ -39,35 +137,21 @@ class PositionExtrapolation:
     """
 
     method: str = "none"
-    components: int = 16
-    length: int | None = None
+    components: int = parameter(16, reader="fourier")
+    length: int | None = parameter(None, reader="interpolate")
 
     def __post_init__(self):
-        if self.method not in EXTRAPOLATION_PARAMETERS:
-            raise ValueError(f"position_extrapolation method {self.method!r} is unknown: choose one of {_methods()}.")
-        components, length = plain_integer(self.components), plain_integer(self.length)
-        if components is None or components < 1:
-            raise ValueError(f"fourier components={self.components!r} must be a positive integer.")
-        if self.length is not None and (length is None or length < 1):
-            raise ValueError(f"interpolate length={self.length!r} must be None or a positive integer.")
-        object.__setattr__(self, "components", components)  # plain integers: a config saves them as JSON
-        object.__setattr__(self, "length", length)
-        unread = [
-            f"{name}={getattr(self, name)!r}"
-            for method, parameters in EXTRAPOLATION_PARAMETERS.items()
-            for name, default in parameters.items()
-            if getattr(self, name) != default and self.method != method
-        ]
-        if unread:
-            readers = ", ".join(
-                f"{name} by {method!r}"
-                for method, parameters in EXTRAPOLATION_PARAMETERS.items()
-                for name in parameters
-            )
-            raise ValueError(
-                f"position_extrapolation {', '.join(unread)} is read only by its method ({readers}; it would be "
-                f"ignored), not by {self.method!r}: drop it or use that method."
-            )
+        if self.method not in EXTRAPOLATION_METHODS:
+            methods = ", ".join(map(repr, EXTRAPOLATION_METHODS))
+            raise ValueError(f"position_extrapolation method {self.method!r} is unknown: choose one of {methods}.")
+        check_parameters(self)
+        for option in fields(self)[1:]:
+            if getattr(self, option.name) != option.default and option.metadata["reader"] != self.method:
+                raise ValueError(
+                    f"position_extrapolation {option.name}={getattr(self, option.name)!r} is read only by "
+                    f"{option.metadata['reader']!r} (it would be ignored), not by {self.method!r}: drop it or use "
+                    "that method."
+                )
 
     @classmethod
     def parse(cls, value) -> "PositionExtrapolation":
@@ -75,26 +159,29 @@ class PositionExtrapolation:
         keys = ("method", *(name for parameters in EXTRAPOLATION_PARAMETERS.values() for name in parameters))
         if all(hasattr(value, name) for name in keys):
             # duck-typed: an instance from another copy of this module (installed package vs. Hub custom code)
-            return cls(**{name: getattr(value, name) for name in keys})
-        if isinstance(value, str):
-            return cls(method=value)
-        if isinstance(value, dict):
-            unknown = set(value) - set(keys)
-            if unknown:
-                raise ValueError(
-                    f"position_extrapolation got unknown keys {sorted(unknown)}: allowed are "
-                    f"{', '.join(map(repr, keys))}."
-                )
-            return cls(**value)
-        raise ValueError(
-            f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
-        )
+            value = {name: getattr(value, name) for name in keys}
+        value = {"method": value} if isinstance(value, str) else value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
+            )
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise ValueError(
+                f"position_extrapolation got unknown keys {unknown}: allowed are {', '.join(map(repr, keys))}."
+            )
+        return cls(**value)
 
     def as_config_value(self) -> str | dict:
-        """The method's name, or a dict of it and the parameters it reads that are not at their defaults."""
-        parameters = {
-            name: getattr(self, name)
-            for name, default in EXTRAPOLATION_PARAMETERS[self.method].items()
-            if getattr(self, name) != default
-        }
-        return {"method": self.method, **parameters} if parameters else self.method
+        return config_value("method", self, EXTRAPOLATION_PARAMETERS[self.method])
+
+
+# Each extrapolation method and the parameters it reads, with their defaults.
+EXTRAPOLATION_PARAMETERS = {
+    method: {
+        option.name: option.default
+        for option in fields(PositionExtrapolation)
+        if option.metadata.get("reader") == method
+    }
+    for method in EXTRAPOLATION_METHODS
+}

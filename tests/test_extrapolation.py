@@ -352,8 +352,11 @@ def test_invalid_extrapolation_config(overrides, message):
         ({"method": "fourier", "components": -1}, "components=-1"),
         (3, "must be a method name, a dict or a PositionExtrapolation"),
         ({"method": "interpolate", "length": 10}, "interpolate length=10 must exceed the table's 16 rows"),
-        ({"method": "clamp", "length": 100}, r"length=100 is read only by its method .* not by 'clamp'"),
-        ({"method": "interpolate", "components": 8}, r"components=8 is read only by its method .* by 'interpolate'"),
+        (
+            {"method": "clamp", "length": 100},
+            r"length=100 is read only by 'interpolate' \(it would be ignored\), not by 'clamp'",
+        ),
+        ({"method": "interpolate", "components": 8}, r"components=8 is read only by 'fourier' .* not by 'interpolate'"),
     ],
 )
 def test_invalid_per_call_extrapolation(value, message):

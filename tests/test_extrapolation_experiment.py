@@ -221,7 +221,7 @@ def no_data(*args, **kwargs):
         (["--num-heads", "1"], "SepFormer learned cannot be built with these flags: position_size=32 is not allowed"),
         (
             ["--block-size", "8"],
-            "SepFormer B-spline (n=16) cannot be built with these flags: spline_control_points=16 is "
+            "SepFormer B-spline (n=16) cannot be built with these flags: bspline control_points=16 is "
             "more than the position_table_size=8",
         ),
     ],

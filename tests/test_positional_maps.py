@@ -1,13 +1,17 @@
-"""The B-spline positional map against Cox–de Boor written out here, and randomized positions in training."""
+"""Every registered positional map (rows, cached decoding, saving, refused values), the B-spline map against Cox–de
+Boor written out here, and randomized positions in training."""
 
+import json
 import math
+import re
+from dataclasses import fields
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from sepformer import MSPoE, PositionExtrapolation, SepFormerCache
+from sepformer import MSPoE, PositionExtrapolation, SepFormerCache, SepFormerConfig, SepFormerForCausalLM
 from sepformer.positional_maps import (
     EXTRAPOLATIONS,
     POSITIONAL_MAPS,
@@ -17,7 +21,7 @@ from sepformer.positional_maps import (
     check_registries,
     randomized_positions,
 )
-from sepformer.positional_options import EXTRAPOLATION_PARAMETERS, POSITIONAL_MAP_NAMES
+from sepformer.positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_OPTIONS, BSplineMap
 
 L = 16
 D_POS = 8  # tiny_model: hidden_size 32, 4 heads
@@ -64,19 +68,48 @@ def reference_rows(control_points, k, positions, end, extension):
     return torch.stack(rows)
 
 
-def spline_model(seed=0, **overrides):
-    """A tiny model with a B-spline map whose control points are large enough to matter."""
-    values = dict(max_position_embeddings=L, positional_map="bspline", spline_control_points=6)
-    values.update(overrides)
-    model = tiny_model(seed=seed, **values)
+def map_model(options, **overrides):
+    """A tiny model with the map `options`, its weights large enough to matter, read past `L` by `sinusoidal` if it is
+    a table that needs an extrapolation method."""
+    config = tiny_config(max_position_embeddings=L, positional_map=options.as_config_value(), **overrides)
+    if config.has_positional_table:
+        config.position_extrapolation = "sinusoidal"
+    torch.manual_seed(0)
+    model = SepFormerForCausalLM(config).eval()
     with torch.no_grad():
-        model.model.embed_positions.control_points.normal_(0, 1)
+        for weight in model.model.embed_positions.parameters():
+            weight.normal_(0, 1)
     return model
+
+
+def spline_model(**parameters):
+    return map_model(BSplineMap(**{"control_points": 6, **parameters}))
 
 
 def map_rows(model, positions):
     with torch.no_grad():
-        return model.model.embed_positions(positions, PositionExtrapolation())
+        return model.model.embed_positions(positions, model.config.default_extrapolation())
+
+
+def other_allowed(option):
+    """A value the declaration of a map's parameter allows besides its default."""
+    rules = option.metadata
+    if rules["choices"]:
+        return next(choice for choice in rules["choices"] if choice != option.default)
+    return option.default - 1 if option.default > rules["minimum"] else option.default + 1
+
+
+def refused(option):
+    """Values the declaration of a map's parameter refuses."""
+    rules = option.metadata
+    return [f"not {option.default}", 1] if rules["choices"] else [rules["minimum"] - 1, rules["minimum"] + 0.5, True]
+
+
+# every registered map at its defaults and, if it has parameters, with each at another allowed value
+MAPS = [options() for options in POSITIONAL_MAP_OPTIONS.values()]
+MAPS += [options(**{o.name: other_allowed(o) for o in fields(options)}) for options in POSITIONAL_MAP_OPTIONS.values()]
+MAPS = list(dict.fromkeys(MAPS))  # maps without parameters once
+MAP_IDS = [json.dumps(options.as_config_value()) for options in MAPS]
 
 
 POSITIONS = [0.0, 0.5, 1.0, 2.9, 3.0, 7.25, 11.0, 14.999, 15.0]
@@ -110,7 +143,7 @@ def test_partition_of_unity(n, k, extension):
 
 @pytest.mark.parametrize("extension", ["clamp", "linear"])
 def test_rows_at_integer_and_fractional_positions_equal_the_reference(extension):
-    model = spline_model(spline_extension=extension)
+    model = spline_model(extension=extension)
     control_points = model.model.embed_positions.control_points.detach()
     integers = list(range(3 * L))  # past the last knot (15) as well
     with torch.no_grad():
@@ -152,13 +185,6 @@ def test_fractional_positions_between_the_last_row_and_the_first_extrapolated_on
     torch.testing.assert_close(rows.double(), torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_ends_are_the_end_control_points():
-    model = spline_model()
-    control_points = model.model.embed_positions.control_points
-    rows = map_rows(model, torch.tensor([[0, L - 1, 4 * L]]))[0]
-    torch.testing.assert_close(rows, control_points[[0, -1, -1]], rtol=1e-6, atol=1e-6)
-
-
 def decode_step_by_step(model, ids, prefill):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -168,9 +194,22 @@ def decode_step_by_step(model, ids, prefill):
     return torch.cat(steps, 1)
 
 
-@pytest.mark.parametrize("extension", ["clamp", "linear"])
-def test_cached_decoding_past_L_equals_the_full_forward(extension):
-    model = spline_model(spline_extension=extension)
+@pytest.mark.parametrize("options", MAPS, ids=MAP_IDS)
+def test_every_map_reads_rows_at_integer_and_fractional_positions(options):
+    model = map_model(options)
+    positions = torch.arange(3 * L)[None]
+    rows = map_rows(model, positions)
+    assert rows.shape == (1, 3 * L, D_POS) and rows.isfinite().all()
+    assert torch.equal(map_rows(model, positions[:, 20:23]), rows[:, 20:23])  # whatever else the call reads
+    torch.testing.assert_close(map_rows(model, positions.float()), rows)  # whole fractional positions: the rows
+    inside, at = positions[:, : L - 1].float(), rows[:, : L - 1]
+    torch.testing.assert_close(map_rows(model, inside + 1e-3), at, rtol=0, atol=1e-2)  # continuous
+    assert not torch.allclose(map_rows(model, inside + 0.5), at, rtol=0, atol=1e-3)  # but not constant between
+
+
+@pytest.mark.parametrize("options", MAPS, ids=MAP_IDS)
+def test_every_map_decodes_past_L_with_a_cache_as_the_full_forward(options):
+    model = map_model(options)
     ids = torch.randint(0, 256, (2, 3 * L), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(ids).logits
@@ -179,6 +218,46 @@ def test_cached_decoding_past_L_equals_the_full_forward(extension):
     prompt = ids[:, :6]
     cached, uncached = (model.generate(prompt, use_cache=use_cache, **kwargs) for use_cache in (True, False))
     assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("options", MAPS, ids=MAP_IDS)
+def test_every_map_survives_save_and_reload(options, tmp_folder):
+    model = map_model(options)
+    model.save_pretrained(tmp_folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
+    assert reloaded.config.map_options() == options
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("options", POSITIONAL_MAP_OPTIONS.values(), ids=list(POSITIONAL_MAP_OPTIONS))
+def test_every_map_refuses_the_values_its_parameters_do_not_allow_when_set(options):
+    config = SepFormerConfig()
+    for name, value in [(option.name, value) for option in fields(options) for value in refused(option)]:
+        given = {"map": options.map, name: value}
+        message = rf"positional_map=.* is not allowed: {options.map} {name}={re.escape(repr(value))} must be"
+        with pytest.raises(ValueError, match=message):
+            SepFormerConfig(positional_map=given)
+        with pytest.raises(ValueError, match=message):
+            config.positional_map = given
+    with pytest.raises(ValueError, match=rf"the {options.map} map reads no \['bogus'\] \(its parameters: "):
+        SepFormerConfig(positional_map={"map": options.map, "bogus": 1})
+
+
+def test_the_older_spline_fields_give_the_same_model_in_a_saved_config_and_as_keywords(tmp_path):
+    model = spline_model(control_points=5, degree=2, extension="linear")
+    model.save_pretrained(tmp_path)
+    path, older = tmp_path / "config.json", dict(spline_control_points=5, spline_degree=2, spline_extension="linear")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "positional_map": "bspline", **older}))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.positional_map == {"map": "bspline", "control_points": 5, "degree": 2, "extension": "linear"}
+    assert not set(older) & set(reloaded.config.to_dict())
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    assert SepFormerConfig(positional_map="bspline", **older).positional_map == reloaded.config.positional_map
+    assert SepFormerConfig(positional_map={"map": "bspline", "degree": 2}).spline_degree == 2
 
 
 def test_rows_are_kept_on_the_generation_only():
@@ -207,28 +286,11 @@ def test_ms_poe_identity_is_the_base_model_bit_for_bit():
 
 
 def test_compiled_forward_past_L_equals_eager():
-    model = spline_model(spline_extension="linear")
+    model = spline_model(extension="linear")
     ids = torch.randint(0, 256, (2, 3 * L))
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
-
-
-def test_save_and_reload(tmp_folder):
-    model = spline_model(spline_control_points=5, spline_degree=2, spline_extension="linear")
-    model.save_pretrained(tmp_folder)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_folder).eval()
-    config = reloaded.config
-    assert (config.positional_map, config.spline_control_points, config.spline_degree, config.spline_extension) == (
-        "bspline",
-        5,
-        2,
-        "linear",
-    )
-    assert torch.equal(reloaded.model.embed_positions.control_points, model.model.embed_positions.control_points)
-    ids = torch.randint(0, 256, (1, 2 * L))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
 # --------------------------------------------------------------------------------------------- randomized positions
@@ -257,20 +319,16 @@ def test_a_range_per_sequence_gives_gaps_from_none_to_the_widest():
     assert (varied.amax(-1) == n - 1).any() and torch.equal(torch.unique(varied), torch.arange(M))
 
 
-@pytest.mark.parametrize("positional_map", ["learned", "bspline"])
+@pytest.mark.parametrize("positional_map", POSITIONAL_MAP_OPTIONS)
 def test_randomized_positions_train_every_row_up_to_M(positional_map):
     """Every output scored (each position has a target, as with L + 1-token blocks): every row of an 8L table, and
     every control point of a spline over [0, 8L), gets a gradient."""
-    M = 8 * L
-    spline = {"spline_control_points": 12} if positional_map == "bspline" else {}
     model = tiny_model(
-        max_position_embeddings=L,
-        position_table_size=M,
-        randomized_positions=True,
-        positional_map=positional_map,
-        **spline,
+        max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True, positional_map=positional_map
     ).train()
-    parameter = next(model.model.embed_positions.parameters())
+    parameter = next(model.model.embed_positions.parameters(), None)
+    if parameter is None:
+        pytest.skip(f"the {positional_map} map learns nothing")
     reached = torch.zeros(parameter.shape[0], dtype=torch.bool)
     for _ in range(30):
         model.zero_grad()
@@ -280,7 +338,7 @@ def test_randomized_positions_train_every_row_up_to_M(positional_map):
     assert reached.all()
 
 
-@pytest.mark.parametrize("positional_map", ["learned", "sinusoidal", "bspline"])
+@pytest.mark.parametrize("positional_map", POSITIONAL_MAP_OPTIONS)
 def test_randomized_positions_only_in_training_and_inference_reads_0_to_n(positional_map):
     model = tiny_model(
         max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True, positional_map=positional_map
@@ -303,23 +361,12 @@ def test_randomized_positions_refuse_a_sequence_longer_than_the_range():
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
-        ({"positional_map": "bspline", "spline_degree": 0}, ValueError, "spline_degree=0 is not allowed"),
-        ({"positional_map": "bspline", "spline_control_points": 1}, ValueError, "spline_control_points=1 is not"),
-        (
-            {"positional_map": "bspline", "spline_control_points": 4, "spline_degree": 4},
-            ValueError,
-            "spline_control_points=4 must be > spline",
-        ),
-        ({"spline_degree": 2}, ValueError, "spline_degree=2 shape the B-spline map only"),
-        (
-            {"positional_map": "bspline", "max_position_embeddings": 8},
-            ValueError,
-            "spline_control_points=16 is more than the position_table_size=8",
-        ),
-        ({"spline_extension": "cubic"}, ValueError, r"spline_extension='cubic' is not allowed: choose"),
-        ({"spline_degree": 2.5}, TypeError, "spline_degree=2.5 is not allowed: .*expected int, got float"),
-        ({"positional_map": "bspline", "position_extrapolation": "clamp"}, ValueError, "a B-spline has its spline_ext"),
-        ({"positional_map": "bspline", "max_position_embeddings": 1}, ValueError, "position_table_size=1 must be >= 2"),
+        ({"positional_map": {"map": "bspline", "control_points": 4, "degree": 4}}, ValueError, "control_points=4 must"),
+        ({"spline_degree": 2}, ValueError, r"spline_degree=2 is read only with 'bspline' \(it would be ignored\)"),
+        ({"positional_map": "bspline", "spline_degree": 2.5}, ValueError, "bspline degree=2.5 must be a positive int"),
+        ({"positional_map": "bspline", "max_position_embeddings": 8}, ValueError, "control_points=16 is more than the"),
+        ({"positional_map": "bspline", "position_extrapolation": "clamp"}, ValueError, "defined at every position"),
+        ({"positional_map": "sinusoidal", "position_size": 7}, ValueError, "position_size=7 is odd"),
         ({"randomized_positions": True}, ValueError, "randomized_positions=True needs a positional map"),
         (
             {"randomized_positions": True, "position_size": 0, "position_table_size": 32},
@@ -364,7 +411,7 @@ def test_a_call_continuing_a_cache_in_training_mode_reads_plain_positions():
 @pytest.mark.parametrize(
     ("registry", "entry", "message"),
     [
-        ("methods", {"bogus": {}}, r"extrapolation method registries disagree: \['bogus'\] named in positional_opti"),
+        ("methods", ("bogus",), r"extrapolation method registries disagree: \['bogus'\] named in positional_opti"),
         ("extrapolations", {"bogus": None}, r"\['bogus'\] implemented there without a name in positional_options"),
         ("map_names", ("bogus",), r"positional map registries disagree: \['bogus'\] named in positional_options"),
         ("maps", {"bogus": None}, r"positional map registries disagree: none named .* \['bogus'\] implemented"),
@@ -372,9 +419,9 @@ def test_a_call_continuing_a_cache_in_training_mode_reads_plain_positions():
 )
 def test_the_registries_of_names_and_implementations_are_checked_to_agree(registry, entry, message):
     registries = dict(
-        methods=EXTRAPOLATION_PARAMETERS,
+        methods=EXTRAPOLATION_METHODS,
         extrapolations=EXTRAPOLATIONS,
-        map_names=POSITIONAL_MAP_NAMES,
+        map_names=tuple(POSITIONAL_MAP_OPTIONS),
         maps=POSITIONAL_MAPS,
     )
     check_registries(**registries)  # as at import

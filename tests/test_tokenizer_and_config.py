@@ -10,7 +10,7 @@ import torch
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub
-from sepformer.configuration_sepformer import LEGACY_EXTRAPOLATION_FIELDS
+from sepformer.configuration_sepformer import LEGACY_FIELDS
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
 
@@ -418,7 +418,7 @@ UNREAD_FIELDS = [
         r"config has rotary_dim=0\. Set that, or leave rope_theta at its default 10000.0",
     ),
 ]
-# the fields before `position_extrapolation` held its parameters: keywords and saved configs only
+# the fields before `position_extrapolation` and `positional_map` held their parameters: keywords and saved configs only
 LEGACY_UNREAD = [
     (
         {"interpolation_length": 2048},
@@ -426,6 +426,10 @@ LEGACY_UNREAD = [
         r"extrapolation='none'",
     ),
     ({"position_extrapolation": "clamp", "fourier_components": 8}, r"fourier_components=8 is read only with 'fourier'"),
+    (
+        {"spline_extension": "linear"},
+        r"spline_extension='linear' is read only with 'bspline' .* positional_map='learned'",
+    ),
 ]
 
 
@@ -441,15 +445,13 @@ def test_a_field_the_settings_never_read_is_refused(overrides, message):
 
 
 @pytest.mark.parametrize(("overrides", "message"), LEGACY_UNREAD, ids=[str(o) for o, _ in LEGACY_UNREAD])
-def test_a_legacy_extrapolation_field_its_method_does_not_read_is_refused(overrides, message):
+def test_a_legacy_field_its_choice_does_not_read_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         SepFormerConfig(**SMALL, **overrides)
 
 
 @pytest.mark.parametrize(("overrides", "message"), LEGACY_UNREAD, ids=[str(o) for o, _ in LEGACY_UNREAD])
-def test_a_saved_config_with_a_legacy_extrapolation_field_its_method_does_not_read_loads_with_a_warning(
-    tmp_path, overrides, message
-):
+def test_a_saved_config_with_a_legacy_field_its_choice_does_not_read_loads_with_a_warning(tmp_path, overrides, message):
     SepFormerForCausalLM(SepFormerConfig(**SMALL)).save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     saved = json.loads(path.read_text())
@@ -459,7 +461,16 @@ def test_a_saved_config_with_a_legacy_extrapolation_field_its_method_does_not_re
             loaded = load(tmp_path)
         config = getattr(loaded, "config", loaded)
         assert config.position_extrapolation == overrides.get("position_extrapolation", "none")  # the field dropped
-        assert not set(LEGACY_EXTRAPOLATION_FIELDS) & set(config.to_dict())
+        assert not set(LEGACY_FIELDS) & set(config.to_dict())
+
+
+def test_a_saved_config_with_a_legacy_field_at_a_refused_value_is_refused(tmp_path):
+    """Not warned about and loaded with the parameter's default: that would be another model."""
+    SepFormerConfig(**SMALL).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "positional_map": "bspline", "spline_degree": 0}))
+    with pytest.raises(ValueError, match=r"bspline degree=0 must be a positive integer"):
+        SepFormerConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize(("overrides", "message"), UNREAD_FIELDS, ids=[str(o) for o, _ in UNREAD_FIELDS])

@@ -45,7 +45,7 @@ def answers(model) -> list[torch.Tensor]:
     """No-grad logits on the probe, with and without MS-PoE, and greedy tokens from a cached generation; past the
     table where the model reads rows past it (MS-PoE's fractional positions read rows `L, L+1, ...` too)."""
     config = model.config
-    past_table = config.positional_map == "bspline" or config.position_extrapolation not in ("none", "interpolate")
+    past_table = config.map_options().map == "bspline" or config.position_extrapolation not in ("none", "interpolate")
     probe = PROBE if past_table or config.position_extrapolation == "interpolate" else PROBE[:, :L]
     with torch.no_grad():
         outputs = [model(probe).logits, model(probe if past_table else PROBE[:, :L], ms_poe=MS_POE).logits]
