@@ -281,15 +281,12 @@ def train(
     `batch_size / N` rows of every step. `save_steps`: a checkpoint under `output_dir` every this many steps and at
     the end; `resume_from_checkpoint`: continue from the last one there, if any. Returns the loss of every step."""
     check_training(dataset, steps, batch_size, output_dir, save_steps or resume_from_checkpoint)
-    checkpoint = last_checkpoint(output_dir) if resume_from_checkpoint else None
     with tempfile.TemporaryDirectory() as scratch:  # Trainer makes its output_dir even where it saves nothing
         arguments = training_arguments(
             model, output_dir if save_steps else scratch, steps, batch_size, seed, device, bf16, fp16, save_steps
         )
         model.to(arguments.device)  # before the optimizer is made: it holds the parameters where they train
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay
-        )
+        optimizer = torch.optim.AdamW(model.parameters(), learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay)
         schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 20), steps)
         trainer = Trainer(
             model, arguments, train_dataset=dataset, optimizers=(optimizer, schedule), compute_loss_func=next_token_loss
@@ -297,7 +294,7 @@ def train(
         for progress in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(progress)
         trainer.add_callback(LossBar(description, postfix))
-        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.train(resume_from_checkpoint=last_checkpoint(output_dir) if resume_from_checkpoint else None)
     model.eval()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -342,14 +339,8 @@ def training_arguments(model, output_dir, steps, batch_size, seed, device, bf16,
 
 def training_options(args) -> dict:
     """The keywords of `train` that `experiment_parser`'s flags give."""
-    return dict(
-        learning_rate=args.learning_rate,
-        device=args.device,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        save_steps=args.save_steps,
-        resume_from_checkpoint=args.resume,
-    )
+    options = dict(learning_rate=args.learning_rate, device=args.device, bf16=args.bf16, fp16=args.fp16)
+    return options | dict(save_steps=args.save_steps, resume_from_checkpoint=args.resume)
 
 
 def tail_mean(losses: list[float]) -> float:

@@ -109,12 +109,9 @@ def seeded_build(contender: Contender, seed: int) -> torch.nn.Module:
 
 def storage(args, contender: Contender, seed: int) -> tuple[Path, dict, Callable]:
     """Where the contender's model of `seed` is saved, the settings it is trained with, and how it is built."""
+    folder = Path(args.models_dir) / f"{contender.slug}-seed{seed}"
     settings = {"seed": seed, **{name: getattr(args, name) for name in TRAINING}}
-    return (
-        Path(args.models_dir) / f"{contender.slug}-seed{seed}",
-        settings,
-        functools.partial(seeded_build, contender, seed),
-    )
+    return folder, settings, functools.partial(seeded_build, contender, seed)
 
 
 def trained(
@@ -266,30 +263,20 @@ def parse_args(argv=None):
         "other training settings or config is refused, with what differs, and so is a --models-dir without any of "
         "the run's models",
     )
-    args = parser.parse_args(argv)
+    return checked(parser, parser.parse_args(argv))
+
+
+def checked(parser, args):
+    """The preset's values of the flags not given, the defaults that depend on other flags, and what the flags cannot
+    mean together, refused before any work."""
     if args.max_steps is None and args.num_pairs is not None:
         # At the preset's budget Llama does not learn twice the documents; at the same steps per pair it does.
         preset = PRESETS[common.preset_name(args)]
         args.max_steps = preset["max_steps"] * args.num_pairs // preset["num_pairs"]
     common.apply_preset(parser, args, PRESETS)
-    return checked(args)
-
-
-def checked(args):
-    """The defaults that depend on other flags, and what the flags cannot mean together, refused before any work."""
     args.models_dir = args.models_dir or str(Path(args.output_dir) / "models")
     args.mitigations = tuple(dict.fromkeys((NONE, *(args.mitigations or MITIGATION_NAMES))))  # the baseline first
-    if args.in2_fractions is not None and IN2 not in args.mitigations:
-        raise SystemExit(
-            f"--in2-fractions {' '.join(map(str, args.in2_fractions))}: read only by the IN2 rows, and "
-            f"--mitigations {' '.join(args.mitigations)} has no '{IN2}': add it or drop the flag"
-        )
-    args.in2_fractions = tuple(args.in2_fractions or IN2_FRACTIONS)
-    if IN2 in args.mitigations and (none_steps := [f for f in args.in2_fractions if task.in2_steps(args, f) < 1]):
-        raise SystemExit(
-            f"--in2-fractions {' '.join(map(str, none_steps))}: of --max-steps {args.max_steps} "
-            "rounds to 0 fine-tuning steps; give fractions that round to at least one step"
-        )
+    args.in2_fractions = in2_fractions(args)
     args.eval_pairs = tuple(args.eval_pairs or [args.num_pairs])
     if not 1 <= 2 * args.end_slots <= args.num_pairs:
         raise SystemExit(
@@ -311,6 +298,22 @@ def checked(args):
     if args.num_pairs not in args.eval_pairs:
         args.eval_pairs = (args.num_pairs, *args.eval_pairs)  # the search and the summaries need the training length
     return args
+
+
+def in2_fractions(args) -> tuple[float, ...]:
+    """`--in2-fractions` (default `IN2_FRACTIONS`), refused without IN2's rows or where one is no fine-tuning step."""
+    if args.in2_fractions is not None and IN2 not in args.mitigations:
+        raise SystemExit(
+            f"--in2-fractions {' '.join(map(str, args.in2_fractions))}: read only by the IN2 rows, and "
+            f"--mitigations {' '.join(args.mitigations)} has no '{IN2}': add it or drop the flag"
+        )
+    fractions = tuple(args.in2_fractions or IN2_FRACTIONS)
+    if IN2 in args.mitigations and (none_steps := [f for f in fractions if task.in2_steps(args, f) < 1]):
+        raise SystemExit(
+            f"--in2-fractions {' '.join(map(str, none_steps))}: of --max-steps {args.max_steps} "
+            "rounds to 0 fine-tuning steps; give fractions that round to at least one step"
+        )
+    return fractions
 
 
 def check_saved_models(args, vocab: task.Vocabulary) -> None:

@@ -256,10 +256,9 @@ def evaluate_model(
         details = condition.details(model) if callable(condition.details) else condition.details
         try:
             predictions, orders = predict(model, data["input_ids"], condition, args)
+            gold = data["gold_slot"].tolist()
             result = metric.compute(
-                predictions=predictions.tolist(),
-                references=data["answer"].tolist(),
-                positions=data["gold_slot"].tolist(),
+                predictions=predictions.tolist(), references=data["answer"].tolist(), positions=gold
             )
             by_slot, counts = result["accuracy_by_position"], result["count_by_position"]
             if orders is not None:
@@ -267,21 +266,11 @@ def evaluate_model(
         except NoPositionalChannelError as error:  # the search's pick where the search found no candidate
             status = f"not evaluated: {first_line(error)}"
             by_slot, counts = {slot: float("nan") for slot in range(num_pairs)}, {slot: 0 for slot in range(num_pairs)}
-        rows += [
-            dict(
-                model=contender.name,
-                mitigation=condition.mitigation,
-                setting=condition.setting,
-                num_pairs=num_pairs,
-                slot=slot + 1,
-                accuracy=by_slot[slot],
-                examples=counts[slot],
-                status=status,
-                details=details,
-                gold_at_end=None if at_end is None else at_end[data["gold_slot"] == slot].float().mean().item(),
-            )
-            for slot in range(num_pairs)
-        ]
+        cell = dict(model=contender.name, mitigation=condition.mitigation, setting=condition.setting)
+        cell |= dict(num_pairs=num_pairs, status=status, details=details)
+        for slot in range(num_pairs):
+            at_slot = None if at_end is None else at_end[data["gold_slot"] == slot].float().mean().item()
+            rows.append(cell | dict(slot=slot + 1, accuracy=by_slot[slot], examples=counts[slot], gold_at_end=at_slot))
     return rows
 
 

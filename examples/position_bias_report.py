@@ -75,9 +75,8 @@ def table_row(curve: Curve, baseline: dict) -> list[str]:
     worst = min(range(curve.num_pairs), key=means.__getitem__)
     delta = "" if curve.mitigation == NONE else f"{mean - baseline.get(curve.model, float('nan')):+.3f}"
     summary = [f"**{mean:.3f}** ± {interval95(seed_means):.3f}", f"{means[worst]:.2f} (slot {worst + 1})"]
-    return [curve.model, curve.mitigation, curve.setting, *summary, f"{curve.worst_over_best:.2f}", delta] + [
-        f"{a:.2f}" for a in means
-    ]
+    summary += [f"{curve.worst_over_best:.2f}", delta, *(f"{a:.2f}" for a in means)]
+    return [curve.model, curve.mitigation, curve.setting, *summary]
 
 
 def pairs_table(every: list[Curve], pairs: int, args) -> list[str]:
