@@ -299,10 +299,10 @@ def train(
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def check_training(dataset, steps: int, batch_size: int, output_dir: Path | None, checkpoints: bool) -> None:
+def check_training(dataset, steps: int, batch_size: int, output_dir: Path | None, checkpointing: bool) -> None:
     """Refuse, before any work, checkpoints without an `output_dir`, a batch that does not split over the processes,
     and a dataset that is not `steps` batches."""
-    if checkpoints and output_dir is None:
+    if checkpointing and output_dir is None:
         raise ValueError("save_steps and resume_from_checkpoint need an output_dir for the checkpoints")
     if batch_size % world_size():
         raise ValueError(
