@@ -137,3 +137,6 @@ class Distinct(argparse.Action):
                 f"{' '.join(map(str, values))}; give each value once"
             )
         setattr(namespace, self.dest, values)
+
+
+DISTINCT = dict(nargs="+", action=Distinct)  # the keywords of a flag that takes one or more values, each once

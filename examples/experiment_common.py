@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 # examples/ is on the path of every script that imports this module
-from cli_arguments import Distinct, nonnegative_int, positive_float, positive_int, trainer_device
+from cli_arguments import DISTINCT, nonnegative_int, positive_float, positive_int, trainer_device
 from tqdm.auto import tqdm
 from transformers import (
     BloomConfig,
@@ -35,7 +35,6 @@ from transformers import (
     Trainer,
     TrainerCallback,
     TrainingArguments,
-    default_data_collator,
     get_cosine_schedule_with_warmup,
 )
 from transformers.trainer_utils import get_last_checkpoint
@@ -121,15 +120,10 @@ def experiment_parser(description: str, quick: str) -> argparse.ArgumentParser:
     preset.add_argument("--quick", action="store_true", help=f"the quick preset ({quick})")
     preset.add_argument("--tiny", action="store_true", help="the smoke preset (seconds; learns nothing)")
     parser.add_argument(
-        "--seeds",
-        type=nonnegative_int,
-        nargs="+",
-        action=Distinct,
-        help="one full run per seed (default preset: 0 1 2)",
+        "--seeds", type=nonnegative_int, **DISTINCT, help="one full run per seed (default preset: 0 1 2)"
     )
-    parser.add_argument("--hidden-size", type=positive_int)
-    parser.add_argument("--num-layers", type=positive_int)
-    parser.add_argument("--num-heads", type=positive_int)
+    for flag in ("--hidden-size", "--num-layers", "--num-heads"):
+        parser.add_argument(flag, type=positive_int)
     parser.add_argument("--batch-size", type=positive_int, help="sequences per step, over all processes")
     parser.add_argument("--learning-rate", type=positive_float)
     parser.add_argument(
@@ -201,6 +195,11 @@ def check_resumable(args, names_and_seeds) -> None:
             f"--resume: {Path(args.output_dir) / 'checkpoints'} holds no checkpoint of this run's models; "
             "give the --output-dir of the run that saved them (with --save-steps)"
         )
+
+
+def first_line(error: Exception) -> str:
+    """The first line of an error's message, at most 200 characters: for a one-line refusal or row."""
+    return str(error).splitlines()[0][:200] if str(error) else ""
 
 
 def world_size() -> int:
@@ -281,59 +280,67 @@ def train(
     5% of the steps then cosine decay, gradient clipping at 1. Under `torchrun` each of the N processes takes
     `batch_size / N` rows of every step. `save_steps`: a checkpoint under `output_dir` every this many steps and at
     the end; `resume_from_checkpoint`: continue from the last one there, if any. Returns the loss of every step."""
-    if (save_steps or resume_from_checkpoint) and output_dir is None:
+    check_training(dataset, steps, batch_size, output_dir, save_steps or resume_from_checkpoint)
+    with tempfile.TemporaryDirectory() as scratch:  # Trainer makes its output_dir even where it saves nothing
+        arguments = training_arguments(
+            model, output_dir if save_steps else scratch, steps, batch_size, seed, device, bf16, fp16, save_steps
+        )
+        model.to(arguments.device)  # before the optimizer is made: it holds the parameters where they train
+        optimizer = torch.optim.AdamW(model.parameters(), learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay)
+        schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 20), steps)
+        trainer = Trainer(
+            model, arguments, train_dataset=dataset, optimizers=(optimizer, schedule), compute_loss_func=next_token_loss
+        )
+        for progress in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(progress)
+        trainer.add_callback(LossBar(description, postfix))
+        trainer.train(resume_from_checkpoint=last_checkpoint(output_dir) if resume_from_checkpoint else None)
+    model.eval()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def check_training(dataset, steps: int, batch_size: int, output_dir: Path | None, checkpointing: bool) -> None:
+    """Refuse, before any work, checkpoints without an `output_dir`, a batch that does not split over the processes,
+    and a dataset that is not `steps` batches."""
+    if checkpointing and output_dir is None:
         raise ValueError("save_steps and resume_from_checkpoint need an output_dir for the checkpoints")
-    processes = world_size()
-    if batch_size % processes:
+    if batch_size % world_size():
         raise ValueError(
-            f"batch size {batch_size} does not split over {processes} processes: give a multiple of {processes}"
+            f"batch size {batch_size} does not split over {world_size()} processes: give a multiple of {world_size()}"
         )
     if len(dataset) != steps * batch_size:
         raise ValueError(
             f"the dataset has {len(dataset)} rows; {steps} steps of {batch_size} need {steps * batch_size}"
         )
-    cpu = torch.device(device).type == "cpu"
-    checkpoint = last_checkpoint(output_dir) if resume_from_checkpoint else None
-    with tempfile.TemporaryDirectory() as scratch:  # Trainer makes its output_dir even where it saves nothing
-        arguments = TrainingArguments(
-            output_dir=str(output_dir) if save_steps else scratch,
-            max_steps=steps,
-            per_device_train_batch_size=batch_size // processes,
-            train_sampling_strategy="sequential",
-            max_grad_norm=1.0,
-            seed=seed,
-            bf16=bf16,
-            fp16=fp16,
-            use_cpu=cpu,
-            ddp_backend="gloo" if cpu and processes > 1 else None,
-            ddp_find_unused_parameters=False,
-            logging_strategy="steps",
-            logging_steps=1,
-            report_to="none",
-            dataloader_num_workers=0,
-            use_cache=model.config.use_cache,  # Trainer sets the config's to this: a saved model keeps its own
-            save_strategy="steps" if save_steps else "no",
-            save_steps=save_steps or 500,
-        )
-        model.to(arguments.device)  # before the optimizer is made: it holds the parameters where they train
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=weight_decay
-        )
-        schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 20), steps)
-        trainer = Trainer(
-            model=model,
-            args=arguments,
-            train_dataset=dataset,
-            data_collator=default_data_collator,
-            optimizers=(optimizer, schedule),
-            compute_loss_func=next_token_loss,
-        )
-        trainer.remove_callback(PrinterCallback)
-        trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(LossBar(description, postfix))
-        trainer.train(resume_from_checkpoint=checkpoint)
-    model.eval()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def training_arguments(model, output_dir, steps, batch_size, seed, device, bf16, fp16, save_steps) -> TrainingArguments:
+    """`train`'s `Trainer` arguments: each process's share of the batch, the rows in order, the loss of every step."""
+    cpu, processes = torch.device(device).type == "cpu", world_size()
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size // processes,
+        train_sampling_strategy="sequential",
+        max_grad_norm=1.0,
+        seed=seed,
+        bf16=bf16,
+        fp16=fp16,
+        use_cpu=cpu,
+        ddp_backend="gloo" if cpu and processes > 1 else None,
+        ddp_find_unused_parameters=False,
+        logging_steps=1,
+        report_to="none",
+        use_cache=model.config.use_cache,  # Trainer sets the config's to this: a saved model keeps its own
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+    )
+
+
+def training_options(args) -> dict:
+    """The keywords of `train` that `experiment_parser`'s flags give."""
+    options = dict(learning_rate=args.learning_rate, device=args.device, bf16=args.bf16, fp16=args.fp16)
+    return options | dict(save_steps=args.save_steps, resume_from_checkpoint=args.resume)
 
 
 def tail_mean(losses: list[float]) -> float:

@@ -1,5 +1,6 @@
 """`examples/experiment_common.py`: the experiments' training through `Trainer` (checkpoint resume), their loss."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -104,3 +105,11 @@ def test_models_of_one_shape_are_built_by_name_and_an_unknown_name_is_refused():
     assert sizes == {"sepformer": 32, "llama": 32, "gpt2": 32, "bloom": 32}
     with pytest.raises(ValueError, match="model 'mamba' is not one of sepformer, llama, gpt2, bloom"):
         experiment_common.build_model("mamba", *shape)
+
+
+def test_interval_is_students_t_over_seeds():
+    assert experiment_common.interval95([0.5]) == 0.0
+    # n = 2: t(1) = 12.706, stdev([0, 1]) = 1/sqrt(2), so 12.706 * (1/sqrt(2)) / sqrt(2) = 6.353
+    assert experiment_common.interval95([0.0, 1.0]) == pytest.approx(6.353)
+    # n = 3: t(2) = 4.303, stdev([0.8, 0.9, 1.0]) = 0.1
+    assert experiment_common.interval95([0.8, 0.9, 1.0]) == pytest.approx(4.303 * 0.1 / math.sqrt(3))
