@@ -90,28 +90,6 @@ def like(cached: torch.Tensor, states: torch.Tensor) -> bool:
     )
 
 
-def kept_in(store: dict | None, key: Hashable, make: Callable[[], Any]) -> Any:
-    """`make()`, kept in `store[key]` when a store is given (see `derived_store`): made once per generation."""
-    if store is None:
-        return make()
-    if key not in store:
-        store[key] = make()
-    return store[key]
-
-
-def derived_store(cache) -> dict | None:
-    """Where a call may keep tensors derived from the weights (rows of a positional map, weights laid out for the
-    decoding steps): the `SepFormerCache` of its generation, outside autograd and `torch.compile`; `None` otherwise.
-
-    Nothing derived from the weights outlives the call that computed it, except on the cache of one generation, which
-    is dropped with it. Within a generation the weights do not change; across calls nothing is assumed: fused optimizers
-    and writes through `.data` change weights without moving their version counters or addresses, so no version or
-    address can tell whether a kept tensor is still current."""
-    if isinstance(cache, SepFormerCache) and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return cache.derived
-    return None
-
-
 class MitigationState:
     """What one mitigation fixed at prefill for the decoding steps, kept on the `SepFormerCache` under its option's name
     (`SepFormerCache.mitigation_state`), with the batch operations the cache applies to it.

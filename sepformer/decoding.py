@@ -14,7 +14,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_statistics, blockwise, rms_normed_rows
-from .cache_sepformer import derived_store, kept_in
+from .kept import derived_store, kept_in
 from .mitigation_base import InputScale, LayerHooks
 
 

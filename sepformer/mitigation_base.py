@@ -29,7 +29,6 @@ A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forwar
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -53,29 +52,6 @@ def attention_implementation(config) -> str:
     registered a wrapper of it."""
     name = config._attn_implementation
     return WRAPPED_IMPLEMENTATIONS.get(name, name)
-
-
-def cached_constant(maxsize: int):
-    """`functools.lru_cache` for functions that build constant tensors from hashable arguments.
-
-    Built outside inference mode: a first call under `torch.inference_mode()` would otherwise cache inference tensors,
-    which autograd refuses to save in a later training step. Under `torch.compile` the function is traced instead
-    (dynamo does not go through an lru_cache).
-    """
-
-    def decorate(build):
-        @functools.lru_cache(maxsize=maxsize)
-        def cached(*args):
-            with torch.inference_mode(False):
-                return build(*args)
-
-        @functools.wraps(build)
-        def constant(*args):
-            return build(*args) if torch.compiler.is_compiling() else cached(*args)
-
-        return constant
-
-    return decorate
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make_norm
-from .cache_sepformer import SepFormerCache, derived_store
+from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .decoding import decoding_weights
 from .input_checks import (
@@ -41,6 +41,7 @@ from .input_checks import (
     check_last_position,
     unreadable_weights,
 )
+from .kept import derived_store
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords

@@ -7,15 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .cache_sepformer import MitigationState, derived_store, kept_in
-from .mitigation_base import (
-    CallContext,
-    LayerRun,
-    Mitigation,
-    attention_implementation,
-    cached_constant,
-    last_row_probs,
-)
+from .cache_sepformer import MitigationState
+from .kept import cached_constant, derived_store, kept_in
+from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
 from .mitigation_options import MSPoE
 from .positional_maps import apply_partial_rotary, rotate_partial
 from .spans import key_positions
