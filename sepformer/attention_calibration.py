@@ -199,10 +199,12 @@ class CalibrationMitigation(Mitigation):
                     f"{lacking}: use bias_estimate='dummy_passes'."
                 )
             if not call.continuing:
-                return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
+                return PositionalBiasCalibration(
+                    options, layers, call.sepformer_cache, position_size=config.position_size
+                )
         elif not call.continuing:
             cls.check_dummy_passes(options, call)
-        return cls(options, layers, call.state)
+        return cls(options, layers, call.sepformer_cache)
 
     @staticmethod
     def check_dummy_passes(options: AttentionCalibration, call: CallContext) -> None:
@@ -216,7 +218,7 @@ class CalibrationMitigation(Mitigation):
             return
         options, config = self.options, call.model.config
         spans = torch.tensor(options.spans, device=call.model.device)
-        call.state.mitigation_state[options.name] = CalibrationState(spans)
+        call.sepformer_cache.mitigation_state[options.name] = CalibrationState(spans)
         if options.bias_estimate == "positional":  # measured in the call's own layers
             return
         ids, padding, probe = dummy_batch(options, config, call.input_ids, call.attention_mask)
@@ -228,7 +230,7 @@ class CalibrationMitigation(Mitigation):
             cache=None,
             batch=len(ids),
             new_tokens=ids.shape[1],
-            state=SepFormerCache(),
+            sepformer_cache=SepFormerCache(),
         )
         others = tuple(type(other).resolve(other.options, dummy_call) for other in others)
         probing = CalibrationProbe(options, self.layers, probe)

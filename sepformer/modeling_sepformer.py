@@ -32,7 +32,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make_norm
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
-from .decoding import decoding_weights
+from .decoding import fused_layer
 from .input_checks import (
     check_checkpoint_folder,
     check_fed_token_ids,
@@ -43,7 +43,7 @@ from .input_checks import (
 )
 from .kept import derived_store
 from .mitigated_generation import MitigationGenerationMixin
-from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
+from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
     POSITIONAL_MAPS,
@@ -98,26 +98,16 @@ class SepFormerAttention(nn.Module):
         self.o_proj = block_diagonal(config, lambda width: nn.Linear(width, width, bias=bias))
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
-        hooks: LayerHooks = NO_HOOKS,
-        residual: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states: torch.Tensor, layer_call: LayerCall, **kwargs: Unpack[TransformersKwargs]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states`: the layer's normed input (b, seq, d_model). `residual`: its input before the norm, for
-        mitigations that re-read positions there. `hooks`: the layer's mitigation hooks."""
-        query_states, key_states = self.project_query_key(*hooks.query_key_inputs(self.layer_idx, hidden_states))
+        """`hidden_states`: the layer's normed input (b, seq, d_model); `layer_call`: the rest of the layer's call."""
+        query_input, key_input = layer_call.hooks.query_key_inputs(self.layer_idx, hidden_states)
+        query_states, key_states = self.project_query_key(query_input, key_input)
         # Value heads may straddle the two blocks: attention mixes rows (tokens), never columns, so they stay apart.
         value_states = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
-        query_states, key_states = self.apply_positions(
-            query_states, key_states, position_embeddings, residual, attention_mask, hooks
-        )
-        projection = self.projection(hidden_states, position_embeddings, residual, attention_mask, hooks)
+        query_states, key_states = self.apply_positions(query_states, key_states, layer_call)
         attn_output, attn_weights = self.attend(
-            query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
+            query_states, key_states, value_states, hidden_states, layer_call, **kwargs
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()  # (b, seq, d_model)
         return self.o_proj(attn_output), attn_weights
@@ -131,30 +121,23 @@ class SepFormerAttention(nn.Module):
         key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
         return query_states, key_states
 
-    def apply_positions(self, query_states, key_states, position_embeddings, residual, attention_mask, hooks):
+    def apply_positions(self, query_states, key_states, layer_call: LayerCall):
         """Positions into the queries and keys: a mitigation's position hook, or rotary when on."""
-        if hooks.position_hook is not None:
-            return hooks.position_hook.position_query_key(
-                self, query_states, key_states, position_embeddings, residual, attention_mask
-            )
-        if position_embeddings is not None:
-            return apply_partial_rotary(query_states, key_states, *position_embeddings)
+        if layer_call.hooks.position_hook is not None:
+            return layer_call.hooks.position_hook.position_query_key(self, query_states, key_states, layer_call)
+        if layer_call.position_embeddings is not None:
+            return apply_partial_rotary(query_states, key_states, *layer_call.position_embeddings)
         return query_states, key_states
 
-    def projection(self, attention_input, position_embeddings, residual, attention_mask, hooks):
-        """What the attention wrappers get where a hook rewrites the query and key inputs: the input and how this layer
-        projects it (`QueryKeyProjection`), so that they may attend with other readings of it; `None` elsewhere."""
-        if not hooks.rewrites_inputs:
-            return None
-        return QueryKeyProjection(self, attention_input, position_embeddings, residual, attention_mask, hooks)
-
-    def attend(
-        self, query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
-    ):
-        """The cache's update and the attention function (wrapped by the mitigation hooks): (b, seq, H, head_dim)."""
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    def attend(self, query_states, key_states, value_states, attention_input, layer_call: LayerCall, **kwargs):
+        """The cache's update and the attention function, wrapped by the mitigation hooks: (b, seq, H, head_dim).
+        Where a hook rewrites the query and key inputs, the wrappers get the `QueryKeyProjection` of `attention_input`
+        (the layer's normed input), to attend with other readings of it."""
+        if layer_call.past_key_values is not None:
+            key_states, value_states = layer_call.past_key_values.update(key_states, value_states, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        hooks = layer_call.hooks
+        projection = QueryKeyProjection(self, attention_input, layer_call) if hooks.rewrites_inputs else None
         attention_function = hooks.attention_function(self.layer_idx, interface, projection)
         dropout = 0.0 if not self.training else self.attention_dropout
         return attention_function(
@@ -162,7 +145,7 @@ class SepFormerAttention(nn.Module):
             query_states,
             key_states,
             value_states,
-            attention_mask,
+            layer_call.attention_mask,
             dropout=dropout,
             scaling=self.scaling,
             **kwargs,
@@ -198,20 +181,12 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
+        layer_call = LayerCall(hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
         records_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-        fused = decoding_weights(self, past_key_values, hooks, records_attentions)
+        fused = fused_layer(self, layer_call, records_attentions)
         if fused is not None:  # a decoding step: the same function on 2D rows, with fewer kernels
-            step_inputs = (hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
-            return fused.step(self, *step_inputs, **kwargs)
-        attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            attention_mask,
-            position_embeddings,
-            past_key_values,
-            hooks,
-            residual=hidden_states,
-            **kwargs,
-        )
+            return fused.step(self, layer_call, **kwargs)
+        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states), layer_call, **kwargs)
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))

@@ -14,7 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from sepformer import SepFormerCache, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
-from sepformer.decoding import FusedProjections, RowLinear
+from sepformer.decoding import FusedLayer, RowLinear
 
 VARIANTS = {
     "learned": {},
@@ -327,9 +327,9 @@ def test_incremental_decoding_equals_full_forward(variant):
 
 
 def fused_projections(cache: SepFormerCache) -> dict:
-    """Each layer's `FusedProjections` on a generation's cache (its latest input scale's), `None` where it runs its
+    """Each layer's `FusedLayer` on a generation's cache (its latest input scale's), `None` where it runs its
     modules."""
-    return {key[1]: value for key, value in cache.derived.items() if key[0] == "fused projections"}
+    return {key[1]: value for key, value in cache.derived.items() if key[0] == "fused layer"}
 
 
 def decode_steps(model, ids, prefill, attention_mask=None, **options):
@@ -393,13 +393,13 @@ def test_decoding_steps_whose_rows_scale_differently_run_the_blocks():
     mask[0, :3] = 0  # row 0's step tokens sit 3 positions before row 1's
     options = {"positional_scaling": {"factor": 0.5, "layers": (1,), "skip_first": 10}}
     scales = []
-    fused_projections = FusedProjections.of
+    fused_layer = FusedLayer.of
 
     def recording(layer, input_scale):
         scales.append(input_scale)
-        return fused_projections(layer, input_scale)
+        return fused_layer(layer, input_scale)
 
-    with torch.no_grad(), mock.patch.object(FusedProjections, "of", recording):
+    with torch.no_grad(), mock.patch.object(FusedLayer, "of", recording):
         fused, _ = decode_steps(model, ids, 8, attention_mask=mask, **options)
     # layer 0 once; layer 1 unscaled (both rows before 10), its blocks while the rows sit at 7-9 and 10-12, then
     # scaled (both rows from 10)
