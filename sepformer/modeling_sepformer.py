@@ -403,28 +403,36 @@ class SepFormerModel(SepFormerPreTrainedModel):
         continuing = continues(past_key_values)  # the caller's cache: one made here starts with this call
         if use_cache and past_key_values is None:
             past_key_values = SepFormerCache(config=self.config)
-        batch = inputs_embeds.shape[0]
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            new_tokens = inputs_embeds.shape[1]
-            call = CallContext(
-                self, input_ids, attention_mask, past_key_values, extrapolation, batch, new_tokens, continuing
-            )
+            tokens = inputs_embeds.shape[:2]  # batch, new tokens
+            call = CallContext(self, input_ids, attention_mask, past_key_values, extrapolation, *tokens, continuing)
             mitigation_plan = resolve_plan(call, options)
         elif options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
+        hidden_states, layer_inputs = self.layer_inputs(
+            inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, mitigation_plan
+        )
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(hidden_states, past_key_values=past_key_values, **layer_inputs, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def layer_inputs(
+        self, inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, plan
+    ) -> tuple[torch.Tensor, dict]:
+        """The first hidden states (b, seq, d_model) and what every layer is given besides the cache: the causal mask,
+        the rotary tables and the mitigation plan, started with this run's positions. Positions are read where the plan
+        says."""
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         mask_function, rotary_base, map_base = None, None, None
         read_positions = position_ids  # where the positional map and rotary are read
-        if mitigation_plan is not None:
+        if plan is not None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            kv_length = past + inputs_embeds.shape[1]
-            mask_function = mitigation_plan.mask_function(padding_mask, kv_length, inputs_embeds.device)
-            read_positions = mitigation_plan.read_positions(position_ids)
-            rotary_base, map_base = mitigation_plan.position_bases()
-
+            mask_function = plan.mask_function(padding_mask, past + inputs_embeds.shape[1], inputs_embeds.device)
+            read_positions = plan.read_positions(position_ids)
+            rotary_base, map_base = plan.position_bases()
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -433,43 +441,35 @@ class SepFormerModel(SepFormerPreTrainedModel):
             position_ids=position_ids,  # the tokens' own: rewritten positions would read as packed sequences
             and_mask_function=mask_function,
         )
+        table_positions, position_rows = self.position_rows(
+            read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values
+        )
         hidden_states = inputs_embeds  # (b, seq, d_sem)
-        table_positions, position_rows = read_positions, None
-        if self.embed_positions is not None:
-            if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
-                table_positions = self.embed_positions.training_positions(read_positions, batch)
-            map_reading = {} if map_base is None else {"base": map_base}
-            # (b or 1, seq, d_pos)
-            position_rows = self.embed_positions(
-                table_positions, extrapolation, store=derived_store(past_key_values), **map_reading
-            ).to(inputs_embeds.dtype)
-            hidden_states = torch.cat((position_rows.expand(batch, -1, -1), inputs_embeds), dim=-1)  # [p(i) ‖ s(t)]
+        if position_rows is not None:  # [p(i) ‖ s(t)]
+            hidden_states = torch.cat((position_rows.expand(inputs_embeds.shape[0], -1, -1), inputs_embeds), dim=-1)
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = None
         if self.rotary_emb is not None:
             position_embeddings = self.rotary_emb(hidden_states, read_positions, rotary_base)
-        if mitigation_plan is not None:
-            run = LayerRun(
-                position_ids,
-                table_positions,
-                position_rows,
-                padding_mask,
-                past_key_values,
-                inputs_embeds.dtype,
-                inputs_embeds.device,
-            )
-            mitigation_plan = mitigation_plan.start(run)
+        if plan is not None:
+            run_positions = (position_ids, table_positions, position_rows, padding_mask, past_key_values)
+            plan = plan.start(LayerRun(*run_positions, inputs_embeds.dtype, inputs_embeds.device))
+        return hidden_states, dict(
+            attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=plan
+        )
 
-        for decoder_layer in self.layers:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
-                mitigation_plan=mitigation_plan,
-                **kwargs,
-            )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+    def position_rows(self, read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values):
+        """`(table_positions, p(table_positions))`: where the positional map is read, and its rows there
+        (b or 1, seq, d_pos); `None` for the rows without a positional block."""
+        if self.embed_positions is None:
+            return read_positions, None
+        table_positions = read_positions
+        if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
+            table_positions = self.embed_positions.training_positions(read_positions, inputs_embeds.shape[0])
+        map_reading = {} if map_base is None else {"base": map_base}
+        store = derived_store(past_key_values)
+        rows = self.embed_positions(table_positions, extrapolation, store=store, **map_reading)
+        return table_positions, rows.to(inputs_embeds.dtype)
 
     def embed_ids(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """`embed_tokens(input_ids)`, naming an id outside the vocabulary where the embedding refuses it (a CPU's
