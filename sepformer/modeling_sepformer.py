@@ -140,16 +140,8 @@ class SepFormerAttention(nn.Module):
         projection = QueryKeyProjection(self, attention_input, layer_call) if hooks.rewrites_inputs else None
         attention_function = hooks.attention_function(self.layer_idx, interface, projection)
         dropout = 0.0 if not self.training else self.attention_dropout
-        return attention_function(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            layer_call.attention_mask,
-            dropout=dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        states = (query_states, key_states, value_states, layer_call.attention_mask)
+        return attention_function(self, *states, dropout=dropout, scaling=self.scaling, **kwargs)
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
