@@ -27,7 +27,7 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
 - prefill: one forward pass at batch 1 building the KV cache, logits of the last token only (as `generate` does);
 - cached generation: `generate` greedy with `min_new_tokens = max_new_tokens`, so every model produces the same number
   of tokens; tokens per second counts generated tokens (the short prompt's prefill is inside the timed call);
-  SepFormer decodes as `generate` does by default, with its fused decoding layers (`FusedProjections`) and in-place
+  SepFormer decodes as `generate` does by default, with its fused decoding layers (`FusedLayer`) and in-place
   cache appends (`GrowingLayer`);
 - on CUDA, every timer is read after `torch.cuda.synchronize()` (kernels run asynchronously);
 - peak memory: each model in a fresh subprocess (the three run side by side; memory does not depend on timing). glibc

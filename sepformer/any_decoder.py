@@ -41,8 +41,9 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache_sepformer import SepFormerCache, derived_store, kept_in
+from .cache_sepformer import SepFormerCache
 from .decoder_attention import query_key_layout_problem, serve_attention
+from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords

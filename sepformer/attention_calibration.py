@@ -147,12 +147,14 @@ class CalibrationMitigation(Mitigation):
                     f"{lacking}: use bias_estimate='dummy_passes'."
                 )
             if not call.continuing:
-                return PositionalBiasCalibration(options, layers, call.state, position_size=config.position_size)
+                return PositionalBiasCalibration(
+                    options, layers, call.sepformer_cache, position_size=config.position_size
+                )
         elif not call.continuing:
             if call.input_ids is None:
                 raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
             check_dummy_document(options, config)
-        return cls(options, layers, call.state)
+        return cls(options, layers, call.sepformer_cache)
 
     def prepare(self, call: CallContext, others) -> None:
         """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
@@ -160,7 +162,7 @@ class CalibrationMitigation(Mitigation):
             return
         options, config = self.options, call.model.config
         spans = torch.tensor(options.spans, device=call.model.device)
-        call.state.mitigation_state[options.name] = CalibrationState(spans)
+        call.sepformer_cache.mitigation_state[options.name] = CalibrationState(spans)
         if options.bias_estimate == "positional":  # measured in the call's own layers
             return
         ids, padding, probe = dummy_batch(
@@ -174,7 +176,7 @@ class CalibrationMitigation(Mitigation):
             cache=None,
             batch=len(ids),
             new_tokens=ids.shape[1],
-            state=SepFormerCache(),
+            sepformer_cache=SepFormerCache(),
         )
         others = tuple(type(other).resolve(other.options, dummy_call) for other in others)
         probing = CalibrationProbe(options, self.layers, probe)

@@ -7,7 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .configuration_sepformer import SepFormerConfig
-from .mitigation_base import cached_constant
+from .kept import cached_constant
 
 
 class BlockDiagonal(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
-class DropsRoom:
+class BufferDroppingStates:
     """A `GrowingLayer`'s keys or values: assigning them (anything but a step's own write) drops the layer's buffers."""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -39,11 +39,11 @@ class GrowingLayer(DynamicLayer):
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
 
-    keys = DropsRoom()
-    values = DropsRoom()
+    keys = BufferDroppingStates()
+    values = BufferDroppingStates()
 
     @classmethod
-    def taking_over(cls, layer: DynamicLayer) -> "GrowingLayer":
+    def from_layer(cls, layer: DynamicLayer) -> "GrowingLayer":
         """A `GrowingLayer` with `layer`'s state (its keys and values, if any)."""
         grown = cls()
         for name, value in vars(layer).items():
@@ -56,7 +56,7 @@ class GrowingLayer(DynamicLayer):
             length == 0
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
-            or not (like(self.keys, key_states) and like(self.values, value_states))
+            or not (fits_in_place(self.keys, key_states) and fits_in_place(self.values, value_states))
         ):
             return super().update(key_states, value_states, *args, **kwargs)
         needed = length + key_states.shape[-2]
@@ -64,7 +64,7 @@ class GrowingLayer(DynamicLayer):
             self.make_room(needed)
         self.key_buffer[:, :, length:needed] = key_states
         self.value_buffer[:, :, length:needed] = value_states
-        # stored past `DropsRoom`: the new keys and values are the buffers' leading tokens
+        # stored past `BufferDroppingStates`: the new keys and values are the buffers' leading tokens
         self._keys, self._values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
         return self.keys, self.values
 
@@ -79,7 +79,7 @@ class GrowingLayer(DynamicLayer):
         self.key_buffer, self.value_buffer = buffers
 
 
-def like(cached: torch.Tensor, states: torch.Tensor) -> bool:
+def fits_in_place(cached: torch.Tensor, states: torch.Tensor) -> bool:
     """Whether `states` can be written into the cache's buffers as they are: same dtype, device, batch, heads and
     width."""
     return (
@@ -88,28 +88,6 @@ def like(cached: torch.Tensor, states: torch.Tensor) -> bool:
         and cached.shape[:2] == states.shape[:2]
         and cached.shape[3] == states.shape[3]
     )
-
-
-def kept_in(store: dict | None, key: Hashable, make: Callable[[], Any]) -> Any:
-    """`make()`, kept in `store[key]` when a store is given (see `derived_store`): made once per generation."""
-    if store is None:
-        return make()
-    if key not in store:
-        store[key] = make()
-    return store[key]
-
-
-def derived_store(cache) -> dict | None:
-    """Where a call may keep tensors derived from the weights (rows of a positional map, weights laid out for the
-    decoding steps): the `SepFormerCache` of its generation, outside autograd and `torch.compile`; `None` otherwise.
-
-    Nothing derived from the weights outlives the call that computed it, except on the cache of one generation, which
-    is dropped with it. Within a generation the weights do not change; across calls nothing is assumed: fused optimizers
-    and writes through `.data` change weights without moving their version counters or addresses, so no version or
-    address can tell whether a kept tensor is still current."""
-    if isinstance(cache, SepFormerCache) and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return cache.derived
-    return None
 
 
 class MitigationState:
@@ -159,14 +137,14 @@ class SepFormerCache(DynamicCache):
         mitigation_state: what each mitigation fixed at prefill, by option name (a `MitigationState` each, made and read
             by its mitigation: MS-PoE's head ranks, calibration's `bias(k)` and spans, the buckets' caches).
         derived: tensors derived from the weights for this generation only (`derived_store`), by key: each layer's
-            `FusedProjections` for decoding steps, MS-PoE's per-head weight layouts, a positional map's rows. Weights,
+            `FusedLayer` for decoding steps, MS-PoE's per-head weight layouts, a positional map's rows. Weights,
             not rows of the batch: batch operations leave them alone; the bucket caches share this one.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.layers = [
-            GrowingLayer.taking_over(layer) if type(layer) is DynamicLayer else layer for layer in self.layers
+            GrowingLayer.from_layer(layer) if type(layer) is DynamicLayer else layer for layer in self.layers
         ]
         if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = GrowingLayer

@@ -1,9 +1,9 @@
 """The decoding fast path: a decoder layer's weights laid out for decoding steps on 2D rows.
 
-A decoding step multiplies a token or a few per row. On a CPU its time goes by the number of kernels and by the bytes
-of weights read, not by FLOPs: `FusedProjections` holds a layer's weights laid out for that, made once per generation
-and kept on its `SepFormerCache` (`derived_store`), and runs the layer's step with them (`decoding_weights` decides
-whether a layer may). The layer's modules stay what is trained, saved and adapted.
+A decoding step multiplies a token or a few per row. On a CPU its time goes by the number of kernels and by the bytes of
+weights read, not by FLOPs: `FusedLayer` holds a layer's weights laid out for that, made once per generation and kept on
+its `SepFormerCache` (`derived_store`), and runs the layer's step with them (`fused_layer` decides whether a layer may).
+The layer's modules stay what is trained, saved and adapted.
 """
 
 import dataclasses
@@ -11,11 +11,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_statistics, blockwise, rms_normed_rows
-from .cache_sepformer import derived_store, kept_in
-from .mitigation_base import InputScale, LayerHooks
+from .kept import derived_store, kept_in
+from .mitigation_base import InputScale, LayerCall
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,7 +70,7 @@ class RowMLP:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FusedProjections:
+class FusedLayer:
     """One decoder layer's weights laid out for decoding steps on 2D rows.
 
     A decoding step multiplies a token or a few per row. On a CPU its time goes by the number of kernels and by the
@@ -97,7 +96,7 @@ class FusedProjections:
     post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
 
     @classmethod
-    def of(cls, layer: nn.Module, input_scale: InputScale) -> "FusedProjections | None":
+    def of(cls, layer: nn.Module, input_scale: InputScale) -> "FusedLayer | None":
         """The fused weights of `layer`, or `None` unless `is_fusable(layer)`."""
         if not is_fusable(layer):
             return None
@@ -128,32 +127,18 @@ class FusedProjections:
         """The block-diagonal MLP of (rows, d_model)."""
         return self.mlps[0](rows) if len(self.mlps) == 1 else blockwise(rows, self.mlps, self.mlp_widths)
 
-    def step(
-        self,
-        layer: nn.Module,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        past_key_values: Cache,
-        hooks: LayerHooks,
-        **kwargs,
-    ) -> torch.Tensor:
-        """The decoder `layer` on the new tokens `hidden_states` (b, seq, d_model): its attention's own steps
+    def step(self, layer: nn.Module, layer_call: LayerCall, **kwargs) -> torch.Tensor:
+        """The decoder `layer` on the new tokens `layer_call.residual` (b, seq, d_model): its attention's own steps
         (positions, cache, attention function) around these weights' matmuls."""
-        attention = layer.self_attn
+        attention, hidden_states = layer.self_attn, layer_call.residual
         batch, seq, width = hidden_states.shape
         rows = hidden_states.reshape(-1, width)  # (b · seq, d_model): one matmul call per weight
         normed = self.input_norm(rows)
         qkv = self.qkv(normed).view(batch, seq, 3, -1, attention.head_dim).transpose(1, 3)  # (b, H, 3, seq, hd)
         query_states, key_states, value_states = qkv.unbind(2)
-        query_states, key_states = attention.apply_positions(
-            query_states, key_states, position_embeddings, hidden_states, attention_mask, hooks
-        )
+        query_states, key_states = attention.apply_positions(query_states, key_states, layer_call)
         attention_input = normed.view(hidden_states.shape)
-        projection = attention.projection(attention_input, position_embeddings, hidden_states, attention_mask, hooks)
-        attn_output, _ = attention.attend(
-            query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
-        )
+        attn_output, _ = attention.attend(query_states, key_states, value_states, attention_input, layer_call, **kwargs)
         rows = rows + self.o(attn_output.reshape(-1, width))
         rows = rows + self.mlp(self.post_attention_norm(rows))
         return rows.view(hidden_states.shape)
@@ -177,7 +162,7 @@ def is_plain_module(module: nn.Module | None, kind: type[nn.Module]) -> bool:
 
 def is_foreign_hook(hook: Callable) -> bool:
     """A forward hook other than transformers' output recording, which `output_attentions` installs for good and which
-    records nothing unless a call asks for it (a call that asks for attentions runs the modules: `decoding_weights`)."""
+    records nothing unless a call asks for it (a call that asks for attentions runs the modules: `fused_layer`)."""
     return getattr(hook, "__module__", None) != "transformers.utils.output_capturing"
 
 
@@ -207,11 +192,9 @@ def is_fusable(layer: nn.Module) -> bool:
     return all(is_plain_module(module, kind) for module, kind in parts)
 
 
-def decoding_weights(
-    layer: nn.Module, past_key_values: Cache | None, hooks: LayerHooks, output_attentions: bool | None
-) -> FusedProjections | None:
-    """`layer`'s `FusedProjections` for a decoding step (a call continuing a grown cache, without autograd), with the
-    input scale of the mitigation `hooks` in the columns of `W_q` and `W_k`.
+def fused_layer(layer: nn.Module, layer_call: LayerCall, output_attentions: bool | None) -> FusedLayer | None:
+    """`layer`'s `FusedLayer` for a decoding step (a call continuing a grown cache, without autograd), with the
+    input scale of the layer's mitigation hooks in the columns of `W_q` and `W_k`.
 
     Made at the first decoding step and kept on the generation's `SepFormerCache` (`derived_store`), per input scale,
     so they live as long as the generation and no longer. `None` (the layer runs its modules) when a mitigation rewrites
@@ -223,6 +206,7 @@ def decoding_weights(
     (`is_fusable`). Within one generation the weights, modules and hooks are taken as they were at its first decoding
     step.
     """
+    past_key_values = layer_call.past_key_values
     store = derived_store(past_key_values)
     if (
         store is None
@@ -233,8 +217,8 @@ def decoding_weights(
         or past_key_values.get_seq_length(layer.layer_idx) == 0
     ):
         return None
-    input_scale = hooks.decoding_input_scale(layer.layer_idx)
+    input_scale = layer_call.hooks.decoding_input_scale(layer.layer_idx)
     if input_scale is None:
         return None
-    key = ("fused projections", layer.layer_idx, input_scale)
-    return kept_in(store, key, lambda: FusedProjections.of(layer, input_scale))
+    key = ("fused layer", layer.layer_idx, input_scale)
+    return kept_in(store, key, lambda: FusedLayer.of(layer, input_scale))

@@ -29,7 +29,6 @@ A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forwar
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -55,29 +54,6 @@ def attention_implementation(config) -> str:
     return WRAPPED_IMPLEMENTATIONS.get(name, name)
 
 
-def cached_constant(maxsize: int):
-    """`functools.lru_cache` for functions that build constant tensors from hashable arguments.
-
-    Built outside inference mode: a first call under `torch.inference_mode()` would otherwise cache inference tensors,
-    which autograd refuses to save in a later training step. Under `torch.compile` the function is traced instead
-    (dynamo does not go through an lru_cache).
-    """
-
-    def decorate(build):
-        @functools.lru_cache(maxsize=maxsize)
-        def cached(*args):
-            with torch.inference_mode(False):
-                return build(*args)
-
-        @functools.wraps(build)
-        def constant(*args):
-            return build(*args) if torch.compiler.is_compiling() else cached(*args)
-
-        return constant
-
-    return decorate
-
-
 @dataclass(frozen=True, eq=False)
 class CallContext:
     """One call of the model, as the mitigations are resolved against it, before any layer runs."""
@@ -90,9 +66,9 @@ class CallContext:
     batch: int
     new_tokens: int  # the call's tokens (its sequence length)
     continuing: bool  # the call continues a cache (a decoding step), rather than starting one (prefill)
-    # The SepFormerCache that keeps what is fixed at prefill (a fresh one for a call without a cache), or None when the
-    # call's cache is of another kind; set by `resolve_plan`.
-    state: Any = None
+    # The SepFormerCache that keeps what is fixed at prefill: the call's cache, a fresh one for a call without a cache,
+    # or None when the call's cache is of another kind; set by `resolve_plan`.
+    sepformer_cache: Any = None
     # Where a Hugging Face model keeps its positions (`any_decoder.DecoderPositions`); None for SepFormer.
     decoder: Any = None
     position_ids: Any = None  # the call's position_ids where given (a Hugging Face decoder's), else None
@@ -116,6 +92,18 @@ class LayerRun:
 
 
 @dataclass(frozen=True, eq=False)
+class LayerCall:
+    """One call of a SepFormer decoder layer: what the steps of its attention read besides the states they transform,
+    made once by the layer and handed on whole (as a Llama layer hands on its keywords)."""
+
+    residual: torch.Tensor  # (b, seq, d_model): the layer's input, before its norm
+    attention_mask: torch.Tensor | None  # as the attention function gets it
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos, sin; None without rotary
+    past_key_values: Any  # a transformers `Cache` or None
+    hooks: "LayerHooks"  # the layer's mitigation hooks
+
+
+@dataclass(frozen=True, eq=False)
 class QueryKeyProjection:
     """A layer's attention input and how the layer turns it into queries and keys, given to the attention wrappers of
     layers whose `query_key_inputs` a hook rewrites: a wrapper may then attend with other readings of the same input
@@ -123,17 +111,12 @@ class QueryKeyProjection:
 
     attention: Any  # the SepFormerAttention
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
-    residual: torch.Tensor  # (b, seq, d_model): the layer's input before its norm
-    attention_mask: torch.Tensor | None
-    hooks: Any  # the layer's LayerHooks
+    layer_call: LayerCall
 
     def project(self, query_input: torch.Tensor, key_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and keys, positions applied as the layer does."""
         query, key = self.attention.project_query_key(query_input, key_input)
-        return self.attention.apply_positions(
-            query, key, self.position_embeddings, self.residual, self.attention_mask, self.hooks
-        )
+        return self.attention.apply_positions(query, key, self.layer_call)
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,18 +184,10 @@ class Mitigation:
         return None
 
     def position_query_key(
-        self,
-        attention: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        residual: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        self, attention: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, layer_call: LayerCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions into the projected (b, H, seq, head_dim) queries and keys, in place of the layer's rotary.
-
-        `residual` is the layer's input before its norm, `attention_mask` the one the attention function gets.
-        """
+        """Positions into the projected (b, H, seq, head_dim) queries and keys, in place of the layer's rotary
+        (`layer_call.position_embeddings`); `layer_call.residual` is the layer's input before its norm."""
         raise NotImplementedError  # only called on subclasses that override it
 
     def wrap_attention(

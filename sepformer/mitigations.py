@@ -111,13 +111,13 @@ def check_assisted_decoding(config, options: dict) -> None:
 def check_prefill_state(name: str, options: MitigationOptions, call: CallContext) -> None:
     """Options that fix state at prefill need a cache that keeps it, and the same options all through a cache."""
     cache = call.cache
-    if call.state is None:
+    if call.sepformer_cache is None:
         raise ValueError(
             f"{name} keeps what it fixes at prefill on the cache, so it needs a cache that grows with the tokens and "
             f"carries that state (a SepFormerCache: what forward and generate make by default); got "
             f"{type(cache).__name__}{' (a static cache)' if cache.is_compileable else ''}."
         )
-    fixed = call.state.prefill_options
+    fixed = call.sepformer_cache.prefill_options
     if not call.continuing:
         return
     if fixed is None or name not in fixed:
@@ -148,7 +148,7 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
         return None
     num_layers = call.model.config.num_hidden_layers
     if isinstance(call.cache, SepFormerCache) or call.cache is None:
-        call = dataclasses.replace(call, state=call.cache if call.cache is not None else SepFormerCache())
+        call = dataclasses.replace(call, sepformer_cache=call.cache if call.cache is not None else SepFormerCache())
     check_combination({name: value.layer_set(num_layers) for name, value in parsed.items()})
     check_last_rows_are_prompt(call, parsed)
     for name, value in parsed.items():
@@ -158,8 +158,8 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     plan = MitigationPlan.of(resolved, num_layers)  # every check done: now the work
     for mitigation in resolved:
         mitigation.prepare(call, tuple(other for other in resolved if other is not mitigation))
-    if not call.continuing and call.state is not None:
-        call.state.prefill_options = {
+    if not call.continuing and call.sepformer_cache is not None:
+        call.sepformer_cache.prefill_options = {
             name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)
         }
     return plan

@@ -30,12 +30,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make_norm
-from .cache_sepformer import SepFormerCache, derived_store
+from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
-from .decoding import decoding_weights
+from .decoding import fused_layer
 from .input_checks import check_checkpoint_folder, check_inputs, check_labels, unreadable_weights
+from .kept import derived_store
 from .mitigated_generation import MitigationGenerationMixin, check_fed_token_ids, check_last_position
-from .mitigation_base import NO_HOOKS, CallContext, LayerHooks, LayerRun, MitigationPlan, QueryKeyProjection
+from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import (
     POSITIONAL_MAPS,
@@ -90,26 +91,16 @@ class SepFormerAttention(nn.Module):
         self.o_proj = block_diagonal(config, lambda width: nn.Linear(width, width, bias=bias))
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
-        hooks: LayerHooks = NO_HOOKS,
-        residual: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, hidden_states: torch.Tensor, layer_call: LayerCall, **kwargs: Unpack[TransformersKwargs]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`hidden_states`: the layer's normed input (b, seq, d_model). `residual`: its input before the norm, for
-        mitigations that re-read positions there. `hooks`: the layer's mitigation hooks."""
-        query_states, key_states = self.project_query_key(*hooks.query_key_inputs(self.layer_idx, hidden_states))
+        """`hidden_states`: the layer's normed input (b, seq, d_model); `layer_call`: the rest of the layer's call."""
+        query_input, key_input = layer_call.hooks.query_key_inputs(self.layer_idx, hidden_states)
+        query_states, key_states = self.project_query_key(query_input, key_input)
         # Value heads may straddle the two blocks: attention mixes rows (tokens), never columns, so they stay apart.
         value_states = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
-        query_states, key_states = self.apply_positions(
-            query_states, key_states, position_embeddings, residual, attention_mask, hooks
-        )
-        projection = self.projection(hidden_states, position_embeddings, residual, attention_mask, hooks)
+        query_states, key_states = self.apply_positions(query_states, key_states, layer_call)
         attn_output, attn_weights = self.attend(
-            query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
+            query_states, key_states, value_states, hidden_states, layer_call, **kwargs
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()  # (b, seq, d_model)
         return self.o_proj(attn_output), attn_weights
@@ -123,42 +114,27 @@ class SepFormerAttention(nn.Module):
         key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
         return query_states, key_states
 
-    def apply_positions(self, query_states, key_states, position_embeddings, residual, attention_mask, hooks):
+    def apply_positions(self, query_states, key_states, layer_call: LayerCall):
         """Positions into the queries and keys: a mitigation's position hook, or rotary when on."""
-        if hooks.position_hook is not None:
-            return hooks.position_hook.position_query_key(
-                self, query_states, key_states, position_embeddings, residual, attention_mask
-            )
-        if position_embeddings is not None:
-            return apply_partial_rotary(query_states, key_states, *position_embeddings)
+        if layer_call.hooks.position_hook is not None:
+            return layer_call.hooks.position_hook.position_query_key(self, query_states, key_states, layer_call)
+        if layer_call.position_embeddings is not None:
+            return apply_partial_rotary(query_states, key_states, *layer_call.position_embeddings)
         return query_states, key_states
 
-    def projection(self, attention_input, position_embeddings, residual, attention_mask, hooks):
-        """What the attention wrappers get where a hook rewrites the query and key inputs: the input and how this layer
-        projects it (`QueryKeyProjection`), so that they may attend with other readings of it; `None` elsewhere."""
-        if not hooks.rewrites_inputs:
-            return None
-        return QueryKeyProjection(self, attention_input, position_embeddings, residual, attention_mask, hooks)
-
-    def attend(
-        self, query_states, key_states, value_states, attention_mask, past_key_values, hooks, projection, **kwargs
-    ):
-        """The cache's update and the attention function (wrapped by the mitigation hooks): (b, seq, H, head_dim)."""
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    def attend(self, query_states, key_states, value_states, attention_input, layer_call: LayerCall, **kwargs):
+        """The cache's update and the attention function, wrapped by the mitigation hooks: (b, seq, H, head_dim).
+        Where a hook rewrites the query and key inputs, the wrappers get the `QueryKeyProjection` of `attention_input`
+        (the layer's normed input), to attend with other readings of it."""
+        if layer_call.past_key_values is not None:
+            key_states, value_states = layer_call.past_key_values.update(key_states, value_states, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        hooks = layer_call.hooks
+        projection = QueryKeyProjection(self, attention_input, layer_call) if hooks.rewrites_inputs else None
         attention_function = hooks.attention_function(self.layer_idx, interface, projection)
         dropout = 0.0 if not self.training else self.attention_dropout
-        return attention_function(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        states = (query_states, key_states, value_states, layer_call.attention_mask)
+        return attention_function(self, *states, dropout=dropout, scaling=self.scaling, **kwargs)
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
@@ -190,20 +166,12 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         hooks = mitigation_plan.layers[self.layer_idx] if mitigation_plan is not None else NO_HOOKS
+        layer_call = LayerCall(hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
         records_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-        fused = decoding_weights(self, past_key_values, hooks, records_attentions)
+        fused = fused_layer(self, layer_call, records_attentions)
         if fused is not None:  # a decoding step: the same function on 2D rows, with fewer kernels
-            step_inputs = (hidden_states, attention_mask, position_embeddings, past_key_values, hooks)
-            return fused.step(self, *step_inputs, **kwargs)
-        attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            attention_mask,
-            position_embeddings,
-            past_key_values,
-            hooks,
-            residual=hidden_states,
-            **kwargs,
-        )
+            return fused.step(self, layer_call, **kwargs)
+        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states), layer_call, **kwargs)
         dropout = self.training and self.dropout.p > 0  # otherwise an identity: not called (decoding is per-call bound)
         hidden_states = hidden_states + (self.dropout(attn_output) if dropout else attn_output)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -420,28 +388,36 @@ class SepFormerModel(SepFormerPreTrainedModel):
         continuing = continues(past_key_values)  # the caller's cache: one made here starts with this call
         if use_cache and past_key_values is None:
             past_key_values = SepFormerCache(config=self.config)
-        batch = inputs_embeds.shape[0]
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            new_tokens = inputs_embeds.shape[1]
-            call = CallContext(
-                self, input_ids, attention_mask, past_key_values, extrapolation, batch, new_tokens, continuing
-            )
+            tokens = inputs_embeds.shape[:2]  # batch, new tokens
+            call = CallContext(self, input_ids, attention_mask, past_key_values, extrapolation, *tokens, continuing)
             mitigation_plan = resolve_plan(call, options)
         elif options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
+        hidden_states, layer_inputs = self.layer_inputs(
+            inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, mitigation_plan
+        )
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(hidden_states, past_key_values=past_key_values, **layer_inputs, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def layer_inputs(
+        self, inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, plan
+    ) -> tuple[torch.Tensor, dict]:
+        """The first hidden states (b, seq, d_model) and what every layer is given besides the cache: the causal mask,
+        the rotary tables and the mitigation plan, started with this run's positions. Positions are read where the plan
+        says."""
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         mask_function, rotary_base, map_base = None, None, None
         read_positions = position_ids  # where the positional map and rotary are read
-        if mitigation_plan is not None:
+        if plan is not None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            kv_length = past + inputs_embeds.shape[1]
-            mask_function = mitigation_plan.mask_function(padding_mask, kv_length, inputs_embeds.device)
-            read_positions = mitigation_plan.read_positions(position_ids)
-            rotary_base, map_base = mitigation_plan.position_bases()
-
+            mask_function = plan.mask_function(padding_mask, past + inputs_embeds.shape[1], inputs_embeds.device)
+            read_positions = plan.read_positions(position_ids)
+            rotary_base, map_base = plan.position_bases()
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -450,43 +426,35 @@ class SepFormerModel(SepFormerPreTrainedModel):
             position_ids=position_ids,  # the tokens' own: rewritten positions would read as packed sequences
             and_mask_function=mask_function,
         )
+        table_positions, position_rows = self.position_rows(
+            read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values
+        )
         hidden_states = inputs_embeds  # (b, seq, d_sem)
-        table_positions, position_rows = read_positions, None
-        if self.embed_positions is not None:
-            if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
-                table_positions = self.embed_positions.training_positions(read_positions, batch)
-            map_reading = {} if map_base is None else {"base": map_base}
-            # (b or 1, seq, d_pos)
-            position_rows = self.embed_positions(
-                table_positions, extrapolation, store=derived_store(past_key_values), **map_reading
-            ).to(inputs_embeds.dtype)
-            hidden_states = torch.cat((position_rows.expand(batch, -1, -1), inputs_embeds), dim=-1)  # [p(i) ‖ s(t)]
+        if position_rows is not None:  # [p(i) ‖ s(t)]
+            hidden_states = torch.cat((position_rows.expand(inputs_embeds.shape[0], -1, -1), inputs_embeds), dim=-1)
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = None
         if self.rotary_emb is not None:
             position_embeddings = self.rotary_emb(hidden_states, read_positions, rotary_base)
-        if mitigation_plan is not None:
-            run = LayerRun(
-                position_ids,
-                table_positions,
-                position_rows,
-                padding_mask,
-                past_key_values,
-                inputs_embeds.dtype,
-                inputs_embeds.device,
-            )
-            mitigation_plan = mitigation_plan.start(run)
+        if plan is not None:
+            run_positions = (position_ids, table_positions, position_rows, padding_mask, past_key_values)
+            plan = plan.start(LayerRun(*run_positions, inputs_embeds.dtype, inputs_embeds.device))
+        return hidden_states, dict(
+            attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=plan
+        )
 
-        for decoder_layer in self.layers:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
-                mitigation_plan=mitigation_plan,
-                **kwargs,
-            )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+    def position_rows(self, read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values):
+        """`(table_positions, p(table_positions))`: where the positional map is read, and its rows there
+        (b or 1, seq, d_pos); `None` for the rows without a positional block."""
+        if self.embed_positions is None:
+            return read_positions, None
+        table_positions = read_positions
+        if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
+            table_positions = self.embed_positions.training_positions(read_positions, inputs_embeds.shape[0])
+        map_reading = {} if map_base is None else {"base": map_base}
+        store = derived_store(past_key_values)
+        rows = self.embed_positions(table_positions, extrapolation, store=store, **map_reading)
+        return table_positions, rows.to(inputs_embeds.dtype)
 
     def embed_ids(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """`embed_tokens(input_ids)`, naming an id outside the vocabulary where the embedding refuses it (a CPU's

@@ -7,15 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .cache_sepformer import MitigationState, derived_store, kept_in
-from .mitigation_base import (
-    CallContext,
-    LayerRun,
-    Mitigation,
-    attention_implementation,
-    cached_constant,
-    last_row_probs,
-)
+from .cache_sepformer import MitigationState
+from .kept import cached_constant, derived_store, kept_in
+from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
 from .mitigation_options import MSPoE
 from .positional_maps import apply_partial_rotary, rotate_partial
 from .spans import key_positions
@@ -166,7 +160,7 @@ class MSPoEMitigation(Mitigation):
                 )
         if options.head_order is not None:
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
-            store = derived_store(call.state)
+            store = derived_store(call.sepformer_cache)
             return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
         check_rankable(config)
         return cls(
@@ -174,8 +168,8 @@ class MSPoEMitigation(Mitigation):
             layers,
             call.model,
             call.extrapolation,
-            cache=call.state,
-            store=derived_store(call.state),
+            cache=call.sepformer_cache,
+            store=derived_store(call.sepformer_cache),
         )
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
@@ -206,11 +200,12 @@ class MSPoEMitigation(Mitigation):
             ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
         return ranks[attention.layer_idx]
 
-    def position_query_key(self, attention, query, key, position_embeddings, residual, attention_mask):
-        ranks = self.layer_ranks(attention, query, key, position_embeddings, attention_mask).transpose(0, 1)
+    def position_query_key(self, attention, query, key, layer_call):
+        position_embeddings = layer_call.position_embeddings
+        ranks = self.layer_ranks(attention, query, key, position_embeddings, layer_call.attention_mask).transpose(0, 1)
         if self.position_shift is not None:
             norm = self.model.layers[attention.layer_idx].input_layernorm.position
-            positional = residual[..., : self.position_shift.shape[-1]]  # (b, seq, d_pos)
+            positional = layer_call.residual[..., : self.position_shift.shape[-1]]  # (b, seq, d_pos)
             shift = by_head(self.position_shift, ranks)  # p(m / r_h) - p(m): (H, b, seq, d_pos)
             # Shifted and unshifted rows through one norm call: fewer calls, and a ratio of 1 adds exactly 0.
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
@@ -320,7 +315,7 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
             return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
         check_rankable(config)
-        return cls(options, layers, cache=call.state, rotary=decoder.rotary, heads=config.num_attention_heads)
+        return cls(options, layers, cache=call.sepformer_cache, rotary=decoder.rotary, heads=config.num_attention_heads)
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)

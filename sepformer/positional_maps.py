@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
+from .kept import kept_in
 from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_OPTIONS, PositionExtrapolation
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
@@ -99,17 +100,6 @@ def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
 def capacity_for(needed: int, length: int) -> int:
     """`length · 2^m`, the smallest such at least `needed`: rows made for it serve every shorter call."""
     return length * 2 ** max(0, math.ceil(math.log2(needed / length)))
-
-
-def kept_rows(store: dict | None, key, count: int, make) -> torch.Tensor:
-    """`make(count)`, rows `0 .. count - 1` of something, or rows made earlier in the generation's `store`
-    (`derived_store`) if they are at least as many: a generation's decoding steps make them once per doubling."""
-    rows = None if store is None else store.get(key)
-    if rows is None or rows.shape[0] < count:
-        rows = make(count)
-        if store is not None:
-            store[key] = rows
-    return rows
 
 
 class PositionalMap:
@@ -260,7 +250,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         def make(count: int) -> torch.Tensor:
             return self.method_rows(torch.arange(length, length + count, device=self.weight.device), extrapolation)
 
-        return kept_rows(store, ("rows past the table", extrapolation), capacity_for(needed, length) - length, make)
+        return kept_in(store, ("rows past the table", extrapolation), make, rows=capacity_for(needed, length) - length)
 
     def method_rows(self, positions: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """`p(i)` of a method of `EXTRAPOLATIONS` at 1-D `positions` (all assumed `>= L`): (n, d_pos)."""
@@ -381,11 +371,11 @@ class BSplinePositions(nn.Module, PositionalMap):
         _, high = position_range(position_ids)  # refuses a negative position
         if position_ids.is_floating_point():
             return self.rows_at(position_ids)
-        rows = kept_rows(
+        rows = kept_in(
             store,
             "spline rows",
-            capacity_for(high + 1, self.length),
             lambda count: self.rows_at(torch.arange(count, device=position_ids.device)),
+            rows=capacity_for(high + 1, self.length),
         )
         return nn.functional.embedding(position_ids, rows)  # (b or 1, seq, d_pos)
 

@@ -61,7 +61,7 @@ class TokenSumGainMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options, call):
-        return cls(options, options.layer_set(call.model.config.num_hidden_layers), call.state)
+        return cls(options, options.layer_set(call.model.config.num_hidden_layers), call.sepformer_cache)
 
     def prepare(self, call, others):
         sums = call.input_ids.cumsum(-1)
@@ -128,7 +128,7 @@ def test_two_mitigations_rewriting_positions_in_one_layer_are_refused(value_gain
     class Shifted(Mitigation):
         options_class = ValueGain
 
-        def position_query_key(self, attention, query, key, position_embeddings, residual, attention_mask):
+        def position_query_key(self, attention, query, key, layer_call):
             return query, key
 
     unregister_mitigation("value_gain")

@@ -16,7 +16,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Trainer, default_data_collator
 
 from sepformer import LORA_TARGET_MODULES, SepFormerCache, SepFormerTokenizer, prepare_for_hub
-from sepformer.decoding import FusedProjections
+from sepformer.decoding import FusedLayer
 
 IDS = torch.tensor([[257, 116, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]])  # "<s>the cat sat"
 LAYER_TARGETS = [
@@ -162,7 +162,7 @@ def fused_projections_of_generation(model) -> dict:
     """Greedy `generate` with a cache of our own: which layers decoded with fused projections."""
     cache = SepFormerCache(config=model.config)
     tokens = model.generate(input_ids=IDS, max_new_tokens=5, do_sample=False, past_key_values=cache)
-    return tokens, {key[1]: value for key, value in cache.derived.items() if key[0] == "fused projections"}
+    return tokens, {key[1]: value for key, value in cache.derived.items() if key[0] == "fused layer"}
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])
@@ -178,7 +178,7 @@ def test_merge_and_unload_equals_adapter_and_fuses_again(tmp_path, overrides):
     assert adapted_modules(merged) == []
     torch.testing.assert_close(logits(merged), adapted, atol=1e-5, rtol=1e-5)
     merged_tokens, fused = fused_projections_of_generation(merged)
-    assert set(fused) == {0, 1} and all(isinstance(value, FusedProjections) for value in fused.values())
+    assert set(fused) == {0, 1} and all(isinstance(value, FusedLayer) for value in fused.values())
     assert torch.equal(merged_tokens, tokens)
 
     if overrides.get("tie_word_embeddings"):  # peft#2777: the default targets leave the tied weight alone
