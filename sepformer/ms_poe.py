@@ -92,12 +92,19 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
-def check_rankable(config) -> None:
+def ranking(options: MSPoE, call: CallContext) -> dict:
+    """Where a layer's head ranks come from: `fixed_ranks` of a `head_order`, or the `cache` that keeps those made at
+    prefill from the last query's attention row."""
+    config = call.model.config
+    if options.head_order is not None:
+        fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+        return {"fixed_ranks": fixed.to(call.model.device)}
     if attention_implementation(config) == "flex_attention":
         raise ValueError(
             "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
             "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
         )
+    return {"cache": call.state}
 
 
 @dataclass(eq=False)
@@ -164,19 +171,8 @@ class MSPoEMitigation(Mitigation):
                     f"add to them: {wrapped}. Merge adapters first (PEFT's merge_and_unload()), or leave ms_poe's "
                     "layers without them."
                 )
-        if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
-            store = derived_store(call.state)
-            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
-        check_rankable(config)
-        return cls(
-            options,
-            layers,
-            call.model,
-            call.extrapolation,
-            cache=call.state,
-            store=derived_store(call.state),
-        )
+        store = derived_store(call.state)
+        return cls(options, layers, call.model, call.extrapolation, store=store, **ranking(options, call))
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
         model, config = self.model, self.model.config
@@ -316,11 +312,7 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
             check_default_positions(call.position_ids, key_positions(mask, call.new_tokens, call.position_ids.device))
         layers = options.layer_set(config.num_hidden_layers)
-        if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
-            return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
-        check_rankable(config)
-        return cls(options, layers, cache=call.state, rotary=decoder.rotary, heads=config.num_attention_heads)
+        return cls(options, layers, rotary=decoder.rotary, heads=config.num_attention_heads, **ranking(options, call))
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
