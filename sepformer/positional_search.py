@@ -94,16 +94,6 @@ def default_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(PositionalScaling().default_layers(num_layers))
 
 
-def query_key_inputs_scaled(attention: nn.Module, scale: torch.Tensor):
-    """While active, the queries and keys of `attention` read its input times `scale` (d_model,); values do not."""
-
-    def scaled(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rewritten = inputs * scale
-        return rewritten, rewritten
-
-    return query_key_inputs_rewritten(attention, scaled)
-
-
 def recompute_last_rows(scale, rows, attention, args, kwargs, output):
     """Forward hook of an attention module: its last `rows` output rows recomputed with scaled queries and keys over
     every key; the rows before are the base model's."""
@@ -112,7 +102,8 @@ def recompute_last_rows(scale, rows, attention, args, kwargs, output):
             "scale_attention_input recomputes rows of a full forward pass: call the model with use_cache=False (a "
             "cache would receive the keys twice)."
         )
-    with query_key_inputs_scaled(attention, scale.to(output[0].dtype)):
+    scale = scale.to(output[0].dtype)
+    with query_key_inputs_rewritten(attention, lambda inputs: (inputs * scale,) * 2):  # queries and keys read one input
         recomputed = attention.forward(*args, **kwargs)  # `forward` directly: this hook does not run again
     kept = output[0].shape[1] - min(rows, output[0].shape[1])
     return (torch.cat((output[0][:, :kept], recomputed[0][:, kept:]), 1), *output[1:])  # (b, seq, d_model)
@@ -144,12 +135,10 @@ def scale_attention_input(
     scale = torch.ones(width, device=model.device)
     scale[list(options.channels)] = factor
     hook = functools.partial(recompute_last_rows, scale, last_recompute_tokens)
-    handles = [attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True) for layer in layers]
-    try:
+    with contextlib.ExitStack() as hooks:  # a hook's handle removes it on exit
+        for layer in layers:
+            hooks.enter_context(attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True))
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 # ------------------------------------------------------------------------------------------- candidate channels
@@ -165,15 +154,12 @@ def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Se
         inputs = args[0] if args else kwargs["hidden_states"]
         captured.append(inputs.float().mean(0))  # (n, d_model)
 
-    handles = [
-        attention_module(layer_modules[layer]).register_forward_pre_hook(capture, with_kwargs=True) for layer in layers
-    ]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with contextlib.ExitStack() as hooks, torch.no_grad():
+        for layer in layers:
+            hooks.enter_context(
+                attention_module(layer_modules[layer]).register_forward_pre_hook(capture, with_kwargs=True)
+            )
+        model(input_ids=input_ids, use_cache=False)
     return torch.stack(captured).mean(0)
 
 
