@@ -294,10 +294,8 @@ class AttentionCalibration(SpanOptions):
         bias_estimate: how `bias(k)` is measured. `"dummy_passes"` (the paper's): one extra forward pass per
             document, the dummy document in its place. `"positional"` (SepFormer only): no extra pass; in each
             layer, the attention document `k` would get if every one of its tokens kept its positional coordinates
-            and took the documents' mean semantic coordinates, all other keys as they are. An approximation: on the
-            key-value retrieval task its `bias(k)` follows the dummy passes' in shape for the mean over prompts on
-            seven of eight trained models (Pearson r over documents 0.80-0.99), not on one (0.08), and less for
-            single prompts (0.25-0.77): check it against the dummy passes on your task before relying on it.
+            and took the documents' mean semantic coordinates, all other keys as they are. An approximation (how close
+            it comes: docs/design.md): check it against the dummy passes on your task before relying on it.
     """
 
     spans: tuple[tuple[tuple[int, int], ...], ...]

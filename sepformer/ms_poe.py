@@ -117,14 +117,10 @@ class MSPoEState(MitigationState):
 
 @dataclass(frozen=True, eq=False)
 class MSPoEMitigation(Mitigation):
-    """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`.
-
-    Rotary (when on) rotates by `m / r_h`. The positional block enters through the normalised residual, whose
-    positional part is `p(m) + u(m)`, `u` what earlier layers added: head `h` reads `p(m / r_h) + u(m)` instead, i.e.
-    its queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added. Only the
-    embedding's `p(m)` is rescaled; `u` depends on content as well and has no position to rescale. Values and the
-    residual keep `p(m)`. The heads are ranked at prefill (or by `head_order`) and keep their ratios while decoding.
-    """
+    """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`: rotary (when on) rotates by
+    `m / r_h`, and the queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added
+    (docs/design.md, MS-PoE). The heads are ranked at prefill (or by `head_order`) and keep their ratios while
+    decoding."""
 
     options_class = MSPoE
     prefill_requirement = (
