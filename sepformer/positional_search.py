@@ -5,15 +5,8 @@ examples each have a gold position, and returns the one with the lowest loss ave
 
     argmin_{c, s < 1}  mean_p [ mean over the examples with gold position p of L(x, y; F(θ, h_c, s)) ]
 
-- SepFormer: the candidates are its positional channels, known by construction (coordinates `[0, d_pos)` of every
-  hidden state): each channel, aligned contiguous groups of 2, 4, ... channels, and the whole block. The scaling is the
-  model's `positional_scaling` option.
-- Any other Hugging Face decoder (`LlamaForCausalLM`, `GPT2LMHeadModel`, ...): the paper's filter picks the candidate
-  channels (`positional_channel_candidates`: channels of the attention input whose position curve is monotone and
-  smooth), and the scaling is applied by forward hooks (`scale_attention_input`).
-
-In both, the rows that predict the answer are recomputed with scaled queries and keys, which is what generation with
-the option computes: the prompt's last row is recomputed and every answer token is a decoding step.
+On a SepFormer through its `positional_scaling` option, on another Hugging Face decoder by forward hooks
+(`scale_attention_input`); the candidates and the loss: docs/design.md, "The search".
 """
 
 import contextlib
