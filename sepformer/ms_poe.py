@@ -23,8 +23,6 @@ from .spans import key_positions
 
 def ms_poe_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
     """`r_i = r_min + (i-1)(r_max - r_min)/(H-1)`, `i` the rank (1 = most position-aware), float64 (H,)."""
-    if num_heads == 1:
-        return torch.tensor([option.r_min], dtype=torch.float64)
     return torch.linspace(option.r_min, option.r_max, num_heads, dtype=torch.float64)
 
 

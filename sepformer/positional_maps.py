@@ -352,8 +352,8 @@ def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tens
 class BSplinePositions(nn.Module, PositionalMap):
     """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`control_points`, `n ≪ L`) and the B-spline
     basis of degree `k` (`degree`) on clamped uniform knots over `[0, T-1]`, `T` the `position_table_size` (`L`, or
-    the range of randomized positions). Defined at every real position; past `T-1` `extension` decides (`clamp`: the
-    last control point; `linear`: the end's tangent continued): `positional_options.BSplineMap`.
+    the range of randomized positions). Defined at every real position; past `T-1` as `extension` says
+    (`positional_options.BSplineMap`).
 
     Integer positions read rows computed for `0 .. T·2^m - 1`, once per generation where there is a `store`, as the
     learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.

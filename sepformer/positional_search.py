@@ -63,10 +63,8 @@ def is_sepformer(model: nn.Module) -> bool:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a causal LM: `model.model.layers` (Llama, Mistral, Qwen, SepFormer) or
     `model.transformer.h` (GPT-2)."""
-    for path in ("model.layers", "transformer.h"):
-        module = model
-        for name in path.split("."):
-            module = getattr(module, name, None)
+    for outer, inner in (("model", "layers"), ("transformer", "h")):
+        module = getattr(getattr(model, outer, None), inner, None)
         if isinstance(module, nn.ModuleList):
             return module
     raise ValueError(
