@@ -107,12 +107,6 @@ def eager_function(attention_class: type):
     return getattr(sys.modules[attention_class.__module__], "eager_attention_forward", None)
 
 
-def wrapped_function(implementation: str, module: nn.Module):
-    if implementation == "eager":
-        return eager_function(type(module))
-    return ALL_ATTENTION_FUNCTIONS[implementation]
-
-
 def mitigated_attention(
     implementation,
     module,
@@ -126,7 +120,7 @@ def mitigated_attention(
 ):
     """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`
     (`mitigation_projection`: the module's input and projections, where the plan rewrites them, `decoder_attention`)."""
-    function = wrapped_function(implementation, module)
+    function = eager_function(type(module)) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         mitigation_plan.modules.append(module)

@@ -332,10 +332,8 @@ class AttentionCalibration(SpanOptions):
 class PositionalScaling(MitigationOptions):
     """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`.
 
-    In its layers, at prefill, the rows before the last `last_recompute_tokens` are the base model's; the last rows
-    are recomputed with scaled queries against scaled keys, and the scaled keys go into the cache; each decoding step
-    computes its query and key from the scaled input. So a cached generation is, by the method's definition, not the
-    full forward pass of the final sequence.
+    At prefill the last `last_recompute_tokens` rows are recomputed with scaled queries and keys (the scaled keys go
+    into the cache); each decoding step reads the scaled input: by definition, not the full pass of the final sequence.
 
     Args:
         factor: `s` (paper's grid: 0.5, 0, -0.5, -1; default 0, as the authors' code); 1 is the base model. The

@@ -196,7 +196,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
             return super().forward(position_ids)
         low, high = position_range(position_ids)
         if extrapolation.method == "interpolate":
-            return self.interpolated(position_ids, extrapolation)
+            return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
         length = self.num_embeddings
         if high < length:
             return super().forward(position_ids)
@@ -204,10 +204,6 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         if low >= length:  # every position past the table (cached decoding past L): no copy of the table
             return nn.functional.embedding(position_ids - length, rows)
         return nn.functional.embedding(position_ids, torch.cat((self.weight, rows)))  # (capacity, d_pos) table
-
-    def interpolated(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """Position interpolation, per row: a row of `n > L` positions is compressed by `(L-1)/(n-1)`."""
-        return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
 
     def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Where in the table each position is read: itself, except under `interpolate` past the table (compressed).
@@ -276,7 +272,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         if fractional and method not in EXTRAPOLATIONS:  # `none`, `interpolate`: between the table's rows
             return interpolate_rows(self.weight, position_ids)
         if method == "interpolate":
-            return self.interpolated(position_ids, extrapolation)
+            return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
         if method not in EXTRAPOLATIONS:  # `none`
             return super().forward(position_ids)
         if fractional:

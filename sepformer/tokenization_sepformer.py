@@ -38,9 +38,7 @@ class SepFormerTokenizer(PreTrainedTokenizer):
         return NUM_BYTES
 
     def get_vocab(self) -> dict[str, int]:
-        vocab = {chr(byte): byte for byte in range(NUM_BYTES)}
-        vocab.update(self.added_tokens_encoder)
-        return vocab
+        return {**{chr(byte): byte for byte in range(NUM_BYTES)}, **self.added_tokens_encoder}
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
         """transformers' `tokenize`, except that `split_special_tokens=True` (the default) splits only the special
