@@ -391,9 +391,7 @@ def add_mitigations(model):
     """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
     `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
     `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns
-    `model` itself, its class replaced by a subclass of the same name, and forward hooks on its attention modules
-    (`decoder_attention`); without options it computes what it computed before, with its own attention implementation.
-
+    `model` itself, its class replaced by a subclass of the same name, with forward hooks on its attention modules.
     Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
     """
