@@ -271,10 +271,9 @@ def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -
 @dataclass(frozen=True, eq=False)
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
-    rotated at the tokens' positions `m` (the cache's keys included), and turns head `h`'s further, to `m / r_h`.
-    Queries are at the call's positions, keys at theirs counted from each row's first real token (the padding mask),
-    as the default position ids are. Heads are query heads: grouped-query keys arrive expanded to them. The ranking is
-    MS-PoE's (`layer_ranks`)."""
+    rotated at the tokens' positions `m` (the cache's keys included, at their positions counted from each row's first
+    real token), and turns head `h`'s further, to `m / r_h`. Heads are query heads (grouped-query keys arrive
+    expanded)."""
 
     rotary: torch.nn.Module | None = None  # the model's rotary embedding: its `inv_freq`
     heads: int = 0  # query heads

@@ -155,14 +155,9 @@ def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Se
 
 
 def positional_channel_candidates(curves: torch.Tensor, top_k: int = 8, skip: int = 0, degree: int = 3) -> list[int]:
-    """The paper's filter on (n, d) position curves: the channels that are monotone in position and smooth.
-
-    Per channel, after dropping the first `skip` positions (the paper skips the first tokens, where attention sinks
-    sit), the curve is rescaled to [0, 1] (a constant channel is dropped). It is *monotone* when its least-squares
-    polynomial fit of degree `degree` (cubic, as the paper) has first differences of one sign at every position; its
-    *roughness* is the mean squared second difference of the rescaled curve (the paper sums the squared second
-    derivative, of a smoothed curve). Returns the monotone channels, smoothest first, at most `top_k`.
-    """
+    """The paper's filter on (n, d) position curves, the first `skip` positions dropped: the channels whose fit of
+    degree `degree` is monotone in position, smoothest first, at most `top_k` (the tests: docs/design.md, "The
+    search")."""
     curves = curves[skip:].double()
     n = curves.shape[0]
     if n < degree + 2:
