@@ -162,12 +162,9 @@ def randomized_positions(
     position_ids: torch.LongTensor, needed: int, position_range: int, per_sequence_range: bool = False
 ) -> torch.LongTensor:
     """Randomized positions (Ruoss et al., arXiv 2305.16843): each row's `i`-th position becomes the `i`-th smallest
-    of `needed` distinct positions drawn uniformly from `[0, position_range)`. Every position up to the range gets
-    trained, in order, with gaps that carry no meaning; padding slots (position 0) read the row's first one.
-
-    With `per_sequence_range` each row first draws its own range `[0, M')`, `M'` uniform in `[needed, position_range]`:
-    gaps then run from none (`M' = needed`, as at inference) to `position_range / needed` on average, so the small gaps
-    that inference reads are trained as well as the wide ones."""
+    of `needed` distinct positions drawn uniformly from `[0, position_range)`, or with `per_sequence_range` from the
+    row's own `[0, M')`, `M'` uniform in `[needed, position_range]` (why: docs/design.md, "Randomized positions");
+    padding slots (position 0) read the row's first one."""
     batch = position_ids.shape[0]
     scores = torch.rand(batch, position_range, device=position_ids.device)
     if per_sequence_range:

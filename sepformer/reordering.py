@@ -337,14 +337,13 @@ def eager_attention(model):
     """`model` running attention "eager", the implementation that returns the probabilities (`output_attentions`);
     then its own implementation again, also after an error."""
     implementation = model.config._attn_implementation
-    if implementation == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
+    if implementation != "eager":
+        model.set_attn_implementation("eager")
     try:
         yield
     finally:
-        model.set_attn_implementation(implementation)
+        if implementation != "eager":
+            model.set_attn_implementation(implementation)
 
 
 def last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs) -> torch.Tensor:
