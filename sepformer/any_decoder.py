@@ -5,23 +5,9 @@ model = sepformer.add_mitigations(AutoModelForCausalLM.from_pretrained(...))
 model.generate(ids, attention_mask=mask, stable_mask={"gamma": 0.5})
 ```
 
-Built on transformers' extension points, not on copies of the model's modules:
-
-- the attention registry: the model's implementation (`"sdpa"`, `"eager"`, ...) is wrapped by a registered one of its
-  own (`sepformer_mitigations_<implementation>`, with the wrapped implementation's mask function), which calls the
-  wrapped function unchanged unless a call brings a `mitigation_plan`; then it applies the plan's attention hooks
-  (`Mitigation.wrap_attention`) in the layer the module belongs to;
-- the keywords `forward` passes down to the attention function: `mitigation_plan`, resolved once per call from the
-  option keywords (SepFormer's dataclasses, dicts, checks and refused combinations: `sepformer.mitigations`);
-- position ids (`Mitigation.read_positions`: the windows' positions) and 4D masks (`Mitigation.mask_function`);
-- a `SepFormerCache` (a `DynamicCache`) for what a generation fixes at prefill, under the cache's batch operations;
-- forward hooks with keywords on the attention modules (`decoder_attention`), inert without a plan: the rotary tables
-  of another base (`Mitigation.position_bases`: Attention Buckets) and the inputs of the query and key projections
-  (`Mitigation.query_key_inputs`: positional scaling). Several buckets run `forward` once per bucket.
-
-The model's instance gets a subclass of its own class (same name, so `save_pretrained` writes the same architecture)
-whose `forward` takes the option keywords, and whose `generate` passes them to every step (`MitigationGenerationMixin`).
-Without options, `forward` is the model's own, and its attention the wrapped function itself.
+Without options the model computes what it computed before, with its own attention. How it is built on transformers'
+extension points (the attention registry, position ids, 4D masks, caches, forward hooks): docs/design.md, "On any
+Hugging Face decoder".
 """
 
 import copy
@@ -122,12 +108,6 @@ def eager_function(attention_class: type):
     return getattr(sys.modules[attention_class.__module__], "eager_attention_forward", None)
 
 
-def wrapped_function(implementation: str, module: nn.Module):
-    if implementation == "eager":
-        return eager_function(type(module))
-    return ALL_ATTENTION_FUNCTIONS[implementation]
-
-
 def mitigated_attention(
     implementation,
     module,
@@ -141,21 +121,17 @@ def mitigated_attention(
 ):
     """The registered attention: `implementation`'s own function, with the attention hooks of `mitigation_plan`
     (`mitigation_projection`: the module's input and projections, where the plan rewrites them, `decoder_attention`)."""
-    function = wrapped_function(implementation, module)
-    if mitigation_plan is None:
-        return function(module, query, key, value, attention_mask, **kwargs)
+    function = eager_function(type(module)) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         mitigation_plan.modules.append(module)
-        return function(module, query, key, value, attention_mask, **kwargs)
-    hooks = mitigation_plan.layers[module.layer_idx]
-    if not hooks.attention_wrappers:
-        return function(module, query, key, value, attention_mask, **kwargs)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
-        key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
-        module = ExpandedHeads(module)
-    function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
+    elif mitigation_plan is not None and mitigation_plan.layers[module.layer_idx].attention_wrappers:
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
+            key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
+            module = ExpandedHeads(module)
+        hooks = mitigation_plan.layers[module.layer_idx]
+        function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
     return function(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -300,10 +276,10 @@ class MitigatedDecoder(MitigationGenerationMixin):
 
     def check_served(self, options: dict) -> None:
         """Refuse, before any work, the options this model cannot serve."""
-        given = [name for name, value in options.items() if value not in (None, False)]
-        for name in given:
-            unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
-            if unknown and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
+        unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
+        for name, value in options.items():
+            restricts_mask = MITIGATIONS[name].mask_function is not Mitigation.mask_function
+            if unknown and restricts_mask and value not in (None, False):
                 raise ValueError(
                     f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
                     f"whose masks are not transformers' causal or sliding-window ones."
@@ -331,7 +307,7 @@ def mitigated_class(model_class: type) -> type:
     def forward(self, *args, **kwargs):
         return MitigatedDecoder.forward(self, *args, **kwargs)
 
-    mitigated = type(
+    return type(
         model_class.__name__,
         (MitigatedDecoder, model_class),
         {
@@ -341,7 +317,6 @@ def mitigated_class(model_class: type) -> type:
             "__qualname__": model_class.__qualname__,
         },
     )
-    return mitigated
 
 
 def new_mitigated(model_class: type) -> MitigatedDecoder:
@@ -350,11 +325,10 @@ def new_mitigated(model_class: type) -> MitigatedDecoder:
 
 
 def find_rotary(model: nn.Module) -> nn.Module | None:
-    """The model's one rotary embedding (a module with `inv_freq`); `None` without; an error with several."""
+    """The model's one rotary embedding (a module with `inv_freq`); `None` without, or with several (per layer type),
+    which the mitigations that read it refuse."""
     rotaries = [module for module in model.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)]
-    if len(rotaries) > 1:
-        return None  # several rotaries (per layer type): MS-PoE refuses, naming it
-    return rotaries[0] if rotaries else None
+    return rotaries[0] if len(rotaries) == 1 else None
 
 
 def check_servable(model) -> None:
@@ -418,9 +392,7 @@ def add_mitigations(model):
     """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
     `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
     `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns
-    `model` itself, its class replaced by a subclass of the same name, and forward hooks on its attention modules
-    (`decoder_attention`); without options it computes what it computed before, with its own attention implementation.
-
+    `model` itself, its class replaced by a subclass of the same name, with forward hooks on its attention modules.
     Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
     """

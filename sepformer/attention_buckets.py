@@ -21,6 +21,16 @@ def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
     return (weights * logits).sum(0)
 
 
+def on_each_cache(operation: str):
+    """The cache's batch operation `operation`, applied to each bucket's cache."""
+
+    def apply(self, argument) -> None:
+        for cache in self.caches:
+            getattr(cache, operation)(argument)
+
+    return apply
+
+
 @dataclass(eq=False)
 class BucketsState(MitigationState):
     """What several buckets keep on the cache (bucket 0's): their options, the caches of buckets 1.., to which the
@@ -31,21 +41,10 @@ class BucketsState(MitigationState):
     caches: list[SepFormerCache]
     running: bool = False
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for cache in self.caches:
-            cache.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        for cache in self.caches:
-            cache.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for cache in self.caches:
-            cache.batch_select_indices(indices)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        for cache in self.caches:
-            cache.crop(tokens_to_remove)
+    reorder_cache = on_each_cache("reorder_cache")
+    batch_repeat_interleave = on_each_cache("batch_repeat_interleave")
+    batch_select_indices = on_each_cache("batch_select_indices")
+    crop = on_each_cache("crop")
 
 
 @dataclass(frozen=True, eq=False)

@@ -230,14 +230,9 @@ class CalibrationMitigation(Mitigation):
 @dataclass(frozen=True, eq=False)
 class PositionalBiasCalibration(CalibrationMitigation):
     """The prefill of calibration with `bias_estimate="positional"`: in each of its layers, `bias(k)` is measured on
-    the prompt's own pass, just before that layer's row is calibrated, then kept for the decoding steps.
-
-    The dummy document is the documents' mean: SepFormer's attention input is `[positional ‖ semantic]` (each block
-    normed on its own), and a dummy key at position `j` is `k_proj` (and the layer's positions) of `[positional_j ‖
-    the mean of the normed semantic blocks over the documents' tokens]`, the mean content at document `j`'s place (not
-    normed again: a mean of unit-scale vectors is shorter than each). Unlike the dummy passes, the layer's inputs are
-    those of the calibrated pass (earlier calibrated layers included), and nothing after the layer is re-run with the
-    dummy."""
+    the prompt's own pass, just before that layer's row is calibrated, then kept for the decoding steps. The dummy key
+    at position `j` is that of `[positional_j ‖ the documents' mean normed semantic block]` (not normed again: a mean
+    of unit-scale vectors is shorter than each); docs/design.md, "Measuring `bias(k)` without dummy passes"."""
 
     position_size: int = 0
     key_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, seq, d_model): what k_proj read

@@ -1,13 +1,8 @@
 """SepFormer configuration, in the style of transformers' `LlamaConfig`: `@strict` dataclass fields, choices as
 `Literal`, ranges as `interval`, combinations in `validate_architecture`. Torch-free: positional maps and extrapolation
 methods are known here by name, with their parameters (`positional_options`); `positional_maps` holds their code.
-
-A value is checked whenever it is set (also on assignment): a wrong type is a `TypeError`, a wrong value a
-`ValueError`, each naming the field and the value. Combinations are checked when the config is made, loaded and saved
-and when a model is built from it, so that related fields can be assigned one after the other. A keyword the config
-would ignore is a `TypeError` and a field its settings never read a `ValueError`; in a saved config (one with
-`transformers_version`) both warn, so that older `config.json` files still load. Special token ids are checked against
-the vocabulary on saving only: transformers' workflows set them after the vocabulary.
+When each value and combination is checked, and what a saved config only warns about: docs/design.md, "Configuration
+fields".
 """
 
 import copy

@@ -12,11 +12,9 @@ AUTO_MAP = {
 
 
 def prepare_for_hub(model, tokenizer=None):
-    """Mark `model` (and `tokenizer`) so `save_pretrained`/`push_to_hub` copy the code files and a full `auto_map`.
-
-    Only these objects are marked (their own `_auto_class`, where transformers' `register_for_auto_class` marks the
-    class): another model, config or tokenizer saved later in the process is a plain checkpoint.
-    Returns `model`, so `prepare_for_hub(model).save_pretrained(folder)` is a one-liner.
+    """Mark `model` (and `tokenizer`) so `save_pretrained`/`push_to_hub` copy the code files and a full `auto_map`;
+    returns `model`. Only these objects are marked (their own `_auto_class`, where transformers'
+    `register_for_auto_class` marks the class): another model, config or tokenizer saved later is a plain checkpoint.
     """
     if not isinstance(model, SepFormerPreTrainedModel):
         raise TypeError(

@@ -1,10 +1,6 @@
-"""IN2 training data ("INformation-INtensive" training, arXiv 2404.16811), made by rule and offline.
-
-The paper cuts a corpus into short segments, concatenates randomly chosen segments into a long context and asks a
-question whose answer needs a segment placed anywhere (or several segments together); the loss is on the answer only.
-Here the questions are made from the text itself, so that no large LM is needed: a span quoted from a gold segment,
-and the answer is the text that follows it (or precedes it) in that segment. See docs/in2.md.
-"""
+"""IN2 training data ("INformation-INtensive" training, arXiv 2404.16811), made by rule and offline: a question quotes
+a span of a gold segment placed anywhere in a long context, the answer is the text that follows (or precedes) it there.
+See docs/in2.md."""
 
 import os
 from pathlib import Path
@@ -45,27 +41,18 @@ def in2_dataset(
     seed: int = 0,
     text_column: str | None = None,
 ) -> "datasets.Dataset":
-    """IN2 examples: `[bos] segment_1 ... segment_n [sep] question [sep] answer eos`, at most `context_length` tokens.
+    """IN2 examples: `[bos] segment_1 ... segment_n [sep] question [sep] answer eos`, at most `context_length` tokens
+    (at most the model's `max_position_embeddings`; checked against the tokenizer's `model_max_length`), as
+    docs/in2.md describes.
 
     The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, `"text"` by default, or the
     path of a text file read as one document) is tokenized without special tokens and each document cut into segments of
-    `segment_length` tokens (a shorter tail is dropped). Every example holds `n` distinct segments drawn at random, `n`
-    as many as fit beside the question and answer (the same for every example: all examples have the same length).
-    `context_length` is at most the model's length (its `max_position_embeddings`: a learned positional table has no
-    row past it); only the tokenizer is given, so it is checked against the tokenizer's `model_max_length`.
-
-    The question quotes `span_length` tokens of each of `segments_per_question` gold segments, each span occurring
-    exactly once in the context (otherwise redrawn), so that the context determines the answer. `question="follows"`:
-    the answer is the `answer_length` tokens that follow each span in its segment; `"precedes"`: the tokens before it.
-    With several gold segments the spans are quoted in a random order and the answers are concatenated in the order
-    of the context: the model must find every span and order them, not copy one piece. `gold_slots` says how the gold
-    segments' slots are drawn (uniformly).
-
-    Separator: the tokenizer's `sep_token`, or its `eos_token` if it has none; the bos token leads where there is one.
-    `labels` are the input ids on the answer and the eos that ends it (so that generation learns to stop), -100
-    elsewhere. Metadata: `gold_slots` (in context order), `answer_positions` (where each answer piece stands in the
-    context, in input ids), `answer_start` (the first answer token after the question), `num_segments` (`n`).
-    Deterministic for a given `seed`.
+    `segment_length` tokens (a shorter tail is dropped); every example holds as many distinct segments as fit. The
+    question quotes `span_length` tokens of each of `segments_per_question` gold segments, each span occurring once in
+    the context; the answer is the `answer_length` tokens that follow each span (`question="precedes"`: precede it),
+    in the order of the context. `labels` are the input ids on the answer and its eos, -100 elsewhere. Metadata:
+    `gold_slots` (in context order), `answer_positions` (each answer piece's index in the context's input ids),
+    `answer_start` (the first answer token), `num_segments` (`n`). Deterministic for a given `seed`.
     """
     counts = checked_counts(locals())  # every argument, by name
     context_length, segment_length, num_examples, per_question, span_length, answer_length, seed = counts
@@ -209,10 +196,8 @@ def context_segments(
 
 
 def gold_slots(rng: np.random.Generator, num_examples: int, num_segments: int, per_question: int):
-    """The gold slots of each example, in increasing order. With one gold segment, each run of `num_segments`
-    consecutive examples uses every slot once, in a shuffled order, so that the slots' counts over the dataset differ
-    by at most one. With several, each example's slots are a uniform random subset (every slot equally likely, i.i.d.
-    over examples)."""
+    """The gold slots of each example, in increasing order: with one gold segment, each run of `num_segments` examples
+    uses every slot once, in a shuffled order; with several, a uniform random subset per example."""
     if per_question == 1:
         for block in range(0, num_examples, num_segments):
             for slot in rng.permutation(num_segments)[: num_examples - block]:

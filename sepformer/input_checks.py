@@ -14,11 +14,9 @@ logger = logging.get_logger(__name__)
 
 
 def check_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> None:
-    """Refuse what the layers of `model` (a `SepFormerModel`) would fail on deep inside torch, or silently ignore,
-    before any work is done.
-
-    The values of a prompt (ids in the vocabulary, a 0/1 padding mask, positions >= 0) are read when there is no cache
-    yet: a decoding step's come from `generate`, and reading them would wait for the device at every step."""
+    """Refuse, before any work, what the layers of `model` (a `SepFormerModel`) would fail on or ignore. The values of
+    a prompt (ids in the vocabulary, a 0/1 padding mask, positions >= 0) are read when there is no cache yet: a decoding
+    step's come from `generate`, and reading them would wait for the device at every step."""
     config = model.config
     tensors = dict(
         input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids

@@ -1,11 +1,5 @@
-"""What `generate` does before its first step with the mitigation options: for `SepFormerForCausalLM` and the models
-`add_mitigations` serves.
-
-`generate` passes the options (keywords of `forward`, see `mitigations.with_mitigation_keywords`) to every prefill and
-decoding step; this mixin makes the cache a `SepFormerCache` (which keeps what the mitigations fix at prefill), repeats
-per-row options for beams and return sequences, refuses assisted decoding with options that act on the prompt's last
-token, runs `reorder_documents=` on the prompt first, and checks what the steps would fail on late.
-"""
+"""What `generate` does before its first step with the mitigation options (keywords of `forward`, passed to every
+step), for `SepFormerForCausalLM` and the models `add_mitigations` serves."""
 
 import functools
 

@@ -294,10 +294,8 @@ class AttentionCalibration(SpanOptions):
         bias_estimate: how `bias(k)` is measured. `"dummy_passes"` (the paper's): one extra forward pass per
             document, the dummy document in its place. `"positional"` (SepFormer only): no extra pass; in each
             layer, the attention document `k` would get if every one of its tokens kept its positional coordinates
-            and took the documents' mean semantic coordinates, all other keys as they are. An approximation: on the
-            key-value retrieval task its `bias(k)` follows the dummy passes' in shape for the mean over prompts on
-            seven of eight trained models (Pearson r over documents 0.80-0.99), not on one (0.08), and less for
-            single prompts (0.25-0.77): check it against the dummy passes on your task before relying on it.
+            and took the documents' mean semantic coordinates, all other keys as they are. An approximation (how close
+            it comes: docs/design.md): check it against the dummy passes on your task before relying on it.
     """
 
     spans: tuple[tuple[tuple[int, int], ...], ...]
@@ -334,10 +332,8 @@ class AttentionCalibration(SpanOptions):
 class PositionalScaling(MitigationOptions):
     """Positional-dimension scaling (arXiv 2406.02536): chosen channels of the attention input times `s`.
 
-    In its layers, at prefill, the rows before the last `last_recompute_tokens` are the base model's; the last rows
-    are recomputed with scaled queries against scaled keys, and the scaled keys go into the cache; each decoding step
-    computes its query and key from the scaled input. So a cached generation is, by the method's definition, not the
-    full forward pass of the final sequence.
+    At prefill the last `last_recompute_tokens` rows are recomputed with scaled queries and keys (the scaled keys go
+    into the cache); each decoding step reads the scaled input: by definition, not the full pass of the final sequence.
 
     Args:
         factor: `s` (paper's grid: 0.5, 0, -0.5, -1; default 0, as the authors' code); 1 is the base model. The

@@ -17,8 +17,6 @@ from .spans import key_positions
 
 def ms_poe_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
     """`r_i = r_min + (i-1)(r_max - r_min)/(H-1)`, `i` the rank (1 = most position-aware), float64 (H,)."""
-    if num_heads == 1:
-        return torch.tensor([option.r_min], dtype=torch.float64)
     return torch.linspace(option.r_min, option.r_max, num_heads, dtype=torch.float64)
 
 
@@ -86,12 +84,19 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
-def check_rankable(config) -> None:
+def ranking(options: MSPoE, call: CallContext) -> dict:
+    """Where a layer's head ranks come from: `fixed_ranks` of a `head_order`, or the `cache` that keeps those made at
+    prefill from the last query's attention row."""
+    config = call.model.config
+    if options.head_order is not None:
+        fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
+        return {"fixed_ranks": fixed.to(call.model.device)}
     if attention_implementation(config) == "flex_attention":
         raise ValueError(
             "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
             "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
         )
+    return {"cache": call.sepformer_cache}
 
 
 @dataclass(eq=False)
@@ -104,14 +109,10 @@ class MSPoEState(MitigationState):
 
 @dataclass(frozen=True, eq=False)
 class MSPoEMitigation(Mitigation):
-    """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`.
-
-    Rotary (when on) rotates by `m / r_h`. The positional block enters through the normalised residual, whose
-    positional part is `p(m) + u(m)`, `u` what earlier layers added: head `h` reads `p(m / r_h) + u(m)` instead, i.e.
-    its queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added. Only the
-    embedding's `p(m)` is rescaled; `u` depends on content as well and has no position to rescale. Values and the
-    residual keep `p(m)`. The heads are ranked at prefill (or by `head_order`) and keep their ratios while decoding.
-    """
+    """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`: rotary (when on) rotates by
+    `m / r_h`, and the queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added
+    (docs/design.md, MS-PoE). The heads are ranked at prefill (or by `head_order`) and keep their ratios while
+    decoding."""
 
     options_class = MSPoE
     prefill_requirement = (
@@ -158,19 +159,8 @@ class MSPoEMitigation(Mitigation):
                     f"add to them: {wrapped}. Merge adapters first (PEFT's merge_and_unload()), or leave ms_poe's "
                     "layers without them."
                 )
-        if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
-            store = derived_store(call.sepformer_cache)
-            return cls(options, layers, call.model, call.extrapolation, fixed_ranks=fixed, store=store)
-        check_rankable(config)
-        return cls(
-            options,
-            layers,
-            call.model,
-            call.extrapolation,
-            cache=call.sepformer_cache,
-            store=derived_store(call.sepformer_cache),
-        )
+        store = derived_store(call.sepformer_cache)
+        return cls(options, layers, call.model, call.extrapolation, store=store, **ranking(options, call))
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
         model, config = self.model, self.model.config
@@ -276,10 +266,9 @@ def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -
 @dataclass(frozen=True, eq=False)
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
-    rotated at the tokens' positions `m` (the cache's keys included), and turns head `h`'s further, to `m / r_h`.
-    Queries are at the call's positions, keys at theirs counted from each row's first real token (the padding mask),
-    as the default position ids are. Heads are query heads: grouped-query keys arrive expanded to them. The ranking is
-    MS-PoE's (`layer_ranks`)."""
+    rotated at the tokens' positions `m` (the cache's keys included, at their positions counted from each row's first
+    real token), and turns head `h`'s further, to `m / r_h`. Heads are query heads (grouped-query keys arrive
+    expanded)."""
 
     rotary: torch.nn.Module | None = None  # the model's rotary embedding: its `inv_freq`
     heads: int = 0  # query heads
@@ -311,11 +300,7 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
             check_default_positions(call.position_ids, key_positions(mask, call.new_tokens, call.position_ids.device))
         layers = options.layer_set(config.num_hidden_layers)
-        if options.head_order is not None:
-            fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
-            return cls(options, layers, fixed_ranks=fixed, rotary=decoder.rotary, heads=config.num_attention_heads)
-        check_rankable(config)
-        return cls(options, layers, cache=call.sepformer_cache, rotary=decoder.rotary, heads=config.num_attention_heads)
+        return cls(options, layers, rotary=decoder.rotary, heads=config.num_attention_heads, **ranking(options, call))
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)

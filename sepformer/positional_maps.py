@@ -152,12 +152,9 @@ def randomized_positions(
     position_ids: torch.LongTensor, needed: int, position_range: int, per_sequence_range: bool = False
 ) -> torch.LongTensor:
     """Randomized positions (Ruoss et al., arXiv 2305.16843): each row's `i`-th position becomes the `i`-th smallest
-    of `needed` distinct positions drawn uniformly from `[0, position_range)`. Every position up to the range gets
-    trained, in order, with gaps that carry no meaning; padding slots (position 0) read the row's first one.
-
-    With `per_sequence_range` each row first draws its own range `[0, M')`, `M'` uniform in `[needed, position_range]`:
-    gaps then run from none (`M' = needed`, as at inference) to `position_range / needed` on average, so the small gaps
-    that inference reads are trained as well as the wide ones."""
+    of `needed` distinct positions drawn uniformly from `[0, position_range)`, or with `per_sequence_range` from the
+    row's own `[0, M')`, `M'` uniform in `[needed, position_range]` (why: docs/design.md, "Randomized positions");
+    padding slots (position 0) read the row's first one."""
     batch = position_ids.shape[0]
     scores = torch.rand(batch, position_range, device=position_ids.device)
     if per_sequence_range:
@@ -186,7 +183,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
             return super().forward(position_ids)
         low, high = position_range(position_ids)
         if extrapolation.method == "interpolate":
-            return self.interpolated(position_ids, extrapolation)
+            return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
         length = self.num_embeddings
         if high < length:
             return super().forward(position_ids)
@@ -194,10 +191,6 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         if low >= length:  # every position past the table (cached decoding past L): no copy of the table
             return nn.functional.embedding(position_ids - length, rows)
         return nn.functional.embedding(position_ids, torch.cat((self.weight, rows)))  # (capacity, d_pos) table
-
-    def interpolated(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """Position interpolation, per row: a row of `n > L` positions is compressed by `(L-1)/(n-1)`."""
-        return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
 
     def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Where in the table each position is read: itself, except under `interpolate` past the table (compressed).
@@ -266,7 +259,7 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         if fractional and method not in EXTRAPOLATIONS:  # `none`, `interpolate`: between the table's rows
             return interpolate_rows(self.weight, position_ids)
         if method == "interpolate":
-            return self.interpolated(position_ids, extrapolation)
+            return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
         if method not in EXTRAPOLATIONS:  # `none`
             return super().forward(position_ids)
         if fractional:
@@ -342,8 +335,8 @@ def span_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tens
 class BSplinePositions(nn.Module, PositionalMap):
     """`p(t) = Σ_i N_{i,k}(t) c_i`: `n` learned control points `c_i` (`control_points`, `n ≪ L`) and the B-spline
     basis of degree `k` (`degree`) on clamped uniform knots over `[0, T-1]`, `T` the `position_table_size` (`L`, or
-    the range of randomized positions). Defined at every real position; past `T-1` `extension` decides (`clamp`: the
-    last control point; `linear`: the end's tangent continued): `positional_options.BSplineMap`.
+    the range of randomized positions). Defined at every real position; past `T-1` as `extension` says
+    (`positional_options.BSplineMap`).
 
     Integer positions read rows computed for `0 .. T·2^m - 1`, once per generation where there is a `store`, as the
     learned table's extension is. Fractional positions (MS-PoE) evaluate the basis at the position itself.

@@ -33,6 +33,11 @@ def check_parameters(options, owner: str | None = None) -> None:
             object.__setattr__(options, option.name, number)
 
 
+def parameter_defaults(options: type, reader: str | None = None) -> dict:
+    """The parameters of the class `options` that `reader` reads (a map: all of its own), with their defaults."""
+    return {option.name: option.default for option in fields(options) if option.metadata.get("reader", "") == reader}
+
+
 def config_value(key: str, options, defaults: dict) -> str | dict:
     """The name `options` has under `key`, or a dict of it and the parameters not at their `defaults`."""
     changed = {name: getattr(options, name) for name, default in defaults.items() if getattr(options, name) != default}
@@ -113,11 +118,7 @@ class BSplineMap(PositionalMapOptions):
 
 
 POSITIONAL_MAP_OPTIONS = {options.map: options for options in (LearnedMap, SinusoidalMap, BSplineMap)}
-# Each map and the parameters it reads, with their defaults.
-MAP_PARAMETERS = {
-    name: {option.name: option.default for option in fields(options)}
-    for name, options in POSITIONAL_MAP_OPTIONS.items()
-}
+MAP_PARAMETERS = {name: parameter_defaults(options) for name, options in POSITIONAL_MAP_OPTIONS.items()}
 # `none` refuses positions past the table; `interpolate` compresses positions into it; the others make rows past it
 # (`positional_maps.EXTRAPOLATIONS`).
 EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
@@ -176,12 +177,6 @@ class PositionExtrapolation:
         return config_value("method", self, EXTRAPOLATION_PARAMETERS[self.method])
 
 
-# Each extrapolation method and the parameters it reads, with their defaults.
 EXTRAPOLATION_PARAMETERS = {
-    method: {
-        option.name: option.default
-        for option in fields(PositionExtrapolation)
-        if option.metadata.get("reader") == method
-    }
-    for method in EXTRAPOLATION_METHODS
+    method: parameter_defaults(PositionExtrapolation, method) for method in EXTRAPOLATION_METHODS
 }

@@ -11,16 +11,9 @@ from .mitigation_options import PositionalScaling
 
 @dataclass(frozen=True, eq=False)
 class PositionalScalingMitigation(Mitigation):
-    """`f(h) = h` with channels `c` times `s`, in the chosen layers, as the authors' code computes it:
-
-    - prefill (a call that starts a cache, or runs without one): rows before the last `r = last_recompute_tokens` are
-      the base model's (`softmax(q_i Kᵀ) V`, queries and keys unscaled); the last `r` rows are recomputed as
-      `softmax(q̄_i K̄ᵀ) V` with `q̄ = W_Q f(h)`, `K̄ = W_K f(h)` over every key; the scaled keys `K̄` go into the cache;
-    - a call continuing a cache: each new token is a decoding step, its query and key read `f(h)` and it attends to
-      the cached scaled keys.
-
-    Values are never scaled; tokens at positions `< skip_first` are never scaled.
-    """
+    """`f(h) = h` with channels `c` times `s`, in the chosen layers, as the authors' code computes it: at prefill the
+    last `last_recompute_tokens` rows recomputed with `q̄ = W_Q f(h)` against `K̄ = W_K f(h)` (which go into the cache),
+    each decoding step reading `f(h)`; values never scaled (docs/design.md, "Positional-dimension scaling")."""
 
     options_class = PositionalScaling
     prefill_requirement = (

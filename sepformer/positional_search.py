@@ -5,15 +5,8 @@ examples each have a gold position, and returns the one with the lowest loss ave
 
     argmin_{c, s < 1}  mean_p [ mean over the examples with gold position p of L(x, y; F(θ, h_c, s)) ]
 
-- SepFormer: the candidates are its positional channels, known by construction (coordinates `[0, d_pos)` of every
-  hidden state): each channel, aligned contiguous groups of 2, 4, ... channels, and the whole block. The scaling is the
-  model's `positional_scaling` option.
-- Any other Hugging Face decoder (`LlamaForCausalLM`, `GPT2LMHeadModel`, ...): the paper's filter picks the candidate
-  channels (`positional_channel_candidates`: channels of the attention input whose position curve is monotone and
-  smooth), and the scaling is applied by forward hooks (`scale_attention_input`).
-
-In both, the rows that predict the answer are recomputed with scaled queries and keys, which is what generation with
-the option computes: the prompt's last row is recomputed and every answer token is a decoding step.
+On a SepFormer through its `positional_scaling` option, on another Hugging Face decoder by forward hooks
+(`scale_attention_input`); the candidates and the loss: docs/design.md, "The search".
 """
 
 import contextlib
@@ -70,10 +63,8 @@ def is_sepformer(model: nn.Module) -> bool:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a causal LM: `model.model.layers` (Llama, Mistral, Qwen, SepFormer) or
     `model.transformer.h` (GPT-2)."""
-    for path in ("model.layers", "transformer.h"):
-        module = model
-        for name in path.split("."):
-            module = getattr(module, name, None)
+    for outer, inner in (("model", "layers"), ("transformer", "h")):
+        module = getattr(getattr(model, outer, None), inner, None)
         if isinstance(module, nn.ModuleList):
             return module
     raise ValueError(
@@ -94,16 +85,6 @@ def default_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(PositionalScaling().default_layers(num_layers))
 
 
-def query_key_inputs_scaled(attention: nn.Module, scale: torch.Tensor):
-    """While active, the queries and keys of `attention` read its input times `scale` (d_model,); values do not."""
-
-    def scaled(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rewritten = inputs * scale
-        return rewritten, rewritten
-
-    return query_key_inputs_rewritten(attention, scaled)
-
-
 def recompute_last_rows(scale, rows, attention, args, kwargs, output):
     """Forward hook of an attention module: its last `rows` output rows recomputed with scaled queries and keys over
     every key; the rows before are the base model's."""
@@ -112,7 +93,8 @@ def recompute_last_rows(scale, rows, attention, args, kwargs, output):
             "scale_attention_input recomputes rows of a full forward pass: call the model with use_cache=False (a "
             "cache would receive the keys twice)."
         )
-    with query_key_inputs_scaled(attention, scale.to(output[0].dtype)):
+    scale = scale.to(output[0].dtype)
+    with query_key_inputs_rewritten(attention, lambda inputs: (inputs * scale,) * 2):  # queries and keys read one input
         recomputed = attention.forward(*args, **kwargs)  # `forward` directly: this hook does not run again
     kept = output[0].shape[1] - min(rows, output[0].shape[1])
     return (torch.cat((output[0][:, :kept], recomputed[0][:, kept:]), 1), *output[1:])  # (b, seq, d_model)
@@ -144,12 +126,10 @@ def scale_attention_input(
     scale = torch.ones(width, device=model.device)
     scale[list(options.channels)] = factor
     hook = functools.partial(recompute_last_rows, scale, last_recompute_tokens)
-    handles = [attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True) for layer in layers]
-    try:
+    with contextlib.ExitStack() as hooks:  # a hook's handle removes it on exit
+        for layer in layers:
+            hooks.enter_context(attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True))
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 # ------------------------------------------------------------------------------------------- candidate channels
@@ -165,27 +145,19 @@ def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Se
         inputs = args[0] if args else kwargs["hidden_states"]
         captured.append(inputs.float().mean(0))  # (n, d_model)
 
-    handles = [
-        attention_module(layer_modules[layer]).register_forward_pre_hook(capture, with_kwargs=True) for layer in layers
-    ]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with contextlib.ExitStack() as hooks, torch.no_grad():
+        for layer in layers:
+            hooks.enter_context(
+                attention_module(layer_modules[layer]).register_forward_pre_hook(capture, with_kwargs=True)
+            )
+        model(input_ids=input_ids, use_cache=False)
     return torch.stack(captured).mean(0)
 
 
 def positional_channel_candidates(curves: torch.Tensor, top_k: int = 8, skip: int = 0, degree: int = 3) -> list[int]:
-    """The paper's filter on (n, d) position curves: the channels that are monotone in position and smooth.
-
-    Per channel, after dropping the first `skip` positions (the paper skips the first tokens, where attention sinks
-    sit), the curve is rescaled to [0, 1] (a constant channel is dropped). It is *monotone* when its least-squares
-    polynomial fit of degree `degree` (cubic, as the paper) has first differences of one sign at every position; its
-    *roughness* is the mean squared second difference of the rescaled curve (the paper sums the squared second
-    derivative, of a smoothed curve). Returns the monotone channels, smoothest first, at most `top_k`.
-    """
+    """The paper's filter on (n, d) position curves, the first `skip` positions dropped: the channels whose fit of
+    degree `degree` is monotone in position, smoothest first, at most `top_k` (the tests: docs/design.md, "The
+    search")."""
     curves = curves[skip:].double()
     n = curves.shape[0]
     if n < degree + 2:

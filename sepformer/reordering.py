@@ -1,13 +1,6 @@
-"""Reordering the documents of a prompt by relevance ("Lost in the Middle"; attention sorting, arXiv 2310.01427).
-
-- `relevance_order(scores, strategy)`: the new order of `K` documents from their relevance scores;
-- `reorder_prompt(input_ids, attention_mask, spans, order)`: the prompt with its documents moved to that order;
-- `document_relevance(model, input_ids, attention_mask, spans, by)`: relevance read from a model's attention;
-- `reorder_documents(model, input_ids, attention_mask, options)`: all three, for several rounds; `generate`'s
-  `reorder_documents=` option runs it on the prompt before generating.
-
-Spans count from each row's first real token, like calibration's, so a left-padded row has the spans it has alone.
-"""
+"""Reordering the documents of a prompt by relevance ("Lost in the Middle"; attention sorting, arXiv 2310.01427):
+`relevance_order`, `reorder_prompt` and `document_relevance`, all three in `reorder_documents`, which `generate`'s
+`reorder_documents=` option runs on the prompt. Spans count from each row's first real token, like calibration's."""
 
 import contextlib
 from dataclasses import dataclass
@@ -344,14 +337,13 @@ def eager_attention(model):
     """`model` running attention "eager", the implementation that returns the probabilities (`output_attentions`);
     then its own implementation again, also after an error."""
     implementation = model.config._attn_implementation
-    if implementation == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
+    if implementation != "eager":
+        model.set_attn_implementation("eager")
     try:
         yield
     finally:
-        model.set_attn_implementation(implementation)
+        if implementation != "eager":
+            model.set_attn_implementation(implementation)
 
 
 def last_row_attention(model, input_ids, attention_mask, layers, **model_kwargs) -> torch.Tensor:

@@ -2,6 +2,7 @@
 counted from the row's first real token, end exclusive; with the prompt's padding, read from its padding mask."""
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
@@ -106,13 +107,8 @@ def dummy_batch(spans, dummy_document, pad_token_id: int, input_ids: torch.Tenso
             else:
                 dummy = tokens.new_tensor(dummy_document)
             sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))
-            probes.append((start, start + len(dummy)))
-    width = max(len(sequence) for sequence in sequences)
-    ids = input_ids.new_zeros(len(sequences), width)
-    padding = torch.zeros_like(ids)
-    probe = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
-    for index, (sequence, (start, end)) in enumerate(zip(sequences, probes, strict=True)):
-        pad = width - len(sequence)  # left padding
-        ids[index, pad:], padding[index, pad:] = sequence, 1
-        probe[index, pad + start : pad + end] = True
-    return ids, padding, probe
+            slots = torch.arange(len(sequences[-1]), device=input_ids.device)
+            probes.append((slots >= start) & (slots < start + len(dummy)))
+    ids = pad_sequence(sequences, batch_first=True, padding_side="left")
+    padding = pad_sequence([torch.ones_like(sequence) for sequence in sequences], batch_first=True, padding_side="left")
+    return ids, padding, pad_sequence(probes, batch_first=True, padding_side="left")

@@ -23,13 +23,10 @@ def sink_logits(option: StableMask, position_ids: torch.Tensor, default_columns:
 
 
 def sink_attention(interface, module, query, key, value, attention_mask, sink_logits, scaling, **kwargs):
-    """StableMask's sink form on any attention function that takes a boolean or additive mask (eager, sdpa).
-
-    One extra head dimension carries the sink: queries get `τ_t / scaling` there, real keys 0, and one sink key in
-    front (1 there, 0 elsewhere, with a zero value) scores exactly `τ_t`. So the softmax runs over the real keys and
-    the sink, and the sink's share is the mass StableMask's pseudo-columns take; no `n × n` matrix is built. A single
-    query row at inference (decoding) is written out instead: one row of scores, the sink appended, a softmax.
-    `sink_logits` is (b or 1, 1, seq, 1); -inf (rows past `N`) is clamped to a logit whose exponential is 0.
+    """StableMask's sink form on any attention function that takes a boolean or additive mask (eager, sdpa): one extra
+    head dimension carries the sink, queries get `τ_t / scaling` there, real keys 0, and a sink key in front (1 there,
+    a zero value) scores exactly `τ_t` (docs/design.md, StableMask). `sink_logits` is (b or 1, 1, seq, 1); -inf (rows
+    past `N`) is clamped to a logit whose exponential is 0.
     """
     batch, heads, seq, dim = query.shape
     kv = key.shape[2]

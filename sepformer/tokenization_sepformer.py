@@ -38,9 +38,7 @@ class SepFormerTokenizer(PreTrainedTokenizer):
         return NUM_BYTES
 
     def get_vocab(self) -> dict[str, int]:
-        vocab = {chr(byte): byte for byte in range(NUM_BYTES)}
-        vocab.update(self.added_tokens_encoder)
-        return vocab
+        return {**{chr(byte): byte for byte in range(NUM_BYTES)}, **self.added_tokens_encoder}
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
         """transformers' `tokenize`, except that `split_special_tokens=True` (the default) splits only the special
@@ -92,10 +90,7 @@ class SepFormerTokenizer(PreTrainedTokenizer):
         """As transformers', but every id is checked first: an integer inside the vocabulary (transformers would
         truncate a float and hand any integer to `chr`)."""
         ids = to_py_obj(ids)  # tensors and arrays, as `decode` does
-        if isinstance(ids, list | tuple):
-            ids = [self._checked_id(index) for index in ids]
-        else:
-            ids = self._checked_id(ids)
+        ids = [self._checked_id(index) for index in ids] if isinstance(ids, list | tuple) else self._checked_id(ids)
         return super().convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs):

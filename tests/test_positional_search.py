@@ -12,11 +12,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sepformer import PositionalScaling
+from sepformer.decoder_attention import query_key_inputs_rewritten
 from sepformer.positional_search import (
     NoPositionalChannelError,
     attention_input_curves,
     positional_channel_candidates,
-    query_key_inputs_scaled,
     scale_attention_input,
     search_positional_scaling,
 )
@@ -212,7 +212,7 @@ def test_gpt2_scaling_leaves_the_values_alone():
     scale[[4, 11]] = -0.5
     with torch.no_grad():
         plain, scaled = attention.c_attn(x), attention.c_attn(x * scale)
-        with query_key_inputs_scaled(attention, scale):
+        with query_key_inputs_rewritten(attention, lambda inputs: (inputs * scale,) * 2):
             hooked = attention.c_attn(x)
     assert torch.equal(hooked[..., :64], scaled[..., :64])  # queries and keys
     assert torch.equal(hooked[..., 64:], plain[..., 64:])  # values
