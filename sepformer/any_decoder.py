@@ -33,8 +33,8 @@ from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
 from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
-from .modeling_sepformer import LOSS_KEYWORDS, default_position_ids
 from .ms_poe import LENGTH_DEPENDENT_ROPE
+from .spans import default_position_ids
 
 PREFIX = "sepformer_mitigations_"
 
@@ -163,7 +163,6 @@ class MitigatedDecoder(MitigationGenerationMixin):
     """The mixin `add_mitigations` puts in front of a Hugging Face causal LM's class."""
 
     decoder_positions: DecoderPositions
-    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes (several attention buckets)
 
     def forward(self, *args, **kwargs):
         """The model's `forward`; the option keywords (`sepformer.mitigations`), or `mitigation_plan` (mitigations

@@ -9,7 +9,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache_sepformer import MitigationState, SepFormerCache
 from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import AttentionBuckets
-from .positional_maps import EXTRAPOLATIONS
+from .positional_options import EXTRAPOLATION_METHODS, LEARNED_TABLE_METHODS
 
 
 def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class AttentionBucketsMitigation(Mitigation):
             )
         scale = options.scales[0] if options.scales is not None else 1.0
         method = call.extrapolation.method
-        rows = config.position_table_size if config.has_positional_table and method not in EXTRAPOLATIONS else None
+        rows = config.position_table_size if config.has_positional_table and method in LEARNED_TABLE_METHODS else None
         return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale, rows, method)
 
     @classmethod
@@ -128,11 +128,12 @@ class AttentionBucketsMitigation(Mitigation):
         """The scaled positions stay on the learned table, which this call's extrapolation does not extend."""
         rows, read = self.table_rows, highest * self.scale
         if math.ceil(read) >= rows:
+            extending = [method for method in EXTRAPOLATION_METHODS if method not in LEARNED_TABLE_METHODS]
             raise ValueError(
                 f"attention_buckets scale {self.scale:g} reads position {highest} at {read:g}, past the learned "
                 f"positional table's {rows} rows, which position_extrapolation={self.extrapolation!r} does not "
                 f"extend: give scales <= {(rows - 1) / highest:g} for positions up to {highest}, or an extrapolation "
-                f"method that makes rows past the table ({', '.join(map(repr, EXTRAPOLATIONS))})."
+                f"method that makes rows past the table ({', '.join(map(repr, extending))})."
             )
 
     def position_bases(self) -> tuple[float | None, float | None]:

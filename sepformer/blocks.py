@@ -6,7 +6,6 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .configuration_sepformer import SepFormerConfig
 from .kept import cached_constant
 
 
@@ -55,14 +54,14 @@ def blockwise(x: torch.Tensor, functions, widths: tuple[int, ...]) -> torch.Tens
 
 
 def block_diagonal(
-    config: SepFormerConfig, make: Callable[[int], nn.Module], kind: type[BlockDiagonal] = BlockDiagonal
+    config, make: Callable[[int], nn.Module], kind: type[BlockDiagonal] = BlockDiagonal
 ) -> BlockDiagonal:
     """`make(width)` builds the module of one subspace; the positional one is skipped when `d_pos = 0`."""
     position = make(config.position_size) if config.position_size > 0 else None
     return kind(position, make(config.semantic_size), config.position_size)
 
 
-def make_norm(config: SepFormerConfig, width: int) -> nn.Module:
+def make_norm(config, width: int) -> nn.Module:
     if config.norm_type == "rmsnorm":
         return nn.RMSNorm(width, eps=config.norm_eps)
     return nn.LayerNorm(width, eps=config.norm_eps)
@@ -113,7 +112,7 @@ def rms_normed_rows(h: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor,
 
 
 class SepFormerMLP(nn.Module):
-    def __init__(self, config: SepFormerConfig, width: int, intermediate_size: int):
+    def __init__(self, config, width: int, intermediate_size: int):
         super().__init__()
         self.up_proj = nn.Linear(width, intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(intermediate_size, width, bias=config.mlp_bias)

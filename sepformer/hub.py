@@ -1,8 +1,8 @@
 """Make `save_pretrained` write Hub custom code, loadable with `trust_remote_code=True` without this package."""
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .modeling_sepformer import SepFormerPreTrainedModel
+from .configuration_sepformer import SepFormerConfig
 
 AUTO_MAP = {
     "AutoConfig": "configuration_sepformer.SepFormerConfig",
@@ -16,7 +16,7 @@ def prepare_for_hub(model, tokenizer=None):
     returns `model`. Only these objects are marked (their own `_auto_class`, where transformers'
     `register_for_auto_class` marks the class): another model, config or tokenizer saved later is a plain checkpoint.
     """
-    if not isinstance(model, SepFormerPreTrainedModel):
+    if not (isinstance(model, PreTrainedModel) and isinstance(model.config, SepFormerConfig)):
         raise TypeError(
             f"prepare_for_hub takes a SepFormer model (SepFormerForCausalLM or SepFormerModel); got "
             f"{type(model).__name__}."

@@ -11,9 +11,13 @@ from .mitigations import MITIGATIONS, check_assisted_decoding
 from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
+LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' causal-LM loss, not of the model
+
 
 class MitigationGenerationMixin:
     """Put before `GenerationMixin` (or the model class that has it) in the bases."""
+
+    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes besides logits and labels
 
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
         """Refuse, before any work, a prompt `generate` would fail on deep inside (the model's own checks)."""

@@ -35,40 +35,12 @@ from .configuration_sepformer import SepFormerConfig
 from .decoding import fused_layer
 from .input_checks import check_checkpoint_folder, check_inputs, check_labels, unreadable_weights
 from .kept import derived_store
-from .mitigated_generation import MitigationGenerationMixin, check_fed_token_ids, check_last_position
+from .mitigated_generation import LOSS_KEYWORDS, MitigationGenerationMixin, check_fed_token_ids, check_last_position
 from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, MitigationPlan, QueryKeyProjection
 from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
-from .positional_maps import (
-    POSITIONAL_MAPS,
-    BSplinePositions,
-    apply_partial_rotary,
-    call_extrapolation,
-)
-from .spans import positions_from_mask
-
-
-class SepFormerRotaryEmbedding(nn.Module):
-    """cos/sin of rotary embedding for the first `rotary_dim` dimensions of each head, computed once per forward."""
-
-    def __init__(self, config: SepFormerConfig):
-        super().__init__()
-        self.rotary_dim = config.rotary_dim
-        self.rope_theta = config.rope_theta
-        self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
-
-    def compute_inv_freq(self, base: float | None = None) -> torch.Tensor:
-        base = self.rope_theta if base is None else base
-        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
-
-    @torch.no_grad()
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, base: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`base`: another rotary base than the config's `rope_theta` (Attention Buckets)."""
-        inv_freq = self.inv_freq if base is None else self.compute_inv_freq(base)
-        freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (b, seq, rotary_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (b, seq, rotary_dim)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+from .positional_maps import POSITIONAL_MAPS, BSplinePositions, call_extrapolation
+from .rotary import SepFormerRotaryEmbedding, apply_partial_rotary
+from .spans import default_position_ids
 
 
 class SepFormerAttention(nn.Module):
@@ -320,21 +292,6 @@ def continues(past_key_values: Cache | None) -> bool:
     return bool(length > 0)
 
 
-def default_position_ids(
-    inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None
-) -> torch.LongTensor:
-    """Absolute positions of the new tokens, counted from each row's first real token.
-
-    With a 2D padding mask (covering past and new tokens) a left-padded row gets the same positions as the row alone;
-    padding slots get 0. Without one, positions continue from the cache.
-    """
-    seq_len = inputs_embeds.shape[1]
-    if attention_mask is not None and attention_mask.dim() == 2:
-        return positions_from_mask(attention_mask).clamp(min=0)[:, -seq_len:]
-    past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-    return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
-
-
 class SepFormerModel(SepFormerPreTrainedModel):
     def __init__(self, config: SepFormerConfig):
         super().__init__(config)
@@ -470,12 +427,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
             ) from error
 
 
-LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' causal-LM loss, not of the model
-
-
 class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes besides logits and labels
 
     def __init__(self, config: SepFormerConfig):
         super().__init__(config)

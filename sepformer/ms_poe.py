@@ -11,7 +11,7 @@ from .cache_sepformer import MitigationState
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
 from .mitigation_options import MSPoE
-from .positional_maps import apply_partial_rotary, rotate_partial
+from .rotary import apply_partial_rotary, rotate_partial
 from .spans import key_positions
 
 

@@ -19,10 +19,14 @@ import math
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 from .kept import kept_in
-from .positional_options import EXTRAPOLATION_METHODS, POSITIONAL_MAP_OPTIONS, PositionExtrapolation
+from .positional_options import (
+    EXTRAPOLATION_METHODS,
+    LEARNED_TABLE_METHODS,
+    POSITIONAL_MAP_OPTIONS,
+    PositionExtrapolation,
+)
 
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
@@ -86,7 +90,6 @@ EXTRAPOLATIONS = {
     ).to(table.dtype),
     "fourier": lambda table, positions, extrapolation: fourier_rows(table, positions, extrapolation.components),
 }
-LEARNED_TABLE_METHODS = ("none", "interpolate")  # answered by `LearnedPositions` itself, not by a function here
 
 
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
@@ -416,24 +419,6 @@ def check_registries(
 
 
 check_registries()
-
-
-def apply_partial_rotary(q, k, cos, sin):
-    """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim).
-
-    `cos`/`sin`: (b, seq, rotary_dim), shared by the heads, or (b, heads, seq, rotary_dim), one angle per head (MS-PoE).
-    """
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin)
-
-
-def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `cos.shape[-1]` dimensions of each head of `x` (b, heads, n, head_dim) by the angles of `cos`
-    and `sin` (b, heads or 1, n, rotary_dim), in rotary's rotate-half layout."""
-    rotary_dim = cos.shape[-1]
-    rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
-    return torch.cat((rotated, x[..., rotary_dim:]), -1)
 
 
 def call_extrapolation(config, value, continuing: bool) -> PositionExtrapolation:

@@ -122,6 +122,7 @@ MAP_PARAMETERS = {name: parameter_defaults(options) for name, options in POSITIO
 # `none` refuses positions past the table; `interpolate` compresses positions into it; the others make rows past it
 # (`positional_maps.EXTRAPOLATIONS`).
 EXTRAPOLATION_METHODS = ("none", "clamp", "sinusoidal", "fourier", "interpolate")
+LEARNED_TABLE_METHODS = ("none", "interpolate")
 
 
 @dataclass(frozen=True)

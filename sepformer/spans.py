@@ -10,6 +10,21 @@ def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
     return padding_mask.long().cumsum(-1) - 1
 
 
+def default_position_ids(
+    inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values
+) -> torch.LongTensor:
+    """Absolute positions of the new tokens, counted from each row's first real token.
+
+    With a 2D padding mask (covering past and new tokens) a left-padded row gets the same positions as the row alone;
+    padding slots get 0. Without one, positions continue from the cache.
+    """
+    seq_len = inputs_embeds.shape[1]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return positions_from_mask(attention_mask).clamp(min=0)[:, -seq_len:]
+    past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+    return (torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)  # (1, seq)
+
+
 def prompt_lengths(padding_mask: torch.Tensor | None, batch: int, width: int) -> list[int]:
     """Each row's number of real tokens: `width` in every row without a padding mask."""
     return padding_mask.long().sum(-1).tolist() if padding_mask is not None else [width] * batch
