@@ -28,6 +28,7 @@ def run(tmp_path_factory):
     return stdout, rows, output_dir
 
 
+@pytest.mark.slow
 def test_table_and_files_are_written(run):
     stdout, _, output_dir = run
     table = (output_dir / "benchmark.md").read_text()
@@ -38,6 +39,7 @@ def test_table_and_files_are_written(run):
     assert "### Position-bias mitigations" in table
 
 
+@pytest.mark.slow
 def test_every_measurement_has_every_model_and_finite_ratios(run):
     _, rows, _ = run
     by_metric = {}
@@ -75,6 +77,7 @@ def finite_ratio(row: dict, n: str = "2") -> bool:
     return math.isfinite(float(row["median"])) and float(row["median"]) > 0 and row["n"] == n
 
 
+@pytest.mark.slow
 def test_every_mitigation_is_timed_against_plain_sepformer_and_on_llama(run):
     """SepFormer: every option; Llama after add_mitigations: against plain Llama, then every option it defines, the
     others named as skipped under the table."""

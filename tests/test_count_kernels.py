@@ -36,6 +36,7 @@ def test_a_step_is_one_cached_forward_and_generate_s_bookkeeping():
     assert forward <= step <= forward + 60
 
 
+@pytest.mark.slow
 def test_every_model_and_mitigation_has_a_row(capsys):
     rows = count_kernels.main(["--tiny", "--tokens", "2"])
     labels = {row["model"] for row in rows}

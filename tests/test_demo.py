@@ -8,6 +8,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "demo.py"
 
 
+@pytest.mark.slow
 def test_demo_runs_to_its_reload_check(tmp_path):
     """Its own last step compares the reloaded checkpoint's logits with the trained model's. L = 32: the sample is
     cut to the training length (200 new tokens at the default L)."""

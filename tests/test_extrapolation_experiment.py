@@ -49,6 +49,7 @@ def run(tmp_path_factory):
     return stdout, rows, output_dir
 
 
+@pytest.mark.slow
 def test_every_model_method_seed_and_length_has_a_row(run):
     _, rows, _ = run
     lengths = {str(16 * m) for m in (1, 2, 4, 8)}
@@ -63,6 +64,7 @@ def test_every_model_method_seed_and_length_has_a_row(run):
     assert len(rows) == len(expected)
 
 
+@pytest.mark.slow
 def test_models_that_cannot_run_are_reported_not_skipped(run):
     stdout, rows, _ = run
     for row in rows:
@@ -78,6 +80,7 @@ def test_models_that_cannot_run_are_reported_not_skipped(run):
     assert "cannot run: its position table has 16 rows (n_positions = L)" in stdout  # GPT-2
 
 
+@pytest.mark.slow
 def test_same_tokens_at_every_length(run):
     _, rows, _ = run
     for row in rows:
@@ -85,6 +88,7 @@ def test_same_tokens_at_every_length(run):
         assert int(row["tokens_scored"]) == total - total // int(row["length"])
 
 
+@pytest.mark.slow
 def test_table_and_plot(run):
     stdout, _, output_dir = run
     assert "| model | method | params | 16 (1L) | 32 (2L) | 64 (4L) | 128 (8L) |" in stdout
@@ -93,6 +97,7 @@ def test_table_and_plot(run):
     assert (output_dir / "extrapolation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_table_and_plot_from_the_csv_of_runs_made_side_by_side(run, tmp_path):
     """`--from-csv` trains nothing and gives the table of the runs it reads."""
     stdout, _, output_dir = run
@@ -241,6 +246,7 @@ def test_a_model_name_that_matches_nothing_stops_the_run():
         extrapolation_conditions.contenders(args)
 
 
+@pytest.mark.slow
 def test_data_parallel_run_gives_the_table_of_one_process(run, tmp_path):
     """`torchrun --nproc_per_node 2` runs the experiment unchanged: 2 processes of half the batch each train as one
     process does (same global batches, same order), so the table is the one-process run's (seed 0 of `run`)."""

@@ -58,6 +58,7 @@ def expected_bits_per_byte(window: int, **call) -> float:
     return -total_log_likelihood / total_bytes / math.log(2)
 
 
+@pytest.mark.slow
 def test_python_api_scores_windows_of_L(checkpoint, monkeypatch):
     monkeypatch.chdir(ROOT)  # the task's data file is relative to the repository root
     from lm_eval import simple_evaluate
@@ -77,6 +78,7 @@ def test_python_api_scores_windows_of_L(checkpoint, monkeypatch):
     assert got == pytest.approx(expected_bits_per_byte(L), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_past_L_with_interpolation(checkpoint, tmp_path):
     """The README's command: windows of 128 > L tokens, the table read with `interpolate` compressed for 128."""
     command = [
@@ -98,6 +100,7 @@ def test_cli_past_L_with_interpolation(checkpoint, tmp_path):
     assert abs(got - expected_bits_per_byte(L)) > 1e-4
 
 
+@pytest.mark.slow
 def test_past_L_without_a_method_is_refused(checkpoint, monkeypatch):
     monkeypatch.chdir(ROOT)
     from lm_eval import simple_evaluate

@@ -68,6 +68,7 @@ REFUSED = {
 REORDER_SETTINGS = {"by attention", "attention sorting, 3 rounds", "by calibrated attention"}
 
 
+@pytest.mark.slow
 def test_every_slot_of_every_setting_has_a_row(run):
     _, rows, _ = run
     pairs = position_bias.PRESETS["tiny"]["num_pairs"]
@@ -94,6 +95,7 @@ def test_every_slot_of_every_setting_has_a_row(run):
         assert all(calibrations[s].startswith("bias(k) vs the dummy passes': Pearson r ") for s in positional)
 
 
+@pytest.mark.slow
 def test_each_setting_has_a_row_on_every_model_that_runs_it_and_the_run_says_why_the_others_refuse(run):
     """The rows of a mitigation are built once: Llama and GPT-2 get StableMask and calibration, Llama MS-PoE and
     Attention Buckets (the sweeps of scales and of rotary bases); a model that refuses a setting has no row for it,
@@ -122,6 +124,7 @@ def test_each_setting_has_a_row_on_every_model_that_runs_it_and_the_run_says_why
     assert len(refusals) == len(REFUSED), refusals
 
 
+@pytest.mark.slow
 def test_in2_and_reorder_rows_of_every_model(run):
     """IN2 at 5% and 20% of the tiny preset's 20 steps (1 and 4 steps), with the fine-tune's record; reordering by
     each relevance source the model has, with the gold-at-an-end fraction; both columns empty on the other rows."""
@@ -145,6 +148,7 @@ def test_in2_and_reorder_rows_of_every_model(run):
                 assert 0 <= float(row["gold_at_end"]) <= 1
 
 
+@pytest.mark.slow
 def test_in2_rows_leave_the_base_rows_unchanged(tmp_path):
     """The fine-tunes train copies: the base model's rows and its attention (measured after the fine-tunes) are the
     same with and without IN2."""
@@ -247,6 +251,7 @@ def test_finished_seeds_are_written_before_the_next_starts(monkeypatch, tmp_path
     assert {row["seed"] for row in rows} == {"0"} and len(rows) == position_bias.PRESETS["tiny"]["num_pairs"]
 
 
+@pytest.mark.slow
 def test_accuracy_is_a_fraction_and_every_condition_runs(run):
     _, rows, _ = run
     for row in rows:
@@ -255,6 +260,7 @@ def test_accuracy_is_a_fraction_and_every_condition_runs(run):
         assert int(row["examples"]) == position_bias.PRESETS["tiny"]["eval_per_slot"]
 
 
+@pytest.mark.slow
 def test_tables_and_plots(run):
     stdout, _, output_dir = run
     assert "| model | mitigation | setting | mean ± 95% | worst slot | worst/best | Δ mean | 1 | 2 | 3 | 4 |" in stdout

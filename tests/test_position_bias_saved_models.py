@@ -21,6 +21,7 @@ def no_training(*args, **kwargs):
     raise AssertionError("a model was trained")
 
 
+@pytest.mark.slow
 def test_saved_models_are_evaluated_again_without_training(monkeypatch, tmp_path):
     """Each trained model is saved with its training record; `--reuse-models` loads it (no training) and evaluates
     it to the same rows, here into another output folder, which leaves the first run's results as they were."""
@@ -103,6 +104,7 @@ def saved_gpt2(tmp_path_factory):
     return output_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spoil, message",
     [
@@ -134,6 +136,7 @@ def test_a_saved_model_that_cannot_be_reused_is_refused_before_any_training(
         position_bias.main([*argv, "--reuse-models", "--seeds", "1", "0"])
 
 
+@pytest.mark.slow
 def test_a_folder_without_its_record_is_trained_again(monkeypatch, tmp_path, saved_gpt2):
     """A run stopped while saving leaves weights without `training.json`: that model is trained again, the other
     seed's is reused."""
@@ -174,6 +177,7 @@ def test_reusing_models_from_a_folder_without_them_is_refused(folder, monkeypatc
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", [["--save-steps", "5"], ["--resume"]])
 def test_training_flags_are_refused_when_every_model_is_reused(flag, monkeypatch, tmp_path, saved_gpt2):
     """Nothing trains: a flag that acts on training would be silently unused."""

@@ -70,6 +70,7 @@ def retrieval_batches(num_tokens=12, batches=2, seed=0):
     return made
 
 
+@pytest.mark.slow
 def test_the_search_finds_the_planted_positional_channel_and_reports_every_candidate():
     model = planted_model()
     batches = retrieval_batches()

@@ -66,6 +66,7 @@ def test_quickstart_runs(quickstart):
     assert type(namespace["reloaded"]).__name__ == "SepFormerForCausalLM"
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("lm_eval")  # one at a time: the harness's runs share the data set cache
 def test_lm_eval_command_scores_the_quickstart_model(quickstart):
     pytest.importorskip("lm_eval")  # the `eval` extra; `make test` installs it
@@ -84,6 +85,7 @@ def test_any_decoder_example_runs():
     exec(compile(block("python", "add_mitigations("), "README.md any decoder", "exec"), {})
 
 
+@pytest.mark.slow
 def test_extrapolation_command_runs_with_tiny(repository_root):
     """`make extrapolation` (`python examples/extrapolation.py`) with the smoke preset, writing where it says."""
     command = re.search(r"`make extrapolation` \(`([^`]+)`\)", README).group(1)
@@ -93,6 +95,7 @@ def test_extrapolation_command_runs_with_tiny(repository_root):
         assert (repository_root / "outputs/extrapolation" / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_position_bias_commands_run_with_tiny(repository_root):
     """The block that trains and saves the models, then evaluates them again without training: the second command
     loads every model the first saved."""
