@@ -77,6 +77,9 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
         def __setattr__(self, name, value):
             if name in fields:
                 value = plain_numbers(value)
+                current = self.__dict__.get(name)
+                if name in OPTION_FIELDS and isinstance(current, dict) and current.get(OPTION_FIELDS[name][0]) == value:
+                    value = current  # the same name again keeps its parameters, as when they were fields of their own
                 check_field(cls, name, value, fields[name])
             strict_setattr(self, name, value)
 

@@ -260,6 +260,25 @@ def test_the_older_spline_fields_give_the_same_model_in_a_saved_config_and_as_ke
     assert SepFormerConfig(positional_map={"map": "bspline", "degree": 2}).spline_degree == 2
 
 
+def test_the_map_named_again_keeps_its_parameters_and_another_name_gets_its_defaults(tmp_path):
+    """As when the spline's parameters were fields of their own: re-stating the map's name changes nothing."""
+    model = spline_model(control_points=5, degree=2, extension="linear")
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, positional_map="bspline").eval()
+    ids = torch.randint(0, 256, (1, 2 * L))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    config = SepFormerConfig(positional_map={"map": "bspline", "degree": 2})
+    config.positional_map = "bspline"
+    assert config.positional_map == {"map": "bspline", "degree": 2}
+    config.positional_map = "learned"
+    config.positional_map = "bspline"
+    assert config.positional_map == "bspline"
+    config = SepFormerConfig(position_extrapolation={"method": "fourier", "components": 8})
+    config.position_extrapolation = "fourier"  # likewise an extrapolation method's
+    assert config.position_extrapolation == {"method": "fourier", "components": 8}
+
+
 def test_rows_are_kept_on_the_generation_only():
     model = spline_model()
     spline = model.model.embed_positions
