@@ -8,11 +8,16 @@ import warnings
 from typing import Literal, get_args, get_origin
 
 from huggingface_hub.dataclasses import as_validated_field
-from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import GenerationConfig
 
 from .mitigation_options import plain_number
-from .positional_options import EXTRAPOLATION_PARAMETERS, MAP_PARAMETERS, PositionalMapOptions, PositionExtrapolation
+from .positional_options import (
+    EXTRAPOLATION_PARAMETERS,
+    MAP_PARAMETERS,
+    ConfigTypeError,
+    PositionalMapOptions,
+    PositionExtrapolation,
+)
 
 # Other architectures' names for SepFormer's fields, and keywords SepFormer has no use for: what to do instead.
 FOREIGN_KEYWORDS = {
@@ -52,13 +57,6 @@ OPTION_FIELDS = {
     "position_extrapolation": ("method", PositionExtrapolation.parse, EXTRAPOLATION_PARAMETERS),
     "positional_map": ("map", PositionalMapOptions.parse, MAP_PARAMETERS),
 }
-
-
-class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
-    """A field set to a value of the wrong type: a `TypeError`, and the error `@strict` dataclasses raise."""
-
-    def __init__(self, message: str):
-        Exception.__init__(self, message)
 
 
 class UnreadValueError(ValueError):
@@ -116,9 +114,9 @@ def check_field(cls, name, value, annotation) -> None:
     for check in value_checks:
         try:
             check(value)
-        except ValueError as error:
-            reason = str(error)
-            raise ValueError(f"{name}={value!r} is not allowed: {reason[:1].lower()}{reason[1:]}") from None
+        except (TypeError, ValueError) as error:  # a `ConfigTypeError` of a dict field's parameter stays one
+            reason, error_type = str(error), ConfigTypeError if isinstance(error, TypeError) else ValueError
+            raise error_type(f"{name}={value!r} is not allowed: {reason[:1].lower()}{reason[1:]}") from None
 
 
 def _derived_size(name: str, meaning: str, resolve) -> property:

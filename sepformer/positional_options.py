@@ -6,7 +6,16 @@ its name in `EXTRAPOLATION_METHODS` (its parameters in `PositionExtrapolation`) 
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+
 from .mitigation_options import plain_integer
+
+
+class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
+    """A field set to a value of the wrong type: a `TypeError`, and the error `@strict` dataclasses raise."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
 
 
 def parameter(default, *, minimum: int = 1, choices: tuple = (), reader: str | None = None):
@@ -15,20 +24,23 @@ def parameter(default, *, minimum: int = 1, choices: tuple = (), reader: str | N
     return field(default=default, metadata={"minimum": minimum, "choices": choices, "reader": reader})
 
 
-def check_parameters(options, owner: str | None = None) -> None:
-    """A `ValueError` naming the first parameter of `options` that is not allowed, its value and what is; integers
-    made plain ones, which a config saves as JSON."""
+def check_parameters(options, owner: str | None = None, wrong_type_error: type = ValueError) -> None:
+    """A `ValueError` (`wrong_type_error` for a wrong type) naming the first parameter of `options` that is not
+    allowed, its value and what is; integers made plain ones, which a config saves as JSON."""
     for option in fields(options):
         value, rules = getattr(options, option.name), option.metadata
         if "choices" not in rules or (value is None and option.default is None):  # not a parameter, or None allowed
             continue
         choices, minimum = rules["choices"], rules["minimum"]
         number = None if choices else plain_integer(value)
-        if value not in choices if choices else number is None or number < minimum:
+        wrong_type = not isinstance(value, str) if choices else number is None
+        if wrong_type or (value not in choices if choices else number < minimum):
             allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             allowed = f"one of {', '.join(map(repr, choices))}" if choices else allowed
             allowed = f"None or {allowed}" if option.default is None else allowed
-            raise ValueError(f"{owner or rules['reader']} {option.name}={value!r} must be {allowed}.")
+            allowed += f", not {type(value).__name__}" if wrong_type else ""
+            error = wrong_type_error if wrong_type else ValueError
+            raise error(f"{owner or rules['reader']} {option.name}={value!r} must be {allowed}.")
         if number is not None:
             object.__setattr__(options, option.name, number)
 
@@ -52,8 +64,8 @@ class PositionalMapOptions:
 
     map: ClassVar[str]
 
-    def __post_init__(self):
-        check_parameters(self, self.map)
+    def __post_init__(self):  # only ever a config's field: a wrong type is its `TypeError`
+        check_parameters(self, self.map, ConfigTypeError)
 
     @classmethod
     def parse(cls, value) -> "PositionalMapOptions":

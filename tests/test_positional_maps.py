@@ -100,9 +100,11 @@ def other_allowed(option):
 
 
 def refused(option):
-    """Values the declaration of a map's parameter refuses."""
+    """Values the declaration of a map's parameter refuses, each with its error: a `TypeError` for a wrong type."""
     rules = option.metadata
-    return [f"not {option.default}", 1] if rules["choices"] else [rules["minimum"] - 1, rules["minimum"] + 0.5, True]
+    if rules["choices"]:
+        return [(f"not {option.default}", ValueError), (1, TypeError)]
+    return [(rules["minimum"] - 1, ValueError), (rules["minimum"] + 0.5, TypeError), (True, TypeError)]
 
 
 # every registered map at its defaults and, if it has parameters, with each at another allowed value
@@ -234,12 +236,12 @@ def test_every_map_survives_save_and_reload(options, tmp_folder):
 @pytest.mark.parametrize("options", POSITIONAL_MAP_OPTIONS.values(), ids=list(POSITIONAL_MAP_OPTIONS))
 def test_every_map_refuses_the_values_its_parameters_do_not_allow_when_set(options):
     config = SepFormerConfig()
-    for name, value in [(option.name, value) for option in fields(options) for value in refused(option)]:
+    for name, value, error in [(option.name, *value) for option in fields(options) for value in refused(option)]:
         given = {"map": options.map, name: value}
         message = rf"positional_map=.* is not allowed: {options.map} {name}={re.escape(repr(value))} must be"
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(error, match=message):
             SepFormerConfig(positional_map=given)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(error, match=message):
             config.positional_map = given
     with pytest.raises(ValueError, match=rf"the {options.map} map reads no \['bogus'\] \(its parameters: "):
         SepFormerConfig(positional_map={"map": options.map, "bogus": 1})
@@ -382,7 +384,17 @@ def test_randomized_positions_refuse_a_sequence_longer_than_the_range():
     [
         ({"positional_map": {"map": "bspline", "control_points": 4, "degree": 4}}, ValueError, "control_points=4 must"),
         ({"spline_degree": 2}, ValueError, r"spline_degree=2 is read only with 'bspline' \(it would be ignored\)"),
-        ({"positional_map": "bspline", "spline_degree": 2.5}, ValueError, "bspline degree=2.5 must be a positive int"),
+        ({"positional_map": "bspline", "spline_degree": 0}, ValueError, "bspline degree=0 must be a positive integer"),
+        ({"positional_map": "bspline", "spline_control_points": 1}, ValueError, "control_points=1 must be an integer"),
+        (
+            {"positional_map": "bspline", "spline_extension": "cubic"},
+            ValueError,
+            r"bspline extension='cubic' must be one of 'clamp', 'linear'\.",
+        ),
+        ({"positional_map": "bspline", "spline_degree": 2.5}, TypeError, "degree=2.5 must be a positive .*, not float"),
+        ({"positional_map": "bspline", "spline_control_points": "8"}, TypeError, "control_points='8' .*, not str"),
+        ({"positional_map": "bspline", "spline_control_points": True}, TypeError, "control_points=True .*, not bool"),
+        ({"positional_map": {"map": "bspline", "degree": 2.5}}, TypeError, "degree=2.5 must be .*, not float"),
         ({"positional_map": "bspline", "max_position_embeddings": 8}, ValueError, "control_points=16 is more than the"),
         ({"positional_map": "bspline", "position_extrapolation": "clamp"}, ValueError, "defined at every position"),
         ({"positional_map": "sinusoidal", "position_size": 7}, ValueError, "position_size=7 is odd"),
