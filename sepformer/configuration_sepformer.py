@@ -149,7 +149,7 @@ class SepFormerConfig(PreTrainedConfig):
                     setattr(self, old, value)
                 except UnreadValueError as error:
                     refuse_unless_saved(error, saved)
-        ignored = ignored_keywords(kwargs, [field.name for field in dataclasses.fields(self)])
+        ignored = ignored_keywords(kwargs, [field.name for field in dataclasses.fields(self)] + list(LEGACY_FIELDS))
         if ignored:
             refuse_unless_saved(TypeError(f"SepFormerConfig got {ignored}"), saved)
         super().__post_init__(**kwargs)

@@ -314,6 +314,7 @@ IGNORED_KEYWORDS = [
     ("max_seq_len", 1024, r"max_seq_len=1024, which SepFormer does not read .*: use max_position_embeddings"),
     ("position_extrapolaton", "clamp", r"unknown keyword position_extrapolaton='clamp' .*'position_extrapolation'"),
     ("positonal_map", "sinusoidal", r"unknown keyword positonal_map='sinusoidal' .* did you mean 'positional_map'"),
+    ("spline_degre", 2, r"unknown keyword spline_degre=2 .* did you mean 'spline_degree'"),  # an older field
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, r"rope_scaling=.* SepFormer does not read"),
     ("num_key_value_heads", 2, r"num_key_value_heads=2, which SepFormer does not read"),
     ("temperature", 0.7, r"temperature=0.7, a generation parameter: transformers does not keep it on the config"),
