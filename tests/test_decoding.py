@@ -50,7 +50,7 @@ SCALED = (tuple(range(8)), 0.5)  # positional scaling's default channels (the po
         ("rotary", {"ms_poe": {"head_order": (2, 0, 3, 1)}}, ((), 1.0)),
     ],
 )
-def test_decoding_steps_with_fused_projections_equal_the_block_projections(variant, options, layer_1_scale):
+def test_decoding_steps_with_fused_layers_equal_the_block_projections(variant, options, layer_1_scale):
     """Without autograd, decoding steps use one `[W_q; W_k; W_V]` and one dense `W_O` per layer (kept on the
     cache), positional scaling's factor in the columns of `W_q` and `W_k`; with autograd the per-block modules run,
     on the scaled inputs. Both give the same logits."""
@@ -103,7 +103,7 @@ class ShiftedLinear(torch.nn.Linear):
         return super().forward(x) + 0.5
 
 
-def test_fused_projections_are_not_used_when_a_projection_is_hooked_or_replaced():
+def test_fused_layers_are_not_used_when_a_projection_is_hooked_or_replaced():
     """A forward hook (as PEFT, accelerate or a user would add) must see every call, and a replaced projection
     must run: those layers keep their blocks, the others fuse."""
     model = tiny_model()
@@ -283,7 +283,7 @@ def test_a_model_made_under_inference_mode_generates():
     assert plain.shape == with_ms_poe.shape == (2, 9)
 
 
-def test_fused_projections_can_be_switched_off():
+def test_fused_layers_can_be_switched_off():
     model = tiny_model(fuse_decoding_projections=False)
     with torch.no_grad():
         _, cache = decode_steps(model, random_ids(1, 8), 4)

@@ -158,8 +158,8 @@ def test_adapter_on_custom_code_folder_without_sepformer(tmp_path):
     assert "REMOTE-PEFT-OK" in result.stdout
 
 
-def fused_projections_of_generation(model) -> dict:
-    """Greedy `generate` with a cache of our own: which layers decoded with fused projections."""
+def fused_layers_of_generation(model) -> dict:
+    """Greedy `generate` with a cache of our own: which layers decoded with a `FusedLayer`."""
     cache = SepFormerCache(config=model.config)
     tokens = model.generate(input_ids=IDS, max_new_tokens=5, do_sample=False, past_key_values=cache)
     return tokens, {key[1]: value for key, value in cache.derived.items() if key[0] == "fused layer"}
@@ -170,14 +170,14 @@ def test_merge_and_unload_equals_adapter_and_fuses_again(tmp_path, overrides):
     peft_model = lora(tiny_model(seed=0, **overrides)).eval()
     adapted = logits(peft_model)
     assert not torch.allclose(adapted, logits(tiny_model(seed=0, **overrides)))
-    tokens, fused = fused_projections_of_generation(peft_model)
+    tokens, fused = fused_layers_of_generation(peft_model)
     # Adapters active: the LoRA layers are not plain nn.Linear, so every layer keeps its per-block modules.
     assert set(fused) == {0, 1} and all(value is None for value in fused.values())
 
     merged = peft_model.merge_and_unload().eval()
     assert adapted_modules(merged) == []
     torch.testing.assert_close(logits(merged), adapted, atol=1e-5, rtol=1e-5)
-    merged_tokens, fused = fused_projections_of_generation(merged)
+    merged_tokens, fused = fused_layers_of_generation(merged)
     assert set(fused) == {0, 1} and all(isinstance(value, FusedLayer) for value in fused.values())
     assert torch.equal(merged_tokens, tokens)
 
