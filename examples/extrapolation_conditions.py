@@ -56,9 +56,9 @@ def contenders(args) -> list[Contender]:
     longest = MULTIPLIERS[-1] * args.block_size  # 8L: every position evaluated is trained by the 8L rows
     randomized = dict(position_table_size=longest, randomized_positions=True)
     sinusoid, per_sequence = dict(positional_map="sinusoidal"), dict(randomized_range="per_sequence")
-    spline = dict(positional_map="bspline", spline_control_points=args.spline_control_points)
+    spline = dict(positional_map={"map": "bspline", "control_points": args.spline_control_points})
     n = args.spline_randomized_control_points
-    randomized_spline = dict(spline, spline_control_points=n, **randomized)
+    randomized_spline = dict(positional_map={"map": "bspline", "control_points": n}, **randomized)
     every = [
         Contender("SepFormer learned", methods=args.methods),
         Contender("SepFormer learned, last row untrained", methods=("clamp",), last_position_target=False),
