@@ -76,8 +76,8 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
             if name in fields:
                 value = plain_numbers(value)
                 current = self.__dict__.get(name)
-                if name in OPTION_FIELDS and isinstance(current, dict) and current.get(OPTION_FIELDS[name][0]) == value:
-                    value = current  # the same name again keeps its parameters, as when they were fields of their own
+                if name == "positional_map" and isinstance(current, dict) and current["map"] == value:
+                    value = current  # the same map again keeps its parameters, as when they were fields of their own
                 check_field(cls, name, value, fields[name])
             strict_setattr(self, name, value)
 
