@@ -13,7 +13,7 @@ VARIANTS = {  # (config, options of generate)
     "learned table": (dict(), {}),
     "rotary": (dict(rotary_dim=4), {}),
     "learned table, fourier past L": (dict(PAST_L, position_extrapolation="fourier"), {}),
-    "B-spline map past L": (dict(PAST_L, positional_map="bspline", spline_control_points=6), {}),
+    "B-spline map past L": (dict(PAST_L, positional_map={"map": "bspline", "control_points": 6}), {}),
     "interpolate past L": (PAST_L, {"position_extrapolation": {"method": "interpolate", "length": 22}}),
     "MS-PoE head_order, fourier past L": (dict(PAST_L, position_extrapolation="fourier"), FIXED_HEADS),
     "MS-PoE head_order, rotary": (dict(rotary_dim=4), FIXED_HEADS),

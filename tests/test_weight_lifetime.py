@@ -22,8 +22,8 @@ VARIANTS = {
     "learned table, sinusoidal past L": dict(position_extrapolation="sinusoidal"),
     "learned table, fourier past L": dict(position_extrapolation="fourier"),
     "learned table, interpolate past L": dict(position_extrapolation="interpolate"),
-    "B-spline map": dict(positional_map="bspline", spline_control_points=6),
-    "B-spline map, linear past L": dict(positional_map="bspline", spline_control_points=6, spline_extension="linear"),
+    "B-spline map": dict(positional_map={"map": "bspline", "control_points": 6}),
+    "B-spline map, linear past L": dict(positional_map={"map": "bspline", "control_points": 6, "extension": "linear"}),
 }
 PROBE = torch.randint(0, 256, (2, 2 * L + 3), generator=torch.Generator().manual_seed(1))  # in range and past L
 MS_POE = {"layers": [0, 1], "r_min": 1.2, "r_max": 1.8}  # ranked at prefill, fractional positions past L - 1
