@@ -42,6 +42,7 @@ from experiment_common import (
     is_main_process,
     main_process_prints,
     tail_mean,
+    training_options,
     world_size,
 )
 from experiment_common import train as train_with_trainer
@@ -91,16 +92,11 @@ def train(
         model,
         dataset,
         steps=order.shape[0],
-        learning_rate=args.learning_rate,
         batch_size=order.shape[1],
         seed=seed,
         output_dir=checkpoints,
-        device=args.device,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        save_steps=args.save_steps,
-        resume_from_checkpoint=args.resume,
         description=description,
+        **training_options(args),
         postfix=lambda loss: {"bits_per_byte": f"{loss / math.log(2):.3f}"},
     )
     return tail_mean(losses) / math.log(2)
