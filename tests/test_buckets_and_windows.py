@@ -266,6 +266,12 @@ def test_buckets_train_with_labels_on_the_mixed_logits():
     torch.testing.assert_close(output.loss, expected)
     output.loss.backward()
     assert model.model.embed_positions.weight.grad.abs().sum() > 0
+    labels = torch.where(torch.arange(12) < 6, 7, ids)  # the loss's own keywords reach it: 7 marks what is not scored
+    output = model(ids, labels=labels, ignore_index=7, attention_buckets=BUCKETS)
+    expected = torch.nn.functional.cross_entropy(
+        output.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=7
+    )
+    torch.testing.assert_close(output.loss, expected)
 
 
 # -------------------------------------------------------------------------------------- Parallel Context Windows

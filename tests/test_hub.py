@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_gpt2, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer, prepare_for_hub
@@ -203,8 +203,12 @@ def test_a_folder_that_is_missing_or_holds_no_config_is_named(tmp_path):
     assert torch.equal(logits(reloaded), logits(model))
 
 
-@pytest.mark.parametrize(("model", "tokenizer", "kind"), [(None, None, "NoneType"), ("model", "tokenizer", "str")])
+@pytest.mark.parametrize(
+    ("model", "tokenizer", "kind"),
+    [(None, None, "NoneType"), ("model", "tokenizer", "str"), (tiny_gpt2, None, "GPT2LMHeadModel")],
+)
 def test_prepare_for_hub_refuses_what_is_no_sepformer_model(model, tokenizer, kind):
+    model = model() if callable(model) else model  # another Transformers model: its config is no SepFormerConfig
     with pytest.raises(
         TypeError,
         match=rf"prepare_for_hub takes a SepFormer model \(SepFormerForCausalLM or "
