@@ -19,13 +19,17 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import transformers
 from cli_arguments import Distinct, existing_file, nonnegative_int, output_directory, positive_int, torch_device
 from experiment_common import check_plotting, pyplot, save_figure, table_lines, write_csv
+from lost_in_the_middle_options import GRID, NONE, OPTION_CLASSES, PAPER, describe, make_option
 from lost_in_the_middle_task import (
+    KEYS,
+    PROMPTS,
     Encoder,
     Example,
     Prompt,
@@ -35,73 +39,75 @@ from lost_in_the_middle_task import (
     qa_examples,
     read_qa_file,
 )
+from real_checkpoints import CheckpointError, gguf_architecture, load_checkpoint
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 import sepformer
-from sepformer import (
-    AttentionBuckets,
-    AttentionCalibration,
-    MSPoE,
-    ParallelContextWindows,
-    PositionalScaling,
-    ReorderDocuments,
-    StableMask,
-)
 from sepformer.positional_search import is_sepformer, search_positional_scaling
 
-NONE = "none"
-STABLE_MASK_GAMMA = 0.05  # StableMask's dataclass has no default gamma
-RAG_BASES = (10000, 13000, 16000, 19000, 22000, 25000, 28000)  # Attention Buckets' rotary bases for RAG
-OPTIONS: dict[str, Callable] = {  # name -> the option, from the batch's document spans and the positional scaling
-    "stable_mask": lambda spans, scaling: StableMask(gamma=STABLE_MASK_GAMMA),
-    "ms_poe": lambda spans, scaling: MSPoE(),
-    "attention_calibration": lambda spans, scaling: AttentionCalibration(spans=spans),
-    "positional_scaling": lambda spans, scaling: scaling,
-    "parallel_context_windows": lambda spans, scaling: ParallelContextWindows(spans=spans),
-    "attention_buckets": lambda spans, scaling: AttentionBuckets(bases=RAG_BASES),
-    "reorder_documents": lambda spans, scaling: ReorderDocuments(spans=spans, by="attention", strategy="ends"),
-}
-MITIGATIONS = (NONE, *OPTIONS)
 DEFAULTS = {
     "key-value": dict(num_documents=75, examples_per_slot=10, max_new_tokens=100),  # the paper's 75 keys
     "qa": dict(num_documents=20, examples_per_slot=10, max_new_tokens=100),
 }
-TINY = dict(num_documents=3, examples_per_slot=2, max_new_tokens=4)
-RESULT_FIELDS = ["model", "mitigation", "slot", "accuracy", "n"]
+TINY = dict(num_documents=3, examples_per_slot=2, max_new_tokens=4, tune_examples=1)
+RESULT_FIELDS = [
+    "model",
+    "keys",
+    "prompt",
+    "num_documents",
+    "seed",
+    "mitigation",
+    "choice",
+    "settings",
+    "slot",
+    "accuracy",
+    "n",
+    "seconds_per_prompt",
+]
+TUNING_FIELDS = ["model", "keys", "prompt", "num_documents", "seed", "mitigation", "settings", "mean", "worst", "n"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MITIGATIONS = (NONE, *OPTION_CLASSES)
+SCALING = "positional_scaling"
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A mitigation (or none) with its settings: the paper's (`choice="paper"`) or those `--tune` picked."""
+
+    mitigation: str
+    settings: dict = field(default_factory=dict, hash=False)
+    choice: str = "paper"
+
+    @property
+    def label(self) -> str:
+        return self.mitigation if self.mitigation == NONE or self.choice == "paper" else f"{self.mitigation} (tuned)"
 
 
 # ----------------------------------------------------------------------------------------------------- the model
 
 
-def load_tokenizer(args):
-    """The checkpoint's tokenizer, padding on the left, with a pad token (eos where it has none)."""
+def load(args):
+    """The model, in eval mode on `--device` in `--dtype`, with the mitigations as `generate` keywords
+    (`sepformer.add_mitigations` on a model other than SepFormer), and its tokenizer, padding on the left with a pad
+    token (eos where it has none)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model, tokenizer = load_checkpoint(args.model, DTYPES[args.dtype])
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--model {args.model}: no tokenizer to load ({error})") from None
+        raise SystemExit(f"--model {args.model}: {error}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise SystemExit(f"--model {args.model}: its tokenizer has neither a pad nor an eos token to pad with")
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_model(args, tokenizer):
-    """The model, in eval mode on `--device` in `--dtype`, with the mitigations as `generate` keywords
-    (`sepformer.add_mitigations` on a model other than SepFormer)."""
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval()
-    if model.config.pad_token_id is None:  # calibration's default dummy document is pad_token_id repeated
-        model.config.pad_token_id = tokenizer.pad_token_id
+    model = model.to(args.device)
     if not is_sepformer(model) and args.mitigations != (NONE,):
         try:
             model = sepformer.add_mitigations(model)
         except (ValueError, TypeError) as error:
             for mitigation in [name for name in args.mitigations if name != NONE]:
                 refuse(mitigation, f"add_mitigations does not take it ({error})", args)
-    return model
+    return model, tokenizer
 
 
 def refuse(mitigation: str, why: str, args) -> None:
@@ -130,45 +136,51 @@ def check_vocabulary(model, tokenizer, prompts: list[Prompt], args) -> None:
 
 def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     """The longest prompt, so that what the model refuses stops the run now, not after hours of evaluation: without
-    mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation for
-    the prompt and a decoding step (positional scaling with a placeholder channel on a model other than SepFormer: its
-    search comes after)."""
+    mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation at
+    its paper's settings (and every setting of its grid with `--tune`) for the prompt and a decoding step (positional
+    scaling with a placeholder channel on a model other than SepFormer: its search comes after)."""
     longest = max(prompts, key=lambda prompt: len(prompt.input_ids))
     try:
-        generate(model, tokenizer, [longest], NONE, None, args.max_new_tokens)
+        generate(model, tokenizer, [longest], Condition(NONE), args.max_new_tokens)
     except (ValueError, TypeError, IndexError) as error:
         raise SystemExit(
             f"--model {args.model} cannot generate {args.max_new_tokens} tokens after the longest prompt "
             f"({len(longest.input_ids)} tokens): {type(error).__name__}: {error}"
         ) from None
-    scaling = PositionalScaling() if is_sepformer(model) else PositionalScaling(channels=(0,))
+    placeholder = {} if is_sepformer(model) else {"channels": (0,)}
     for mitigation in [name for name in args.mitigations if name != NONE]:
+        grid = GRID[mitigation] if args.tune else []
         try:
-            generate(model, tokenizer, [longest], mitigation, scaling, max_new_tokens=min(2, args.max_new_tokens))
+            for settings in [PAPER[mitigation], *grid]:
+                condition = Condition(mitigation, {**settings, **placeholder} if mitigation == SCALING else settings)
+                generate(model, tokenizer, [longest], condition, max_new_tokens=min(2, args.max_new_tokens))
         except (ValueError, TypeError) as error:
-            refuse(mitigation, str(error), args)
+            refuse(mitigation, f"{describe(settings)}: {error}", args)
 
 
-def positional_scaling(model, encoder: Encoder, args) -> PositionalScaling | None:
-    """SepFormer: the option's defaults (its positional block). Another model: the channels and factor that
-    `search_positional_scaling` picks on one key-value object of another seed, its key at every slot."""
-    if "positional_scaling" not in args.mitigations:
-        return None
-    if is_sepformer(model):
-        return PositionalScaling()
+def scaling_channels(model, encoder: Encoder, args) -> dict:
+    """Positional scaling's settings on this model. SepFormer: none (its positional block). Another model: the channels
+    and factor that `search_positional_scaling` picks on one key-value object of another seed, its key at every
+    slot."""
+    if SCALING not in args.mitigations or is_sepformer(model):
+        return {}
     rng = random.Random(f"{args.seed}:validation")  # a stream apart from the test's
-    batches = [validation_batch(encoder, example, model.device) for example in kv_examples(rng, 1, args.num_documents)]
+    examples = kv_examples(rng, 1, args.num_documents, args.keys, args.prompt)
+    batches = [validation_batch(encoder, example, model.device) for example in examples]
     try:
-        return search_positional_scaling(model, batches).option
+        option = search_positional_scaling(model, batches).option
     except ValueError as error:  # no positional channel, or attention the search cannot hook
-        refuse("positional_scaling", f"the channel search does not run on it ({error})", args)
-        return None
+        refuse(SCALING, f"the channel search does not run on it ({error})", args)
+        return {}
+    return {"channels": option.channels, "factor": option.factor}
 
 
 def validation_batch(encoder: Encoder, example: Example, device) -> dict:
-    """One prompt and its answer, only the answer labelled (a plain prompt ends in a colon: a space, then it)."""
+    """One prompt and its answer, only the answer labelled (a chat prompt ends in a colon: a space, then the answer;
+    a completion prompt in the answer's opening quote)."""
     prompt = encoder(example).input_ids
-    answer = encoder.tokenizer(("" if encoder.chat else " ") + example.answers[0], add_special_tokens=False)
+    space = "" if encoder.chat or example.tail.endswith('"') else " "
+    answer = encoder.tokenizer(space + example.answers[0], add_special_tokens=False)
     ids = torch.tensor([[*prompt, *answer["input_ids"]]], device=device)
     labels = ids.clone()
     labels[:, : len(prompt)] = -100
@@ -176,66 +188,118 @@ def validation_batch(encoder: Encoder, example: Example, device) -> dict:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[Prompt], mitigation: str, scaling, max_new_tokens: int) -> list[str]:
-    """The greedy continuations of `prompts` (left-padded together) under `mitigation`."""
+def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_new_tokens: int) -> list[str]:
+    """The greedy continuations of `prompts` (left-padded together) under `condition`."""
     batch = tokenizer.pad({"input_ids": [list(prompt.input_ids) for prompt in prompts]}, return_tensors="pt")
     batch = batch.to(model.device)
-    spans = [prompt.spans for prompt in prompts]
-    options = {} if mitigation == NONE else {mitigation: OPTIONS[mitigation](spans, scaling)}
+    options = {}
+    if condition.mitigation != NONE:
+        spans = tuple(prompt.spans for prompt in prompts)
+        options[condition.mitigation] = make_option(condition.mitigation, condition.settings, spans, model.config)
     greedy = dict(do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id)
     output = model.generate(**batch, max_new_tokens=max_new_tokens, **greedy, **options)
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def evaluate(model, tokenizer, prompts: list[Prompt], correct, scaling, args) -> list[dict]:
-    """Accuracy by slot under every mitigation: one row per (mitigation, slot)."""
+def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[Condition], args) -> list[dict]:
+    """Accuracy by slot under every condition: one row per (condition, slot), with the seconds per prompt."""
     rows = []
-    with tqdm(total=len(args.mitigations) * len(prompts), desc="prompts", dynamic_ncols=True) as bar:
-        for mitigation in args.mitigations:
-            scores = {}
+    with tqdm(total=len(conditions) * len(prompts), desc="prompts", dynamic_ncols=True, leave=False) as bar:
+        for condition in conditions:
+            scores, started = {}, time.perf_counter()
+            bar.set_postfix(mitigation=condition.label)
             for first in range(0, len(prompts), args.batch_size):
                 batch = prompts[first : first + args.batch_size]
-                bar.set_postfix(mitigation=mitigation)
-                outputs = generate(model, tokenizer, batch, mitigation, scaling, args.max_new_tokens)
+                outputs = generate(model, tokenizer, batch, condition, args.max_new_tokens)
                 for prompt, output in zip(batch, outputs, strict=True):
                     scores.setdefault(prompt.example.slot, []).append(correct(output, prompt.example.answers))
                 bar.update(len(batch))
+            seconds = (time.perf_counter() - started) / len(prompts)
             rows += [
                 dict(
-                    model=args.model, mitigation=mitigation, slot=slot + 1, accuracy=statistics.fmean(hits), n=len(hits)
+                    model=args.model,
+                    keys=args.keys if args.qa_records is None else "qa",
+                    prompt=args.prompt,
+                    num_documents=args.num_documents,
+                    seed=args.seed,
+                    mitigation=condition.mitigation,
+                    choice=condition.choice,
+                    settings=describe(condition.settings),
+                    slot=slot + 1,
+                    accuracy=statistics.fmean(hits),
+                    n=len(hits),
+                    seconds_per_prompt=seconds,
                 )
                 for slot, hits in sorted(scores.items())
             ]
     return rows
 
 
+def summary(rows: list[dict]) -> tuple[float, float]:
+    """The mean accuracy over slots and the worst slot's."""
+    accuracies = [row["accuracy"] for row in rows]
+    return statistics.fmean(accuracies), min(accuracies)
+
+
+def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tuple[dict, list[dict]]:
+    """Each mitigation's settings with the best `worst slot + mean accuracy` on validation prompts (`--tune-examples`
+    objects of another seed than the test's, never the test prompts), its grid and its paper settings tried (the
+    paper's win ties). Returns the choice per mitigation and a row per tried setting."""
+    rng = random.Random(f"{args.seed}:tuning")
+    examples = kv_examples(rng, args.tune_examples, args.num_documents, args.keys, args.prompt)
+    prompts = [encoder(example) for example in examples]
+    chosen, tried = {}, []
+    for mitigation in [name for name in args.mitigations if name != NONE]:
+        candidates = [paper[mitigation], *(settings for settings in GRID[mitigation] if settings != PAPER[mitigation])]
+        if mitigation == SCALING:  # the searched channels, at each factor and layers of the grid
+            candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in GRID[mitigation])]
+        scored = []
+        for settings in candidates:
+            rows = evaluate(model, tokenizer, prompts, correct, [Condition(mitigation, settings)], args)
+            mean, worst = summary(rows)
+            scored.append((worst + mean, settings))
+            tried.append({**rows[0], "settings": describe(settings), "mean": mean, "worst": worst, "n": len(prompts)})
+        chosen[mitigation] = max(scored, key=lambda pair: pair[0])[1]  # max keeps the first of equal scores
+        print(f"tuned {mitigation}: {describe(chosen[mitigation])}")
+    return chosen, tried
+
+
 # ----------------------------------------------------------------------------------------------- table and plot
+
+
+def by_condition(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """The rows of each (mitigation, choice, settings), in their order."""
+    grouped = {}
+    for row in rows:
+        grouped.setdefault((row["mitigation"], row["choice"], row["settings"]), []).append(row)
+    return grouped
 
 
 def markdown_table(rows: list[dict], args) -> str:
     slots = range(1, args.num_documents + 1)
-    header = ["mitigation", *(f"slot {slot}" for slot in slots), "mean"]
+    header = ["mitigation", "settings", *(f"slot {slot}" for slot in slots), "mean", "worst", "s/prompt"]
     lines = []
-    for mitigation in args.mitigations:
-        accuracy = {row["slot"]: row["accuracy"] for row in rows if row["mitigation"] == mitigation}
-        lines.append(
-            [mitigation, *(f"{accuracy[slot]:.3f}" for slot in slots), f"{statistics.mean(accuracy.values()):.3f}"]
-        )
-    task = "multi-document QA" if args.qa_file else "key-value retrieval"
+    for (mitigation, choice, settings), mine in by_condition(rows).items():
+        accuracy = {row["slot"]: row["accuracy"] for row in mine}
+        mean, worst = summary(mine)
+        label = Condition(mitigation, choice=choice).label
+        cells = [f"{accuracy[slot]:.2f}" for slot in slots]
+        lines.append([label, settings, *cells, f"{mean:.3f}", f"{worst:.2f}", f"{mine[0]['seconds_per_prompt']:.2f}"])
+    task = "multi-document QA" if args.qa_file else f"key-value retrieval ({args.keys} keys, {args.prompt} prompt)"
     title = (
-        f"{task}, {args.model}: accuracy by the gold document's slot ({args.num_documents} documents, "
-        f"{args.examples_per_slot} examples per slot)"
+        f"{task}, {args.model}, seed {args.seed}: accuracy by the gold document's slot ({args.num_documents} "
+        f"documents, {args.examples_per_slot} examples per slot)"
     )
     left_out = [f"left out: {mitigation} ({why})" for mitigation, why in args.left_out.items()]
-    return "\n".join([title, "", *table_lines(header, lines, left=1), *([""] if left_out else []), *left_out])
+    return "\n".join([title, "", *table_lines(header, lines, left=2), *([""] if left_out else []), *left_out])
 
 
 def plot(rows: list[dict], args, path: Path) -> None:
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for mitigation in args.mitigations:
-        mine = [row for row in rows if row["mitigation"] == mitigation]
-        axes.plot([row["slot"] for row in mine], [row["accuracy"] for row in mine], marker="o", label=mitigation)
+    for (mitigation, choice, _), mine in by_condition(rows).items():
+        label = Condition(mitigation, choice=choice).label
+        axes.plot([row["slot"] for row in mine], [row["accuracy"] for row in mine], marker="o", label=label)
     axes.set(
         xlabel="slot of the gold document",
         ylabel="accuracy",
@@ -251,13 +315,28 @@ def plot(rows: list[dict], args, path: Path) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a checkpoint folder or a Hub name in the local cache")
+    parser.add_argument(
+        "--model", required=True, help="a checkpoint folder, a Hub name in the local cache, or a .gguf file"
+    )
     parser.add_argument(
         "--qa-file",
         type=existing_file,
         help="multi-document QA from this JSON-lines file (the paper's format) instead of key-value retrieval",
     )
     parser.add_argument("--mitigations", nargs="+", choices=MITIGATIONS, action=Distinct, help="default: all of them")
+    parser.add_argument(
+        "--keys",
+        choices=KEYS,
+        default="uuid",
+        help="key-value pairs: two UUIDs (the paper's, default) or 6 lowercase letters to a 4-digit number (short)",
+    )
+    parser.add_argument(
+        "--prompt",
+        choices=PROMPTS,
+        default="chat",
+        help="chat: the paper's prompt, through the chat template where the tokenizer has one (default); "
+        "completion: the text alone, ending in the answer's opening quote",
+    )
     parser.add_argument(
         "--num-documents",
         type=positive_int,
@@ -268,8 +347,21 @@ def parse_args(argv=None):
         type=positive_int,
         help="JSON objects or questions, each asked with its gold at every slot (default 10)",
     )
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="the UUIDs' random stream")
-    parser.add_argument("--max-new-tokens", type=positive_int, help="greedy tokens per answer (default 100)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="the keys' random stream")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        help="greedy tokens per answer (default 100; a completion prompt: the longest value's tokens + 2)",
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="also pick each mitigation's settings from its grid on validation prompts of another seed, then "
+        "evaluate the choice beside the paper's settings (key-value only)",
+    )
+    parser.add_argument(
+        "--tune-examples", type=positive_int, help="objects per slot of the validation prompts of --tune (default 2)"
+    )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
     parser.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and compute")
@@ -280,12 +372,18 @@ def parse_args(argv=None):
         help=f"a smoke run: {TINY['num_documents']} documents, {TINY['examples_per_slot']} examples "
         f"per slot, {TINY['max_new_tokens']} new tokens (flags given still win)",
     )
-    return checked(parser.parse_args(argv))
+    return checked(parser, parser.parse_args(argv))
 
 
-def checked(args):
+def checked(parser, args):
     """The preset's values for the flags not given, and what the model or this copy of sepformer refuses."""
-    preset = TINY if args.tiny else DEFAULTS["qa" if args.qa_file else "key-value"]
+    if args.qa_file and (args.keys != "uuid" or args.tune):
+        parser.error("--keys and --tune are for key-value retrieval, not --qa-file")
+    if args.tune_examples is not None and not args.tune:
+        parser.error("--tune-examples is read only with --tune")
+    preset = {**(TINY if args.tiny else DEFAULTS["qa" if args.qa_file else "key-value"]), "tune_examples": 2}
+    if args.prompt == "completion" and not args.tiny:
+        preset["max_new_tokens"] = None  # from the answers, once they are tokenised
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -300,23 +398,35 @@ def checked(args):
 
 
 def model_config(name: str):
-    """The checkpoint's config: read before the weights, so that a bad name or a refused option costs no loading."""
+    """The checkpoint's config: read before the weights, so that a bad name, a bad GGUF file or a refused option costs
+    no loading."""
     try:
+        if name.endswith(".gguf"):
+            gguf_architecture(Path(name))
+            return AutoConfig.from_pretrained(str(Path(name).parent), gguf_file=Path(name).name)
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--model {name}: no config to load ({error})") from None
+        prefix = "" if isinstance(error, CheckpointError) else "no config to load: "
+        raise SystemExit(f"--model {name}: {prefix}{error}") from None
 
 
 def prompts_and_metric(encoder: Encoder, args) -> tuple[list[Prompt], Callable]:
     """The task's prompts, tokenised with their documents' spans, and the paper's metric for it."""
     if args.qa_records is None:
-        examples = kv_examples(random.Random(args.seed), args.examples_per_slot, args.num_documents)
+        rng = random.Random(args.seed)
+        examples = kv_examples(rng, args.examples_per_slot, args.num_documents, args.keys, args.prompt)
     else:
         examples = qa_examples(args.qa_records, args.num_documents)
     try:
         prompts = [encoder(example) for example in examples]
     except ValueError as error:  # the documents cannot be found in the prompt's tokens
         raise SystemExit(f"--model {args.model}: {error}") from None
+    if args.max_new_tokens is None:
+        tokenizer = encoder.tokenizer
+        answers = {answer for example in examples for answer in example.answers}
+        args.max_new_tokens = (
+            max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers) + 2
+        )
     return prompts, kv_correct if args.qa_records is None else qa_correct
 
 
@@ -325,26 +435,31 @@ def main(argv=None) -> list[dict]:
     check_plotting()
     transformers.logging.set_verbosity_error()
     started = time.time()
-    tokenizer = load_tokenizer(args)
-    encoder = Encoder(tokenizer)
+    model, tokenizer = load(args)
+    encoder = Encoder(tokenizer, chat=args.prompt == "chat")
     prompts, correct = prompts_and_metric(encoder, args)
-    model = load_model(args, tokenizer)
     check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)
-    scaling = positional_scaling(model, encoder, args)
-    rows = evaluate(model, tokenizer, prompts, correct, scaling, args)
-
+    paper = {**PAPER, SCALING: scaling_channels(model, encoder, args)}
+    conditions = [
+        Condition(mitigation, paper[mitigation] if mitigation != NONE else {}) for mitigation in args.mitigations
+    ]
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=("accuracy",))
+    if args.tune:
+        chosen, tried = tune(model, tokenizer, encoder, correct, paper, args)
+        write_csv(tried, output_dir / "tuning.csv", TUNING_FIELDS, float_fields=("mean", "worst"))
+        conditions += [Condition(name, settings, "tuned") for name, settings in chosen.items()]
+    rows = evaluate(model, tokenizer, prompts, correct, conditions, args)
+
+    float_fields = ("accuracy", "seconds_per_prompt")
+    write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=float_fields)
     table = markdown_table(rows, args)
     print("\n" + table + "\n")
     (output_dir / "results.md").write_text(table + "\n")
     plot(rows, args, output_dir / "lost_in_the_middle.png")
-    print(
-        f"wrote results.csv, results.md, lost_in_the_middle.png under {output_dir} in "
-        f"{(time.time() - started) / 60:.1f} min"
-    )
+    written = "results.csv, results.md, lost_in_the_middle.png" + (", tuning.csv" if args.tune else "")
+    print(f"wrote {written} under {output_dir} in {(time.time() - started) / 60:.1f} min")
     return rows
 
 

@@ -34,8 +34,20 @@ QA_HEAD = (
 )
 
 
+KEYS = ("uuid", "short")
+PROMPTS = ("chat", "completion")
+
+
 def random_uuid(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def random_pair(rng: random.Random, keys: str) -> tuple[str, str]:
+    """A key and its value: two UUIDs (the paper's), or 6 random lowercase letters and a 4-digit number (`short`,
+    which models of a few hundred million parameters copy)."""
+    if keys == "uuid":
+        return random_uuid(rng), random_uuid(rng)
+    return "".join(rng.choices(string.ascii_lowercase, k=6)), str(rng.randrange(1000, 10000))
 
 
 def kv_records(pairs: list[tuple[str, str]]) -> tuple[str, ...]:
@@ -47,14 +59,21 @@ def kv_records(pairs: list[tuple[str, str]]) -> tuple[str, ...]:
     )
 
 
-def kv_examples(rng: random.Random, count: int, num_documents: int) -> list[Example]:
-    """`count` JSON objects of `num_documents` pairs, each asked for the key at every slot in turn."""
+def kv_examples(
+    rng: random.Random, count: int, num_documents: int, keys: str = "uuid", prompt: str = "chat"
+) -> list[Example]:
+    """`count` JSON objects of `num_documents` pairs, each asked for the key at every slot in turn. The `chat`
+    prompt (the paper's) ends in `Corresponding value:`; the `completion` prompt also opens the answer's quote, so a
+    model that continues text writes the value next."""
+    if keys not in KEYS or prompt not in PROMPTS:
+        raise ValueError(f"keys={keys!r}, prompt={prompt!r}: keys is one of {KEYS}, prompt one of {PROMPTS}")
+    opening = ' "' if prompt == "completion" else ""
     examples = []
     for _ in range(count):
-        pairs = [(random_uuid(rng), random_uuid(rng)) for _ in range(num_documents)]
+        pairs = [random_pair(rng, keys) for _ in range(num_documents)]
         records = kv_records(pairs)
         examples += [
-            Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:', (value,), slot)
+            Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:{opening}', (value,), slot)
             for slot, (key, value) in enumerate(pairs)
         ]
     return examples
@@ -156,13 +175,14 @@ class Prompt:
 
 
 class Encoder:
-    """Token ids and document spans of examples, through the tokenizer's chat template when it has one. A document's
+    """Token ids and document spans of examples, through the tokenizer's chat template when it has one and `chat` is
+    true (a `completion` prompt is the text as it is, with the tokenizer's special tokens). A document's
     span starts where the tokenisation of the text before it stops agreeing with the whole prompt's: exactly its
     tokens where the tokenizer starts a token at its boundary; a token that crosses a boundary is the later one's."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat: bool = True):
         self.tokenizer = tokenizer
-        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.chat = chat and bool(getattr(tokenizer, "chat_template", None))
         self.ids = functools.lru_cache(maxsize=1024)(self._ids)  # the text before each boundary, once per object
 
     def _ids(self, text: str) -> tuple[int, ...]:

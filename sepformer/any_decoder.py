@@ -46,14 +46,37 @@ class DecoderPositions:
     model_name: str  # the causal LM's class name, for errors
     rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
     query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
+    # the layer type of each layer, where the rotary keeps one frequency table per type (`{type}_inv_freq`, Gemma 3)
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def description(self) -> str:
         kind = "rotary positions" if self.rotary is not None else "no rotary embedding, e.g. GPT-2's learned positions"
         return f"{self.model_name} ({kind})"
 
+    def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
+        """The rotary's frequency tables: one per layer type, or `{None: inv_freq}` where every layer shares one."""
+        if self.layer_types is None:
+            return {None: self.rotary.inv_freq}
+        return {kind: getattr(self.rotary, f"{kind}_inv_freq") for kind in sorted(set(self.layer_types))}
+
+    def table_of(self, layer: int) -> str | None:
+        """The key of `inverse_frequencies` that layer `layer` rotates with."""
+        return None if self.layer_types is None else self.layer_types[layer]
+
+    @property
+    def rope_types(self) -> set[str]:
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        return set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
+
     def check_rotary_base(self) -> None:
         """Refuse a rotary whose tables another `rope_theta` does not define (Attention Buckets' bases)."""
+        if self.layer_types is not None:
+            raise ValueError(
+                f"attention_buckets bases replace the one rotary base rope_theta, but {self.model_name} rotates each "
+                f"layer type ({', '.join(sorted(set(self.layer_types)))}) with a base of its own: give scales=[...] "
+                "instead (positions m · scale, read by every layer's own rotary)."
+            )
         parameters = getattr(getattr(self.rotary, "config", None), "rope_parameters", None)
         rope_type = getattr(self.rotary, "rope_type", None)
         if not isinstance(parameters, dict) or "rope_theta" not in parameters or rope_type in LENGTH_DEPENDENT_ROPE:
@@ -323,11 +346,25 @@ def new_mitigated(model_class: type) -> MitigatedDecoder:
     return mitigated.__new__(mitigated)
 
 
-def find_rotary(model: nn.Module) -> nn.Module | None:
-    """The model's one rotary embedding (a module with `inv_freq`); `None` without, or with several (per layer type),
-    which the mitigations that read it refuse."""
-    rotaries = [module for module in model.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)]
-    return rotaries[0] if len(rotaries) == 1 else None
+def find_rotary(model: nn.Module) -> tuple[nn.Module | None, tuple[str, ...] | None]:
+    """The model's one rotary embedding: a module with `inv_freq`, or with `{type}_inv_freq` for each of the config's
+    layer types (Gemma 3), then those types by layer; `None` without, or with several, which the mitigations that
+    read it refuse."""
+    layer_types = tuple(getattr(model.config, "layer_types", None) or ())
+
+    def tables(module: nn.Module) -> str | None:
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            return "one"
+        per_type = layer_types and all(
+            isinstance(getattr(module, f"{kind}_inv_freq", None), torch.Tensor) for kind in layer_types
+        )
+        return "per type" if per_type else None
+
+    rotaries = [(module, kind) for module in model.modules() if (kind := tables(module)) is not None]
+    if len(rotaries) != 1:
+        return None, None
+    module, kind = rotaries[0]
+    return module, (layer_types if kind == "per type" else None)
 
 
 def check_servable(model) -> None:
@@ -416,7 +453,8 @@ def add_mitigations(model):
     if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
         problems = [query_key_layout_problem(module) for module in attention_modules]
         problem = next((problem for problem in problems if problem is not None), None)
-        model.decoder_positions = DecoderPositions(type(model).__name__, find_rotary(model), problem)
+        rotary, layer_types = find_rotary(model)
+        model.decoder_positions = DecoderPositions(type(model).__name__, rotary, problem, layer_types)
         for module in attention_modules:
             serve_attention(module)
         model.__class__ = mitigated_class(type(model))

@@ -18,7 +18,14 @@ from .mitigation_base import (
     last_row_scores,
 )
 from .mitigation_options import AttentionCalibration
-from .spans import check_dummy_document, check_spans_in_prompt, dummy_batch, key_documents, key_positions
+from .spans import (
+    check_dummy_document,
+    check_spans_in_prompt,
+    default_dummy_token,
+    dummy_batch,
+    key_documents,
+    key_positions,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,7 +173,7 @@ class CalibrationMitigation(Mitigation):
         if options.bias_estimate == "positional":  # measured in the call's own layers
             return
         ids, padding, probe = dummy_batch(
-            options.spans, options.dummy_document, config.pad_token_id, call.input_ids, call.attention_mask
+            options.spans, options.dummy_document, default_dummy_token(config), call.input_ids, call.attention_mask
         )
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(

@@ -290,7 +290,8 @@ class AttentionCalibration(SpanOptions):
             logits.
         layers: layer indices; `None` is the last half of the layers (the paper's choice).
         dummy_document: token ids of the dummy document that measures `bias(k)` when it replaces document `k`;
-            `None` is `pad_token_id` repeated to document `k`'s length (a document with no content).
+            `None` is `pad_token_id` repeated to document `k`'s length (a document with no content), or where the
+            config has no pad token (Llama 3, Mistral), its `eos_token_id`.
         bias_estimate: how `bias(k)` is measured. `"dummy_passes"` (the paper's): one extra forward pass per
             document, the dummy document in its place. `"positional"` (SepFormer only): no extra pass; in each
             layer, the attention document `k` would get if every one of its tokens kept its positional coordinates

@@ -3,6 +3,7 @@
 import functools
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -270,10 +271,11 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
     real token), and turns head `h`'s further, to `m / r_h`. Heads are query heads (grouped-query keys arrive
     expanded)."""
 
-    rotary: torch.nn.Module | None = None  # the model's rotary embedding: its `inv_freq`
+    decoder: Any = None  # the model's `DecoderPositions`: its rotary's frequency tables, by layer
     heads: int = 0  # query heads
-    query_turn: tuple[torch.Tensor, torch.Tensor] | None = None  # (H, b or 1, seq, rotary_dim) by rank
-    key_turn: tuple[torch.Tensor, torch.Tensor] | None = None  # (H, b or 1, kv, rotary_dim) by rank
+    # per frequency table (one per layer type where the rotary has several), cos and sin by rank:
+    query_turn: dict | None = None  # table -> (H, b or 1, seq, rotary_dim)
+    key_turn: dict | None = None  # table -> (H, b or 1, kv, rotary_dim)
 
     @classmethod
     def resolve_on_decoder(cls, options: MSPoE, call: CallContext) -> "RotaryMSPoEMitigation":
@@ -289,36 +291,38 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
                 f"{decoder.model_name}'s apply_rotary_pos_emb does not rotate so (or was not found in its modeling "
                 "file): MS-PoE is not served for it."
             )
-        rope_type = getattr(decoder.rotary, "rope_type", "default")
-        if rope_type in LENGTH_DEPENDENT_ROPE:
+        if length_dependent := sorted(decoder.rope_types & set(LENGTH_DEPENDENT_ROPE)):
             raise ValueError(
                 f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
-                f"{rope_type!r} changes them with the sequence length during the forward."
+                f"{length_dependent[0]!r} changes them with the sequence length during the forward."
             )
         # read at prefill only: a step's positions come from generate, and reading them would wait for the device
         if call.position_ids is not None and not call.continuing:
             mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
             check_default_positions(call.position_ids, key_positions(mask, call.new_tokens, call.position_ids.device))
         layers = options.layer_set(config.num_hidden_layers)
-        return cls(options, layers, rotary=decoder.rotary, heads=config.num_attention_heads, **ranking(options, call))
+        return cls(options, layers, decoder=decoder, heads=config.num_attention_heads, **ranking(options, call))
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
         kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
         keys = key_positions(run.padding_mask, kv, run.device).clamp(min=0)  # padding is masked: any position
-        inv_freq = self.rotary.inv_freq
+        tables = self.decoder.inverse_frequencies()
         return self.replace(
-            query_turn=turned_by_ratios(run.position_ids, ratios, inv_freq, run.dtype),
-            key_turn=turned_by_ratios(keys, ratios, inv_freq, run.dtype),
+            query_turn={
+                kind: turned_by_ratios(run.position_ids, ratios, inv, run.dtype) for kind, inv in tables.items()
+            },
+            key_turn={kind: turned_by_ratios(keys, ratios, inv, run.dtype) for kind, inv in tables.items()},
         )
 
     def wrap_attention(self, layer_idx: int, function, projection):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, None, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
-            query_cos, query_sin = (by_head(table, ranks).transpose(0, 1) for table in self.query_turn)
+            kind = self.decoder.table_of(layer_idx)
+            query_cos, query_sin = (by_head(table, ranks).transpose(0, 1) for table in self.query_turn[kind])
             key_cos, key_sin = (
                 by_head(held_keys(table, key.shape[2], identity), ranks).transpose(0, 1)
-                for table, identity in zip(self.key_turn, (1.0, 0.0), strict=True)
+                for table, identity in zip(self.key_turn[kind], (1.0, 0.0), strict=True)
             )
             query, key = rotate_partial(query, query_cos, query_sin), rotate_partial(key, key_cos, key_sin)
             return function(module, query, key, value, attention_mask, **kwargs)

@@ -23,6 +23,7 @@ from .spans import (
     check_last_column_real,
     check_mask_values,
     check_spans,
+    default_dummy_token,
     dummy_batch,
     key_documents,
     key_positions,
@@ -55,7 +56,8 @@ class ReorderDocuments(MitigationOptions):
             then placed by `strategy`. Only relevance read from the model changes with the order: given scores take 1.
         layers: the layers whose attention is averaged (`None`: all); read only by relevance from the model.
         dummy_document: token ids of the dummy document that measures `bias(k)` for `by="calibrated"`; `None` is
-            `pad_token_id` repeated to document `k`'s length, as in `attention_calibration`.
+            `pad_token_id` (or, without one, `eos_token_id`) repeated to document `k`'s length, as in
+            `attention_calibration`.
     """
 
     spans: tuple[tuple[tuple[int, int], ...], ...]
@@ -378,8 +380,8 @@ def relevance(model, options: ReorderDocuments, input_ids, attention_mask, *, sp
     membership = key_documents(torch.tensor(spans, device=input_ids.device), positions)  # (b, n, K)
     scores = torch.einsum("bn,bnk->bk", attention, membership) / membership.sum(1)
     if options.by == "calibrated":
-        pad = model.config.pad_token_id
-        ids, padding, probe = dummy_batch(spans, options.dummy_document, pad, input_ids, attention_mask)
+        filler = default_dummy_token(model.config)
+        ids, padding, probe = dummy_batch(spans, options.dummy_document, filler, input_ids, attention_mask)
         dummy = last_row_attention(model, ids, padding, layers, **model_kwargs)  # (b · K, width)
         bias = (dummy * probe).sum(-1) / probe.sum(-1)
         scores = scores - bias.view(scores.shape)

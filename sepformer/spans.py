@@ -92,13 +92,24 @@ def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return inside.float()  # calibration re-weights rows of probabilities kept in float32
 
 
+def default_dummy_token(config) -> int | None:
+    """The token the default dummy document repeats: `pad_token_id`, or where the config has none (Llama 3, Mistral and
+    most configs built in code) the first `eos_token_id`; `None` when neither is a token of the vocabulary. Both mark
+    where text is absent, so a run of them is a document with no content."""
+    eos = config.eos_token_id
+    for token in (config.pad_token_id, eos[0] if isinstance(eos, (list, tuple)) and eos else eos):
+        if isinstance(token, int) and 0 <= token < config.vocab_size:
+            return token
+    return None
+
+
 def check_dummy_document(options, config) -> None:
-    """`options.dummy_document` (or the default, `pad_token_id` repeated) is made of ids in the vocabulary."""
-    pad, vocabulary = config.pad_token_id, f"the vocabulary 0..{config.vocab_size - 1}"
-    if options.dummy_document is None and (pad is None or not 0 <= pad < config.vocab_size):
-        lacking = "the config has no pad_token_id" if pad is None else f"pad_token_id={pad} is outside {vocabulary}"
+    """`options.dummy_document` (or the default, `default_dummy_token` repeated) is made of ids in the vocabulary."""
+    vocabulary = f"the vocabulary 0..{config.vocab_size - 1}"
+    if options.dummy_document is None and default_dummy_token(config) is None:
         raise ValueError(
-            f"{options.name}'s default dummy document is pad_token_id repeated, but {lacking}: give "
+            f"{options.name}'s default dummy document repeats pad_token_id or else eos_token_id, but neither is in "
+            f"{vocabulary} (pad_token_id={config.pad_token_id}, eos_token_id={config.eos_token_id}): give "
             "dummy_document=(token ids) explicitly."
         )
     bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
@@ -106,9 +117,9 @@ def check_dummy_document(options, config) -> None:
         raise ValueError(f"{options.name} dummy_document has ids {bad} outside {vocabulary}.")
 
 
-def dummy_batch(spans, dummy_document, pad_token_id: int, input_ids: torch.Tensor, mask: torch.Tensor | None):
+def dummy_batch(spans, dummy_document, dummy_token: int, input_ids: torch.Tensor, mask: torch.Tensor | None):
     """One left-padded sequence per (row, document): the prompt with the dummy document in place of document `k`
-    (`dummy_document`, or `pad_token_id` repeated to the document's length when `None`), as calibration's dummy
+    (`dummy_document`, or `dummy_token` repeated to the document's length when `None`), as calibration's dummy
     passes and reordering's `by="calibrated"` read it.
 
     Returns ids and padding mask (rows × K, width) and the dummy's keys (rows × K, width), row-major.
@@ -118,7 +129,7 @@ def dummy_batch(spans, dummy_document, pad_token_id: int, input_ids: torch.Tenso
         tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
         for start, end in row_spans:
             if dummy_document is None:
-                dummy = tokens.new_full((end - start,), pad_token_id)
+                dummy = tokens.new_full((end - start,), dummy_token)
             else:
                 dummy = tokens.new_tensor(dummy_document)
             sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))

@@ -3,8 +3,9 @@
 
 import pytest
 import torch
-from conftest import SPANS, random_ids, strong_positions, tiny_model
+from conftest import SPANS, random_ids, strong_positions, tiny_llama, tiny_model
 
+import sepformer
 from sepformer import AttentionCalibration, MSPoE, PositionalScaling, SepFormerCache
 from sepformer.attention_calibration import bias_from_positions
 from sepformer.mitigations import KeyDocuments, calibrate_row
@@ -67,6 +68,22 @@ def test_calibration_bias_is_the_dummy_documents_attention():
             spliced = torch.cat((ids[:, :start], torch.tensor([dummy]), ids[:, end:]), 1)
             row = model(spliced, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
             torch.testing.assert_close(bias[0, :, k], row[:, start : start + len(dummy)].mean(-1))
+
+
+@pytest.mark.parametrize("eos", [2, [5, 2]])
+def test_without_a_pad_token_the_default_dummy_document_repeats_eos(eos):
+    """Llama 3 and Mistral configs have no pad_token_id: the default dummy is the (first) eos repeated, the same as
+    giving that document explicitly (every span of SPANS is 3 tokens long)."""
+    model = sepformer.add_mitigations(tiny_llama(attn="eager"))
+    model.config.pad_token_id, model.config.eos_token_id = None, eos
+    first_eos = eos[0] if isinstance(eos, list) else eos
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        default = model(ids, attention_calibration=AttentionCalibration(spans=(SPANS,), temperature=0.1)).logits
+        explicit = AttentionCalibration(spans=(SPANS,), temperature=0.1, dummy_document=(first_eos,) * 3)
+        torch.testing.assert_close(default, model(ids, attention_calibration=explicit).logits, rtol=0, atol=0)
+        other = AttentionCalibration(spans=(SPANS,), temperature=0.1, dummy_document=(first_eos + 1,) * 3)
+        assert not torch.equal(default, model(ids, attention_calibration=other).logits)
 
 
 def mean_document_reference(model, ids, layer, spans, **options):
