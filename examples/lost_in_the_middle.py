@@ -446,11 +446,15 @@ def main(argv=None) -> list[dict]:
     ]
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    chosen = {}
     if args.tune:
         chosen, tried = tune(model, tokenizer, encoder, correct, paper, args)
         write_csv(tried, output_dir / "tuning.csv", TUNING_FIELDS, float_fields=("mean", "worst"))
-        conditions += [Condition(name, settings, "tuned") for name, settings in chosen.items()]
+    as_paper = [name for name, settings in chosen.items() if settings == paper[name]]
+    conditions += [Condition(name, settings, "tuned") for name, settings in chosen.items() if name not in as_paper]
     rows = evaluate(model, tokenizer, prompts, correct, conditions, args)
+    # a tuned choice equal to the paper's settings has the paper's rows, not a second run
+    rows += [{**row, "choice": "tuned"} for row in rows if row["choice"] == "paper" and row["mitigation"] in as_paper]
 
     float_fields = ("accuracy", "seconds_per_prompt")
     write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=float_fields)
