@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import real_checkpoints
 import torch
 import transformers
 from cli_arguments import Distinct, existing_file, nonnegative_int, output_directory, positive_int, torch_device
@@ -39,7 +40,6 @@ from lost_in_the_middle_task import (
     qa_examples,
     read_qa_file,
 )
-from real_checkpoints import CheckpointError, gguf_architecture, load_checkpoint
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
@@ -87,27 +87,31 @@ class Condition:
 # ----------------------------------------------------------------------------------------------------- the model
 
 
-def load(args):
-    """The model, in eval mode on `--device` in `--dtype`, with the mitigations as `generate` keywords
-    (`sepformer.add_mitigations` on a model other than SepFormer), and its tokenizer, padding on the left with a pad
-    token (eos where it has none)."""
+def load_tokenizer(args):
+    """The checkpoint's tokenizer, padding on the left, with a pad token (eos where it has none)."""
     try:
-        model, tokenizer = load_checkpoint(args.model, DTYPES[args.dtype])
+        tokenizer = real_checkpoints.load_tokenizer(args.model)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--model {args.model}: {error}") from None
+        raise SystemExit(f"--model {args.model}: no tokenizer to load ({error})") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise SystemExit(f"--model {args.model}: its tokenizer has neither a pad nor an eos token to pad with")
         tokenizer.pad_token = tokenizer.eos_token
-    model = model.to(args.device)
+    return tokenizer
+
+
+def load_model(args):
+    """The model, in eval mode on `--device` in `--dtype`, with the mitigations as `generate` keywords
+    (`sepformer.add_mitigations` on a model other than SepFormer)."""
+    model = real_checkpoints.load_model(args.model, DTYPES[args.dtype]).to(args.device)
     if not is_sepformer(model) and args.mitigations != (NONE,):
         try:
             model = sepformer.add_mitigations(model)
         except (ValueError, TypeError) as error:
             for mitigation in [name for name in args.mitigations if name != NONE]:
                 refuse(mitigation, f"add_mitigations does not take it ({error})", args)
-    return model, tokenizer
+    return model
 
 
 def refuse(mitigation: str, why: str, args) -> None:
@@ -155,7 +159,8 @@ def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
                 condition = Condition(mitigation, {**settings, **placeholder} if mitigation == SCALING else settings)
                 generate(model, tokenizer, [longest], condition, max_new_tokens=min(2, args.max_new_tokens))
         except (ValueError, TypeError) as error:
-            refuse(mitigation, f"{describe(settings)}: {error}", args)
+            tuning = "" if settings is PAPER[mitigation] else f"at {describe(settings)} of its tuning grid: "
+            refuse(mitigation, tuning + str(error), args)
 
 
 def scaling_channels(model, encoder: Encoder, args) -> dict:
@@ -401,12 +406,10 @@ def model_config(name: str):
     """The checkpoint's config: read before the weights, so that a bad name, a bad GGUF file or a refused option costs
     no loading."""
     try:
-        if name.endswith(".gguf"):
-            gguf_architecture(Path(name))
-            return AutoConfig.from_pretrained(str(Path(name).parent), gguf_file=Path(name).name)
-        return AutoConfig.from_pretrained(name)
+        where = real_checkpoints.gguf_location(name)
+        return AutoConfig.from_pretrained(name) if where is None else AutoConfig.from_pretrained(**where)
     except (OSError, ValueError) as error:
-        prefix = "" if isinstance(error, CheckpointError) else "no config to load: "
+        prefix = "" if isinstance(error, real_checkpoints.CheckpointError) else "no config to load: "
         raise SystemExit(f"--model {name}: {prefix}{error}") from None
 
 
@@ -435,9 +438,10 @@ def main(argv=None) -> list[dict]:
     check_plotting()
     transformers.logging.set_verbosity_error()
     started = time.time()
-    model, tokenizer = load(args)
+    tokenizer = load_tokenizer(args)
     encoder = Encoder(tokenizer, chat=args.prompt == "chat")
     prompts, correct = prompts_and_metric(encoder, args)
+    model = load_model(args)
     check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)
     paper = {**PAPER, SCALING: scaling_channels(model, encoder, args)}

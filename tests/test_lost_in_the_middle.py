@@ -2,6 +2,7 @@
 chat template, tiny SepFormers with their byte tokenizer), end to end at `--tiny`; prompts, spans, metrics, refusals."""
 
 import csv
+import importlib.util
 import json
 import random
 import re
@@ -13,12 +14,13 @@ import pytest
 import torch
 from conftest import tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sepformer import PositionalScaling, SepFormerForCausalLM, SepFormerTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import lost_in_the_middle as litm  # noqa: E402  (after the path)
+import lost_in_the_middle_options as options  # noqa: E402
 import lost_in_the_middle_task as task  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -136,7 +138,7 @@ def run(model: str, output_dir: Path, *flags: str) -> tuple[list[dict], str]:
     returned = litm.main(["--model", model, "--tiny", "--output-dir", str(output_dir), *flags])
     with open(output_dir / "results.csv", newline="") as handle:
         reader = csv.DictReader(handle)
-        assert reader.fieldnames == ["model", "mitigation", "slot", "accuracy", "n"]
+        assert reader.fieldnames == litm.RESULT_FIELDS
         rows = list(reader)
     assert [(r["mitigation"], int(r["slot"]), int(r["n"])) for r in rows] == [
         (r["mitigation"], r["slot"], r["n"]) for r in returned
@@ -161,7 +163,10 @@ def test_tiny_run_on_a_sepformer_evaluates_every_mitigation_at_every_slot(sepfor
     rows, table = run(sepformer_dir, tmp_path)
     check_rows(rows, sepformer_dir, litm.MITIGATIONS, litm.TINY["num_documents"], litm.TINY["examples_per_slot"])
     for mitigation in litm.MITIGATIONS:
-        assert re.search(rf"^\| {mitigation} \|( [01]\.\d{{3}} \|){{4}}$", table, re.MULTILINE), mitigation
+        row = (
+            rf"^\| {mitigation} \| [^|]+ \|( [01]\.\d{{2}} \|){{3}} [01]\.\d{{3}} \| [01]\.\d{{2}} \| \d+\.\d{{2}} \|$"
+        )
+        assert re.search(row, table, re.MULTILINE), mitigation
     assert "left out" not in table
 
 
@@ -194,7 +199,7 @@ def test_multi_document_qa_from_a_file_of_the_papers_format(sepformer_dir, qa_fi
 def test_each_answer_is_scored_against_its_own_prompt_and_counted_at_its_gold_slot(
     sepformer_dir, tmp_path, monkeypatch
 ):
-    def answers(model, tokenizer, prompts, mitigation, scaling, max_new_tokens):  # right at slots 1 and 3 of 4
+    def answers(model, tokenizer, prompts, condition, max_new_tokens):  # right at slots 1 and 3 of 4
         return [f' "{p.example.answers[0]}"' if p.example.slot % 2 == 0 else "no idea" for p in prompts]
 
     monkeypatch.setattr(litm, "generate", answers)
@@ -276,7 +281,8 @@ def test_without_add_mitigations_another_model_takes_none_only(llama_dir, tmp_pa
     rows, table = run(llama_dir, tmp_path)
     check_rows(rows, llama_dir, ["none"], litm.TINY["num_documents"], litm.TINY["examples_per_slot"])
     assert all(
-        f"left out: {mitigation} (this copy of sepformer has no add_mitigations" in table for mitigation in litm.OPTIONS
+        f"left out: {mitigation} (this copy of sepformer has no add_mitigations" in table
+        for mitigation in litm.OPTION_CLASSES
     )
 
 
@@ -286,12 +292,13 @@ def test_without_add_mitigations_another_model_takes_none_only(llama_dir, tmp_pa
 def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(llama_dir, mitigation):
     args = litm.parse_args(["--model", llama_dir, "--mitigations", mitigation])
     tokenizer = litm.load_tokenizer(args)
-    model = litm.load_model(args, tokenizer)
+    model = litm.load_model(args)
     encoder = task.Encoder(tokenizer)
     prompts = [encoder(example) for example in task.qa_examples(QA_RECORDS, 3)[::2]]
     assert len({len(prompt.input_ids) for prompt in prompts}) > 1  # padding happens
-    alone = [litm.generate(model, tokenizer, [prompt], mitigation, None, 6)[0] for prompt in prompts]
-    assert litm.generate(model, tokenizer, prompts, mitigation, None, 6) == alone
+    condition = litm.Condition(mitigation, litm.PAPER.get(mitigation, {}))
+    alone = [litm.generate(model, tokenizer, [prompt], condition, 6)[0] for prompt in prompts]
+    assert litm.generate(model, tokenizer, prompts, condition, 6) == alone
 
 
 # ----------------------------------------------------------------------------------------------- prompts, spans
@@ -394,7 +401,7 @@ def test_exact_match_metrics_on_hand_cases():
 def test_positional_scaling_on_another_model_is_the_searchs_pick_on_validation_prompts(llama_dir, monkeypatch):
     args = litm.parse_args(["--model", llama_dir, "--tiny", "--mitigations", "positional_scaling"])
     tokenizer = litm.load_tokenizer(args)
-    model = litm.load_model(args, tokenizer)
+    model = litm.load_model(args)
     seen, picked = [], PositionalScaling(factor=-0.5, channels=(3, 5))
 
     def search(model, batches):
@@ -402,7 +409,7 @@ def test_positional_scaling_on_another_model_is_the_searchs_pick_on_validation_p
         return type("Result", (), {"option": picked})
 
     monkeypatch.setattr(litm, "search_positional_scaling", search)
-    assert litm.positional_scaling(model, task.Encoder(tokenizer), args) is picked
+    assert litm.scaling_channels(model, task.Encoder(tokenizer), args) == {"channels": (3, 5), "factor": -0.5}
     assert [int(batch["gold_position"]) for batch in seen] == list(range(args.num_documents))
     tests = {example.answers for example in task.kv_examples(random.Random(args.seed), 2, args.num_documents)}
     for batch in seen:
@@ -414,25 +421,25 @@ def test_positional_scaling_on_another_model_is_the_searchs_pick_on_validation_p
 def test_positional_scaling_where_the_search_finds_no_channel_is_refused(llama_dir):
     args = litm.parse_args(["--model", llama_dir, "--tiny", "--mitigations", "none", "positional_scaling"])
     tokenizer = litm.load_tokenizer(args)
-    model = litm.load_model(args, tokenizer)
+    model = litm.load_model(args)
     with pytest.raises(
         SystemExit,
         match="positional_scaling: refused for --model .*: the channel search does not "
         "run on it .no channel of the attention input is monotone",
     ):
-        litm.positional_scaling(model, task.Encoder(tokenizer), args)
+        litm.scaling_channels(model, task.Encoder(tokenizer), args)
 
 
 def test_positional_scaling_on_sepformer_is_the_options_default(sepformer_dir):
     args = litm.parse_args(["--model", sepformer_dir, "--tiny"])
-    model = litm.load_model(args, litm.load_tokenizer(args))
-    assert litm.positional_scaling(model, None, args) == PositionalScaling()
+    model = litm.load_model(args)
+    assert litm.scaling_channels(model, None, args) == {}  # the option's defaults: its positional block
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_model_is_loaded_in_the_dtype_asked_for(sepformer_dir, dtype):
     args = litm.parse_args(["--model", sepformer_dir, "--dtype", dtype, "--mitigations", "none"])
-    assert litm.load_model(args, litm.load_tokenizer(args)).dtype == getattr(torch, dtype)
+    assert litm.load_model(args).dtype == getattr(torch, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------- refusals
@@ -493,7 +500,7 @@ def test_cuda_without_a_gpu_is_refused(llama_dir, capsys):
     ],
 )
 def test_bad_qa_files_are_refused_before_the_model_is_loaded(llama_dir, tmp_path, monkeypatch, lines, flags, message):
-    monkeypatch.setattr(litm.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match=re.escape(message)):
         litm.main(
             [
@@ -516,7 +523,7 @@ def test_a_chat_template_that_rewrites_the_message_is_refused_before_the_model_i
     tokenizer.chat_template = CHAT_TEMPLATE.replace("m['content']", "m['content'] | upper")
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
-    monkeypatch.setattr(litm.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match="the tokenizer's chat template changes the user's message"):
         litm.main(["--model", str(tmp_path), "--tiny", "--output-dir", str(tmp_path / "out")])
 
@@ -525,6 +532,116 @@ def test_a_model_without_a_config_or_a_tokenizer_is_refused_before_loading(llama
     with pytest.raises(SystemExit, match=f"--model {tmp_path}: no config to load"):
         litm.parse_args(["--model", str(tmp_path)])
     (tmp_path / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
-    monkeypatch.setattr(litm.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(SystemExit, match=f"--model {tmp_path}: no tokenizer to load"):
         litm.main(["--model", str(tmp_path), "--output-dir", str(tmp_path / "out")])
+
+
+# ------------------------------------------------------------------------------------- variants, tuning, GGUF
+
+
+def test_short_keys_and_the_completion_prompt(llama_dir):
+    """6 lowercase letters to a 4-digit number; the completion prompt has no chat template, opens the answer's quote,
+    and keeps exact spans; its default budget of new tokens is the longest value's tokens + 2."""
+    examples = task.kv_examples(random.Random(0), 2, 5, keys="short", prompt="completion")
+    for example in examples:
+        key = re.search(r'Key: "([a-z]{6})"\nCorresponding value: "$', example.tail).group(1)
+        value = example.answers[0]
+        assert re.fullmatch(r"[1-9]\d{3}", value) and f'"{key}": "{value}"' in example.documents[example.slot]
+    assert task.kv_examples(random.Random(0), 2, 5, keys="short", prompt="completion") == examples
+    args = litm.parse_args(["--model", llama_dir, "--keys", "short", "--prompt", "completion", "--num-documents", "5"])
+    tokenizer = litm.load_tokenizer(args)
+    encoder = task.Encoder(tokenizer, chat=False)
+    prompts, _ = litm.prompts_and_metric(encoder, args)
+    assert not tokenizer.decode(prompts[0].input_ids).startswith("<s><|user|>")
+    for prompt in prompts:
+        for document, (start, end) in zip(prompt.example.documents, prompt.spans, strict=True):
+            assert tokenizer.decode(prompt.input_ids[start:end]) == document
+    longest = max(len(tokenizer(p.example.answers[0], add_special_tokens=False)["input_ids"]) for p in prompts)
+    assert args.max_new_tokens == longest + 2
+    with pytest.raises(ValueError, match="keys is one of"):
+        task.kv_examples(random.Random(0), 1, 2, keys="hex")
+
+
+def test_tune_picks_on_prompts_of_its_own_and_writes_each_setting(llama_dir, tmp_path, monkeypatch):
+    seen = []
+    evaluate = litm.evaluate
+
+    def recording(model, tokenizer, prompts, correct, conditions, args):
+        seen.append(({prompt.example.answers for prompt in prompts}, conditions))
+        return evaluate(model, tokenizer, prompts, correct, conditions, args)
+
+    monkeypatch.setattr(litm, "evaluate", recording)
+    flags = ["--keys", "short", "--prompt", "completion", "--tune", "--mitigations", "none", "stable_mask", "ms_poe"]
+    rows, table = run(llama_dir, tmp_path, *flags)
+    tuning_answers, test_answers = seen[0][0], seen[-1][0]
+    assert tuning_answers.isdisjoint(test_answers)
+    with open(tmp_path / "tuning.csv", newline="") as handle:
+        tried = list(csv.DictReader(handle))
+    expected = {
+        "stable_mask": len(litm.GRID["stable_mask"]),  # the paper's settings are in both grids
+        "ms_poe": len(litm.GRID["ms_poe"]),
+    }
+    assert {name: sum(row["mitigation"] == name for row in tried) for name in expected} == expected
+    assert tried[0]["settings"] == "gamma=0.05" and float(tried[0]["worst"]) <= float(tried[0]["mean"])
+    choices = {(row["mitigation"], row["choice"]) for row in rows}
+    assert choices == {("none", "paper"), *((name, choice) for name in expected for choice in ("paper", "tuned"))}
+    assert "stable_mask (tuned)" in table and "ms_poe (tuned)" in table
+
+
+def test_tune_is_refused_with_a_qa_file_and_its_count_without_tune(llama_dir, qa_file, capsys):
+    for flags, message in (
+        (["--qa-file", qa_file, "--tune"], "--keys and --tune are for key-value retrieval"),
+        (["--tune-examples", "3"], "--tune-examples is read only with --tune"),
+    ):
+        with pytest.raises(SystemExit):
+            litm.parse_args(["--model", llama_dir, *flags])
+        assert message in capsys.readouterr().err
+
+
+def test_settings_make_the_options_they_name(llama_dir):
+    config = LlamaConfig(num_hidden_layers=6, rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+    spans = (((0, 2), (2, 5), (5, 9), (9, 10), (10, 12)),)
+    assert options.windows(spans, 2) == (((0, 5), (5, 12)),)
+    assert options.windows(spans, 5) == spans
+    ms_poe = options.make_option("ms_poe", {"r_min": 1.0, "r_max": 1.1, "layers": "last half"}, spans, config)
+    assert ms_poe.layers == (3, 4, 5) and (ms_poe.r_min, ms_poe.r_max) == (1.0, 1.1)
+    buckets = options.make_option("attention_buckets", {"base_multiples": (1.0, 1.3)}, spans, config)
+    assert buckets.bases == (1e5, 1.3e5)
+    pcw = options.make_option("parallel_context_windows", {"windows": 3}, spans, config)
+    assert pcw.spans == (((0, 5), (5, 9), (9, 12)),)  # 2, 1 and 2 documents
+    assert options.describe({"gamma": 0.2}) == "gamma=0.2" and options.describe({}) == "defaults"
+    assert all(
+        setting != {} or name == "parallel_context_windows" for name, grid in options.GRID.items() for setting in grid
+    )  # one window per document is the paper's PCW, in its grid
+
+
+find_spec = importlib.util.find_spec
+
+
+def write_gguf(path: Path, architecture: str) -> Path:
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_files_that_cannot_be_read_are_refused_before_any_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    bert = write_gguf(tmp_path / "bert.gguf", "bert")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF" + bytes(6))
+    cases = [
+        (bert, "holds a 'bert' model, which transformers does not read from GGUF (it reads llama, mistral"),
+        (cut, "is not a complete GGUF file"),
+        (tmp_path / "missing.gguf", "missing.gguf: no such file"),
+    ]
+    for path, message in cases:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            litm.main(["--model", str(path), "--tiny", "--output-dir", str(tmp_path / "out")])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name))
+    with pytest.raises(SystemExit, match=re.escape("needs the gguf package (pip install -e '.[gguf]')")):
+        litm.main(["--model", str(bert), "--tiny", "--output-dir", str(tmp_path / "out")])
