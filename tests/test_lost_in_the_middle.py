@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import lost_in_the_middle as litm  # noqa: E402  (after the path)
 import lost_in_the_middle_options as options  # noqa: E402
 import lost_in_the_middle_task as task  # noqa: E402
+import real_models_report as report  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHAT_TEMPLATE = (
@@ -645,3 +646,41 @@ def test_gguf_files_that_cannot_be_read_are_refused_before_any_loading(tmp_path,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name))
     with pytest.raises(SystemExit, match=re.escape("needs the gguf package (pip install -e '.[gguf]')")):
         litm.main(["--model", str(bert), "--tiny", "--output-dir", str(tmp_path / "out")])
+
+
+def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
+    """Two seeds of a 2-slot run written by hand: `helps` needs the worst slot +0.10 without a lower mean on every
+    seed, `hurts` a mean 0.05 lower on every seed."""
+    accuracy = {  # mitigation -> seed -> (slot 1, slot 2)
+        "none": {0: (0.5, 1.0), 1: (0.4, 0.8)},
+        "ms_poe": {0: (0.7, 1.0), 1: (0.6, 0.8)},  # worst +0.2, mean up: helps
+        "stable_mask": {0: (0.3, 0.9), 1: (0.2, 0.8)},  # mean down 0.15, 0.1: hurts
+        "attention_buckets": {0: (0.7, 1.0), 1: (0.4, 0.8)},  # helps on one seed only: neutral
+    }
+    paths = []
+    for seed in (0, 1):
+        rows = [
+            dict(
+                model="m",
+                keys="short",
+                prompt="completion",
+                num_documents=2,
+                seed=seed,
+                mitigation=name,
+                choice="paper",
+                settings="defaults",
+                slot=slot + 1,
+                accuracy=by_seed[seed][slot],
+                n=10,
+                seconds_per_prompt=0.5,
+            )
+            for name, by_seed in accuracy.items()
+            for slot in range(2)
+        ]
+        paths.append(tmp_path / f"seed{seed}.csv")
+        litm.write_csv(rows, paths[-1], litm.RESULT_FIELDS)
+    text = report.main([*map(str, paths), "--output-dir", str(tmp_path)])
+    verdicts = dict(re.findall(r"^\| m \| 2 \| (\w+) \| paper \| defaults \| (\w*) \|", text, re.MULTILINE))
+    assert verdicts == {"none": "", "ms_poe": "helps", "stable_mask": "hurts", "attention_buckets": "neutral"}
+    assert "| none | paper | defaults |  | 0.675 (0.600-0.750) | 0.45 (0.40-0.50) | 0.50 | 0, 1 |" in text
+    assert (tmp_path / "real_models_m_2.png").read_bytes().startswith(PNG)

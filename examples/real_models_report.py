@@ -1,0 +1,129 @@
+"""The tables and plots of docs/experiments/real_models.md, from the `results.csv` files of `lost_in_the_middle.py`
+runs (one per model, pair count and seed).
+
+    python examples/real_models_report.py outputs/real_model_runs/*/pairs*/seed*/results.csv \
+        --output-dir docs/experiments
+
+For each (model, pairs, mitigation, choice): the mean accuracy over slots and the worst slot's, each the mean over
+seeds with the spread (min-max over seeds), the seconds per prompt, the settings of each seed; and a verdict against
+no mitigation on the same prompts: `helps` when the worst slot rises by at least 0.10 and the mean does not fall, on
+every seed; `hurts` when the mean falls by more than 0.05 on every seed; `neutral` otherwise. Writes
+`real_models_tables.md` and one `real_models_<model>_<pairs>.png` (accuracy by slot) per model and pair count.
+"""
+
+import argparse
+import csv
+import statistics
+from pathlib import Path
+
+from experiment_common import pyplot, save_figure, table_lines
+
+NONE = "none"
+
+
+def read(paths: list[Path]) -> dict:
+    """(model, pairs, mitigation, choice) -> seed -> {"accuracy": by slot, "settings", "seconds"}."""
+    runs = {}
+    for path in paths:
+        with open(path, newline="") as handle:
+            for row in csv.DictReader(handle):
+                key = (Path(row["model"]).name, int(row["num_documents"]), row["mitigation"], row["choice"])
+                seed = runs.setdefault(key, {}).setdefault(int(row["seed"]), {"accuracy": {}})
+                seed["accuracy"][int(row["slot"])] = float(row["accuracy"])
+                seed["settings"], seed["seconds"] = row["settings"], float(row["seconds_per_prompt"])
+    return runs
+
+
+def summary(seeds: dict) -> dict[int, tuple[float, float]]:
+    """seed -> (mean over slots, worst slot)."""
+    return {
+        seed: (statistics.fmean(run["accuracy"].values()), min(run["accuracy"].values())) for seed, run in seeds.items()
+    }
+
+
+def verdict(mine: dict, none: dict) -> str:
+    seeds = sorted(set(mine) & set(none))
+    if all(mine[s][1] - none[s][1] >= 0.10 and mine[s][0] >= none[s][0] for s in seeds):
+        return "helps"
+    if all(none[s][0] - mine[s][0] > 0.05 for s in seeds):
+        return "hurts"
+    return "neutral"
+
+
+def spread(values: list[float], digits: int) -> str:
+    mean = f"{statistics.fmean(values):.{digits}f}"
+    return mean if len(values) == 1 else f"{mean} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def table(runs: dict) -> list[str]:
+    header = [
+        "model",
+        "pairs",
+        "mitigation",
+        "choice",
+        "mean",
+        "worst slot",
+        "s/prompt",
+        "seeds",
+        "verdict",
+        "settings",
+    ]
+    lines = []
+    for (model, pairs, mitigation, choice), seeds in runs.items():
+        none = summary(runs[(model, pairs, NONE, "paper")])
+        mine = summary(seeds)
+        lines.append(
+            [
+                model,
+                str(pairs),
+                mitigation,
+                choice,
+                "; ".join(dict.fromkeys(run["settings"] for run in seeds.values())),
+                "" if mitigation == NONE else verdict(mine, none),
+                spread([mean for mean, _ in mine.values()], 3),
+                spread([worst for _, worst in mine.values()], 2),
+                f"{statistics.fmean(run['seconds'] for run in seeds.values()):.2f}",
+                ", ".join(map(str, sorted(seeds))),
+            ]
+        )
+    return table_lines(header, lines, left=6)
+
+
+def plot(runs: dict, output_dir: Path) -> list[Path]:
+    plt, written = pyplot(), []
+    for model, pairs in dict.fromkeys((model, pairs) for model, pairs, _, _ in runs):
+        figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for axis, choice in zip(axes, ("paper", "tuned"), strict=True):
+            for (name, count, mitigation, kind), seeds in runs.items():
+                if (name, count) != (model, pairs) or (kind != choice and mitigation != NONE):
+                    continue
+                slots = sorted(next(iter(seeds.values()))["accuracy"])
+                curve = [statistics.fmean(run["accuracy"][slot] for run in seeds.values()) for slot in slots]
+                axis.plot(slots, curve, marker="o", label=mitigation, linewidth=2.5 if mitigation == NONE else 1.2)
+            axis.set(
+                title=f"{model}, {pairs} pairs: {choice} settings", xlabel="slot of the gold pair", ylim=(-0.02, 1.02)
+            )
+        axes[0].set_ylabel("accuracy (mean over seeds)")
+        axes[1].legend(fontsize="small", loc="lower right")
+        path = output_dir / f"real_models_{model}_{pairs}.png"
+        save_figure(figure, path, dpi=110, bbox_inches="tight")
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path, help="results.csv files of lost_in_the_middle.py runs")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/real_model_runs"))
+    args = parser.parse_args(argv)
+    runs = read(args.results)
+    text = "\n".join(table(runs))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "real_models_tables.md").write_text(text + "\n")
+    plot(runs, args.output_dir)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
