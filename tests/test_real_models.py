@@ -185,3 +185,18 @@ def test_the_real_model_benchmark_runs_and_reports_every_ratio(tmp_path, real):
     assert all(value > 0 for value in ratios.values())
     table = (tmp_path / "real_model_generation.md").read_text()
     assert "| mitigated / plain >= 0.95 |" in table and "with / without >= 0.87 / 3 (3 buckets)" in table
+
+
+def test_a_gguf_file_loads_as_the_float_folder_and_saves_as_any_model(real, tmp_path):
+    """`load_model` on the package's `.gguf` file: the weights of the folder written from it, and a config without
+    the quantization settings that make `save_pretrained` refuse."""
+    model_name, plain, _, _ = real
+    if "gemma" in model_name:
+        pytest.skip("one GGUF load is enough (Gemma's takes a minute)")
+    path = real_checkpoints.SHIPPED[model_name].gguf_file(ROOT / "outputs" / "real_models")
+    loaded = real_checkpoints.load_model(str(path))
+    assert getattr(loaded.config, "quantization_config", None) is None
+    expected = plain.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in loaded.state_dict().items())
+    loaded.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
