@@ -227,3 +227,14 @@ def test_calibrated_decoding_step_returns_attentions_as_its_implementation_does(
     for layer in (1, 2):
         assert step.attentions[layer].shape == (1, 4, 1, 14)
         torch.testing.assert_close(step.attentions[layer].sum(-1), torch.ones(1, 4, 1))
+
+
+def test_the_dummy_passes_of_a_causal_lm_compute_one_row_of_logits():
+    """Only the dummy passes' attention is read: their LM head runs on one row (a 262k vocabulary's head over every
+    row of every dummy sequence cost Gemma 3 as much as its layers)."""
+    model = sepformer.add_mitigations(tiny_llama())
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, inputs, output: rows.append(tuple(output.shape[:2])))
+    with torch.no_grad():
+        model(random_ids(1, 12), attention_calibration=AttentionCalibration(spans=(SPANS,)))
+    assert rows == [(len(SPANS), 1), (1, 12)]  # the dummy passes, then the call's own
