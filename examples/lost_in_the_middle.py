@@ -1,16 +1,19 @@
 """Lost in the middle on a saved causal LM: accuracy by the gold document's slot, with and without each mitigation.
 
 The two tasks of "Lost in the Middle" (Liu et al. 2023) with the paper's prompts and metrics
-(`lost_in_the_middle_task.py`), on any checkpoint that `from_pretrained` loads (a folder, or a Hub name in the local
-cache) with its own tokenizer and chat template: key-value retrieval (default) or multi-document QA (`--qa-file`, the
-paper's JSON lines). Each mitigation (`--mitigations`, default all) runs at its paper's defaults; one the model refuses
-stops a run that names it and is left out of the default run. Greedy decoding, left-padded batches. Writes
-`results.csv` (model, mitigation, slot, accuracy, n), `results.md` (the table, printed too) and
-`lost_in_the_middle.png` under `--output-dir`. In full: docs/experiments/lost_in_the_middle.md.
+(`lost_in_the_middle_task.py`), on any checkpoint that `from_pretrained` loads (a folder, a Hub name in the local
+cache, or a `.gguf` file) with its own tokenizer and chat template: key-value retrieval (default; `--keys short` and
+`--prompt completion` for small models) or multi-document QA (`--qa-file`, the paper's JSON lines). Each mitigation
+(`--mitigations`, default all) runs at its paper's settings, and with `--tune` also at the settings its grid search
+picks on validation prompts of another seed; one the model refuses stops a run that names it and is left out of the
+default run. Greedy decoding, left-padded batches. Writes `results.csv` (model, task, seed, mitigation, settings, slot,
+accuracy, n, seconds per prompt), `results.md` (the table, printed too), `lost_in_the_middle.png` and with `--tune`
+`tuning.csv` under `--output-dir`. In full: docs/experiments/lost_in_the_middle.md.
 
     python examples/lost_in_the_middle.py --model path/to/checkpoint                      # 75 keys, every mitigation
     python examples/lost_in_the_middle.py --model path/to/checkpoint --mitigations none ms_poe --num-documents 20
     python examples/lost_in_the_middle.py --model path/to/checkpoint --qa-file nq-open-20_total_documents.jsonl
+    python examples/lost_in_the_middle.py --model model.gguf --keys short --prompt completion --num-documents 10 --tune
     python examples/lost_in_the_middle.py --model path/to/checkpoint --tiny               # a smoke run in seconds
 """
 
@@ -141,8 +144,9 @@ def check_vocabulary(model, tokenizer, prompts: list[Prompt], args) -> None:
 def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     """The longest prompt, so that what the model refuses stops the run now, not after hours of evaluation: without
     mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation at
-    its paper's settings (and every setting of its grid with `--tune`) for the prompt and a decoding step (positional
-    scaling with a placeholder channel on a model other than SepFormer: its search comes after)."""
+    its paper's settings for the prompt and a decoding step (positional scaling with a placeholder channel on a model
+    other than SepFormer: its search comes after). With `--tune`, every setting of its grid too: `args.grids` keeps
+    those the model takes, and the output names the others and why."""
     longest = max(prompts, key=lambda prompt: len(prompt.input_ids))
     try:
         generate(model, tokenizer, [longest], Condition(NONE), args.max_new_tokens)
@@ -152,15 +156,27 @@ def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
             f"({len(longest.input_ids)} tokens): {type(error).__name__}: {error}"
         ) from None
     placeholder = {} if is_sepformer(model) else {"channels": (0,)}
-    for mitigation in [name for name in args.mitigations if name != NONE]:
-        grid = GRID[mitigation] if args.tune else []
+
+    def tried(mitigation: str, settings: dict) -> str | None:
+        """Why the model refuses `mitigation` at `settings` on the longest prompt (None: it takes them)."""
+        condition = Condition(mitigation, {**settings, **placeholder} if mitigation == SCALING else settings)
         try:
-            for settings in [PAPER[mitigation], *grid]:
-                condition = Condition(mitigation, {**settings, **placeholder} if mitigation == SCALING else settings)
-                generate(model, tokenizer, [longest], condition, max_new_tokens=min(2, args.max_new_tokens))
+            generate(model, tokenizer, [longest], condition, max_new_tokens=min(2, args.max_new_tokens))
         except (ValueError, TypeError) as error:
-            tuning = "" if settings is PAPER[mitigation] else f"at {describe(settings)} of its tuning grid: "
-            refuse(mitigation, tuning + str(error), args)
+            return str(error)
+        return None
+
+    args.grids = {}
+    for mitigation in [name for name in args.mitigations if name != NONE]:
+        if (why := tried(mitigation, PAPER[mitigation])) is not None:
+            refuse(mitigation, why, args)
+            continue
+        args.grids[mitigation] = []
+        for settings in GRID[mitigation] if args.tune else ():
+            if (why := tried(mitigation, settings)) is None:
+                args.grids[mitigation].append(settings)
+            else:
+                print(f"tuning grid of {mitigation}: left out {describe(settings)} ({why})")
 
 
 def scaling_channels(model, encoder: Encoder, args) -> dict:
@@ -181,8 +197,8 @@ def scaling_channels(model, encoder: Encoder, args) -> dict:
 
 
 def validation_batch(encoder: Encoder, example: Example, device) -> dict:
-    """One prompt and its answer, only the answer labelled (a chat prompt ends in a colon: a space, then the answer;
-    a completion prompt in the answer's opening quote)."""
+    """One prompt and its answer, only the answer labelled: a plain prompt ends in a colon (a space, then the answer),
+    a completion prompt in the answer's opening quote, a chat template in its generation prompt (the answer alone)."""
     prompt = encoder(example).input_ids
     space = "" if encoder.chat or example.tail.endswith('"') else " "
     answer = encoder.tokenizer(space + example.answers[0], add_special_tokens=False)
@@ -224,7 +240,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
                 dict(
                     model=args.model,
                     keys=args.keys if args.qa_records is None else "qa",
-                    prompt=args.prompt,
+                    prompt=args.prompt_read,
                     num_documents=args.num_documents,
                     seed=args.seed,
                     mitigation=condition.mitigation,
@@ -255,9 +271,10 @@ def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tupl
     prompts = [encoder(example) for example in examples]
     chosen, tried = {}, []
     for mitigation in [name for name in args.mitigations if name != NONE]:
-        candidates = [paper[mitigation], *(settings for settings in GRID[mitigation] if settings != PAPER[mitigation])]
+        grid = args.grids[mitigation]
+        candidates = [paper[mitigation], *(settings for settings in grid if settings != PAPER[mitigation])]
         if mitigation == SCALING:  # the searched channels, at each factor and layers of the grid
-            candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in GRID[mitigation])]
+            candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in grid)]
         scored = []
         for settings in candidates:
             rows = evaluate(model, tokenizer, prompts, correct, [Condition(mitigation, settings)], args)
@@ -290,7 +307,7 @@ def markdown_table(rows: list[dict], args) -> str:
         label = Condition(mitigation, choice=choice).label
         cells = [f"{accuracy[slot]:.2f}" for slot in slots]
         lines.append([label, settings, *cells, f"{mean:.3f}", f"{worst:.2f}", f"{mine[0]['seconds_per_prompt']:.2f}"])
-    task = "multi-document QA" if args.qa_file else f"key-value retrieval ({args.keys} keys, {args.prompt} prompt)"
+    task = "multi-document QA" if args.qa_file else f"key-value retrieval ({args.keys} keys, {args.prompt_read} prompt)"
     title = (
         f"{task}, {args.model}, seed {args.seed}: accuracy by the gold document's slot ({args.num_documents} "
         f"documents, {args.examples_per_slot} examples per slot)"
@@ -382,11 +399,11 @@ def parse_args(argv=None):
 
 def checked(parser, args):
     """The preset's values for the flags not given, and what the model or this copy of sepformer refuses."""
-    if args.qa_file and (args.keys != "uuid" or args.tune):
-        parser.error("--keys and --tune are for key-value retrieval, not --qa-file")
+    if args.qa_file and (args.keys != "uuid" or args.tune or args.prompt != "chat"):
+        parser.error("--keys, --prompt completion and --tune are for key-value retrieval, not --qa-file")
     if args.tune_examples is not None and not args.tune:
         parser.error("--tune-examples is read only with --tune")
-    preset = {**(TINY if args.tiny else DEFAULTS["qa" if args.qa_file else "key-value"]), "tune_examples": 2}
+    preset = {"tune_examples": 2, **(TINY if args.tiny else DEFAULTS["qa" if args.qa_file else "key-value"])}
     if args.prompt == "completion" and not args.tiny:
         preset["max_new_tokens"] = None  # from the answers, once they are tokenised
     for name, value in preset.items():
@@ -440,6 +457,7 @@ def main(argv=None) -> list[dict]:
     started = time.time()
     tokenizer = load_tokenizer(args)
     encoder = Encoder(tokenizer, chat=args.prompt == "chat")
+    args.prompt_read = "plain (no chat template)" if args.prompt == "chat" and not encoder.chat else args.prompt
     prompts, correct = prompts_and_metric(encoder, args)
     model = load_model(args)
     check_vocabulary(model, tokenizer, prompts, args)

@@ -82,8 +82,8 @@ def windows(spans: tuple, count: int) -> tuple:
 
 
 def own_rotary_base(config) -> float:
-    """The model's rotary base, for bases given as multiples of it (one base: a model with one per layer type takes
-    bases as they are)."""
+    """The model's one rotary base, for bases given as multiples of it (a model with one base per layer type, as
+    Gemma 3, has none to multiply: refused)."""
     parameters = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" not in parameters:
         raise ValueError(

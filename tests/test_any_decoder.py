@@ -10,6 +10,8 @@ from test_stable_mask import dense_stable_mask
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -339,6 +341,51 @@ def test_ms_poe_with_one_ratio_is_the_model_reading_positions_m_over_r(model_nam
     reference = logits(plain, ids, attention_mask=mask, position_ids=positions / ratio)  # rotary at m / r
     torch.testing.assert_close(ours[real], reference[real], rtol=1e-5, atol=1e-5)
     assert (reference - logits(plain, ids, attention_mask=mask))[real].abs().max() > 1e-3
+
+
+def two_base_gemma3():
+    """A tiny random Gemma 3: sliding layers (window 4) and a full one, each layer type with a rotary base of its own
+    (one rotary module, a frequency table per type), attention sharpened; and the same weights with add_mitigations."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        **{**SIZES, "vocab_size": 256},
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        },
+        attn_implementation="sdpa",
+        pad_token_id=0,
+    )
+    plain = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in plain.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model = Gemma3ForCausalLM(config).eval()
+    model.load_state_dict(plain.state_dict())
+    return plain, add_mitigations(model)
+
+
+def test_ms_poe_turns_each_layer_type_by_its_own_rotary_base():
+    """One ratio in every layer = the plain model at positions m / r (each layer type's table; with the two swapped
+    the logits are 5e-3 off); the fixed head order decodes past the sliding window as the full pass."""
+    plain, model = two_base_gemma3()
+    ids = random_ids(1, 14)
+    reference = logits(plain, ids, position_ids=torch.arange(14)[None] / 1.5)
+    torch.testing.assert_close(logits(model, ids, ms_poe=MSPoE(1.5, 1.5, layers=(0, 1, 2))), reference)
+    assert (reference - logits(plain, ids)).abs().max() > 1e-2
+    fixed = {"ms_poe": MSPoE(1.2, 1.8, layers=(0, 1, 2), head_order=(3, 1, 0, 2))}
+    full = logits(model, ids, **fixed)
+    torch.testing.assert_close(stepwise_logits(model, ids, 6, **fixed), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rotates each layer type .* with a base of its own: give scales"):
+        logits(model, ids, attention_buckets={"bases": [1e4, 2e4]})
+    scaled = logits(model, ids, attention_buckets={"scales": [1 / 1.5]})  # one bucket: the model at m / 1.5
+    torch.testing.assert_close(scaled, reference)
 
 
 def test_ms_poe_refuses_position_ids_other_than_the_ones_its_keys_are_turned_from():

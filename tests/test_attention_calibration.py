@@ -1,6 +1,8 @@
 """Attention calibration (`sepformer/attention_calibration.py`): the calibrated row against the paper's formula,
 `bias(k)` against a dummy pass done by hand, the positional estimate against a pass whose `k_proj` input is swapped."""
 
+import re
+
 import pytest
 import torch
 from conftest import SPANS, random_ids, strong_positions, tiny_llama, tiny_model
@@ -84,6 +86,9 @@ def test_without_a_pad_token_the_default_dummy_document_repeats_eos(eos):
         torch.testing.assert_close(default, model(ids, attention_calibration=explicit).logits, rtol=0, atol=0)
         other = AttentionCalibration(spans=(SPANS,), temperature=0.1, dummy_document=(first_eos + 1,) * 3)
         assert not torch.equal(default, model(ids, attention_calibration=other).logits)
+    model.config.pad_token_id = model.config.vocab_size  # a pad token outside the vocabulary is an error, not eos
+    with pytest.raises(ValueError, match=re.escape(f"pad_token_id={model.config.vocab_size}, eos_token_id={eos}")):
+        model(ids, attention_calibration=AttentionCalibration(spans=(SPANS,)))
 
 
 def mean_document_reference(model, ids, layer, spans, **options):

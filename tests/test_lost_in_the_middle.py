@@ -680,7 +680,13 @@ def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
         paths.append(tmp_path / f"seed{seed}.csv")
         litm.write_csv(rows, paths[-1], litm.RESULT_FIELDS)
     text = report.main([*map(str, paths), "--output-dir", str(tmp_path)])
-    verdicts = dict(re.findall(r"^\| m \| 2 \| (\w+) \| paper \| defaults \| (\w*) \|", text, re.MULTILINE))
+    header = (
+        "| model | task | pairs | mitigation | choice | settings | verdict | mean | worst slot | s/prompt | seeds |"
+    )
+    assert text.startswith(header)
+    verdicts = dict(
+        re.findall(r"^\| m \| short, completion \| 2 \| (\w+) \| paper \| defaults \| (\w*) \|", text, re.M)
+    )
     assert verdicts == {"none": "", "ms_poe": "helps", "stable_mask": "hurts", "attention_buckets": "neutral"}
     assert "| none | paper | defaults |  | 0.675 (0.600-0.750) | 0.45 (0.40-0.50) | 0.50 | 0, 1 |" in text
     assert (tmp_path / "real_models_m_2.png").read_bytes().startswith(PNG)

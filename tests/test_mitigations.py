@@ -222,7 +222,7 @@ def test_options_that_need_something_the_model_lacks_are_refused():
     with pytest.raises(ValueError, match="gamma=0 must be > 0"):
         SepFormerConfig(stable_mask={"gamma": 0})
     no_pad = tiny_model(pad_token_id=None, eos_token_id=None)
-    with pytest.raises(ValueError, match="repeats pad_token_id or else eos_token_id, but neither"):
+    with pytest.raises(ValueError, match=r"repeats pad_token_id \(or eos_token_id where .*\), which is not in"):
         no_pad(ids, attention_calibration=AttentionCalibration(spans=(SPANS,)))
     no_positions = tiny_model(position_size=0)
     with pytest.raises(ValueError, match="bias_estimate='positional' reads the positional block, .* position_size=0"):

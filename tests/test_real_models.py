@@ -62,7 +62,7 @@ def as_ids(prompt: task.Prompt) -> torch.Tensor:
 def option(name: str, model_name: str, spans: tuple) -> dict:
     """The call's keywords of option `name` for prompts with these document spans (one tuple per row)."""
     layers = tuple(range(2, 8))
-    heads = 4 if "gemma" in model_name else 9
+    heads = {"gemma-3-270m": 4, "smollm2-135m-instruct": 9}[model_name]
     return {
         "stable_mask": {"stable_mask": StableMask(0.05)},
         "ms_poe": {"ms_poe": MSPoE(1.2, 1.8, layers=layers, head_order=None)},
@@ -196,7 +196,13 @@ def test_a_gguf_file_loads_as_the_float_folder_and_saves_as_any_model(real, tmp_
     path = real_checkpoints.SHIPPED[model_name].gguf_file(ROOT / "outputs" / "real_models")
     loaded = real_checkpoints.load_model(str(path))
     assert getattr(loaded.config, "quantization_config", None) is None
-    expected = plain.state_dict()
-    assert all(torch.equal(tensor, expected[name]) for name, tensor in loaded.state_dict().items())
+    expected, weights = plain.state_dict(), loaded.state_dict()
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in weights.items())
     loaded.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
+    tokenizer = real_checkpoints.load_tokenizer(str(path))
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        answer = loaded.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert "Paris" in tokenizer.decode(answer[0, prompt["input_ids"].shape[1] :])  # the weights are a language model
