@@ -7,11 +7,13 @@ given the options by `sepformer.add_mitigations`, against the same model without
     python benchmarks/real_model_generation.py --device cuda --dtype bfloat16
 
 The prompts are the lost-in-the-middle key-value prompts of `--num-documents` pairs (short keys, completion prompt),
-left-padded in a batch; each option reads their document spans where it takes them. `generate` is greedy with
-`min_new_tokens = max_new_tokens`. Measured as `benchmark.py` measures: every variant in turn within each repetition
-(the order rotating), the median and interquartile range of tokens per second and of the per-repetition ratios
-(with / without the option on the mitigated model; mitigated without option / plain). Prints a markdown table and
-writes `real_model_generation.md` and `.csv` under `--output-dir`.
+left-padded in a batch (the key of one object at slots 1, 2, ...: lengths a few tokens apart); every option at the
+paper's settings of `examples/lost_in_the_middle.py` (positional scaling on two channels: which ones does not change
+its cost), reading the prompts' document spans where it takes them; an option the model refuses is named, not timed.
+`generate` is greedy with `min_new_tokens = max_new_tokens`. Measured as `benchmark.py` measures: every variant in
+turn within each repetition (the order rotating), the median and interquartile range of tokens per second and of the
+per-repetition ratios (with / without the option on the mitigated model; mitigated without option / plain). Prints a
+markdown table and writes `real_model_generation.md` and `.csv` under `--output-dir`.
 """
 
 import argparse
@@ -26,32 +28,21 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from benchmark import Measurement, cell, run_interleaved, summary_rows, timed  # noqa: E402
-from cli_arguments import output_directory, positive_int  # noqa: E402
+from cli_arguments import output_directory, positive_int, torch_device  # noqa: E402
+from lost_in_the_middle_options import PAPER, RAG_BASES, make_option  # noqa: E402
 from lost_in_the_middle_task import Encoder, kv_examples  # noqa: E402
 from real_checkpoints import CheckpointError, load_checkpoint  # noqa: E402
 
 import sepformer  # noqa: E402
-from sepformer import (  # noqa: E402
-    AttentionBuckets,
-    AttentionCalibration,
-    MSPoE,
-    ParallelContextWindows,
-    PositionalScaling,
-    StableMask,
-)
 
 PLAIN, MITIGATED = "plain", "add_mitigations"
-OPTIONS = {  # name -> the option for a batch with these document spans; the paper's settings where it has them
-    "stable_mask": lambda spans: {"stable_mask": StableMask(gamma=0.05)},
-    "ms_poe": lambda spans: {"ms_poe": MSPoE()},
-    "attention_calibration": lambda spans: {"attention_calibration": AttentionCalibration(spans=spans)},
-    "positional_scaling": lambda spans: {"positional_scaling": PositionalScaling(factor=0.0, channels=(0, 1))},
-    "parallel_context_windows": lambda spans: {"parallel_context_windows": ParallelContextWindows(spans=spans)},
-    "attention_buckets": lambda spans: {"attention_buckets": AttentionBuckets(scales=(1.0, 0.9, 0.8))},
-}
+# Every option of lost_in_the_middle.py at its paper's settings; positional scaling on two channels of the attention
+# input (which channels does not change its cost: it scales them and recomputes the prompt's last row).
+OPTIONS = {name: settings for name, settings in PAPER.items() if name != "reorder_documents"}
+OPTIONS["positional_scaling"] = {**OPTIONS["positional_scaling"], "channels": (0, 1)}
 TARGETS = {
     "attention_calibration": "with / without >= 0.87 / (documents + 1): one dummy pass per document at prefill",
-    "attention_buckets": "with / without >= 0.87 / 3 (3 buckets)",
+    "attention_buckets": f"with / without >= 0.87 / {len(RAG_BASES)} ({len(RAG_BASES)} buckets)",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -67,7 +58,7 @@ def prompt_batch(tokenizer, batch: int, num_documents: int, device) -> tuple[dic
 
 def measurements(plain, mitigated, tokenizer, batch: int, args) -> list[Measurement]:
     inputs, spans = prompt_batch(tokenizer, batch, args.num_documents, plain.device)
-    settings = dict(
+    greedy = dict(
         do_sample=False,
         max_new_tokens=args.new_tokens,
         min_new_tokens=args.new_tokens,
@@ -75,10 +66,17 @@ def measurements(plain, mitigated, tokenizer, batch: int, args) -> list[Measurem
     )
 
     def runner(model, **options):
-        return lambda: batch * args.new_tokens / timed(lambda: model.generate(**inputs, **settings, **options))
+        return lambda: batch * args.new_tokens / timed(lambda: model.generate(**inputs, **greedy, **options))
 
     runners = {PLAIN: runner(plain), MITIGATED: runner(mitigated)}
-    runners.update({name: runner(mitigated, **make(spans)) for name, make in OPTIONS.items()})
+    for name, settings in OPTIONS.items():
+        option = {name: make_option(name, settings, spans, mitigated.config)}
+        try:  # one token first: an option the model refuses is reported, not timed
+            mitigated.generate(**inputs, **{**greedy, "max_new_tokens": 1, "min_new_tokens": 1}, **option)
+        except (ValueError, TypeError) as error:
+            print(f"{name}: refused by {args.model_name} ({error})", file=sys.stderr)
+            continue
+        runners[name] = runner(mitigated, **option)
     return [
         Measurement(
             key=f"real_generate_b{batch}",
@@ -86,7 +84,7 @@ def measurements(plain, mitigated, tokenizer, batch: int, args) -> list[Measurem
             unit="tokens/s",
             higher_is_better=True,
             runners=runners,
-            ratios=((MITIGATED, PLAIN), *((name, MITIGATED) for name in OPTIONS)),
+            ratios=((MITIGATED, PLAIN), *((name, MITIGATED) for name in runners if name not in (PLAIN, MITIGATED))),
             section="real model",
         )
     ]
@@ -115,7 +113,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--reps", type=positive_int, default=7)
     parser.add_argument("--new-tokens", type=positive_int, default=16)
     parser.add_argument("--num-documents", type=positive_int, default=10, help="key-value pairs per prompt")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", type=torch_device, default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--output-dir", type=output_directory, default="outputs/benchmark")
     args = parser.parse_args(argv)

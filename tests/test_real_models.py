@@ -184,7 +184,7 @@ def test_the_real_model_benchmark_runs_and_reports_every_ratio(tmp_path, real):
     assert set(ratios) == {"add_mitigations / plain", *(f"{name} / add_mitigations" for name in bench.OPTIONS)}
     assert all(value > 0 for value in ratios.values())
     table = (tmp_path / "real_model_generation.md").read_text()
-    assert "| mitigated / plain >= 0.95 |" in table and "with / without >= 0.87 / 3 (3 buckets)" in table
+    assert "| mitigated / plain >= 0.95 |" in table and "with / without >= 0.87 / 7 (7 buckets)" in table
 
 
 def test_a_gguf_file_loads_as_the_float_folder_and_saves_as_any_model(real, tmp_path):
