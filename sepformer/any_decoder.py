@@ -206,7 +206,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 "which wraps it."
             )
         if plan is None:
-            self.check_served(options)
+            self.check_served(options, inputs.get("attention_mask"))
             wrapper = causal_lm_wrapper(options, cache)  # also every option's rule on continuing the cache
             if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
                 mitigation, parsed = wrapper
@@ -296,9 +296,16 @@ class MitigatedDecoder(MitigationGenerationMixin):
         masks = {kind: MASK_MAKERS[kind](**arguments) for kind in layer_types}
         return masks["full_attention"] if layer_types == {"full_attention"} else masks
 
-    def check_served(self, options: dict) -> None:
+    def check_served(self, options: dict, attention_mask) -> None:
         """Refuse, before any work, the options this model cannot serve."""
         unknown = set(getattr(self.config, "layer_types", None) or ()) - set(MASK_MAKERS)
+        active = sorted(name for name, value in options.items() if value not in (None, False))
+        if active and isinstance(attention_mask, dict):
+            raise ValueError(
+                f"{', '.join(active)} read the padding mask and build the model's masks, but this call was given "
+                f"masks already built per layer type ({sorted(attention_mask)}), as generate does with a static "
+                f"cache on {type(self).__name__}: use the default dynamic cache."
+            )
         for name, value in options.items():
             restricts_mask = MITIGATIONS[name].mask_function is not Mitigation.mask_function
             if unknown and restricts_mask and value not in (None, False):

@@ -386,6 +386,10 @@ def test_ms_poe_turns_each_layer_type_by_its_own_rotary_base():
         logits(model, ids, attention_buckets={"bases": [1e4, 2e4]})
     scaled = logits(model, ids, attention_buckets={"scales": [1 / 1.5]})  # one bucket: the model at m / 1.5
     torch.testing.assert_close(scaled, reference)
+    static = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")  # masks come built per layer type
+    with pytest.raises(ValueError, match="ms_poe read the padding mask .* masks already built per layer type"):
+        model.generate(ids, **static, ms_poe=fixed["ms_poe"])
+    assert torch.equal(model.generate(ids, **static), plain.generate(ids, **static))
 
 
 def test_ms_poe_refuses_position_ids_other_than_the_ones_its_keys_are_turned_from():
