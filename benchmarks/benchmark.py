@@ -994,6 +994,16 @@ def markdown(rows: list[dict], header: str, notes: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
+def write_outputs(table: str, rows: list[dict], output_dir: Path, stem: str) -> None:
+    """`<stem>.md` (the table) and `<stem>.csv` (the rows) under `output_dir`."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{stem}.md").write_text(table + "\n")
+    with open(output_dir / f"{stem}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def header(shape: Shape, args, sections: list[str], load_before: float, elapsed: float) -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -1147,14 +1157,8 @@ def main(argv=None):
     title = header(shape, args, sections, load_before, elapsed)
     table = markdown(rows, title, notes)
     print(table)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "benchmark.md").write_text(table + "\n")
-    with open(output_dir / "benchmark.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    log(f"wrote {output_dir / 'benchmark.md'} and {output_dir / 'benchmark.csv'}")
+    write_outputs(table, rows, Path(args.output_dir), "benchmark")
+    log(f"wrote {args.output_dir}/benchmark.md and benchmark.csv")
 
 
 if __name__ == "__main__":

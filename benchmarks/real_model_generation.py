@@ -17,7 +17,6 @@ markdown table and writes `real_model_generation.md` and `.csv` under `--output-
 """
 
 import argparse
-import csv
 import random
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from benchmark import Measurement, cell, run_interleaved, summary_rows, timed  # noqa: E402
+from benchmark import Measurement, cell, run_interleaved, summary_rows, timed, write_outputs  # noqa: E402
 from cli_arguments import output_directory, positive_int, torch_device  # noqa: E402
 from lost_in_the_middle_options import PAPER, RAG_BASES, make_option  # noqa: E402
 from lost_in_the_middle_task import Encoder, kv_examples  # noqa: E402
@@ -132,13 +131,7 @@ def main(argv=None) -> list[dict]:
     rows = [row for m in measured for row in summary_rows(m)]
     table = markdown(rows)
     print(table)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "real_model_generation.md").write_text(table + "\n")
-    with open(output_dir / "real_model_generation.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_outputs(table, rows, Path(args.output_dir), "real_model_generation")
     return rows
 
 
