@@ -6,9 +6,10 @@ cache, or a `.gguf` file) with its own tokenizer and chat template: key-value re
 `--prompt completion` for small models) or multi-document QA (`--qa-file`, the paper's JSON lines). Each mitigation
 (`--mitigations`, default all) runs at its paper's settings, and with `--tune` also at the settings its grid search
 picks on validation prompts of another seed; one the model refuses stops a run that names it and is left out of the
-default run. Greedy decoding, left-padded batches. Writes `results.csv` (model, task, seed, mitigation, settings, slot,
-accuracy, n, seconds per prompt), `results.md` (the table, printed too), `lost_in_the_middle.png` and with `--tune`
-`tuning.csv` under `--output-dir`. In full: docs/experiments/lost_in_the_middle.md.
+default run. Greedy decoding, left-padded batches. Writes under `--output-dir`: `results.csv` (model, task, seed,
+mitigation, settings, slot, accuracy, n, seconds per prompt), `outputs.csv` (each prompt's answer and output),
+`results.md` (the table, printed too), `lost_in_the_middle.png` and with `--tune` `tuning.csv`. In full:
+docs/experiments/lost_in_the_middle.md.
 
     python examples/lost_in_the_middle.py --model path/to/checkpoint                      # 75 keys, every mitigation
     python examples/lost_in_the_middle.py --model path/to/checkpoint --mitigations none ms_poe --num-documents 20
@@ -68,6 +69,7 @@ RESULT_FIELDS = [
     "n",
     "seconds_per_prompt",
 ]
+OUTPUT_FIELDS = ["mitigation", "choice", "slot", "answer", "output", "correct"]
 TUNING_FIELDS = ["model", "keys", "prompt", "num_documents", "seed", "mitigation", "settings", "mean", "worst", "n"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MITIGATIONS = (NONE, *OPTION_CLASSES)
@@ -222,9 +224,10 @@ def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[Condition], args) -> list[dict]:
-    """Accuracy by slot under every condition: one row per (condition, slot), with the seconds per prompt."""
-    rows = []
+def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[Condition], args):
+    """Accuracy by slot under every condition: one row per (condition, slot), with the seconds per prompt; and one row
+    per (condition, prompt) with the answer and what the model wrote."""
+    rows, answers = [], []
     with tqdm(total=len(conditions) * len(prompts), desc="prompts", dynamic_ncols=True, leave=False) as bar:
         for condition in conditions:
             scores, started = {}, time.perf_counter()
@@ -233,7 +236,18 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
                 batch = prompts[first : first + args.batch_size]
                 outputs = generate(model, tokenizer, batch, condition, args.max_new_tokens)
                 for prompt, output in zip(batch, outputs, strict=True):
-                    scores.setdefault(prompt.example.slot, []).append(correct(output, prompt.example.answers))
+                    hit = correct(output, prompt.example.answers)
+                    scores.setdefault(prompt.example.slot, []).append(hit)
+                    answers.append(
+                        dict(
+                            mitigation=condition.mitigation,
+                            choice=condition.choice,
+                            slot=prompt.example.slot + 1,
+                            answer=" | ".join(prompt.example.answers),
+                            output=output,
+                            correct=int(hit),
+                        )
+                    )
                 bar.update(len(batch))
             seconds = (time.perf_counter() - started) / len(prompts)
             rows += [
@@ -253,7 +267,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
                 )
                 for slot, hits in sorted(scores.items())
             ]
-    return rows
+    return rows, answers
 
 
 def summary(rows: list[dict]) -> tuple[float, float]:
@@ -277,7 +291,7 @@ def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tupl
             candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in grid)]
         scored = []
         for settings in candidates:
-            rows = evaluate(model, tokenizer, prompts, correct, [Condition(mitigation, settings)], args)
+            rows, _ = evaluate(model, tokenizer, prompts, correct, [Condition(mitigation, settings)], args)
             mean, worst = summary(rows)
             scored.append((worst + mean, settings))
             tried.append({**rows[0], "settings": describe(settings), "mean": mean, "worst": worst, "n": len(prompts)})
@@ -474,17 +488,18 @@ def main(argv=None) -> list[dict]:
         write_csv(tried, output_dir / "tuning.csv", TUNING_FIELDS, float_fields=("mean", "worst"))
     as_paper = [name for name, settings in chosen.items() if settings == paper[name]]
     conditions += [Condition(name, settings, "tuned") for name, settings in chosen.items() if name not in as_paper]
-    rows = evaluate(model, tokenizer, prompts, correct, conditions, args)
+    rows, answers = evaluate(model, tokenizer, prompts, correct, conditions, args)
     # a tuned choice equal to the paper's settings has the paper's rows, not a second run
     rows += [{**row, "choice": "tuned"} for row in rows if row["choice"] == "paper" and row["mitigation"] in as_paper]
 
     float_fields = ("accuracy", "seconds_per_prompt")
     write_csv(rows, output_dir / "results.csv", RESULT_FIELDS, float_fields=float_fields)
+    write_csv(answers, output_dir / "outputs.csv", OUTPUT_FIELDS)
     table = markdown_table(rows, args)
     print("\n" + table + "\n")
     (output_dir / "results.md").write_text(table + "\n")
     plot(rows, args, output_dir / "lost_in_the_middle.png")
-    written = "results.csv, results.md, lost_in_the_middle.png" + (", tuning.csv" if args.tune else "")
+    written = "results.csv, outputs.csv, results.md, lost_in_the_middle.png" + (", tuning.csv" if args.tune else "")
     print(f"wrote {written} under {output_dir} in {(time.time() - started) / 60:.1f} min")
     return rows
 

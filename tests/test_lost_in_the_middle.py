@@ -210,6 +210,11 @@ def test_each_answer_is_scored_against_its_own_prompt_and_counted_at_its_gold_sl
     assert [(r["mitigation"], int(r["slot"]), float(r["accuracy"])) for r in rows] == [
         (m, slot, float(slot % 2)) for m in ("none", "ms_poe") for slot in range(1, 5)
     ]
+    with open(tmp_path / "outputs.csv", newline="") as handle:
+        written = list(csv.DictReader(handle))
+    assert len(written) == 2 * 4 * litm.TINY["examples_per_slot"]
+    for row in written:  # each prompt's own answer and output, scored as the table counts it
+        assert (row["output"] == f' "{row["answer"]}"') == (int(row["slot"]) % 2 == 1) == (row["correct"] == "1")
 
 
 def test_a_mitigation_the_model_refuses_stops_a_run_that_names_it_before_any_evaluation(
