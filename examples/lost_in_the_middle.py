@@ -279,23 +279,27 @@ def summary(rows: list[dict]) -> tuple[float, float]:
 def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tuple[dict, list[dict]]:
     """Each mitigation's settings with the best `worst slot + mean accuracy` on validation prompts (`--tune-examples`
     objects of another seed than the test's, never the test prompts), its grid and its paper settings tried (the
-    paper's win ties). Returns the choice per mitigation and a row per tried setting."""
+    paper's win ties). Returns the choice per mitigation and a row per tried setting (and one of no mitigation)."""
     rng = random.Random(f"{args.seed}:tuning")
     examples = kv_examples(rng, args.tune_examples, args.num_documents, args.keys, args.prompt)
     prompts = [encoder(example) for example in examples]
     chosen, tried = {}, []
+
+    def scored(condition: Condition) -> float:
+        rows, _ = evaluate(model, tokenizer, prompts, correct, [condition], args)
+        mean, worst = summary(rows)
+        tried.append({**rows[0], "settings": describe(condition.settings), "mean": mean, "worst": worst})
+        tried[-1]["n"] = len(prompts)
+        return worst + mean
+
+    scored(Condition(NONE))  # the model without mitigation on the same prompts, for reference
     for mitigation in [name for name in args.mitigations if name != NONE]:
         grid = args.grids[mitigation]
         candidates = [paper[mitigation], *(settings for settings in grid if settings != PAPER[mitigation])]
         if mitigation == SCALING:  # the searched channels, at each factor and layers of the grid
             candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in grid)]
-        scored = []
-        for settings in candidates:
-            rows, _ = evaluate(model, tokenizer, prompts, correct, [Condition(mitigation, settings)], args)
-            mean, worst = summary(rows)
-            scored.append((worst + mean, settings))
-            tried.append({**rows[0], "settings": describe(settings), "mean": mean, "worst": worst, "n": len(prompts)})
-        chosen[mitigation] = max(scored, key=lambda pair: pair[0])[1]  # max keeps the first of equal scores
+        scores = [scored(Condition(mitigation, settings)) for settings in candidates]
+        chosen[mitigation] = candidates[scores.index(max(scores))]  # the first of equal scores: the paper's
         print(f"tuned {mitigation}: {describe(chosen[mitigation])}")
     return chosen, tried
 

@@ -589,7 +589,8 @@ def test_tune_picks_on_prompts_of_its_own_and_writes_each_setting(llama_dir, tmp
         "ms_poe": len(litm.GRID["ms_poe"]),
     }
     assert {name: sum(row["mitigation"] == name for row in tried) for name in expected} == expected
-    assert tried[0]["settings"] == "gamma=0.05" and float(tried[0]["worst"]) <= float(tried[0]["mean"])
+    assert (tried[0]["mitigation"], tried[0]["settings"]) == ("none", "defaults")  # the reference
+    assert tried[1]["settings"] == "gamma=0.05" and float(tried[1]["worst"]) <= float(tried[1]["mean"])
     choices = {(row["mitigation"], row["choice"]) for row in rows}
     assert choices == {("none", "paper"), *((name, choice) for name in expected for choice in ("paper", "tuned"))}
     assert "stable_mask (tuned)" in table and "ms_poe (tuned)" in table
@@ -597,7 +598,8 @@ def test_tune_picks_on_prompts_of_its_own_and_writes_each_setting(llama_dir, tmp
 
 def test_tune_is_refused_with_a_qa_file_and_its_count_without_tune(llama_dir, qa_file, capsys):
     for flags, message in (
-        (["--qa-file", qa_file, "--tune"], "--keys and --tune are for key-value retrieval"),
+        (["--qa-file", qa_file, "--tune"], "--keys, --prompt completion and --tune are for key-value retrieval"),
+        (["--qa-file", qa_file, "--prompt", "completion"], "--keys, --prompt completion and --tune are for key-value"),
         (["--tune-examples", "3"], "--tune-examples is read only with --tune"),
     ):
         with pytest.raises(SystemExit):
