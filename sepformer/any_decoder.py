@@ -375,12 +375,7 @@ def find_rotary(model: nn.Module) -> tuple[nn.Module | None, tuple[str, ...] | N
 
 
 def check_servable(model) -> None:
-    """Refuse a model `add_mitigations` cannot serve, naming what it lacks."""
-    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
-        raise TypeError(
-            f"add_mitigations takes a Hugging Face causal LM (a PreTrainedModel with GenerationMixin, e.g. from "
-            f"AutoModelForCausalLM); got {type(model).__name__}."
-        )
+    """Refuse a causal LM `add_mitigations` cannot serve, naming what it lacks."""
     implementation = model.config._attn_implementation
     if implementation not in ("eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()):
         raise ValueError(
@@ -436,9 +431,17 @@ def add_mitigations(model):
     `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
     `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns
     `model` itself, its class replaced by a subclass of the same name, with forward hooks on its attention modules.
-    Refuses (before changing anything) a model whose attention does not go through transformers' attention registry
+    A SepFormer, which takes every option itself, is returned as it is. Refuses (before changing anything) what is not
+    a causal LM (a `TypeError`) and a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
     """
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise TypeError(
+            f"add_mitigations takes a Hugging Face causal LM (a PreTrainedModel with GenerationMixin, e.g. from "
+            f"AutoModelForCausalLM); got {type(model).__name__}."
+        )
+    if model.config.model_type == "sepformer":  # every option is SepFormer's own keyword already
+        return model
     implementation = model.config._attn_implementation
     if isinstance(model, MitigatedDecoder) and implementation in WRAPPED_IMPLEMENTATIONS:
         return model

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import logits, random_ids
+from conftest import logits, random_ids, tiny_model
 from test_stable_mask import dense_stable_mask
 from transformers import (
     AttentionInterface,
@@ -25,7 +25,14 @@ from transformers import (
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward, repeat_kv
 
 import sepformer
-from sepformer import AttentionCalibration, MSPoE, ParallelContextWindows, StableMask, add_mitigations
+from sepformer import (
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    SepFormerForCausalLM,
+    StableMask,
+    add_mitigations,
+)
 
 SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, max_position_embeddings=64)
 ROTARY = {
@@ -595,3 +602,13 @@ def test_generate_reorders_the_documents_as_reordering_by_hand_would(model_name)
     from_attention = greedy(model, ids, mask, reorder_documents={"spans": [SPANS] * 2}, stable_mask={"gamma": 0.5})
     assert from_attention.shape == (2, ids.shape[1] + 6)
     assert model.config._attn_implementation == sepformer.any_decoder.register_wrapper("sdpa")  # back after scoring
+
+
+def test_a_sepformer_is_returned_as_it_is_and_what_is_no_causal_lm_is_a_type_error():
+    sepformer_model = tiny_model()
+    assert add_mitigations(sepformer_model) is sepformer_model and type(sepformer_model) is SepFormerForCausalLM
+    for other in (torch.nn.Linear(2, 2), None, LlamaModel(LlamaConfig(**SIZES, num_attention_heads=4))):
+        with pytest.raises(
+            TypeError, match=f"add_mitigations takes a Hugging Face causal LM .* got {type(other).__name__}"
+        ):
+            add_mitigations(other)
