@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 OUTPUT_DIR = Path("outputs/real_models")
@@ -157,18 +158,20 @@ SHIPPED = {
 
 def write_folder(checkpoint: ShippedCheckpoint, output_dir: Path = OUTPUT_DIR) -> Path:
     """`checkpoint` as a float32 folder (model and tokenizer) under `output_dir`, written once: a folder with its
-    weights already there is returned as it is. Written in a staging folder and moved in, so that an interrupted
-    conversion leaves no folder that looks complete."""
+    weights already there is returned as it is. One process writes it at a time (a file lock: test workers, two
+    commands), in a staging folder moved in at the end, so that no folder that looks complete is ever half-written."""
     folder = checkpoint.folder(output_dir)
-    if (folder / "model.safetensors").is_file():
-        return folder
-    model, tokenizer = load_checkpoint(str(checkpoint.gguf_file(output_dir)))
-    staging = folder.with_name(folder.name + ".partial")
-    for unfinished in (staging, folder):  # a folder without its weights is what an interrupted run left
-        shutil.rmtree(unfinished, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(folder)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(output_dir / f"{checkpoint.name}.lock"):
+        if (folder / "model.safetensors").is_file():
+            return folder
+        model, tokenizer = load_checkpoint(str(checkpoint.gguf_file(output_dir)))
+        staging = folder.with_name(folder.name + ".partial")
+        for unfinished in (staging, folder):  # a folder without its weights is what an interrupted run left
+            shutil.rmtree(unfinished, ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)
     return folder
 
 

@@ -367,7 +367,12 @@ def test_bad_options_are_refused_before_any_forward(fields, message):
         ({}, {}, {"attention_calibration": {"spans": SPANS}}, r"and attention_calibration cannot be combined: its"),
         ({}, {}, {"parallel_context_windows": {"spans": SPANS}}, r"and parallel_context_windows cannot be combined"),
         ({"rotary_dim": 4}, {}, {}, r"by='position_free' needs .* position_size=8, rotary_dim=4"),
-        ({"pad_token_id": None}, {"by": "calibrated"}, {}, r"reorder_documents's default dummy document is pad_token"),
+        (
+            {"pad_token_id": None, "eos_token_id": None},
+            {"by": "calibrated"},
+            {},
+            r"reorder_documents's default dummy document repeats pad_token_id \(or eos_token_id",
+        ),
         ({}, {"by": "calibrated", "dummy_document": (300,)}, {}, r"dummy_document has ids \[300\] outside the vocab"),
     ],
 )
