@@ -17,8 +17,11 @@ import statistics
 from pathlib import Path
 
 from experiment_common import pyplot, save_figure, table_lines
+from lost_in_the_middle_options import OPTION_CLASSES
 
 NONE = "none"
+MITIGATIONS = (NONE, *OPTION_CLASSES)
+COLORS = [f"C{index}" for index in range(10)]
 
 
 def read(paths: list[Path]) -> dict:
@@ -100,12 +103,15 @@ def plot(runs: dict, output_dir: Path) -> list[Path]:
                     continue
                 slots = sorted(next(iter(seeds.values()))["accuracy"])
                 curve = [statistics.fmean(run["accuracy"][slot] for run in seeds.values()) for slot in slots]
-                axis.plot(slots, curve, marker="o", label=mitigation, linewidth=2.5 if mitigation == NONE else 1.2)
+                color = COLORS[MITIGATIONS.index(mitigation) % len(COLORS)]  # one colour per method in both panels
+                width = 2.5 if mitigation == NONE else 1.2
+                axis.plot(slots, curve, marker="o", label=mitigation, linewidth=width, color=color)
             axis.set(
                 title=f"{model}, {pairs} pairs: {choice} settings", xlabel="slot of the gold pair", ylim=(-0.02, 1.02)
             )
         axes[0].set_ylabel("accuracy (mean over seeds)")
-        axes[1].legend(fontsize="small", loc="lower right")
+        for axis in axes:
+            axis.legend(fontsize="small", loc="lower left")
         path = output_dir / f"real_models_{model}_{pairs}.png"
         save_figure(figure, path, dpi=110, bbox_inches="tight")
         written.append(path)
