@@ -663,6 +663,7 @@ def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
         "ms_poe": {0: (0.7, 1.0), 1: (0.6, 0.8)},  # worst +0.2, mean up: helps
         "stable_mask": {0: (0.3, 0.9), 1: (0.2, 0.8)},  # mean down 0.15, 0.1: hurts
         "attention_buckets": {0: (0.7, 1.0), 1: (0.4, 0.8)},  # helps on one seed only: neutral
+        "positional_scaling": {0: (0.3, 1.0), 1: (0.4, 0.8)},  # mean down 0.1 on one seed only: neutral
     }
     paths = []
     for seed in (0, 1):
@@ -694,6 +695,12 @@ def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
     verdicts = dict(
         re.findall(r"^\| m \| short, completion \| 2 \| (\w+) \| paper \| defaults \| (\w*) \|", text, re.M)
     )
-    assert verdicts == {"none": "", "ms_poe": "helps", "stable_mask": "hurts", "attention_buckets": "neutral"}
+    assert verdicts == {
+        "none": "",
+        "ms_poe": "helps",
+        "stable_mask": "hurts",
+        "attention_buckets": "neutral",
+        "positional_scaling": "neutral",
+    }
     assert "| none | paper | defaults |  | 0.675 (0.600-0.750) | 0.45 (0.40-0.50) | 0.50 | 0, 1 |" in text
     assert (tmp_path / "real_models_m_2.png").read_bytes().startswith(PNG)
