@@ -48,6 +48,27 @@ class DecoderPositions:
     query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
     # the layer type of each layer, where the rotary keeps one frequency table per type (`{type}_inv_freq`, Gemma 3)
     layer_types: tuple[str, ...] | None = None
+    # the keywords of its attention calls that add to q·k and the mask (`SCORE_TERMS`: sinks, soft-capping, ...)
+    score_keywords: frozenset[str] = frozenset()
+    positions_problem: str | None = None  # why positions counted from 0 are not the model's own, if they are not
+
+    def check_plain_scores(self, option: str, what: str, served: frozenset[str] = frozenset()) -> None:
+        """Refuse `option`, which computes `what` from q·k and the mask (and the `served` keywords), on a model whose
+        scores have more."""
+        terms = sorted({SCORE_TERMS[name] for name in self.score_keywords - served})
+        if terms:
+            raise ValueError(
+                f"{option} {what} from q·k and the mask, but {self.model_name}'s attention adds {' and '.join(terms)} "
+                "to its scores, which it would leave out."
+            )
+
+    def check_positions(self, option: str) -> None:
+        """Refuse `option`, which moves the positions where tokens are read, where those are not counted from 0."""
+        if self.positions_problem is not None:
+            raise ValueError(
+                f"{option} moves the positions the model reads, counted from each row's first token at 0, but "
+                f"{self.positions_problem}."
+            )
 
     @property
     def description(self) -> str:
@@ -117,12 +138,28 @@ class ExpandedHeads:
         return getattr(self.module, name)
 
 
+# Keywords of an attention call that change its scores beyond q·k and the mask, and what each adds.
+SCORE_TERMS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "softcap": "soft-capping",
+    "position_bias": "a position bias",
+    "indices": "a sparse choice of keys (indices)",
+}
+
+
 class AttentionProbe:
-    """A plan that records which layers' attention it reaches (`add_mitigations`' check of the model)."""
+    """A plan that records which layers' attention it reaches (`add_mitigations`' check of the model), with the
+    inputs of each module and the queries and keys its attention function receives."""
 
     def __init__(self):
         self.layers: list[int | None] = []
         self.modules: list[nn.Module] = []
+        self.score_keywords: set[str] = set()
+        self.inputs: dict[nn.Module, tuple] = {}  # module -> (its input, position embeddings): `before_attention`
+        self.queries_keys: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # of the probe's tokens, at the model's own positions
+        self.counted_from_zero: torch.Tensor | None = None  # of the same tokens, given positions 0, 1, 2, ...
 
 
 @functools.cache
@@ -148,6 +185,8 @@ def mitigated_attention(
     if isinstance(mitigation_plan, AttentionProbe):
         mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         mitigation_plan.modules.append(module)
+        mitigation_plan.score_keywords |= {name for name in SCORE_TERMS if kwargs.get(name) is not None}
+        mitigation_plan.queries_keys[module] = query, key
     elif mitigation_plan is not None and mitigation_plan.layers[module.layer_idx].attention_wrappers:
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
@@ -216,7 +255,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 as_dict = return_dict if return_dict is not None else self.config.return_dict
                 return output if as_dict else output.to_tuple()
             use_cache = inputs.get("use_cache")
-            if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
+            if cache is None and (use_cache if use_cache is not None else getattr(self.config, "use_cache", False)):
                 inputs["past_key_values"] = SepFormerCache(config=self.config)
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
             if plan is None:  # an empty cache that held a failed prefill's state, continued without options
@@ -269,7 +308,9 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if mask_function is not None:
             mask = self.masks_with(mask_function, padding_mask, cache, position_ids, batch, new_tokens)
         run = LayerRun(position_ids, read_positions, None, padding_mask, cache, self.dtype, tokens.device)
-        inputs = {**inputs, "position_ids": read_positions, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        inputs = {**inputs, "attention_mask": mask, "mitigation_plan": plan.start(run)}
+        if self.decoder_positions.positions_problem is None or read_positions is not position_ids:
+            inputs["position_ids"] = read_positions  # counted from each row's first real token (left padding)
         rotary_base, _ = plan.position_bases()
         if rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
             tables = self.decoder_positions.rotary_at_base(rotary_base, read_positions, self.dtype, cache)
@@ -306,6 +347,9 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 f"masks already built per layer type ({sorted(attention_mask)}), as generate does with a static "
                 f"cache on {type(self).__name__}: use the default dynamic cache."
             )
+        for name in active:
+            if name in MOVES_POSITIONS:
+                self.decoder_positions.check_positions(name)
         for name, value in options.items():
             restricts_mask = MITIGATIONS[name].mask_function is not Mitigation.mask_function
             if unknown and restricts_mask and value not in (None, False):
@@ -320,6 +364,7 @@ def call_tokens(inputs: dict) -> torch.Tensor:
     return inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
 
 
+MOVES_POSITIONS = ("parallel_context_windows", "attention_buckets")  # the positions where the tokens are read
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
@@ -403,16 +448,31 @@ def check_servable(model) -> None:
         )
 
 
-def probe_attention(model) -> list[nn.Module]:
-    """One token through the model (its own `forward`, the registered attention on): every layer's attention must be
-    the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
-    silently skip layers."""
+def probe_attention(model) -> AttentionProbe:
+    """A few tokens through the model (its own `forward`, the registered attention on): every layer's attention must
+    be the registered one and receive the keywords of `forward`, with its `layer_idx`; otherwise the mitigations would
+    silently skip layers. The probe also keeps what `DecoderPositions` reads of the model (`describe_decoder`)."""
     probe = AttentionProbe()
     forward = model.unmitigated_forward if isinstance(model, MitigatedDecoder) else model.forward
-    with torch.no_grad():
-        forward(
-            input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False, mitigation_plan=probe
-        )
+    config = model.config
+    special = {getattr(config, name, None) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    ordinary = [token for token in range(config.vocab_size) if token not in special][:PROBE_TOKENS]
+    ids = torch.tensor([ordinary], device=model.device)  # no padding (RoBERTa counts positions from it)
+
+    def record_input(module, args, kwargs):
+        probe.inputs[module] = (args[0] if args else kwargs.get("hidden_states"), kwargs.get("position_embeddings"))
+
+    candidates = [module for module in model.modules() if hasattr(module, "layer_idx")]
+    handles = [module.register_forward_pre_hook(record_input, with_kwargs=True) for module in candidates]
+    try:
+        with torch.no_grad():
+            probe.logits = forward(input_ids=ids, use_cache=False, mitigation_plan=probe).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():  # the model's own positions, against positions counted from 0 (what moved positions count)
+        counted = torch.arange(ids.shape[1], device=model.device)[None]
+        probe.counted_from_zero = forward(input_ids=ids, use_cache=False, position_ids=counted).logits
     layers = model.config.num_hidden_layers
     reached = sorted(layer for layer in probe.layers if layer is not None)
     if None in probe.layers or reached != list(range(layers)):
@@ -423,7 +483,26 @@ def probe_attention(model) -> list[nn.Module]:
             + (" and by modules without layer_idx" if None in probe.layers else "")
             + "."
         )
-    return probe.modules
+    return probe
+
+
+PROBE_TOKENS = 4
+
+
+def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
+    """Where `model` keeps its positions, and what its attention is, from its modules and the probe's run."""
+    problems = [query_key_layout_problem(module, *probe.inputs[module], *probe.queries_keys[module])
+                for module in probe.modules]
+    problem = next((problem for problem in problems if problem is not None), None)
+    rotary, layer_types = find_rotary(model)
+    positions_problem = None
+    if not torch.allclose(probe.logits, probe.counted_from_zero, rtol=1e-4, atol=1e-5):
+        positions_problem = (
+            f"{type(model).__name__} counts its own positions otherwise (its logits change when given positions "
+            "0, 1, 2, ...: e.g. RoBERTa's start after the padding index)"
+        )
+    keywords = frozenset(probe.score_keywords)
+    return DecoderPositions(type(model).__name__, rotary, problem, layer_types, keywords, positions_problem)
 
 
 def add_mitigations(model):
@@ -456,16 +535,13 @@ def add_mitigations(model):
             )
     model.set_attn_implementation(register_wrapper(implementation))
     try:
-        attention_modules = probe_attention(model)
+        probe = probe_attention(model)
     except Exception:
         model.set_attn_implementation(implementation)
         raise
     if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
-        problems = [query_key_layout_problem(module) for module in attention_modules]
-        problem = next((problem for problem in problems if problem is not None), None)
-        rotary, layer_types = find_rotary(model)
-        model.decoder_positions = DecoderPositions(type(model).__name__, rotary, problem, layer_types)
-        for module in attention_modules:
+        model.decoder_positions = describe_decoder(model, probe)
+        for module in probe.modules:
             serve_attention(module)
         model.__class__ = mitigated_class(type(model))
     return model

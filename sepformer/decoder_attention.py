@@ -10,8 +10,11 @@ Through forward hooks that `add_mitigations` registers on each attention module,
   read the rewritten inputs for this call only (the cache then holds the keys made from them), and hand the attention
   function a `DecoderProjection` of the module's input, to attend with other readings of it.
 
-Two layouts of the projections: Llama-like (`q_proj`, `k_proj`, then `q_norm`/`k_norm` where the module has them, and
-rotary from its file's `apply_rotary_pos_emb`) and GPT-2's fused `c_attn` (`[q ‖ k ‖ v]`, no rotary).
+Two layouts of the projections: Llama-like (`q_proj`, `k_proj`, then query and key norms where the module has them, per
+head or on the whole projection, and rotary from its file's `apply_rotary_pos_emb` on the first dimensions of each
+head) and GPT-2's fused `c_attn` (`[q ‖ k ‖ v]`, no rotary). `add_mitigations` checks on its probe that this
+reprojection gives the module's own queries and keys; a module it does not (GPT-BigCode's multi-query `c_attn`,
+norms after the rotary) is refused by name by the mitigations that reproject.
 """
 
 import contextlib
@@ -42,13 +45,68 @@ def rotary_function(attention: nn.Module):
     return getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
 
 
-def query_key_layout_problem(attention: nn.Module) -> str | None:
-    """Why the query and key inputs of `attention` cannot be rewritten and reprojected, or `None` when they can."""
-    if is_gpt2_like(attention) or (is_llama_like(attention) and rotary_function(attention) is not None):
-        return None
+def query_key_layout_problem(attention: nn.Module, attention_input, position_embeddings, query, key) -> str | None:
+    """Why the query and key inputs of `attention` cannot be rewritten and reprojected, or `None` when they can: the
+    module's `query` and `key` (as its attention function received them, from `attention_input` and
+    `position_embeddings`) must be what `project_query_key` makes of that input."""
+    name = type(attention).__name__
+    if is_llama_like(attention) and rotary_function(attention) is None and position_embeddings is not None:
+        return f"the file of {name} has no apply_rotary_pos_emb to rotate queries and keys with"
+    if not (is_gpt2_like(attention) or is_llama_like(attention)):
+        return f"{name} has neither q_proj and k_proj nor GPT-2's c_attn"
+    try:
+        ours = project_query_key(attention, attention_input, attention_input, position_embeddings)
+    except Exception as error:  # noqa: BLE001 - a layout this reprojection does not know, reported below
+        ours = error
+    theirs = (query, key)
+    if isinstance(ours, Exception) or any(
+        mine.shape != their.shape or not torch.allclose(mine, their, rtol=1e-3, atol=1e-4 * (1 + their.abs().max()))
+        for mine, their in zip(ours, theirs, strict=True)
+    ):
+        return (
+            f"{name} makes its queries and keys otherwise than its projections (q_proj/k_proj or GPT-2's c_attn), "
+            "per-head or whole q/k norms and rotary on the first dimensions of each head compute them from its input"
+        )
+    return None
+
+
+def project_query_key(attention: nn.Module, query_input, key_input, position_embeddings):
+    """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and (b, H_kv, seq, head_dim) keys as the module makes
+    them. The projections' `forward` is called directly: their hooks (the rewriting among them) do not run."""
     if is_llama_like(attention):
-        return f"the file of {type(attention).__name__} has no apply_rotary_pos_emb to rotate queries and keys with"
-    return f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn"
+        query, key = attention.q_proj.forward(query_input), attention.k_proj.forward(key_input)
+        norms = query_key_norms(attention)
+    else:
+        split = attention.split_size
+        query = attention.c_attn.forward(query_input)[..., :split]
+        key = attention.c_attn.forward(key_input)[..., split : 2 * split]
+        norms = None
+    if norms is not None and not normed_per_head(norms[0], attention.head_dim):  # OLMo-2: the whole projection
+        query, key = norms[0](query), norms[1](key)
+    query = query.view(*query_input.shape[:-1], -1, attention.head_dim)  # (b, seq, H, head_dim)
+    key = key.view(*key_input.shape[:-1], -1, attention.head_dim)
+    if norms is not None and normed_per_head(norms[0], attention.head_dim):
+        query, key = norms[0](query), norms[1](key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)  # (b, H or H_kv, seq, head_dim)
+    if position_embeddings is not None:  # the first cos.shape[-1] dimensions of each head are rotated (Phi: part)
+        rotary_dim = position_embeddings[0].shape[-1]
+        rotated = rotary_function(attention)(query[..., :rotary_dim], key[..., :rotary_dim], *position_embeddings)
+        query, key = (torch.cat((turned, x[..., rotary_dim:]), -1) for turned, x in zip(rotated, (query, key)))
+    return query, key
+
+
+def query_key_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The module's query and key norms (`q_norm`/`k_norm`, Phi's `q_layernorm`/`k_layernorm`), or `None`."""
+    for query_name, key_name in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")):
+        norms = getattr(attention, query_name, None), getattr(attention, key_name, None)
+        if all(isinstance(norm, nn.Module) for norm in norms):
+            return norms
+    return None
+
+
+def normed_per_head(norm: nn.Module, head_dim: int) -> bool:
+    weight = getattr(norm, "weight", None)
+    return not isinstance(weight, torch.Tensor) or weight.shape[-1] == head_dim
 
 
 @contextlib.contextmanager
@@ -98,20 +156,7 @@ class DecoderProjection:
         """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and keys as the module makes them, the keys
         repeated to the query heads (as the attention function receives them). The projections' `forward` is called
         directly: their hooks, the rewriting among them, do not run."""
-        attention = self.attention
-        shape = (*query_input.shape[:-1], -1, attention.head_dim)
-        if is_llama_like(attention):
-            query = attention.q_proj.forward(query_input).view(shape)
-            key = attention.k_proj.forward(key_input).view(shape)
-            if hasattr(attention, "q_norm"):
-                query, key = attention.q_norm(query), attention.k_norm(key)
-        else:
-            split = attention.split_size
-            query = attention.c_attn.forward(query_input)[..., :split].view(shape)
-            key = attention.c_attn.forward(key_input)[..., split : 2 * split].view(shape)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (b, H or H_kv, seq, head_dim)
-        if self.position_embeddings is not None:
-            query, key = rotary_function(attention)(query, key, *self.position_embeddings)
+        query, key = project_query_key(self.attention, query_input, key_input, self.position_embeddings)
         return query, key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
 
 

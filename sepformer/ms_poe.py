@@ -97,6 +97,14 @@ def ranking(options: MSPoE, call: CallContext) -> dict:
             "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
             "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
         )
+    if call.model.training and getattr(call.model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            "ms_poe ranks the heads once per forward and keeps the ranks, but gradient checkpointing runs each layer "
+            "again in the backward pass, where the ranks are already kept and the layer saves other tensors: give a "
+            "fixed head_order to train with gradient checkpointing, or train without it."
+        )
+    if call.decoder is not None:
+        call.decoder.check_plain_scores("ms_poe", "ranks the heads by the last query's attention row, written out")
     return {"cache": call.sepformer_cache}
 
 
@@ -290,6 +298,11 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
                 f"ms_poe turns each head's rotary further in the rotate-half layout (Llama, Qwen2, Mistral), and "
                 f"{decoder.model_name}'s apply_rotary_pos_emb does not rotate so (or was not found in its modeling "
                 "file): MS-PoE is not served for it."
+            )
+        if getattr(config, "qk_nope_head_dim", 0):
+            raise ValueError(
+                f"ms_poe turns the first rotary dimensions of each head, but {decoder.model_name}'s latent attention "
+                "puts the rotary part of each head last ([nope ‖ rope], qk_rope_head_dim): MS-PoE is not served for it."
             )
         if length_dependent := sorted(decoder.rope_types & set(LENGTH_DEPENDENT_ROPE)):
             raise ValueError(

@@ -22,15 +22,16 @@ def sink_logits(option: StableMask, position_ids: torch.Tensor, default_columns:
     return tau.float()  # log(0) = -inf where t >= N
 
 
-def sink_attention(interface, module, query, key, value, attention_mask, sink_logits, scaling, **kwargs):
+def sink_attention(interface, module, query, key, value, attention_mask, sink_logits, scaling, write_out, **kwargs):
     """StableMask's sink form on any attention function that takes a boolean or additive mask (eager, sdpa): one extra
     head dimension carries the sink, queries get `τ_t / scaling` there, real keys 0, and a sink key in front (1 there,
     a zero value) scores exactly `τ_t` (docs/design.md, StableMask). `sink_logits` is (b or 1, 1, seq, 1); -inf (rows
-    past `N`) is clamped to a logit whose exponential is 0.
+    past `N`) is clamped to a logit whose exponential is 0. `write_out`: a decoding row may be written out (the
+    scores are q·k and the mask alone, no sinks or soft-capping of the model's own).
     """
     batch, heads, seq, dim = query.shape
     kv = key.shape[2]
-    if seq == 1 and not module.training:
+    if seq == 1 and not module.training and write_out:
         # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (b, H, 1, kv)
         if attention_mask is not None:
@@ -58,6 +59,11 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
     return output, (weights[..., 1:] if weights is not None else None)  # weights on the real keys: rows sum < 1
 
 
+# What a model's attention may add to its scores around StableMask's sink key: its own sinks, soft-capping. A position
+# bias or a sparse choice of keys is laid out by key, which the sink key in front would shift.
+SCORES_WITH_A_SINK = frozenset({"s_aux", "sinks", "softcap"})
+
+
 @dataclass(frozen=True, eq=False)
 class StableMaskMitigation(Mitigation):
     """Every layer's attention gets the sink; `τ` depends on the absolute position only (left padding and the cache
@@ -65,6 +71,7 @@ class StableMaskMitigation(Mitigation):
 
     options_class = StableMask
     columns: int = 0  # N: the option's, or the model's max_position_embeddings
+    plain_scores: bool = True  # the attention's scores are q·k and the mask alone (a decoding row can be written out)
     sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the run's new tokens
 
     @classmethod
@@ -80,12 +87,15 @@ class StableMaskMitigation(Mitigation):
                 f"stable_mask runs on the 'eager' and 'sdpa' attention implementations (its sink is an extra key); "
                 f"this model uses {implementation!r}."
             )
-        config = call.model.config
-        return cls(options, frozenset(range(config.num_hidden_layers)), config.max_position_embeddings)
+        config, decoder = call.model.config, call.decoder
+        plain_scores = decoder is None or not decoder.score_keywords
+        if decoder is not None:  # the sink is one more key: the model's own sinks and soft-capping take it as one
+            decoder.check_plain_scores("stable_mask", "adds a sink key to the attention", SCORES_WITH_A_SINK)
+        return cls(options, frozenset(range(config.num_hidden_layers)), config.max_position_embeddings, plain_scores)
 
     def start(self, run: LayerRun) -> "StableMaskMitigation":
         tau = sink_logits(self.options, run.position_ids, self.columns)
         return self.replace(sink_logits=tau[:, None, :, None])
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
-        return functools.partial(sink_attention, function, sink_logits=self.sink_logits)
+        return functools.partial(sink_attention, function, sink_logits=self.sink_logits, write_out=self.plain_scores)

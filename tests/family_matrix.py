@@ -1,0 +1,287 @@
+"""The family matrix: every causal-LM family transformers ships (its own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), built
+tiny and random, each mitigation checked against an oracle built from the model itself, or refused by name.
+
+`tests/test_families.py` runs it; `python tests/family_matrix.py` writes the table of docs/families.md. A family a new
+transformers release adds is in the matrix without anyone writing it in: built from its config class's defaults with
+the sizes of `TINY` (the fields its config has), or reported with the reason it could not be built tiny.
+
+Each check returns `"exact"` (the oracle holds) or `"refused: <message>"` (a `ValueError`/`TypeError` naming the
+option before any work); anything else, a wrong number or an error from inside torch or transformers, fails.
+"""
+
+import copy
+import functools
+import sys
+import warnings
+
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging
+
+import sepformer
+from sepformer import MSPoE, ParallelContextWindows, PositionalScaling, SepFormerCache, StableMask
+
+FAMILIES = tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+# The sizes of a tiny model, under every name a family's config may use; a config takes those among its fields.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    is_decoder=True,  # the encoder families' causal-LM heads (BERT, RoBERTa) attend causally only as decoders
+    rotary_dim=4,  # partial rotary where the config counts it in dimensions (GPT-J, CodeGen)
+    # GPT-2-like names
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    n_positions=64,
+    n_ctx=64,
+    # mixtures of experts
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    moe_num_experts=4,
+    num_experts_per_tok=2,
+    moe_k=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    # multi-head latent attention (DeepSeek): a head is [nope ‖ rope]
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    # per-layer inputs (Gemma 3n, 4)
+    vocab_size_per_layer_input=256,
+    hidden_size_per_layer_input=8,
+)
+CHECKS = ("wraps", "ms_poe", "stable_mask", "positional_scaling", "parallel_context_windows")
+TOLERANCE = 1e-5  # of the largest logit
+MAX_PARAMETERS = 4_000_000
+LENGTH, PREFILL = 12, 8  # tokens of each prompt; the cached checks prefill the first 8, then one token per step
+
+
+class NoOracle(Exception):
+    """The option's oracle cannot be built from this model (the reason)."""
+
+
+class NotBuilt(Exception):
+    """The family could not be built tiny from its config's defaults (the reason), or is not one model."""
+
+
+def tiny_config(family: str):
+    config_class = CONFIG_MAPPING[family]
+    default = config_class()
+    if default.get_text_config() is not default:
+        raise NotBuilt("a composite config (its text model is a family of its own)")
+    sizes = {name: value for name, value in TINY.items() if hasattr(default, name)}
+    if "qk_rope_head_dim" in sizes:  # latent attention: the rotary acts on qk_rope_head_dim of each head, and every
+        sizes["head_dim"] = sizes["qk_rope_head_dim"]  # query head has its own key (as in the released configs)
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    return config_class(**sizes)
+
+
+@functools.cache
+def tiny_model(family: str):
+    """(model, None), or (None, why it could not be built): a random model of `family`, its query and key projections
+    sharpened so that positions matter, in eval mode."""
+    try:
+        with warnings.catch_warnings(), quiet_transformers():
+            warnings.simplefilter("ignore")
+            config = tiny_config(family)
+            with torch.device("meta"):  # sized before any memory is taken: a default TINY missed can be huge
+                parameters = sum(parameter.numel() for parameter in from_config(config).parameters())
+            if parameters > MAX_PARAMETERS:
+                raise NotBuilt(f"{parameters:,} parameters from its defaults with the sizes of TINY")
+            torch.manual_seed(0)
+            model = from_config(config).eval()
+            sharpen_queries_and_keys(model)
+            with torch.no_grad():
+                model(prompts())
+    except NotBuilt as reason:
+        return None, str(reason)
+    except Exception as error:  # a config whose defaults do not shrink to TINY (a validator, a derived size)
+        return None, f"not built tiny from its defaults ({type(error).__name__}: {first_line(error)})"
+    return model, None
+
+
+def from_config(config):
+    """The family's causal LM with sdpa attention, or eager where it has no sdpa."""
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as error:
+        if "does not support an attention implementation" not in str(error):
+            raise
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def sharpen_queries_and_keys(model) -> None:
+    """Query and key weights (any projection of an attention module whose name says q, k or both) times 4."""
+    with torch.no_grad():
+        for module in model.modules():
+            if not hasattr(module, "layer_idx"):
+                continue
+            for name, child in module.named_children():
+                weight = getattr(child, "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.dim() == 2 and is_query_or_key(name):
+                    weight.mul_(4)
+
+
+def is_query_or_key(name: str) -> bool:
+    name = name.lower()
+    return name.startswith(("q", "k", "c_attn", "wqkv")) or name in ("query", "key") or "qkv" in name
+
+
+def first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+
+
+class quiet_transformers:
+    def __enter__(self):
+        self.level = logging.get_verbosity()
+        logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        logging.set_verbosity(self.level)
+
+
+def prompts() -> torch.Tensor:
+    return torch.randint(3, 256, (2, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+def run(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def stepwise(model, ids, **options) -> torch.Tensor:
+    """Logits of a prefill of `PREFILL` tokens, then one cached step per token."""
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :PREFILL], past_key_values=cache, use_cache=True, **options).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **options).logits
+                  for t in range(PREFILL, ids.shape[1])]
+    return torch.cat(steps, 1)
+
+
+def close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    """Equal up to float32 rounding, relative to the size of the logits."""
+    difference, scale = (ours - reference).abs().max().item(), max(1.0, reference.abs().max().item())
+    assert difference <= TOLERANCE * scale, f"{what}: max difference {difference:.3g} (logits up to {scale:.3g})"
+
+
+def acts(ours: torch.Tensor, plain: torch.Tensor, what: str) -> None:
+    assert (ours - plain).abs().max() > 1e-4, f"{what}: the option changed nothing (the check would be empty)"
+
+
+def check_wraps(model, plain, ids):
+    close(run(model, ids), run(plain, ids), "wrapped, without options, vs the plain model")
+
+
+def check_ms_poe(model, plain, ids):
+    """One ratio r in every layer = the plain model reading positions m / r."""
+    ratio, layers = 1.5, tuple(range(model.config.num_hidden_layers))
+    heads = tuple(range(model.config.num_attention_heads))  # a fixed order: one ratio, so the ranking is moot
+    ours = run(model, ids, ms_poe=MSPoE(ratio, ratio, layers=layers, head_order=heads))
+    positions = torch.arange(ids.shape[1]).expand_as(ids) / ratio
+    reference = run(plain, ids, position_ids=positions)
+    if torch.equal(reference, run(plain, ids)):
+        raise NoOracle("the plain model's logits do not follow the position_ids it is given")
+    close(ours, reference, "ms_poe with one ratio vs the plain model at positions m / r")
+
+
+def check_stable_mask(model, plain, ids):
+    """With a very large gamma every sink logit is far below the scores: the plain model, full and cached."""
+    option = StableMask(60.0)
+    reference = run(plain, ids)
+    close(run(model, ids, stable_mask=option), reference, "stable_mask gamma=60, full pass, vs the plain model")
+    close(stepwise(model, ids, stable_mask=option), reference, "stable_mask gamma=60, cached, vs the plain model")
+
+
+def check_positional_scaling(model, plain, ids):
+    """Every row but the last reads unscaled queries against unscaled keys: the plain model's rows."""
+    layers = tuple(range(model.config.num_hidden_layers))
+    option = PositionalScaling(factor=-1.0, channels=tuple(range(8)), layers=layers)
+    ours, reference = run(model, ids, positional_scaling=option), run(plain, ids)
+    close(ours[:, :-1], reference[:, :-1], "positional_scaling, rows before the last, vs the plain model")
+    acts(ours[:, -1], reference[:, -1], "positional_scaling, last row")
+
+
+def check_parallel_context_windows(model, plain, ids):
+    """One window over the prompt's start = the plain model; two windows: cached = full."""
+    one = ParallelContextWindows(spans=(((0, PREFILL),),) * len(ids))
+    close(run(model, ids, parallel_context_windows=one), run(plain, ids), "one window vs the plain model")
+    two = ParallelContextWindows(spans=(((0, 3), (3, PREFILL)),) * len(ids))
+    full = run(model, ids, parallel_context_windows=two)
+    acts(full, run(plain, ids), "two windows")
+    close(stepwise(model, ids, parallel_context_windows=two), full, "two windows, cached vs full")
+
+
+def check(family: str, name: str) -> str:
+    """`"exact"` or `"refused: ..."` for option `name` on `family`; an `AssertionError` where the option computes
+    something else; `NotBuilt` where the family could not be built tiny."""
+    plain, reason = tiny_model(family)
+    if plain is None:
+        raise NotBuilt(reason)
+    try:
+        model = sepformer.add_mitigations(copy.deepcopy(plain))
+    except ValueError as error:  # the whole model, by name, with what it lacks
+        if "add_mitigations" not in str(error):
+            raise
+        return f"refused: {first_line(error)}"
+    try:
+        globals()[f"check_{name}"](model, plain, prompts())
+    except NoOracle as reason:
+        return f"no oracle: {reason}"
+    except (ValueError, TypeError) as error:
+        if name == "wraps" or name not in str(error):
+            raise
+        return f"refused: {first_line(error)}"
+    return "exact"
+
+
+def table() -> str:
+    """The matrix as a Markdown table (docs/families.md), with its counts."""
+    lines = ["| family | " + " | ".join(CHECKS) + " |", "|---" * (len(CHECKS) + 1) + "|"]
+    counts = {"exact": 0, "refused": 0, "no oracle": 0, "fails": 0}
+    not_built = []
+    for family in FAMILIES:
+        cells = []
+        for name in CHECKS:
+            try:
+                outcome = check(family, name)
+            except NotBuilt as reason:
+                not_built.append(f"- `{family}`: {reason}")
+                break
+            except Exception as error:  # noqa: BLE001 - a failing cell is reported, the table goes on
+                outcome = f"FAILS: {type(error).__name__}: {first_line(error)}"
+            counts[outcome.split(":")[0].lower() if not outcome.startswith("FAILS") else "fails"] += 1
+            cells.append("exact" if outcome == "exact" else outcome.replace("|", "/"))
+        else:
+            lines.append(f"| `{family}` | " + " | ".join(cells) + " |")
+    summary = (
+        f"{len(FAMILIES)} families; {len(FAMILIES) - len(not_built)} built tiny: {counts['exact']} checks exact, "
+        f"{counts['refused']} refused by name, {counts['no oracle']} without an oracle, {counts['fails']} failing."
+    )
+    return "\n".join([summary, "", *lines, "", "Not built tiny:", "", *not_built, ""])
+
+
+if __name__ == "__main__":
+    output = sys.argv[1] if len(sys.argv) > 1 else None
+    text = table()
+    if output:
+        with open(output, "w") as file:
+            file.write(text)
+    print(text)

@@ -1,0 +1,15 @@
+"""The family matrix (`family_matrix.py`): every causal-LM family of the installed transformers, each mitigation exact
+against its oracle or refused by name; families that cannot be built tiny are skipped with the reason."""
+
+import pytest
+from family_matrix import CHECKS, FAMILIES, NotBuilt, check
+
+
+@pytest.mark.parametrize("name", CHECKS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_option_is_exact_or_refused_by_name(family, name):
+    try:
+        outcome = check(family, name)
+    except NotBuilt as reason:
+        pytest.skip(f"{family}: {reason}")
+    assert outcome == "exact" or outcome.startswith(("refused: ", "no oracle: ")), outcome
