@@ -28,7 +28,7 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_sepformer import SepFormerCache
-from .decoder_attention import query_key_layout_problem, serve_attention
+from .decoder_attention import query_key_layout_problem, release_rewritings, serve_attention
 from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
@@ -260,7 +260,11 @@ class MitigatedDecoder(MitigationGenerationMixin):
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
             if plan is None:  # an empty cache that held a failed prefill's state, continued without options
                 return super().forward(**inputs)
-        return super().forward(**self.with_plan(inputs, plan))
+        try:
+            return super().forward(**self.with_plan(inputs, plan))
+        except BaseException:  # torch's `always_call` hooks run for `Exception` only: a KeyboardInterrupt too
+            release_rewritings(self)
+            raise
 
     def __reduce_ex__(self, protocol):
         """Pickled (`torch.save(model)`, multiprocessing) as the model's class with the mixin made again on loading:

@@ -188,6 +188,7 @@ def before_attention(module: nn.Module, args: tuple, kwargs: dict):
         projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"), contextlib.ExitStack())
         rewrite = functools.partial(hooks.query_key_inputs, module.layer_idx)
         projection.rewriting.enter_context(query_key_inputs_rewritten(module, rewrite))
+        module.mitigation_rewriting = projection.rewriting  # closed after the module, or by `release_rewritings`
         kwargs["mitigation_projection"] = projection
     return args, kwargs
 
@@ -197,6 +198,16 @@ def after_attention(module: nn.Module, args: tuple, kwargs: dict, output):
     projection = kwargs.get("mitigation_projection")
     if projection is not None:
         projection.rewriting.close()
+        module.__dict__.pop("mitigation_rewriting", None)
+
+
+def release_rewritings(model: nn.Module) -> None:
+    """Close the rewritings a call left open: a `BaseException` that is not an `Exception` (KeyboardInterrupt) skips
+    `after_attention`, and the projections would read the rewritten input in later calls."""
+    for module in model.modules():
+        rewriting = module.__dict__.pop("mitigation_rewriting", None)
+        if rewriting is not None:
+            rewriting.close()
 
 
 def serve_attention(module: nn.Module) -> None:

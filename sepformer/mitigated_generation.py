@@ -32,6 +32,8 @@ class MitigationGenerationMixin:
         reordering = kwargs.pop("reorder_documents", None)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         generation_config = args[0] if args else kwargs.get("generation_config")
+        check_no_options_in(generation_config, "the generation_config given to generate")
+        check_no_options_in(self.generation_config, "model.generation_config")
         if prompt is not None:
             self.check_generate_inputs(prompt, generation_config, kwargs)
         if isinstance(kwargs.get("past_key_values"), SepFormerCache):
@@ -51,8 +53,15 @@ class MitigationGenerationMixin:
 
     def _get_candidate_generator(self, *args, model_kwargs, **kwargs):
         """Assisted decoding's drafts: refused, before the assistant or the model runs, with options that act on the
-        prompt's last token (`check_assisted_decoding`)."""
+        prompt's last token (`check_assisted_decoding`), or with options an assistant not served would be given."""
         check_assisted_decoding(self.config, model_kwargs)
+        assistant = kwargs.get("assistant_model")
+        given = sorted(name for name in MITIGATIONS if model_kwargs.get(name) not in (None, False))
+        if given and assistant is not None and not isinstance(assistant, MitigationGenerationMixin):
+            raise ValueError(
+                f"generate passes the model's keywords ({', '.join(given)}) to the assistant model too, and "
+                f"{type(assistant).__name__} does not take them: call sepformer.add_mitigations on the assistant too."
+            )
         return super()._get_candidate_generator(*args, model_kwargs=model_kwargs, **kwargs)
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
@@ -61,6 +70,16 @@ class MitigationGenerationMixin:
             if model_kwargs.get(name) not in (None, False):
                 model_kwargs[name] = mitigation.options_class.parse(model_kwargs[name]).repeat_rows(expand_size)
         return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+
+
+def check_no_options_in(generation_config, where: str) -> None:
+    """The options are keywords of `generate` (and `forward`): found on a `GenerationConfig`, they would be ignored."""
+    found = [name for name in (*MITIGATIONS, "reorder_documents") if getattr(generation_config, name, None) is not None]
+    if found:
+        raise ValueError(
+            f"{', '.join(found)} found on {where}, which generate does not pass to the model: give "
+            f"{'them' if len(found) > 1 else 'it'} as keywords of generate (generate(..., {found[0]}=...))."
+        )
 
 
 def generation_setting(model, generation_config, kwargs: dict, name: str):

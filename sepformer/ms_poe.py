@@ -13,7 +13,7 @@ from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
 from .mitigation_options import MSPoE
 from .rotary import apply_partial_rotary, rotate_partial
-from .spans import key_positions
+from .spans import check_default_positions, key_positions
 
 
 def ms_poe_ratios(option: MSPoE, num_heads: int) -> torch.Tensor:
@@ -259,19 +259,6 @@ def held_keys(table: torch.Tensor, keys: int, identity: float) -> torch.Tensor:
     return nn.functional.pad(table, (0, 0, 0, keys - kv), value=identity)
 
 
-def check_default_positions(position_ids: torch.Tensor, default: torch.Tensor) -> None:
-    """The cached keys' positions are not kept: they are counted from each row's first real token (`default`: -1 on
-    padding), so the prompt's `position_ids` (b or 1, seq) must be those on its real tokens."""
-    position_ids, default = torch.broadcast_tensors(position_ids, default)
-    real = default >= 0
-    if not torch.equal(position_ids[real], default[real]):
-        raise ValueError(
-            "ms_poe on a Hugging Face decoder turns the keys (the cached ones included) from the positions counted "
-            "from each row's first real token, but the call's position_ids are others "
-            f"({position_ids[0, :8].tolist()}... in row 0): leave position_ids out (the default positions)."
-        )
-
-
 @dataclass(frozen=True, eq=False)
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
@@ -309,10 +296,7 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
                 f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
                 f"{length_dependent[0]!r} changes them with the sequence length during the forward."
             )
-        # read at prefill only: a step's positions come from generate, and reading them would wait for the device
-        if call.position_ids is not None and not call.continuing:
-            mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
-            check_default_positions(call.position_ids, key_positions(mask, call.new_tokens, call.position_ids.device))
+        check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
         layers = options.layer_set(config.num_hidden_layers)
         return cls(options, layers, decoder=decoder, heads=config.num_attention_heads, **ranking(options, call))
 

@@ -6,7 +6,7 @@ import torch
 
 from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import ParallelContextWindows
-from .spans import check_spans_in_prompt, key_documents, key_positions
+from .spans import check_default_positions, check_spans_in_prompt, key_documents, key_positions
 
 
 def window_ids(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,7 @@ class ParallelContextWindowsMitigation(Mitigation):
     @classmethod
     def resolve(cls, options: ParallelContextWindows, call: CallContext) -> "ParallelContextWindowsMitigation":
         check_spans_in_prompt(options, call, "windows")
+        check_default_positions(call, "parallel_context_windows places its windows and the task")
         layers = options.layer_set(call.model.config.num_hidden_layers)
         return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
 

@@ -138,3 +138,20 @@ def dummy_batch(spans, dummy_document, dummy_token: int, input_ids: torch.Tensor
     ids = pad_sequence(sequences, batch_first=True, padding_side="left")
     padding = pad_sequence([torch.ones_like(sequence) for sequence in sequences], batch_first=True, padding_side="left")
     return ids, padding, pad_sequence(probes, batch_first=True, padding_side="left")
+
+
+def check_default_positions(call, acting: str) -> None:
+    """Refuse, at prefill, `position_ids` other than those counted from each row's first real token, where a method
+    (`acting`: what it does) works from those. Not read at a decoding step: its positions come from generate, and
+    reading them would wait for the device."""
+    if call.position_ids is None or call.continuing:
+        return
+    mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
+    default = key_positions(mask, call.new_tokens, call.position_ids.device)  # -1 on padding
+    position_ids, default = torch.broadcast_tensors(call.position_ids, default)
+    real = default >= 0
+    if not torch.equal(position_ids[real], default[real]):
+        raise ValueError(
+            f"{acting} from the positions counted from each row's first real token, but the call's position_ids are "
+            f"others ({position_ids[0, :8].tolist()}... in row 0): leave position_ids out (the default positions)."
+        )

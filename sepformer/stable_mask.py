@@ -59,9 +59,10 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
     return output, (weights[..., 1:] if weights is not None else None)  # weights on the real keys: rows sum < 1
 
 
-# What a model's attention may add to its scores around StableMask's sink key: its own sinks, soft-capping. A position
-# bias or a sparse choice of keys is laid out by key, which the sink key in front would shift.
-SCORES_WITH_A_SINK = frozenset({"s_aux", "sinks", "softcap"})
+# What a model's attention may add to its scores around StableMask's sink key: its own sinks (more columns of the
+# softmax). Soft-capping would cap the sink's logit τ too (to at least -cap); a position bias or a sparse choice of
+# keys is laid out by key, which the sink key in front would shift.
+SCORES_WITH_A_SINK = frozenset({"s_aux", "sinks"})
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,246 @@
+"""Model families where an option computed something else or failed inside transformers: each is now exact against a
+reference built from the model itself, or refused by name before any work."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import logits, random_ids
+from family_matrix import stepwise, tiny_config
+from test_any_decoder import greedy, mitigated, plain_model
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from sepformer import (
+    AttentionBuckets,
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    StableMask,
+    add_mitigations,
+)
+
+
+def tiny(family: str, attn: str = "eager", seed: int = 0, **overrides):
+    """A random tiny model of `family` (the family matrix's sizes), its queries and keys sharpened."""
+    config = tiny_config(family)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed)
+    return sharpened(AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval())
+
+
+def sharpened(model):
+    """Query and key projections times 6, so that positions matter."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name in ("q_proj", "k_proj"):
+                if isinstance(getattr(module, name, None), torch.nn.Linear):
+                    getattr(module, name).weight.mul_(6)
+    return model
+
+
+def with_mitigations(model):
+    clone = type(model)(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    return add_mitigations(clone)
+
+
+def test_stable_mask_is_refused_where_the_scores_are_soft_capped():
+    """Gemma-2's cap would cap the sink's logit too, and cached steps written out left the cap out (3e-2 off)."""
+    model = with_mitigations(tiny("gemma2", attn_logit_softcapping=5.0))
+    with pytest.raises(ValueError, match="stable_mask adds a sink key.*adds soft-capping"):
+        logits(model, random_ids(2, 12), stable_mask=StableMask(0.3))
+
+
+def test_cached_stable_mask_keeps_gpt_oss_attention_sinks():
+    plain = tiny("gpt_oss")
+    model, ids = with_mitigations(plain), random_ids(2, 12, seed=3)
+    reference = logits(plain, ids)
+    torch.testing.assert_close(stepwise(model, ids, stable_mask=StableMask(60.0)), reference, rtol=1e-5, atol=1e-5)
+    option = StableMask(0.3)
+    torch.testing.assert_close(
+        stepwise(model, ids, stable_mask=option), logits(model, ids, stable_mask=option), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "what"),
+    [
+        ({"attention_calibration": AttentionCalibration(spans=(((1, 4), (4, 7)),) * 2)}, "soft-capping"),
+        ({"ms_poe": MSPoE()}, "soft-capping"),  # ranked from the attention row
+    ],
+)
+def test_what_writes_the_attention_row_out_is_refused_where_the_scores_are_capped(option, what):
+    model = with_mitigations(tiny("gemma2"))
+    with pytest.raises(ValueError, match=f"{next(iter(option))}.*adds {what}"):
+        logits(model, random_ids(2, 12), **option)
+
+
+def test_ms_poe_is_refused_on_latent_attention_whose_rotary_part_is_last():
+    """DeepSeek-V3's heads are [nope ‖ rope]: turning the first dimensions left the model at m / r by 1e-2."""
+    model = with_mitigations(tiny("deepseek_v3", attn="sdpa"))
+    with pytest.raises(ValueError, match="ms_poe.*rotary part of each head last"):
+        logits(model, random_ids(1, 8), ms_poe=MSPoE(1.5, 1.5, head_order=(0, 1, 2, 3)))
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "hunyuan_v1_dense"])
+def test_positional_scaling_is_refused_where_reprojecting_the_input_misses_the_queries_and_keys(family):
+    """GPT-BigCode's multi-query c_attn is not [q ‖ k ‖ v] of equal widths; HunYuan norms after the rotary."""
+    model = with_mitigations(tiny(family, attn="sdpa"))
+    with pytest.raises(ValueError, match="positional_scaling.*makes its queries and keys otherwise"):
+        logits(model, random_ids(1, 8), positional_scaling=PositionalScaling(-1.0, channels=(0, 1)))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("phi", dict(qk_layernorm=True)),  # Phi's norms are q_layernorm / k_layernorm, on part-rotary heads
+        ("phi", dict(qk_layernorm=False)),
+        ("olmo2", {}),  # OLMo-2 norms the whole projection, before the head split
+    ],
+)
+def test_positional_scaling_keeps_every_row_but_the_last(family, overrides):
+    plain = tiny(family, attn="sdpa", **overrides)
+    model, ids = with_mitigations(plain), random_ids(2, 10, seed=1)
+    option = PositionalScaling(-1.0, channels=tuple(range(8)), layers=(0, 1))
+    ours, reference = logits(model, ids, positional_scaling=option), logits(plain, ids)
+    torch.testing.assert_close(ours[:, :-1], reference[:, :-1], rtol=1e-5, atol=1e-5)
+    assert (ours[:, -1] - reference[:, -1]).abs().max() > 1e-3
+
+
+def test_windows_are_refused_with_positions_other_than_the_default():
+    """A uniform offset leaves Llama's logits as they are, but moved the windows' positions (0.12 off)."""
+    model, ids = mitigated("llama"), random_ids(1, 12)
+    plain = plain_model("llama")
+    offset = torch.arange(12)[None] + 7
+    torch.testing.assert_close(logits(plain, ids, position_ids=offset), logits(plain, ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="parallel_context_windows places its windows.*leave position_ids out"):
+        logits(model, ids, position_ids=offset, parallel_context_windows={"spans": [((0, 4), (4, 8))]})
+
+
+def test_windows_and_buckets_are_refused_where_the_model_counts_positions_otherwise():
+    """RoBERTa's positions start after its padding index: positions counted from 0 would move every token."""
+    plain = tiny("roberta", attn="sdpa")
+    model, ids = with_mitigations(plain), random_ids(1, 10, seed=1, vocab=250) + 3  # no padding token
+    with pytest.raises(ValueError, match="parallel_context_windows moves the positions.*RoBERTa"):
+        logits(model, ids, parallel_context_windows={"spans": [((0, 4), (4, 8))]})
+    torch.testing.assert_close(logits(model, ids, stable_mask=StableMask(60.0)), logits(plain, ids))
+
+
+@pytest.mark.parametrize("where", ["argument", "model"])
+def test_options_on_a_generation_config_are_refused(where):
+    model, ids = mitigated("llama"), random_ids(1, 8)
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    if where == "argument":
+        config.ms_poe = MSPoE()
+        with pytest.raises(ValueError, match="ms_poe found on the generation_config given to generate"):
+            model.generate(ids, generation_config=config)
+    else:
+        model.generation_config.stable_mask = StableMask(0.3)
+        with pytest.raises(ValueError, match="stable_mask found on model.generation_config.*keywords of generate"):
+            model.generate(ids, max_new_tokens=2)
+
+
+def test_an_assistant_without_mitigations_is_refused_by_name():
+    model, assistant, ids = mitigated("llama"), plain_model("llama", seed=1), random_ids(1, 8)
+    with pytest.raises(ValueError, match="stable_mask.*add_mitigations on the assistant too"):
+        greedy(model, ids, new=3, assistant_model=assistant, stable_mask=StableMask(0.3))
+    served = add_mitigations(plain_model("llama", seed=1))
+    assert greedy(model, ids, new=3, assistant_model=served, stable_mask=StableMask(0.3)).shape == (1, 11)
+
+
+def test_ranked_ms_poe_is_refused_under_gradient_checkpointing_and_a_fixed_order_trains():
+    model = mitigated("llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = random_ids(2, 10)
+    with pytest.raises(ValueError, match="ms_poe ranks the heads once per forward.*gradient checkpointing"):
+        model(ids, labels=ids, ms_poe=MSPoE())
+    model(ids, labels=ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3))).loss.backward()
+
+
+def test_windows_keep_mistrals_sliding_window():
+    """One window over the prompt's start is the plain model: on Mistral with a window of 4, only with the window."""
+    plain = plain_model("mistral", sliding_window=4)
+    model, ids = mitigated("mistral", sliding_window=4), random_ids(2, 12)
+    ours = logits(model, ids, parallel_context_windows={"spans": [((0, 8),)] * 2})
+    torch.testing.assert_close(ours, logits(plain, ids), rtol=1e-5, atol=1e-5)
+    assert (logits(plain, ids) - logits(plain_model("mistral"), ids)).abs().max() > 1e-3  # the window matters
+
+
+def test_moved_positions_without_a_mask_or_cache_are_not_read_as_packed_sequences():
+    model, ids = mitigated("llama"), random_ids(2, 12)
+    option = {"attention_buckets": AttentionBuckets(scales=(0.5,))}
+    with_mask = logits(model, ids, attention_mask=torch.ones_like(ids), use_cache=False, **option)
+    torch.testing.assert_close(logits(model, ids, use_cache=False, **option), with_mask)
+    assert (with_mask - logits(model, ids)).abs().max() > 1e-3
+
+
+def test_a_mitigated_model_saved_with_torch_save_runs_in_a_new_process(tmp_path):
+    model, ids = mitigated("llama"), random_ids(1, 8)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save(logits(model, ids, stable_mask=StableMask(0.3)), tmp_path / "expected.pt")
+    script = f"""
+import torch
+model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+with torch.no_grad():
+    out = model(torch.tensor({ids.tolist()}), stable_mask={{"gamma": 0.3}}).logits
+assert torch.equal(out, torch.load({str(tmp_path / "expected.pt")!r})), "other logits"
+print(type(model).__name__)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "yarn", "factor": 2.0}, {"rope_type": "llama3",
+    "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}]
+)
+def test_one_bucket_at_the_models_own_base_keeps_its_rope_scaling(rope):
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_theta": 10000.0, **rope},
+    )
+    torch.manual_seed(0)
+    plain = sharpened(LlamaForCausalLM(config).eval())
+    model, ids = with_mitigations(plain), random_ids(1, 12)
+    ours = logits(model, ids, attention_buckets=AttentionBuckets(bases=(10000.0,)))
+    torch.testing.assert_close(ours, logits(plain, ids), rtol=1e-5, atol=1e-5)
+    assert (logits(model, ids, attention_buckets=AttentionBuckets(bases=(20000.0,))) - ours).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused_by_ms_poe_and_bucket_bases(rope_type):
+    extra = {"factor": 2.0} if rope_type == "dynamic" else {
+        "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": rope_type, **extra},
+    )
+    model, ids = add_mitigations(LlamaForCausalLM(config).eval()), random_ids(1, 8)
+    with pytest.raises(ValueError, match=f"ms_poe.*{rope_type}"):
+        logits(model, ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3)))
+    with pytest.raises(ValueError, match="attention_buckets bases.*changes its frequencies with the sequence length"):
+        logits(model, ids, attention_buckets=AttentionBuckets(bases=(10000.0, 20000.0)))
+
+
+def test_an_interrupted_positional_scaling_call_leaves_the_projections_reading_their_own_input():
+    """torch runs `always_call` hooks for `Exception` only: a KeyboardInterrupt inside the forward (its traceback
+    kept, as a REPL keeps it) left q_proj and k_proj reading the scaled input in later plain calls."""
+    model, ids = mitigated("llama"), random_ids(1, 10)
+    before = logits(model, ids)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(interrupt)  # inside the attention
+    try:
+        logits(model, ids, positional_scaling=PositionalScaling(-1.0, channels=(0, 1, 2), layers=(1,)))
+    except KeyboardInterrupt as interrupted:
+        kept = interrupted  # noqa: F841 - the traceback (and its frames) kept alive
+    handle.remove()
+    assert torch.equal(logits(model, ids), before)
