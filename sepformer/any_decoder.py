@@ -352,7 +352,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 f"cache on {type(self).__name__}: use the default dynamic cache."
             )
         for name in active:
-            if name in MOVES_POSITIONS:
+            if moves_positions(name, options[name]):
                 self.decoder_positions.check_positions(name)
         for name, value in options.items():
             restricts_mask = MITIGATIONS[name].mask_function is not Mitigation.mask_function
@@ -368,7 +368,13 @@ def call_tokens(inputs: dict) -> torch.Tensor:
     return inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
 
 
-MOVES_POSITIONS = ("parallel_context_windows", "attention_buckets")  # the positions where the tokens are read
+def moves_positions(name: str, value) -> bool:
+    """Whether option `name` moves the positions where the tokens are read (windows; buckets with `scales`)."""
+    if name == "attention_buckets":
+        return MITIGATIONS[name].options_class.parse(value).scales is not None
+    return name == "parallel_context_windows"
+
+
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
@@ -425,6 +431,11 @@ def find_rotary(model: nn.Module) -> tuple[nn.Module | None, tuple[str, ...] | N
 
 def check_servable(model) -> None:
     """Refuse a causal LM `add_mitigations` cannot serve, naming what it lacks."""
+    if model.config.get_text_config() is not model.config:
+        raise ValueError(
+            f"add_mitigations serves text decoders, and {type(model).__name__} is a composite model (its config "
+            f"{type(model.config).__name__} holds a text config beside others): not served."
+        )
     implementation = model.config._attn_implementation
     if implementation not in ("eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()):
         raise ValueError(
@@ -459,7 +470,10 @@ def probe_attention(model) -> AttentionProbe:
     probe = AttentionProbe()
     forward = model.unmitigated_forward if isinstance(model, MitigatedDecoder) else model.forward
     config = model.config
-    special = {getattr(config, name, None) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    special = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an id, a list of ids (Llama 3's eos) or None
+        value = getattr(config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
     ordinary = [token for token in range(config.vocab_size) if token not in special][:PROBE_TOKENS]
     ids = torch.tensor([ordinary], device=model.device)  # no padding (RoBERTa counts positions from it)
 
@@ -495,8 +509,9 @@ PROBE_TOKENS = 4
 
 def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
     """Where `model` keeps its positions, and what its attention is, from its modules and the probe's run."""
-    problems = [query_key_layout_problem(module, *probe.inputs[module], *probe.queries_keys[module])
-                for module in probe.modules]
+    problems = [
+        query_key_layout_problem(module, *probe.inputs[module], *probe.queries_keys[module]) for module in probe.modules
+    ]
     problem = next((problem for problem in problems if problem is not None), None)
     rotary, layer_types = find_rotary(model)
     positions_problem = None
@@ -540,11 +555,12 @@ def add_mitigations(model):
     model.set_attn_implementation(register_wrapper(implementation))
     try:
         probe = probe_attention(model)
+        described = None if isinstance(model, MitigatedDecoder) else describe_decoder(model, probe)
     except Exception:
         model.set_attn_implementation(implementation)
         raise
     if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
-        model.decoder_positions = describe_decoder(model, probe)
+        model.decoder_positions = described
         for module in probe.modules:
             serve_attention(module)
         model.__class__ = mitigated_class(type(model))

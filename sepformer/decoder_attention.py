@@ -91,7 +91,9 @@ def project_query_key(attention: nn.Module, query_input, key_input, position_emb
     if position_embeddings is not None:  # the first cos.shape[-1] dimensions of each head are rotated (Phi: part)
         rotary_dim = position_embeddings[0].shape[-1]
         rotated = rotary_function(attention)(query[..., :rotary_dim], key[..., :rotary_dim], *position_embeddings)
-        query, key = (torch.cat((turned, x[..., rotary_dim:]), -1) for turned, x in zip(rotated, (query, key)))
+        query, key = (
+            torch.cat((turned, x[..., rotary_dim:]), -1) for turned, x in zip(rotated, (query, key), strict=True)
+        )
     return query, key
 
 

@@ -90,7 +90,12 @@ class StableMaskMitigation(Mitigation):
             )
         config, decoder = call.model.config, call.decoder
         plain_scores = decoder is None or not decoder.score_keywords
-        if decoder is not None:  # the sink is one more key: the model's own sinks and soft-capping take it as one
+        if decoder is not None and "softcap" in decoder.score_keywords:
+            raise ValueError(
+                f"stable_mask's sink logit τ goes through the attention's scores, and {decoder.model_name} soft-caps "
+                "them: τ would be capped too (to no less than -cap), so the sink would not be StableMask's."
+            )
+        if decoder is not None:  # the sink is one more key: the model's own sinks take it as one more column
             decoder.check_plain_scores("stable_mask", "adds a sink key to the attention", SCORES_WITH_A_SINK)
         return cls(options, frozenset(range(config.num_hidden_layers)), config.max_position_embeddings, plain_scores)
 

@@ -9,13 +9,18 @@ import torch
 from conftest import logits, random_ids
 from family_matrix import stepwise, tiny_config
 from test_any_decoder import greedy, mitigated, plain_model
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    GenerationConfig,
+    LlamaForCausalLM,
+)
 
 from sepformer import (
     AttentionBuckets,
     AttentionCalibration,
     MSPoE,
-    ParallelContextWindows,
     PositionalScaling,
     StableMask,
     add_mitigations,
@@ -41,6 +46,14 @@ def sharpened(model):
     return model
 
 
+def llama_with_rope(**rope):
+    """The matrix's tiny Llama with `rope_parameters` (rope_theta 1e4 and `rope`), sharpened."""
+    config = tiny_config("llama")
+    config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    torch.manual_seed(0)
+    return sharpened(LlamaForCausalLM(config).eval())
+
+
 def with_mitigations(model):
     clone = type(model)(model.config).eval()
     clone.load_state_dict(model.state_dict())
@@ -50,7 +63,7 @@ def with_mitigations(model):
 def test_stable_mask_is_refused_where_the_scores_are_soft_capped():
     """Gemma-2's cap would cap the sink's logit too, and cached steps written out left the cap out (3e-2 off)."""
     model = with_mitigations(tiny("gemma2", attn_logit_softcapping=5.0))
-    with pytest.raises(ValueError, match="stable_mask adds a sink key.*adds soft-capping"):
+    with pytest.raises(ValueError, match="stable_mask's sink logit.*soft-caps them"):
         logits(model, random_ids(2, 12), stable_mask=StableMask(0.3))
 
 
@@ -126,6 +139,10 @@ def test_windows_and_buckets_are_refused_where_the_model_counts_positions_otherw
     model, ids = with_mitigations(plain), random_ids(1, 10, seed=1, vocab=250) + 3  # no padding token
     with pytest.raises(ValueError, match="parallel_context_windows moves the positions.*RoBERTa"):
         logits(model, ids, parallel_context_windows={"spans": [((0, 4), (4, 8))]})
+    with pytest.raises(ValueError, match="attention_buckets moves the positions.*RoBERTa"):
+        logits(model, ids, attention_buckets=AttentionBuckets(scales=(1.0, 0.5)))
+    with pytest.raises(ValueError, match="attention_buckets.*no \\(single\\) rotary"):  # bases move no position
+        logits(model, ids, attention_buckets=AttentionBuckets(bases=(10000.0, 20000.0)))
     torch.testing.assert_close(logits(model, ids, stable_mask=StableMask(60.0)), logits(plain, ids))
 
 
@@ -196,16 +213,21 @@ print(type(model).__name__)
 
 
 @pytest.mark.parametrize(
-    "rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "yarn", "factor": 2.0}, {"rope_type": "llama3",
-    "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}]
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 2.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
 )
 def test_one_bucket_at_the_models_own_base_keeps_its_rope_scaling(rope):
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_theta": 10000.0, **rope},
-    )
-    torch.manual_seed(0)
-    plain = sharpened(LlamaForCausalLM(config).eval())
+    plain = llama_with_rope(**rope)
     model, ids = with_mitigations(plain), random_ids(1, 12)
     ours = logits(model, ids, attention_buckets=AttentionBuckets(bases=(10000.0,)))
     torch.testing.assert_close(ours, logits(plain, ids), rtol=1e-5, atol=1e-5)
@@ -214,14 +236,12 @@ def test_one_bucket_at_the_models_own_base_keeps_its_rope_scaling(rope):
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_length_dependent_rope_is_refused_by_ms_poe_and_bucket_bases(rope_type):
-    extra = {"factor": 2.0} if rope_type == "dynamic" else {
-        "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": rope_type, **extra},
+    extra = (
+        {"factor": 2.0}
+        if rope_type == "dynamic"
+        else {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}
     )
-    model, ids = add_mitigations(LlamaForCausalLM(config).eval()), random_ids(1, 8)
+    model, ids = with_mitigations(llama_with_rope(rope_type=rope_type, **extra)), random_ids(1, 8)
     with pytest.raises(ValueError, match=f"ms_poe.*{rope_type}"):
         logits(model, ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3)))
     with pytest.raises(ValueError, match="attention_buckets bases.*changes its frequencies with the sequence length"):
@@ -244,3 +264,19 @@ def test_an_interrupted_positional_scaling_call_leaves_the_projections_reading_t
         kept = interrupted  # noqa: F841 - the traceback (and its frames) kept alive
     handle.remove()
     assert torch.equal(logits(model, ids), before)
+
+
+def test_a_list_of_eos_token_ids_is_read_by_the_probe():
+    """Llama 3's configs list several eos ids: the probe's ordinary tokens avoid them all."""
+    model = add_mitigations(plain_model("llama", eos_token_id=[1, 2, 3]))
+    ids = random_ids(1, 8)
+    torch.testing.assert_close(logits(model, ids), logits(plain_model("llama", eos_token_id=[1, 2, 3]), ids))
+
+
+def test_a_composite_model_is_refused_by_name():
+    """Gemma 3's image-text model: its config holds a text config beside the vision one."""
+    text = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16)
+    config = Gemma3Config(text_config=text, vision_config={**vision, "patch_size": 8}, mm_tokens_per_image=4)
+    with pytest.raises(ValueError, match="add_mitigations serves text decoders.*Gemma3ForConditionalGeneration"):
+        add_mitigations(Gemma3ForConditionalGeneration(config))
