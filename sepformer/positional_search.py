@@ -5,12 +5,11 @@ examples each have a gold position, and returns the one with the lowest loss ave
 
     argmin_{c, s < 1}  mean_p [ mean over the examples with gold position p of L(x, y; F(θ, h_c, s)) ]
 
-On a SepFormer through its `positional_scaling` option, on another Hugging Face decoder by forward hooks
-(`scale_attention_input`); the candidates and the loss: docs/design.md, "The search".
+Each candidate is the model's `positional_scaling` option (a SepFormer's own, or that of a Hugging Face decoder given
+`sepformer.add_mitigations`); the candidates and the loss: docs/design.md, "The search".
 """
 
 import contextlib
-import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,7 +19,7 @@ from numbers import Integral, Real
 import torch
 from torch import nn
 
-from .decoder_attention import query_key_inputs_rewritten
+from .any_decoder import MitigatedDecoder
 from .mitigation_options import PositionalScaling
 
 DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
@@ -83,53 +82,6 @@ def attention_module(layer: nn.Module) -> nn.Module:
 def default_layers(num_layers: int) -> tuple[int, ...]:
     """The middle layers, as `PositionalScaling`'s default: all but the first and the last when there are >= 3."""
     return tuple(PositionalScaling().default_layers(num_layers))
-
-
-def recompute_last_rows(scale, rows, attention, args, kwargs, output):
-    """Forward hook of an attention module: its last `rows` output rows recomputed with scaled queries and keys over
-    every key; the rows before are the base model's."""
-    if kwargs.get("past_key_values") is not None or kwargs.get("layer_past") is not None:
-        raise ValueError(
-            "scale_attention_input recomputes rows of a full forward pass: call the model with use_cache=False (a "
-            "cache would receive the keys twice)."
-        )
-    scale = scale.to(output[0].dtype)
-    with query_key_inputs_rewritten(attention, lambda inputs: (inputs * scale,) * 2):  # queries and keys read one input
-        recomputed = attention.forward(*args, **kwargs)  # `forward` directly: this hook does not run again
-    kept = output[0].shape[1] - min(rows, output[0].shape[1])
-    return (torch.cat((output[0][:, :kept], recomputed[0][:, kept:]), 1), *output[1:])  # (b, seq, d_model)
-
-
-@contextlib.contextmanager
-def scale_attention_input(
-    model: nn.Module,
-    channels: Sequence[int],
-    factor: float,
-    layers: Sequence[int] | None = None,
-    last_recompute_tokens: int = 1,
-):
-    """Positional scaling on a Hugging Face decoder (Llama-like or GPT-2), for full forward passes (`use_cache=False`).
-
-    In each of `layers` (default: the middle ones), channels `c` of the attention input (the output of the
-    pre-attention norm) are multiplied by `factor` for the queries of the last `last_recompute_tokens` rows and for
-    every key those rows attend to; values and the other rows are the base model's. So the last rows are
-    `softmax(q̄ K̄ᵀ) V`, the paper's formula. `factor = 1` gives the base model bit for bit.
-    """
-    layer_modules = decoder_layers(model)
-    num_layers, width = len(layer_modules), model.config.hidden_size
-    layers = default_layers(num_layers) if layers is None else tuple(layers)
-    options = PositionalScaling(factor, channels=channels, layers=layers, last_recompute_tokens=last_recompute_tokens)
-    options.layer_set(num_layers)  # range and duplicates checked, with the option's messages
-    bad = [channel for channel in options.channels if not 0 <= channel < width]
-    if bad:
-        raise ValueError(f"channels {bad} are out of range: this model's hidden states have channels 0..{width - 1}.")
-    scale = torch.ones(width, device=model.device)
-    scale[list(options.channels)] = factor
-    hook = functools.partial(recompute_last_rows, scale, last_recompute_tokens)
-    with contextlib.ExitStack() as hooks:  # a hook's handle removes it on exit
-        for layer in layers:
-            hooks.enter_context(attention_module(layer_modules[layer]).register_forward_hook(hook, with_kwargs=True))
-        yield
 
 
 # ------------------------------------------------------------------------------------------- candidate channels
@@ -253,14 +205,12 @@ def evaluated(model: nn.Module, batches: Sequence[tuple], channels, layers, fact
     mean cross-entropy over its labelled tokens, averaged over the examples of each gold position, then over those."""
     by_position = {}
     for input_ids, labels, attention_mask, golds, rows in batches:
-        options, context = {}, contextlib.nullcontext()
-        if channels and is_sepformer(model):
+        options = {}
+        if channels:  # the last `rows` rows (the answer's) read scaled queries against scaled keys
             options["positional_scaling"] = PositionalScaling(
                 factor, channels=channels, layers=layers, last_recompute_tokens=rows
             )
-        elif channels:
-            context = scale_attention_input(model, channels, factor, layers, last_recompute_tokens=rows)
-        with torch.no_grad(), context:
+        with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **options).logits
         targets = labels[:, 1:]
         token_losses = nn.functional.cross_entropy(
@@ -286,7 +236,8 @@ def search_positional_scaling(
     """The channel set and factor `s < 1` with the lowest validation loss averaged over gold positions.
 
     Args:
-        model: a `SepFormerForCausalLM`, or a Hugging Face decoder with Llama-like or GPT-2 attention, in eval mode.
+        model: a `SepFormerForCausalLM`, or a Hugging Face decoder given `sepformer.add_mitigations` (Llama-like or
+            GPT-2 attention), in eval mode.
         batches: dicts with `input_ids` (b, n), `labels` (b, n; -100 except on the answer, which ends each row),
             `gold_position` (b,): the slot of the evidence the answer needs, and optionally `attention_mask`. Prompts
             are left-padded and the answers of a batch have one length.
@@ -328,6 +279,11 @@ def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip
     ]
     if not factors or bad:
         raise ValueError(f"factors must be finite numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
+    if not is_sepformer(model) and not isinstance(model, MitigatedDecoder):
+        raise ValueError(
+            f"search_positional_scaling evaluates each candidate as the model's positional_scaling option, which "
+            f"{type(model).__name__} does not take: give sepformer.add_mitigations(model) (or a SepFormer)."
+        )
     if model.training:
         raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
     num_layers = len(decoder_layers(model))
@@ -382,6 +338,5 @@ __all__ = [
     "ScalingCandidate",
     "attention_input_curves",
     "positional_channel_candidates",
-    "scale_attention_input",
     "search_positional_scaling",
 ]

@@ -11,13 +11,12 @@ from conftest import tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sepformer import PositionalScaling
+from sepformer import PositionalScaling, add_mitigations
 from sepformer.decoder_attention import query_key_inputs_rewritten
 from sepformer.positional_search import (
     NoPositionalChannelError,
     attention_input_curves,
     positional_channel_candidates,
-    scale_attention_input,
     search_positional_scaling,
 )
 
@@ -101,7 +100,7 @@ def test_the_search_finds_the_planted_positional_channel_and_reports_every_candi
     assert result.base.loss == pytest.approx(per_example.view(2, 11).mean().item(), rel=1e-5)
 
 
-# ------------------------------------------------------------------------------------- scaling by hooks, HF models
+# -------------------------------------------------------------------------- scaling on HF models (add_mitigations)
 
 
 def tiny_llama(seed=0):
@@ -120,13 +119,13 @@ def tiny_llama(seed=0):
         for layer in model.model.layers:
             for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 projection.weight.normal_(0, 0.4)
-    return model
+    return add_mitigations(model)
 
 
 def tiny_gpt2(seed=0):
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=100, n_embd=32, n_layer=3, n_head=4, n_positions=64)
-    return GPT2LMHeadModel(config).eval()
+    return add_mitigations(GPT2LMHeadModel(config).eval())
 
 
 def llama_reference(model, ids, channels, factor, layers, rows):
@@ -159,49 +158,35 @@ def llama_reference(model, ids, channels, factor, layers, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_scaling_by_hooks_on_llama_equals_the_formula(rows):
+def test_scaling_on_llama_equals_the_formula(rows):
     model = tiny_llama()
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    option = PositionalScaling(-0.5, channels=(1, 7, 30), layers=(1, 2), last_recompute_tokens=rows)
     with torch.no_grad():
         base = model(ids, use_cache=False).logits
-        with scale_attention_input(model, (1, 7, 30), -0.5, layers=(1, 2), last_recompute_tokens=rows):
-            ours = model(ids, use_cache=False).logits
+        ours = model(ids, use_cache=False, positional_scaling=option).logits
         reference = llama_reference(model, ids, (1, 7, 30), -0.5, (1, 2), rows)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours[:, :-rows], base[:, :-rows])
     assert (ours - base)[:, -rows:].abs().max() > 1e-3
-    with torch.no_grad():  # the hooks are gone after the block
-        assert torch.equal(model(ids, use_cache=False).logits, base)
 
 
 @pytest.mark.parametrize(
     "make", [tiny_llama, tiny_gpt2, lambda: tiny_model(num_hidden_layers=3)], ids=["llama", "gpt2", "sepformer"]
 )
-def test_scaling_by_hooks_with_factor_one_is_the_base_model_bit_for_bit(make):
+def test_scaling_with_factor_one_is_the_base_model_bit_for_bit(make):
     model = make()
     ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
+
+    def scaled(factor):
+        option = PositionalScaling(factor, channels=(0, 3), layers=(0, 1, 2), last_recompute_tokens=4)
+        return model(ids, use_cache=False, positional_scaling=option).logits
+
     with torch.no_grad():
         base = model(ids, use_cache=False).logits
-        with scale_attention_input(model, (0, 3), 1.0, layers=(0, 1, 2), last_recompute_tokens=4):
-            assert torch.equal(model(ids, use_cache=False).logits, base)
-        with scale_attention_input(model, (0, 3), 0.0, layers=(0, 1, 2), last_recompute_tokens=4):
-            scaled = model(ids, use_cache=False).logits
-    assert torch.equal(scaled[:, :-4], base[:, :-4]) and (scaled - base)[:, -4:].abs().max() > 1e-6
-
-
-def test_scaling_by_hooks_on_sepformer_equals_its_option():
-    """The hooks and SepFormer's own `positional_scaling` compute the same full pass: values unscaled (GPT-2's fused
-    projection and Llama's separate ones go through the same hook code)."""
-    model = tiny_model(num_hidden_layers=3)
-    with torch.no_grad():
-        model.model.embed_positions.weight.normal_(0, 1)
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
-    option = PositionalScaling(-1.0, channels=(0, 2, 5), layers=(1, 2), last_recompute_tokens=3)
-    with torch.no_grad():
-        native = model(ids, use_cache=False, positional_scaling=option).logits
-        with scale_attention_input(model, (0, 2, 5), -1.0, layers=(1, 2), last_recompute_tokens=3):
-            hooked = model(ids, use_cache=False).logits
-    torch.testing.assert_close(hooked, native, rtol=1e-6, atol=1e-6)
+        assert torch.equal(scaled(1.0), base)
+        zero = scaled(0.0)
+    assert torch.equal(zero[:, :-4], base[:, :-4]) and (zero - base)[:, -4:].abs().max() > 1e-6
 
 
 def test_gpt2_scaling_leaves_the_values_alone():
@@ -312,20 +297,11 @@ def test_bad_inputs_are_refused_with_a_clear_error():
     model.eval()
     with pytest.raises(ValueError, match="layers \\[3\\] are out of range"):
         search_positional_scaling(model, batches, layers=(3,))
-    llama = tiny_llama()
-    ids = torch.randint(0, 100, (1, 6))
-    with pytest.raises(ValueError, match="call the model with use_cache=False"):
-        with scale_attention_input(llama, (0,), 0.0, layers=(1,)):
-            llama(ids)
-    with pytest.raises(ValueError, match="channels \\[32\\] are out of range"):
-        with scale_attention_input(llama, (32,), 0.0):
-            pass
-    with pytest.raises(ValueError, match="last_recompute_tokens=0 must be an integer >= 1"):
-        with scale_attention_input(llama, (0,), 0.0, last_recompute_tokens=0):
-            pass
-    with pytest.raises(ValueError, match="neither model.layers nor transformer.h"):
-        with scale_attention_input(torch.nn.Linear(2, 2), (0,), 0.0):
-            pass
+    ids, plain = torch.randint(0, 100, (1, 6)), LlamaForCausalLM(tiny_llama().config).eval()
+    with pytest.raises(
+        ValueError, match="positional_scaling option, which LlamaForCausalLM does not take.*add_mitigations"
+    ):
+        search_positional_scaling(plain, batches)
     padded = {
         "input_ids": ids,
         "labels": torch.tensor([[-100] * 5 + [3]]),
@@ -333,7 +309,7 @@ def test_bad_inputs_are_refused_with_a_clear_error():
         "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]]),
     }
     with pytest.raises(ValueError, match="first batch, which has padding"):
-        search_positional_scaling(llama, [padded])
+        search_positional_scaling(tiny_llama(), [padded])
 
 
 def searched_before_any_forward(model, error, message, batches, **kwargs):
