@@ -15,12 +15,13 @@ import sys
 import warnings
 
 import torch
+from test_any_decoder import stepwise_logits
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 import sepformer
-from sepformer import MSPoE, ParallelContextWindows, PositionalScaling, SepFormerCache, StableMask
+from sepformer import MSPoE, ParallelContextWindows, PositionalScaling, StableMask
 
 FAMILIES = tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 # The sizes of a tiny model, under every name a family's config may use; a config takes those among its fields.
@@ -166,18 +167,6 @@ def run(model, ids, **kwargs) -> torch.Tensor:
         return model(ids, **kwargs).logits
 
 
-def stepwise(model, ids, **options) -> torch.Tensor:
-    """Logits of a prefill of `PREFILL` tokens, then one cached step per token."""
-    cache = SepFormerCache(config=model.config)
-    with torch.no_grad():
-        steps = [model(ids[:, :PREFILL], past_key_values=cache, use_cache=True, **options).logits]
-        steps += [
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **options).logits
-            for t in range(PREFILL, ids.shape[1])
-        ]
-    return torch.cat(steps, 1)
-
-
 def close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
     """Equal up to float32 rounding, relative to the size of the logits."""
     difference, scale = (ours - reference).abs().max().item(), max(1.0, reference.abs().max().item())
@@ -209,7 +198,11 @@ def check_stable_mask(model, plain, ids):
     option = StableMask(60.0)
     reference = run(plain, ids)
     close(run(model, ids, stable_mask=option), reference, "stable_mask gamma=60, full pass, vs the plain model")
-    close(stepwise(model, ids, stable_mask=option), reference, "stable_mask gamma=60, cached, vs the plain model")
+    close(
+        stepwise_logits(model, ids, PREFILL, stable_mask=option),
+        reference,
+        "stable_mask gamma=60, cached, vs the plain model",
+    )
 
 
 def check_positional_scaling(model, plain, ids):
@@ -228,7 +221,7 @@ def check_parallel_context_windows(model, plain, ids):
     two = ParallelContextWindows(spans=(((0, 3), (3, PREFILL)),) * len(ids))
     full = run(model, ids, parallel_context_windows=two)
     acts(full, run(plain, ids), "two windows")
-    close(stepwise(model, ids, parallel_context_windows=two), full, "two windows, cached vs full")
+    close(stepwise_logits(model, ids, PREFILL, parallel_context_windows=two), full, "two windows, cached vs full")
 
 
 def check(family: str, name: str) -> str:

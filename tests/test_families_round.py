@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 from conftest import logits, random_ids
-from family_matrix import stepwise, tiny_config
-from test_any_decoder import greedy, mitigated, plain_model
+from family_matrix import tiny_config
+from test_any_decoder import greedy, mitigated, plain_model, stepwise_logits
 from transformers import (
     AutoModelForCausalLM,
     Gemma3Config,
@@ -71,10 +71,12 @@ def test_cached_stable_mask_keeps_gpt_oss_attention_sinks():
     plain = tiny("gpt_oss")
     model, ids = with_mitigations(plain), random_ids(2, 12, seed=3)
     reference = logits(plain, ids)
-    torch.testing.assert_close(stepwise(model, ids, stable_mask=StableMask(60.0)), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        stepwise_logits(model, ids, 8, stable_mask=StableMask(60.0)), reference, rtol=1e-5, atol=1e-5
+    )
     option = StableMask(0.3)
     torch.testing.assert_close(
-        stepwise(model, ids, stable_mask=option), logits(model, ids, stable_mask=option), rtol=1e-5, atol=1e-5
+        stepwise_logits(model, ids, 8, stable_mask=option), logits(model, ids, stable_mask=option), rtol=1e-5, atol=1e-5
     )
 
 
