@@ -26,6 +26,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from .cache_sepformer import SepFormerCache
 from .decoder_attention import query_key_layout_problem, release_rewritings, serve_attention
@@ -190,7 +191,7 @@ def mitigated_attention(
     elif mitigation_plan is not None and mitigation_plan.layers[module.layer_idx].attention_wrappers:
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
-            key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # a view expanded, then one copy
             module = ExpandedHeads(module)
         hooks = mitigation_plan.layers[module.layer_idx]
         function = hooks.attention_function(module.layer_idx, function, mitigation_projection)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from .mitigation_base import MitigationPlan
 from .mitigations import MITIGATIONS
@@ -159,7 +160,7 @@ class DecoderProjection:
         repeated to the query heads (as the attention function receives them). The projections' `forward` is called
         directly: their hooks, the rewriting among them, do not run."""
         query, key = project_query_key(self.attention, query_input, key_input, self.position_embeddings)
-        return query, key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        return query, repeat_kv(key, query.shape[1] // key.shape[1])
 
 
 def before_attention(module: nn.Module, args: tuple, kwargs: dict):

@@ -111,9 +111,14 @@ def ranking(options: MSPoE, call: CallContext) -> dict:
 @dataclass(eq=False)
 class MSPoEState(MitigationState):
     """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
-    position-aware)."""
+    position-aware); on a Hugging Face decoder also each layer's keys turned to `m / r_h` (b, H, kv, head_dim), with
+    the number of keys seen when they were turned and the options that turned them, so that a decoding step turns its
+    own keys only (after a crop, the count no longer matches: the next step turns them all anew)."""
 
     ranks: dict[int, torch.Tensor] = field(default_factory=dict)
+    turned_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    turned_seen: dict[int, int] = field(default_factory=dict)
+    turned_by: MSPoE | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,16 +254,6 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def held_keys(table: torch.Tensor, keys: int, identity: float) -> torch.Tensor:
-    """`table` (H, b or 1, kv, d) of every key the cache has seen, for the `keys` the layer attends to: a sliding-window
-    cache holds the last ones; a static cache's empty slots (past `kv`) are left as they are (`identity`: cos 1, sin 0).
-    """
-    kv = table.shape[2]
-    if keys <= kv:
-        return table[:, :, kv - keys :]
-    return nn.functional.pad(table, (0, 0, 0, keys - kv), value=identity)
-
-
 @dataclass(frozen=True, eq=False)
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
@@ -268,9 +263,10 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
 
     decoder: Any = None  # the model's `DecoderPositions`: its rotary's frequency tables, by layer
     heads: int = 0  # query heads
-    # per frequency table (one per layer type where the rotary has several), cos and sin by rank:
-    query_turn: dict | None = None  # table -> (H, b or 1, seq, rotary_dim)
-    key_turn: dict | None = None  # table -> (H, b or 1, kv, rotary_dim)
+    query_turn: dict | None = None  # per frequency table (one per layer type where the rotary has several), the cos
+    # and sin (H, b or 1, seq, rotary_dim) by rank that turn the call's queries, and its new keys, from `m` to `m / r_i`
+    padding_mask: torch.Tensor | None = None  # (b, kv) the call's padding mask, where the keys' positions come from
+    seen: int = 0  # the keys the cache held before this call
 
     @classmethod
     def resolve_on_decoder(cls, options: MSPoE, call: CallContext) -> "RotaryMSPoEMitigation":
@@ -298,30 +294,64 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
             )
         check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
         layers = options.layer_set(config.num_hidden_layers)
-        return cls(options, layers, decoder=decoder, heads=config.num_attention_heads, **ranking(options, call))
+        where = ranking(options, call) | {"cache": call.sepformer_cache}  # the cache keeps the turned keys too
+        return cls(options, layers, decoder=decoder, heads=config.num_attention_heads, **where)
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
-        kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
-        keys = key_positions(run.padding_mask, kv, run.device).clamp(min=0)  # padding is masked: any position
         tables = self.decoder.inverse_frequencies()
         return self.replace(
             query_turn={
                 kind: turned_by_ratios(run.position_ids, ratios, inv, run.dtype) for kind, inv in tables.items()
             },
-            key_turn={kind: turned_by_ratios(keys, ratios, inv, run.dtype) for kind, inv in tables.items()},
+            padding_mask=run.padding_mask,
+            seen=run.cache.get_seq_length() if run.cache is not None else 0,
         )
+
+    def earlier_turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, new: int) -> torch.Tensor:
+        """(b, H, n, head_dim) the keys before this call's `new` ones, turned: kept on the cache by the call before,
+        or turned now from their positions (the first call of a cache, after a crop, or other options)."""
+        state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
+        if state is not None and state.turned_by != self.options:
+            state.turned_keys.clear()
+            state.turned_seen.clear()
+            state.turned_by = self.options
+        if state is not None and state.turned_seen.get(layer) == self.seen:
+            return state.turned_keys[layer]
+        held = key.shape[2]
+        earlier = key[:, :, : held - new] if held <= self.seen + new else key[:, :, : self.seen]
+        total = self.seen + new  # the earlier keys are the last (sliding window) or first (static slots) of `seen`
+        positions = key_positions(self.padding_mask, total, key.device).clamp(min=0)  # padding is masked: any position
+        positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
+        ratios = rank_ratios(self.options, self.heads, key.device)
+        inverse = self.decoder.inverse_frequencies()[self.decoder.table_of(layer)]
+        cos, sin = (
+            by_head(table, ranks).transpose(0, 1) for table in turned_by_ratios(positions, ratios, inverse, key.dtype)
+        )
+        return rotate_partial(earlier, cos, sin)
+
+    def turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, cos, sin) -> torch.Tensor:
+        """`key` (b, H, held, head_dim) as the cache hands it over, each head's keys turned to `m / r_h`: the call's
+        new keys by `cos`, `sin` (the queries' turn: they share positions), the earlier ones kept turned on the cache.
+        A sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones filled."""
+        new, held = cos.shape[2], key.shape[2]
+        total = self.seen + new
+        start = held - new if held <= total else self.seen
+        earlier = self.earlier_turned_keys(layer, key, ranks, new)
+        assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
+        turned = torch.cat((earlier, rotate_partial(key[:, :, start : start + new], cos, sin)), 2)
+        if self.cache is not None:
+            state = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
+            state.turned_keys[layer] = turned[:, :, -held:]  # a sliding window's next call needs at most these
+            state.turned_seen[layer] = total
+        return turned[:, :, -held:] if held <= total else torch.cat((turned, key[:, :, total:]), 2)
 
     def wrap_attention(self, layer_idx: int, function, projection):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, None, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
-            kind = self.decoder.table_of(layer_idx)
-            query_cos, query_sin = (by_head(table, ranks).transpose(0, 1) for table in self.query_turn[kind])
-            key_cos, key_sin = (
-                by_head(held_keys(table, key.shape[2], identity), ranks).transpose(0, 1)
-                for table, identity in zip(self.key_turn[kind], (1.0, 0.0), strict=True)
-            )
-            query, key = rotate_partial(query, query_cos, query_sin), rotate_partial(key, key_cos, key_sin)
+            turn = self.query_turn[self.decoder.table_of(layer_idx)]
+            cos, sin = (by_head(table, ranks).transpose(0, 1) for table in turn)  # (b, H, seq, rotary_dim)
+            query, key = rotate_partial(query, cos, sin), self.turned_keys(layer_idx, key, ranks, cos, sin)
             return function(module, query, key, value, attention_mask, **kwargs)
 
         return rescaled

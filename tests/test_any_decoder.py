@@ -10,6 +10,7 @@ from test_stable_mask import dense_stable_mask
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
+    DynamicCache,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -437,8 +438,41 @@ def test_ms_poe_decodes_past_a_sliding_window_and_on_a_static_cache_as_the_full_
     ids, option = random_ids(2, 16), options("ms_poe_fixed")
     full = logits(model, ids, **option)
     torch.testing.assert_close(stepwise_logits(model, ids, 11, **option), full, rtol=1e-5, atol=1e-5)
-    static = greedy(model, ids[:, :11], cache_implementation="static", **option)
-    assert torch.equal(static, greedy(model, ids[:, :11], **option))
+    scores = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    model = mitigated("mistral")  # a static cache's slots past the keys seen (a sliding window's are all filled)
+    static = model.generate(ids[:, :11], cache_implementation="static", **scores, **option)
+    dynamic = model.generate(ids[:, :11], **scores, **option)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_name", ["qwen2", "mistral"])
+def test_ms_poe_turns_each_step_s_keys_and_keeps_them_for_the_generation(model_name):
+    """On a `SepFormerCache` a decoding step turns its own keys and reuses the earlier ones, kept turned; where they
+    were not kept (MS-PoE switched on after a plain prefill, other options, a crop), it turns them anew. Either way
+    the steps equal those on a plain `DynamicCache`, which keeps nothing and turns every cached key at every step, and
+    that equals the full pass (grouped-query keys, a sliding window of 6)."""
+    model = mitigated(model_name, "eager", sliding_window=6) if model_name == "mistral" else mitigated(model_name)
+    ids, fixed = random_ids(2, 14), options("ms_poe_fixed")
+    stepwise = stepwise_logits(model, ids, 9, cache=DynamicCache(config=model.config), **fixed)
+    torch.testing.assert_close(stepwise, logits(model, ids, **fixed), rtol=1e-5, atol=1e-5)
+    first, second = fixed["ms_poe"], MSPoE(1.1, 2.0, head_order=(0, 2, 3, 1))
+
+    def run(cache) -> torch.Tensor:
+        calls = [(0, 8, None), (8, 10, first), (10, 11, first), (11, 12, second), (12, 13, second)]
+        with torch.no_grad():
+            out = [
+                model(ids[:, start:end], past_key_values=cache, use_cache=True, ms_poe=option).logits
+                for start, end, option in calls
+            ]
+            if model_name == "qwen2":  # a sliding-window cache past its window cannot be cropped
+                cache.crop(-2)  # as assisted decoding drops rejected tokens
+                out.append(model(ids[:, 11:14], past_key_values=cache, use_cache=True, ms_poe=second).logits)
+        return torch.cat(out, 1)
+
+    kept = sepformer.SepFormerCache(config=model.config)
+    torch.testing.assert_close(run(kept), run(DynamicCache(config=model.config)), rtol=1e-5, atol=1e-5)
+    assert kept.mitigation_state["ms_poe"].turned_keys, "the steps kept their turned keys"
 
 
 # ---------------------------------------------------------------------------------------- Parallel Context Windows
