@@ -12,7 +12,7 @@ from .cache_sepformer import MitigationState
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
 from .mitigation_options import MSPoE
-from .rotary import apply_partial_rotary, rotate_partial
+from .rotary import apply_partial_rotary, rotary_cos_sin, rotate_partial
 from .spans import check_default_positions, key_positions
 
 
@@ -186,9 +186,9 @@ class MSPoEMitigation(Mitigation):
             rows = rows.to(run.dtype)
             position_shift = rows - run.position_rows
         if model.rotary_emb is not None:
-            angles = (run.position_ids / ratios)[..., None] * model.rotary_emb.inv_freq  # (H, b|1, seq, rd/2)
-            angles = torch.cat((angles, angles), -1)
-            rotary = angles.cos().to(run.dtype), angles.sin().to(run.dtype)
+            rotary = rotary_cos_sin(
+                run.position_ids / ratios, model.rotary_emb.inv_freq, run.dtype
+            )  # (H, b|1, seq, rd)
         return self.replace(position_shift=position_shift, rotary=rotary)
 
     def layer_ranks(self, attention, query, key, position_embeddings, attention_mask) -> torch.Tensor:
@@ -249,9 +249,7 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
     """cos, sin (H, b or 1, n, rotary_dim) of the further rotation from `m` to `m / r_i` for rank `i`: rotations of
     the same planes compose, so keys and queries already rotated at `m` are then rotated at `m / r_i`."""
     positions = positions.float()
-    angles = (positions / ratios - positions)[..., None] * inv_freq.float()  # (H, b or 1, n, rotary_dim / 2)
-    angles = torch.cat((angles, angles), -1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return rotary_cos_sin(positions / ratios - positions, inv_freq, dtype)
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,9 +24,15 @@ class SepFormerRotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`base`: another rotary base than the config's `rope_theta` (Attention Buckets)."""
         inv_freq = self.inv_freq if base is None else self.compute_inv_freq(base)
-        freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (b, seq, rotary_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (b, seq, rotary_dim)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return rotary_cos_sin(position_ids, inv_freq.to(x.device), x.dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin (..., rotary_dim) of the rotary angles `positions · inv_freq` in the rotate-half layout: `positions`
+    (...) any real positions (MS-PoE's `m / r`, or the turn `m / r - m`), `inv_freq` (rotary_dim / 2)."""
+    angles = positions.float()[..., None] * inv_freq.float()  # (..., rotary_dim / 2)
+    angles = torch.cat((angles, angles), -1)  # (..., rotary_dim): both halves of a rotated pair turn alike
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_partial_rotary(q, k, cos, sin):
