@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from benchmark import FULL, MITIGATIONS, MODELS, TINY, build, generate  # noqa: E402
+from benchmark_models import FULL, MODELS, TINY, build, generate  # noqa: E402
+from benchmark_sections import MITIGATIONS  # noqa: E402
 from cli_arguments import positive_int  # noqa: E402
 
 

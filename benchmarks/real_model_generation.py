@@ -26,7 +26,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from benchmark import Measurement, cell, run_interleaved, summary_rows, timed, write_outputs  # noqa: E402
+from benchmark_measuring import Measurement, run_interleaved, summary_rows, timed  # noqa: E402
+from benchmark_report import cell, write_outputs  # noqa: E402
 from cli_arguments import output_directory, positive_int, torch_device  # noqa: E402
 from lost_in_the_middle_options import PAPER, RAG_BASES, make_option  # noqa: E402
 from lost_in_the_middle_task import Encoder, kv_examples  # noqa: E402

@@ -14,6 +14,7 @@ from conftest import run_script
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "benchmark.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import benchmark  # noqa: E402  (after the path)
+import benchmark_sections  # noqa: E402  (the mitigations, where the generation section reads them)
 
 MODELS = ("SepFormer", "GPT-2", "Llama")
 
@@ -83,27 +84,29 @@ def test_every_mitigation_is_timed_against_plain_sepformer_and_on_llama(run):
     others named as skipped under the table."""
     _, rows, output_dir = run
     overhead = {(row["metric"], row["variant"]): row for row in rows if row["unit"] == "ratio"}
-    llama = benchmark.MITIGATED_LLAMA
+    llama = benchmark_sections.MITIGATED_LLAMA
     table = (output_dir / "benchmark.md").read_text()
     for batch in (1, 2):
         assert finite_ratio(overhead[(f"generate_b{batch}_add_mitigations", f"{llama} / Llama")])
-        for mitigation in benchmark.MITIGATIONS:
+        for mitigation in benchmark_sections.MITIGATIONS:
             key = f"generate_b{batch}_mitigation_{mitigation}"
             assert finite_ratio(overhead[(key, f"SepFormer + {mitigation} / SepFormer")])
             on_llama = overhead.get((key, f"{llama} + {mitigation} / {llama}"))
-            why = benchmark.why_not_on_llama(mitigation)
+            why = benchmark_sections.why_not_on_llama(mitigation)
             assert (on_llama is None) == (why is not None), (mitigation, why)
             assert why is None or f"- {llama} + {mitigation}: skipped, {why}." in table
             assert on_llama is None or finite_ratio(on_llama)
-    assert set(benchmark.measured_on(llama)) >= {"stable_mask", "ms_poe", "attention_calibration"}
+    assert set(benchmark_sections.measured_on(llama)) >= {"stable_mask", "ms_poe", "attention_calibration"}
 
 
 def test_llama_measures_every_option_but_those_that_read_sepformers_positions():
-    llama = benchmark.MITIGATED_LLAMA
-    assert benchmark.measured_on(llama) == [m for m in benchmark.MITIGATIONS if m not in benchmark.SEPFORMER_ONLY]
-    assert benchmark.measured_on("SepFormer") == list(benchmark.MITIGATIONS)
-    assert benchmark.skipped_mitigations() == [
-        f"- {llama} + {mitigation}: skipped, {why}." for mitigation, why in benchmark.SEPFORMER_ONLY.items()
+    llama = benchmark_sections.MITIGATED_LLAMA
+    assert benchmark_sections.measured_on(llama) == [
+        m for m in benchmark_sections.MITIGATIONS if m not in benchmark_sections.SEPFORMER_ONLY
+    ]
+    assert benchmark_sections.measured_on("SepFormer") == list(benchmark_sections.MITIGATIONS)
+    assert benchmark_sections.skipped_mitigations() == [
+        f"- {llama} + {mitigation}: skipped, {why}." for mitigation, why in benchmark_sections.SEPFORMER_ONLY.items()
     ]
 
 
@@ -112,7 +115,7 @@ def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
     mitigations: one measured on Llama, one not)."""
     shape = dict(prompt=8, new_tokens=2, generate_batches=[1], hidden_size=32, layers=1, heads=2)
     two = ("stable_mask", "attention_calibration_positional")
-    monkeypatch.setattr(benchmark, "MITIGATIONS", {name: benchmark.MITIGATIONS[name] for name in two})
+    monkeypatch.setattr(benchmark_sections, "MITIGATIONS", {name: benchmark_sections.MITIGATIONS[name] for name in two})
     benchmark.main(
         [
             "--shape-json",
@@ -137,7 +140,7 @@ def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
         "generate_b1_add_mitigations",
         "generate_b1",
     }
-    llama = benchmark.MITIGATED_LLAMA
+    llama = benchmark_sections.MITIGATED_LLAMA
     ratios = [row for row in rows if row["unit"] == "ratio" and row["variant"].startswith(llama)]
     assert [row["variant"] for row in ratios] == [f"{llama} / Llama", f"{llama} + stable_mask / {llama}"]
     assert all(finite_ratio(row, "1") for row in ratios)
