@@ -10,13 +10,14 @@ from sepformer import SepFormerCache
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "count_kernels.py"
 sys.path.insert(0, str(SCRIPT.parent))
-import benchmark  # noqa: E402  (after the path)
+import benchmark_models  # noqa: E402  (after the path)
+import benchmark_sections  # noqa: E402
 import count_kernels  # noqa: E402
 
 
 def test_a_step_costs_the_same_whatever_the_number_of_steps_counted():
     """The prefill cancels out: per-step counts over 2 and over 3 steps agree (a wrong normalisation would not)."""
-    model = benchmark.build("SepFormer", benchmark.TINY)
+    model = benchmark_models.build("SepFormer", benchmark_models.TINY)
     two, three = (sum(count_kernels.calls_per_step(model, 2, 8, tokens).values()) for tokens in (2, 3))
     assert two == three
 
@@ -24,8 +25,8 @@ def test_a_step_costs_the_same_whatever_the_number_of_steps_counted():
 def test_a_step_is_one_cached_forward_and_generate_s_bookkeeping():
     """Anchored to a decoding step counted by hand: the model's forward on one token is most of a step; `generate`
     adds its logits processing and stopping criteria (a few dozen calls), nothing like a second forward."""
-    model = benchmark.build("SepFormer", benchmark.TINY).eval()
-    ids = benchmark.token_ids(2, 8, 0, "cpu")
+    model = benchmark_models.build("SepFormer", benchmark_models.TINY).eval()
+    ids = benchmark_models.token_ids(2, 8, 0, "cpu")
     with torch.no_grad():
         cache = SepFormerCache(config=model.config)
         model(ids, past_key_values=cache, use_cache=True)
@@ -41,8 +42,8 @@ def test_a_step_is_one_cached_forward_and_generate_s_bookkeeping():
 def test_every_model_and_mitigation_has_a_row(capsys):
     rows = count_kernels.main(["--tiny", "--tokens", "2"])
     labels = {row["model"] for row in rows}
-    assert labels == {*benchmark.MODELS, *(f"SepFormer + {name}" for name in benchmark.MITIGATIONS)}
-    assert len(rows) == len(labels) * len(benchmark.TINY.generate_batches)
+    assert labels == {*benchmark_models.MODELS, *(f"SepFormer + {name}" for name in benchmark_sections.MITIGATIONS)}
+    assert len(rows) == len(labels) * len(benchmark_models.TINY.generate_batches)
     calls = {(row["model"], row["batch"]): row["calls"] for row in rows}
     # three buckets run the model three times per step
     assert calls[("SepFormer + attention_buckets_3", 1)] > 2.5 * calls[("SepFormer", 1)]
