@@ -189,11 +189,12 @@ def mitigated_attention(
         mitigation_plan.score_keywords |= {name for name in SCORE_TERMS if kwargs.get(name) is not None}
         mitigation_plan.queries_keys[module] = query, key
     elif mitigation_plan is not None and mitigation_plan.layers[module.layer_idx].attention_wrappers:
+        hooks = mitigation_plan.layers[module.layer_idx]
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
-            key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # a view expanded, then one copy
+            value = repeat_kv(value, groups)  # a view expanded, then one copy
+            key = key if hooks.takes_grouped_keys else repeat_kv(key, groups)
             module = ExpandedHeads(module)
-        hooks = mitigation_plan.layers[module.layer_idx]
         function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
     return function(module, query, key, value, attention_mask, **kwargs)
 

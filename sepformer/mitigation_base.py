@@ -130,6 +130,10 @@ class Mitigation:
     layers: frozenset[int]
     options_class: ClassVar[type[MitigationOptions]]
     prefill_requirement: ClassVar[str] = ""  # the error when a state fixed at prefill is missing
+    # Whether `wrap_attention`'s function takes grouped-query keys as the cache holds them, (b, H_kv, kv, d), and hands
+    # the function it wraps one key per query head (b, H, kv, d), when it is a layer's outermost wrapper: a mitigation
+    # that keeps its own per-head keys then spares a copy of every cached key at every step.
+    takes_grouped_keys: ClassVar[bool] = False
 
     @classmethod
     def default_options(cls, config) -> MitigationOptions | None:
@@ -272,6 +276,12 @@ class LayerHooks:
     def rewrites_inputs(self) -> bool:
         """Whether a hook reads or rewrites the inputs of `q_proj` and `k_proj`."""
         return bool(self.input_hooks)
+
+    @property
+    def takes_grouped_keys(self) -> bool:
+        """Whether the attention function of the layer takes grouped-query keys unexpanded (its outermost wrapper's
+        `takes_grouped_keys`)."""
+        return bool(self.attention_wrappers) and self.attention_wrappers[-1].takes_grouped_keys
 
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
         """What the input hooks do, as one `InputScale` the fused decoding projections can carry, or `None`."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from .cache_sepformer import MitigationState
 from .kept import cached_constant, derived_store, kept_in
@@ -200,6 +201,7 @@ class MSPoEMitigation(Mitigation):
         if attention.layer_idx not in ranks:
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
+            key = repeat_kv(key, query.shape[1] // key.shape[1])  # grouped-query keys: one per query head
             probs, valid = last_row_probs(query, key, attention_mask, attention.scaling)
             ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
         return ranks[attention.layer_idx]
@@ -256,8 +258,11 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
     rotated at the tokens' positions `m` (the cache's keys included, at their positions counted from each row's first
-    real token), and turns head `h`'s further, to `m / r_h`. Heads are query heads (grouped-query keys arrive
-    expanded)."""
+    real token), and turns head `h`'s further, to `m / r_h`. Heads are query heads: grouped-query keys are expanded
+    to one per query head as they are turned (the earlier ones are kept turned), or arrive expanded when another
+    wrapper comes first."""
+
+    takes_grouped_keys = True
 
     decoder: Any = None  # the model's `DecoderPositions`: its rotary's frequency tables, by layer
     heads: int = 0  # query heads
@@ -317,7 +322,7 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         if state is not None and state.turned_seen.get(layer) == self.seen:
             return state.turned_keys[layer]
         held = key.shape[2]
-        earlier = key[:, :, : held - new] if held <= self.seen + new else key[:, :, : self.seen]
+        earlier = self.per_query_head(key[:, :, : held - new] if held <= self.seen + new else key[:, :, : self.seen])
         total = self.seen + new  # the earlier keys are the last (sliding window) or first (static slots) of `seen`
         positions = key_positions(self.padding_mask, total, key.device).clamp(min=0)  # padding is masked: any position
         positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
@@ -328,8 +333,13 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         )
         return rotate_partial(earlier, cos, sin)
 
+    def per_query_head(self, key: torch.Tensor) -> torch.Tensor:
+        """(b, H, n, head_dim) from grouped-query keys (b, H_kv, n, head_dim) (or already expanded ones)."""
+        return repeat_kv(key, self.heads // key.shape[1])
+
     def turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, cos, sin) -> torch.Tensor:
-        """`key` (b, H, held, head_dim) as the cache hands it over, each head's keys turned to `m / r_h`: the call's
+        """`key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query head's keys turned to `m / r_h`:
+        the call's
         new keys by `cos`, `sin` (the queries' turn: they share positions), the earlier ones kept turned on the cache.
         A sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones filled."""
         new, held = cos.shape[2], key.shape[2]
@@ -337,12 +347,12 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         start = held - new if held <= total else self.seen
         earlier = self.earlier_turned_keys(layer, key, ranks, new)
         assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
-        turned = torch.cat((earlier, rotate_partial(key[:, :, start : start + new], cos, sin)), 2)
+        turned = torch.cat((earlier, rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)), 2)
         if self.cache is not None:
             state = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
             state.turned_keys[layer] = turned[:, :, -held:]  # a sliding window's next call needs at most these
             state.turned_seen[layer] = total
-        return turned[:, :, -held:] if held <= total else torch.cat((turned, key[:, :, total:]), 2)
+        return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
 
     def wrap_attention(self, layer_idx: int, function, projection):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
