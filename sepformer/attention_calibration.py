@@ -1,7 +1,6 @@
 """ "Found in the Middle" attention calibration (arXiv 2406.16008): the last query re-weighted over documents."""
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +14,7 @@ from .mitigation_base import (
     MitigationPlan,
     QueryKeyProjection,
     attention_implementation,
+    last_logits,
     last_row_probs,
     last_row_scores,
 )
@@ -191,8 +191,7 @@ class CalibrationMitigation(Mitigation):
         others = tuple(type(other).resolve(other.options, dummy_call) for other in others)
         probing = CalibrationProbe(options, self.layers, probe)
         plan = MitigationPlan.of((*others, probing), config.num_hidden_layers)
-        # A causal LM's head is not needed by these passes (only their attention): one row of logits, not every row.
-        head = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(call.model.forward).parameters else {}
+        head = last_logits(call.model, 1)  # these passes need their attention, not the causal LM's head
         with torch.no_grad():  # a forward of its own: the caller's output_attentions do not record these passes
             call.model(
                 input_ids=ids,

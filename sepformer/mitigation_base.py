@@ -29,6 +29,7 @@ A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forwar
 """
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -232,6 +233,12 @@ class Mitigation:
 
 def overrides(mitigation: Mitigation, hook: str) -> bool:
     return getattr(type(mitigation), hook) is not getattr(Mitigation, hook)
+
+
+def last_logits(model, rows: int) -> dict:
+    """`{"logits_to_keep": rows}` where the causal LM's `forward` takes it, `{}` otherwise: the head then runs on the
+    last `rows` positions only (on a large vocabulary, most of a forward's cost)."""
+    return {"logits_to_keep": rows} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def last_row_scores(

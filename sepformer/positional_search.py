@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .any_decoder import MitigatedDecoder
+from .mitigation_base import last_logits
 from .mitigation_options import PositionalScaling
 
 DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
@@ -210,12 +211,14 @@ def evaluated(model: nn.Module, batches: Sequence[tuple], channels, layers, fact
             options["positional_scaling"] = PositionalScaling(
                 factor, channels=channels, layers=layers, last_recompute_tokens=rows
             )
+        options |= last_logits(model, rows)  # the head on the answer's rows only (a large vocabulary: most of a pass)
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **options).logits
-        targets = labels[:, 1:]
+        logits = logits[:, -rows:]
+        targets = labels[:, 1 - rows :]  # what rows n - rows .. n - 2 predict: every labelled token
         token_losses = nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
-        )  # (b, n - 1)
+        )  # (b, rows - 1)
         labelled = (targets != -100).float()
         for loss, gold in zip(((token_losses * labelled).sum(-1) / labelled.sum(-1)).tolist(), golds, strict=True):
             by_position.setdefault(gold, []).append(loss)
