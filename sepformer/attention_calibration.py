@@ -183,6 +183,7 @@ class CalibrationMitigation(Mitigation):
             call,
             input_ids=ids,
             attention_mask=padding,
+            position_ids=None,  # the passes run at the default positions of their own rows
             cache=None,
             batch=len(ids),
             new_tokens=ids.shape[1],

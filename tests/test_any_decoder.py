@@ -584,6 +584,28 @@ def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_s
     assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_calibration_with_ms_poe_generates_as_its_forward_computes(model_name):
+    """Calibration's dummy passes run the call's other options on a batch of their own (a row per document): given
+    the call's position_ids by `generate`, as `forward` is not, they still run at their own rows' positions. The
+    first generated token is the forward's argmax, the whole batch left-padded."""
+    model = mitigated(model_name)
+    ids, mask = left_padded([random_ids(1, 12, seed=1)[0], random_ids(1, 11, seed=2)[0]])
+    option = {"attention_calibration": AttentionCalibration(spans=(SPANS,) * 2, temperature=0.1), "ms_poe": MSPoE()}
+    forward = logits(model, ids, attention_mask=mask, **option)[:, -1]
+    generated = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=1,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **option,
+    )
+    torch.testing.assert_close(generated.logits[0], forward, rtol=1e-5, atol=1e-5)
+
+
 def test_calibration_decodes_past_a_sliding_window_as_with_every_key_kept():
     """A sliding-window cache drops the keys that slid out; a cache keeping them all, masked by the window, is the
     oracle."""
