@@ -285,14 +285,14 @@ class MitigatedDecoder(MitigationGenerationMixin):
         continuing = cache is not None and cache.get_seq_length() > 0
         batch, new_tokens = tokens.shape[:2]
         return CallContext(
-            self,
-            inputs.get("input_ids"),
-            inputs.get("attention_mask"),
-            cache,
-            None,
-            batch,
-            new_tokens,
-            continuing,
+            model=self,
+            input_ids=inputs.get("input_ids"),
+            attention_mask=inputs.get("attention_mask"),
+            cache=cache,
+            extrapolation=None,
+            batch=batch,
+            new_tokens=new_tokens,
+            continuing=continuing,
             decoder=self.decoder_positions,
             position_ids=inputs.get("position_ids"),
         )
@@ -313,7 +313,15 @@ class MitigatedDecoder(MitigationGenerationMixin):
             mask = padding_mask = torch.ones(batch, kv_length, dtype=torch.long, device=tokens.device)
         if mask_function is not None:
             mask = self.masks_with(mask_function, padding_mask, cache, position_ids, batch, new_tokens)
-        run = LayerRun(position_ids, read_positions, None, padding_mask, cache, self.dtype, tokens.device)
+        run = LayerRun(
+            position_ids=position_ids,
+            table_positions=read_positions,
+            position_rows=None,
+            padding_mask=padding_mask,
+            cache=cache,
+            dtype=self.dtype,
+            device=tokens.device,
+        )
         inputs = {**inputs, "attention_mask": mask, "mitigation_plan": plan.start(run)}
         if self.decoder_positions.positions_problem is None or read_positions is not position_ids:
             inputs["position_ids"] = read_positions  # counted from each row's first real token (left padding)

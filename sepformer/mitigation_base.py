@@ -32,12 +32,19 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from torch import nn
+from transformers.cache_utils import Cache
 from transformers.masking_utils import and_masks
 
+from .cache_sepformer import SepFormerCache
 from .mitigation_options import MitigationOptions
+from .positional_options import PositionExtrapolation
+
+if TYPE_CHECKING:
+    from .any_decoder import DecoderPositions
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 InputScale = tuple[tuple[int, ...], float]  # (channels, factor) of the query and key inputs, as one linear map
@@ -55,27 +62,26 @@ def attention_implementation(config) -> str:
     return WRAPPED_IMPLEMENTATIONS.get(name, name)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CallContext:
     """One call of the model, as the mitigations are resolved against it, before any layer runs."""
 
-    model: Any  # the SepFormerModel, or the Hugging Face causal LM that `add_mitigations` served
+    model: nn.Module  # the SepFormerModel, or the Hugging Face causal LM that `add_mitigations` served
     input_ids: torch.LongTensor | None
     attention_mask: torch.Tensor | None  # the caller's mask: 2D padding mask (batch, past + seq), 4D, or None
-    cache: Any  # a transformers `Cache` or None
-    extrapolation: Any  # the call's PositionExtrapolation
+    cache: Cache | None
+    extrapolation: PositionExtrapolation | None  # SepFormer's reading past the table; None on other models
     batch: int
     new_tokens: int  # the call's tokens (its sequence length)
     continuing: bool  # the call continues a cache (a decoding step), rather than starting one (prefill)
     # The SepFormerCache that keeps what is fixed at prefill: the call's cache, a fresh one for a call without a cache,
     # or None when the call's cache is of another kind; set by `resolve_plan`.
-    sepformer_cache: Any = None
-    # Where a Hugging Face model keeps its positions (`any_decoder.DecoderPositions`); None for SepFormer.
-    decoder: Any = None
-    position_ids: Any = None  # the call's position_ids where given (a Hugging Face decoder's), else None
+    sepformer_cache: SepFormerCache | None = None
+    decoder: "DecoderPositions | None" = None  # where a Hugging Face model keeps its positions; None for SepFormer
+    position_ids: torch.LongTensor | None = None  # the call's position_ids where given (a Hugging Face decoder's)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class LayerRun:
     """What one run of the layers computes once for all of them: the positions of its new tokens.
 
@@ -87,7 +93,7 @@ class LayerRun:
     # `random_position_offsets`; the absolute positions otherwise)
     position_rows: torch.Tensor | None  # (b or 1, seq, d_pos): p(position_ids), None without a positional block
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
-    cache: Any
+    cache: Cache | None
     dtype: torch.dtype
     device: torch.device
 
@@ -100,7 +106,7 @@ class LayerCall:
     residual: torch.Tensor  # (b, seq, d_model): the layer's input, before its norm
     attention_mask: torch.Tensor | None  # as the attention function gets it
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos, sin; None without rotary
-    past_key_values: Any  # a transformers `Cache` or None
+    past_key_values: Cache | None
     hooks: "LayerHooks"  # the layer's mitigation hooks
 
 
@@ -110,7 +116,7 @@ class QueryKeyProjection:
     layers whose `query_key_inputs` a hook rewrites: a wrapper may then attend with other readings of the same input
     than the ones the layer projected (positional scaling's base rows, calibration's dummy keys)."""
 
-    attention: Any  # the SepFormerAttention
+    attention: nn.Module  # the SepFormerAttention
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
     layer_call: LayerCall
 

@@ -347,8 +347,17 @@ class SepFormerModel(SepFormerPreTrainedModel):
             past_key_values = SepFormerCache(config=self.config)
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            tokens = inputs_embeds.shape[:2]  # batch, new tokens
-            call = CallContext(self, input_ids, attention_mask, past_key_values, extrapolation, *tokens, continuing)
+            batch, new_tokens = inputs_embeds.shape[:2]
+            call = CallContext(
+                model=self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=past_key_values,
+                extrapolation=extrapolation,
+                batch=batch,
+                new_tokens=new_tokens,
+                continuing=continuing,
+            )
             mitigation_plan = resolve_plan(call, options)
         elif options:
             raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
@@ -394,8 +403,16 @@ class SepFormerModel(SepFormerPreTrainedModel):
         if self.rotary_emb is not None:
             position_embeddings = self.rotary_emb(hidden_states, read_positions, rotary_base)
         if plan is not None:
-            run_positions = (position_ids, table_positions, position_rows, padding_mask, past_key_values)
-            plan = plan.start(LayerRun(*run_positions, inputs_embeds.dtype, inputs_embeds.device))
+            run = LayerRun(
+                position_ids=position_ids,
+                table_positions=table_positions,
+                position_rows=position_rows,
+                padding_mask=padding_mask,
+                cache=past_key_values,
+                dtype=inputs_embeds.dtype,
+                device=inputs_embeds.device,
+            )
+            plan = plan.start(run)
         return hidden_states, dict(
             attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=plan
         )
