@@ -33,7 +33,14 @@ from .decoder_attention import query_key_layout_problem, release_rewritings, ser
 from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
-from .mitigations import MITIGATIONS, causal_lm_wrapper, parse_options, resolve_plan, with_mitigation_keywords
+from .mitigations import (
+    MITIGATIONS,
+    call_options,
+    causal_lm_wrapper,
+    parse_options,
+    resolve_plan,
+    with_mitigation_keywords,
+)
 from .ms_poe import LENGTH_DEPENDENT_ROPE
 from .spans import default_position_ids
 
@@ -231,14 +238,12 @@ class MitigatedDecoder(MitigationGenerationMixin):
     def forward(self, *args, **kwargs):
         """The model's `forward`; the option keywords (`sepformer.mitigations`), or `mitigation_plan` (mitigations
         already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
-        options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
         plan = kwargs.pop("mitigation_plan", None)
+        options = call_options(kwargs, plan)
         inputs = forward_inputs(self, args, kwargs)
         cache = inputs.get("past_key_values")
         if plan is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
-        if plan is not None and options:
-            raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
         implementation = self.config._attn_implementation
         if implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(

@@ -51,6 +51,15 @@ MITIGATIONS: dict[str, type[Mitigation]] = {
 }
 
 
+def call_options(kwargs: dict, plan: MitigationPlan | None = None) -> dict:
+    """The call's option keywords, taken out of the keywords of `forward`; refused beside a `mitigation_plan` (which
+    carries mitigations already resolved in their place)."""
+    options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
+    if plan is not None and options:
+        raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
+    return options
+
+
 def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     """The call's options, parsed, without those that are off. An option not given (`None`) takes the mitigation's
     `default_options(config)` (StableMask's is the config's); `False` switches it off for the call."""

@@ -37,7 +37,7 @@ from .input_checks import check_checkpoint_folder, check_inputs, check_labels, u
 from .kept import derived_store
 from .mitigated_generation import LOSS_KEYWORDS, MitigationGenerationMixin, check_fed_token_ids, check_last_position
 from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, MitigationPlan, QueryKeyProjection
-from .mitigations import MITIGATIONS, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
+from .mitigations import call_options, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
 from .positional_maps import POSITIONAL_MAPS, BSplinePositions, call_extrapolation
 from .rotary import SepFormerRotaryEmbedding, apply_partial_rotary
 from .spans import default_position_ids
@@ -337,7 +337,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         mitigation_plan (`MitigationPlan`, *optional*):
             Mitigations already resolved, in place of the options: for passes that a mitigation runs itself.
         """
-        options = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
+        options = call_options(kwargs, mitigation_plan)
         if not torch.compiler.is_compiling():  # the checks read shapes and values that a graph would guard on
             check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
         if inputs_embeds is None:
@@ -359,8 +359,6 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 continuing=continuing,
             )
             mitigation_plan = resolve_plan(call, options)
-        elif options:
-            raise ValueError(f"give either mitigation_plan or the options {sorted(options)}, not both.")
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
         hidden_states, layer_inputs = self.layer_inputs(
@@ -492,7 +490,7 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         wrapper = causal_lm_wrapper(kwargs, past_key_values)
         if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
             mitigation, options = wrapper
-            options_of_call = {name: kwargs.pop(name) for name in MITIGATIONS if name in kwargs}
+            options_of_call = call_options(kwargs)
             inputs = dict(model_inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
             return mitigation.run_causal_lm(options, self, inputs, options_of_call)
         loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KEYWORDS if name in kwargs}
