@@ -134,8 +134,9 @@ class DecoderPositions:
 
 
 class ExpandedHeads:
-    """An attention module seen with one key-value head per query head: grouped-query keys and values were expanded
-    (a mitigation acts per query head), so the wrapped function must not repeat them again."""
+    """An attention module seen with one key-value head per query head: grouped-query keys and values are expanded
+    (a mitigation acts per query head; the keys by the outermost wrapper where it turns them), so the wrapped function
+    must not repeat them again."""
 
     num_key_value_groups = 1
 
@@ -199,7 +200,7 @@ def mitigated_attention(
         hooks = mitigation_plan.layers[module.layer_idx]
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
-            value = repeat_kv(value, groups)  # a view expanded, then one copy
+            value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
             key = key if hooks.takes_grouped_keys else repeat_kv(key, groups)
             module = ExpandedHeads(module)
         function = hooks.attention_function(module.layer_idx, function, mitigation_projection)

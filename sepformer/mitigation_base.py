@@ -137,10 +137,12 @@ class Mitigation:
     layers: frozenset[int]
     options_class: ClassVar[type[MitigationOptions]]
     prefill_requirement: ClassVar[str] = ""  # the error when a state fixed at prefill is missing
-    # Whether `wrap_attention`'s function takes grouped-query keys as the cache holds them, (b, H_kv, kv, d), and hands
-    # the function it wraps one key per query head (b, H, kv, d), when it is a layer's outermost wrapper: a mitigation
-    # that keeps its own per-head keys then spares a copy of every cached key at every step.
-    takes_grouped_keys: ClassVar[bool] = False
+    # Whether `wrap_attention` turns the queries and keys it is given (MS-PoE's further rotation on a Hugging Face
+    # decoder). Such a wrapper is its layer's outermost, so that the others read the turned queries and keys, as they
+    # read SepFormer's (whose positions a `position_query_key` hook applies before any wrapper); and it takes the
+    # cache's grouped-query keys as they are, (b, H_kv, kv, d), handing the function it wraps one key per query head:
+    # it keeps its own turned keys, so expanding every cached key first would be a wasted copy at every step.
+    turns_queries_keys: ClassVar[bool] = False
 
     @classmethod
     def default_options(cls, config) -> MitigationOptions | None:
@@ -292,9 +294,9 @@ class LayerHooks:
 
     @property
     def takes_grouped_keys(self) -> bool:
-        """Whether the attention function of the layer takes grouped-query keys unexpanded (its outermost wrapper's
-        `takes_grouped_keys`)."""
-        return bool(self.attention_wrappers) and self.attention_wrappers[-1].takes_grouped_keys
+        """Whether the attention function of the layer takes grouped-query keys unexpanded: its outermost wrapper turns
+        the queries and keys (`Mitigation.turns_queries_keys`)."""
+        return bool(self.attention_wrappers) and self.attention_wrappers[-1].turns_queries_keys
 
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
         """What the input hooks do, as one `InputScale` the fused decoding projections can carry, or `None`."""
@@ -342,7 +344,13 @@ class MitigationPlan:
             return LayerHooks(
                 input_hooks=tuple(mitigation for mitigation in here if overrides(mitigation, "query_key_inputs")),
                 position_hook=position_hooks[0] if position_hooks else None,
-                attention_wrappers=tuple(mitigation for mitigation in here if overrides(mitigation, "wrap_attention")),
+                # innermost first; a wrapper that turns the queries and keys outermost
+                attention_wrappers=tuple(
+                    sorted(
+                        (mitigation for mitigation in here if overrides(mitigation, "wrap_attention")),
+                        key=lambda mitigation: mitigation.turns_queries_keys,
+                    )
+                ),
             )
 
         return cls(mitigations, tuple(hooks(layer) for layer in range(num_layers)))

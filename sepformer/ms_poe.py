@@ -258,11 +258,11 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
 class RotaryMSPoEMitigation(MSPoEMitigation):
     """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
     rotated at the tokens' positions `m` (the cache's keys included, at their positions counted from each row's first
-    real token), and turns head `h`'s further, to `m / r_h`. Heads are query heads: grouped-query keys are expanded
-    to one per query head as they are turned (the earlier ones are kept turned), or arrive expanded when another
-    wrapper comes first."""
+    real token), and turns head `h`'s further, to `m / r_h`, before the layer's other wrappers read them. Heads are
+    query heads: grouped-query keys are expanded to one per query head as they are turned (the earlier ones are kept
+    turned on the cache)."""
 
-    takes_grouped_keys = True
+    turns_queries_keys = True
 
     decoder: Any = None  # the model's `DecoderPositions`: its rotary's frequency tables, by layer
     heads: int = 0  # query heads
@@ -339,9 +339,9 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
 
     def turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, cos, sin) -> torch.Tensor:
         """`key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query head's keys turned to `m / r_h`:
-        the call's
-        new keys by `cos`, `sin` (the queries' turn: they share positions), the earlier ones kept turned on the cache.
-        A sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones filled."""
+        the call's new keys by `cos`, `sin` (the queries' turn: they share positions), the earlier ones kept turned on
+        the cache. A sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones
+        filled."""
         new, held = cos.shape[2], key.shape[2]
         total = self.seen + new
         start = held - new if held <= total else self.seen

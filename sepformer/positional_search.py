@@ -192,7 +192,8 @@ def checked_batch(
 def answer_rows(labels: torch.Tensor, index: int) -> int:
     """How many last rows predict the answer (from the row before its first labelled token to the end); the same in
     every example of a batch, so that one recomputation count serves them all."""
-    first = (labels != -100).long().argmax(-1)  # (b,): each example's first labelled token
+    first = (labels[:, 1:] != -100).long().argmax(-1) + 1  # (b,): each example's first labelled token after its
+    # first token (a label there has no row before it to predict it, and no loss is taken on it)
     if (first != first[0]).any():
         raise ValueError(
             f"batch {index}: the answers start at different indices {sorted(set(first.tolist()))}; positional scaling "

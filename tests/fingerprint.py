@@ -52,6 +52,8 @@ def option_cases() -> dict[str, dict]:
         "stable_mask+ms_poe": alone["stable_mask"] | alone["ms_poe"],
         "attention_calibration+ms_poe": alone["attention_calibration"] | alone["ms_poe"],
         "positional_scaling+stable_mask": alone["positional_scaling"] | alone["stable_mask"],
+        "positional_scaling+attention_calibration": alone["positional_scaling"] | alone["attention_calibration"],
+        "positional_scaling+ms_poe": alone["positional_scaling"] | alone["ms_poe"],
         "parallel_context_windows+attention_buckets_scales": alone["parallel_context_windows"]
         | alone["attention_buckets_scales"],
     }

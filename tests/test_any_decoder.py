@@ -532,20 +532,24 @@ def test_windows_keep_the_sliding_window_of_the_layers_that_have_one():
 # ----------------------------------------------------------------------------------------------------- calibration
 
 
-def calibration_reference(model_name, ids, spans, temperature, layers, first_row):
+def calibration_reference(model_name, ids, spans, temperature, layers, first_row, ratio=1.0):
     """Logits with attention calibration written from the paper's formula (one unpadded row): `bias(k)` is the last
     prompt token's mean attention on pad tokens put in place of document `k` (eager passes of the plain model), and
     every row from `first_row` on (the prompt's last token, then each decoded token) is re-weighted over the documents:
     document `k`'s tokens times `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total
-    attention on the documents."""
+    attention on the documents. Every pass reads positions `m / ratio` (MS-PoE with one ratio in every layer)."""
     plain = plain_model(model_name, "eager")
     prompt = ids[:, : first_row + 1]
+
+    def at_ratio(length: int) -> dict:  # GPT-2's learned table takes integer positions only
+        return {} if ratio == 1.0 else {"position_ids": torch.arange(length)[None] / ratio}
+
     bias = []
     for start, end in spans:
         dummy = prompt.clone()
         dummy[:, start:end] = plain.config.pad_token_id
         with torch.no_grad():
-            attentions = plain(dummy, output_attentions=True).attentions
+            attentions = plain(dummy, output_attentions=True, **at_ratio(first_row + 1)).attentions
         bias.append(torch.stack([layer[0, :, -1, start:end].mean(-1) for layer in attentions]))  # (L, H)
     bias = torch.stack(bias, -1)  # (L, H, K)
 
@@ -569,7 +573,7 @@ def calibration_reference(model_name, ids, spans, temperature, layers, first_row
     AttentionInterface.register("calibration_reference", calibrated)
     plain.set_attn_implementation("calibration_reference")
     additive = torch.triu(torch.full((ids.shape[1],) * 2, torch.finfo(torch.float32).min), 1)[None, None]
-    return logits(plain, ids, attention_mask=additive)
+    return logits(plain, ids, attention_mask=additive, **at_ratio(ids.shape[1]))
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -582,6 +586,23 @@ def test_calibration_equals_the_papers_formula_at_prefill_and_at_each_decoding_s
     reference = calibration_reference(model_name, ids, spans, temperature, layers, first_row=11)
     torch.testing.assert_close(steps, reference, rtol=1e-4, atol=1e-4)
     assert (reference[:, 11:] - logits(plain_model(model_name, "eager"), ids)[:, 11:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_calibration_reweights_the_attention_ms_poe_turned(model_name):
+    """MS-PoE with one ratio `r` in every layer is the model at positions `m / r`; with calibration in the same layers,
+    calibration's formula on the model at `m / r` (its dummy passes too), at prefill and at each decoding step: the
+    calibrated row is computed from the turned queries and keys, not past them."""
+    spans, temperature, layers, ratio = ((1, 4), (4, 8), (8, 11)), 0.05, (1, 2), 1.5
+    model = mitigated(model_name, "eager")
+    ids = random_ids(1, 16)
+    option = {
+        "attention_calibration": AttentionCalibration(spans=[spans], temperature=temperature, layers=layers),
+        "ms_poe": MSPoE(r_min=ratio, r_max=ratio, layers=(0, 1, 2)),
+    }
+    steps = stepwise_logits(model, ids, 12, **option)
+    reference = calibration_reference(model_name, ids, spans, temperature, layers, first_row=11, ratio=ratio)
+    torch.testing.assert_close(steps[:, 11:], reference[:, 11:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("model_name", ["llama", "qwen2"])

@@ -247,26 +247,34 @@ def test_the_filter_finds_a_planted_channel_of_gpt2_and_the_search_runs_on_it():
 def test_the_loss_of_a_left_padded_answer_of_several_tokens_is_its_cross_entropy_written_out():
     """The search scores a candidate on the answer's rows only (the causal LM's head on them alone): the base loss of
     a batch of left-padded prompts with 3-token answers is each example's mean cross-entropy over its answer, averaged
-    by gold position, from the full logits of a plain forward."""
+    by gold position, from the full logits of a plain forward; and so with every token labelled (the first one
+    predicted by no row, as in a causal LM's loss)."""
     model = tiny_llama()
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (4, 14), generator=generator)
     mask = torch.ones_like(ids)
     mask[0, :3] = mask[2, :1] = 0  # left padding
-    labels = torch.full_like(ids, -100)
-    labels[:, -3:] = ids[:, -3:]
-    labels[1, -1] = -100  # a shorter answer: its own mean
+    answers = torch.full_like(ids, -100)
+    answers[:, -3:] = ids[:, -3:]
+    answers[1, -1] = -100  # a shorter answer: its own mean
     gold = torch.tensor([0, 1, 1, 2])
-    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "gold_position": gold}
-    result = search_positional_scaling(model, [batch], factors=(0.0,), channel_sets=[(3,)])
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits  # (4, 14, vocab)
-    losses = torch.nn.functional.cross_entropy(
-        logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none"
-    )
-    per_example = losses.sum(-1) / (labels[:, 1:] != -100).sum(-1)
-    by_gold = [per_example[gold == position].mean().item() for position in (0, 1, 2)]
-    assert result.base.position_losses == pytest.approx(dict(enumerate(by_gold)), rel=1e-5)
+
+    def written_out(ids, labels, mask=None) -> dict[int, float]:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits  # (4, n, vocab)
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none"
+        )
+        per_example = losses.sum(-1) / (labels[:, 1:] != -100).sum(-1)
+        return {position: per_example[gold == position].mean().item() for position in (0, 1, 2)}
+
+    for batch in (
+        {"input_ids": ids, "labels": answers, "attention_mask": mask, "gold_position": gold},
+        {"input_ids": ids[:, 3:], "labels": ids[:, 3:], "gold_position": gold},
+    ):
+        result = search_positional_scaling(model, [batch], factors=(0.0,), channel_sets=[(3,)])
+        expected = written_out(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+        assert result.base.position_losses == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_model_without_a_positional_channel_raises_its_own_error():
