@@ -26,7 +26,8 @@ COLORS = [f"C{index}" for index in range(10)]
 
 def read(paths: list[Path]) -> dict:
     """(model, keys, prompt, pairs, mitigation, choice) -> seed -> {"accuracy": by slot, "settings", "seconds"}. A slot
-    given twice for the same seed (two runs of one condition) is refused."""
+    given twice for the same seed (two runs of one condition, such as the model without mitigation in each run of some
+    methods) must have the same accuracy: greedy decoding of the same prompts gives the same answers."""
     runs = {}
     for path in paths:
         with open(path, newline="") as handle:
@@ -35,10 +36,11 @@ def read(paths: list[Path]) -> dict:
                 seed = runs.setdefault((*task, row["mitigation"], row["choice"]), {}).setdefault(
                     int(row["seed"]), {"accuracy": {}}
                 )
-                if int(row["slot"]) in seed["accuracy"]:
+                if seed["accuracy"].get(int(row["slot"]), float(row["accuracy"])) != float(row["accuracy"]):
                     raise SystemExit(
-                        f"{path}: {row['mitigation']} ({row['choice']}) seed {row['seed']} slot "
-                        f"{row['slot']} is in another results file too"
+                        f"{path}: {row['mitigation']} ({row['choice']}) seed {row['seed']} slot {row['slot']} has "
+                        f"accuracy {row['accuracy']} here and {seed['accuracy'][int(row['slot'])]} in another results "
+                        "file: two runs of one condition that disagree"
                     )
                 seed["accuracy"][int(row["slot"])] = float(row["accuracy"])
                 seed["settings"], seed["seconds"] = row["settings"], float(row["seconds_per_prompt"])

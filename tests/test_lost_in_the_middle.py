@@ -704,3 +704,12 @@ def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
     }
     assert "| none | paper | defaults |  | 0.675 (0.600-0.750) | 0.45 (0.40-0.50) | 0.50 | 0, 1 |" in text
     assert (tmp_path / "real_models_m_2.png").read_bytes().startswith(PNG)
+    # a second run of seed 0 with the plain model again: the same answers are taken once, other ones refused
+    with open(paths[0], newline="") as handle:
+        again = [row for row in csv.DictReader(handle) if row["mitigation"] == "none"]
+    litm.write_csv(again, tmp_path / "again.csv", litm.RESULT_FIELDS)
+    assert report.main([*map(str, paths), str(tmp_path / "again.csv"), "--output-dir", str(tmp_path)]) == text
+    again[0]["accuracy"] = 0.9
+    litm.write_csv(again, tmp_path / "again.csv", litm.RESULT_FIELDS)
+    with pytest.raises(SystemExit, match="slot 1 has accuracy 0.9 here and 0.5 in another results file"):
+        report.main([*map(str, paths), str(tmp_path / "again.csv"), "--output-dir", str(tmp_path)])
