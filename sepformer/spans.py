@@ -146,12 +146,20 @@ def check_default_positions(call, acting: str) -> None:
     reading them would wait for the device."""
     if call.position_ids is None or call.continuing:
         return
-    mask = call.attention_mask if call.attention_mask is not None and call.attention_mask.dim() == 2 else None
-    default = key_positions(mask, call.new_tokens, call.position_ids.device)  # -1 on padding
-    position_ids, default = torch.broadcast_tensors(call.position_ids, default)
+    padding = call.attention_mask is None or call.attention_mask.dim() == 2  # a 4D mask's padding is not read
+    default = key_positions(call.attention_mask if padding else None, call.new_tokens, call.position_ids.device)
+    position_ids, default = torch.broadcast_tensors(call.position_ids, default)  # default: -1 on padding
     real = default >= 0
-    if not torch.equal(position_ids[real], default[real]):
+    differs = ((position_ids != default) & real).any(-1)
+    if differs.any():
+        row = int(differs.nonzero()[0])
+        fix = (
+            "leave position_ids out (the default positions)"
+            if padding
+            else "the call's attention_mask is 4D, which does not say where each row starts (generate builds such "
+            "masks with a static cache on some models): give a 2D padding mask, as with the default dynamic cache"
+        )
         raise ValueError(
             f"{acting} from the positions counted from each row's first real token, but the call's position_ids are "
-            f"others ({position_ids[0, :8].tolist()}... in row 0): leave position_ids out (the default positions)."
+            f"others ({position_ids[row, :8].tolist()}... in row {row}): {fix}."
         )

@@ -444,6 +444,10 @@ def test_ms_poe_decodes_past_a_sliding_window_and_on_a_static_cache_as_the_full_
     dynamic = model.generate(ids[:, :11], **scores, **option)
     assert torch.equal(static.sequences, dynamic.sequences)
     torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), rtol=1e-5, atol=1e-5)
+    # left-padded rows: the static cache's 4D masks do not say where a row starts, so the keys' positions are unknown
+    padded, mask = left_padded([ids[0, :11], ids[1, :8]])
+    with pytest.raises(ValueError, match=r"others \(\[0, 0, 0, 0, 1, .* in row 1\): the call.s attention_mask is 4D"):
+        model.generate(padded, attention_mask=mask, cache_implementation="static", **scores, **option)
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "mistral"])
