@@ -37,6 +37,7 @@ from .mitigations import (
     MITIGATIONS,
     call_options,
     causal_lm_wrapper,
+    kept_plan,
     parse_options,
     resolve_plan,
     with_mitigation_keywords,
@@ -243,6 +244,8 @@ class MitigatedDecoder(MitigationGenerationMixin):
         options = call_options(kwargs, plan)
         inputs = forward_inputs(self, args, kwargs)
         cache = inputs.get("past_key_values")
+        if plan is None and getattr(cache, "decoding_plan", None) is not None:  # checked when it was resolved
+            plan = kept_plan(self.call_context(inputs), options)
         if plan is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
         implementation = self.config._attn_implementation

@@ -14,8 +14,12 @@ resolves a call's options into a `MitigationPlan`. A new mitigation is a `Mitiga
 dataclass, added to `MITIGATIONS` here or with `register_mitigation` (see `mitigation_base` for the hooks).
 """
 
+import copy
 import dataclasses
 import inspect
+from dataclasses import dataclass
+
+import torch
 
 from .attention_buckets import AttentionBucketsMitigation
 from .attention_calibration import CalibrationMitigation, KeyDocuments, calibrate_row
@@ -149,8 +153,86 @@ def check_prefill_options_kept(call: CallContext, parsed: dict[str, MitigationOp
         )
 
 
+@dataclass(frozen=True, eq=False)
+class KeptPlan:
+    """The plan a decoding step resolved, kept on the generation's cache for the steps after it: a step that gives the
+    same options in the same form reuses it, and parses no option and runs no check. Resolving reads only the options,
+    the model and the form of the call (its batch, token count, kind of mask, extrapolation, and whether it trains or
+    records gradients), which such steps share; what changes from step to step (positions, the cache's length) is
+    read when the plan starts a run."""
+
+    options: dict  # by name: each option as given (or the model's default), resolved into `plan`
+    form: tuple  # `call_form` of the step
+    plan: MitigationPlan
+
+
+def call_form(call: CallContext) -> tuple:
+    mask = call.attention_mask
+    mask_form = None if mask is None else "per layer type" if isinstance(mask, dict) else mask.dim()
+    grad = torch.is_grad_enabled()  # `derived_store` keeps tensors made from the weights only without autograd
+    return call.batch, call.new_tokens, mask_form, call.extrapolation, call.model.training, grad
+
+
+def given_option(config, options: dict, name: str) -> tuple[object, bool]:
+    """Option `name` of a call as `parse_options` reads it, and whether it is the model's default (not given)."""
+    value = options.get(name)
+    return (MITIGATIONS[name].default_options(config), True) if value is None else (value, False)
+
+
+def options_as_given(config, options: dict) -> dict | None:
+    """Every mitigation's option as the call gives it (or the model's default), or `None` where one could change in
+    place unseen: a step is matched to a kept plan by the very objects (frozen options dataclasses, as `generate` passes
+    them) or, for the model's default, by value (a copy of the config's dict)."""
+    given = {}
+    for name in MITIGATIONS:
+        value, default = given_option(config, options, name)
+        if default:
+            value = copy.deepcopy(value)  # the config's (its fields are JSON): compared by value
+        elif value is not False and not isinstance(value, MitigationOptions):
+            return None  # a caller's dict: parsed and resolved at every call
+        given[name] = value
+    return given
+
+
+def holds_plan_for(cache, config, options: dict) -> bool:
+    """Whether `cache` keeps a plan (`KeptPlan`) resolved from these options (the model's `config` gives defaults)."""
+    kept = getattr(cache, "decoding_plan", None)
+    if kept is None:
+        return False
+    for name in MITIGATIONS:
+        value, default = given_option(config, options, name)
+        if value is not kept.options.get(name) and not (default and value == kept.options.get(name)):
+            return False
+    return True
+
+
+def kept_plan(call: CallContext, options: dict) -> MitigationPlan | None:
+    """The plan kept on the call's cache when this decoding step gives the same options in the same form, its
+    mitigations prepared for the step (`Mitigation.prepare`: a step's own work, as when resolved)."""
+    if not call.continuing or not holds_plan_for(call.cache, call.model.config, options):
+        return None
+    kept = call.cache.decoding_plan
+    if call_form(call) != kept.form:
+        return None
+    prepare(dataclasses.replace(call, sepformer_cache=call.cache), kept.plan)
+    return kept.plan
+
+
+def prepare(call: CallContext, plan: MitigationPlan) -> None:
+    for mitigation in plan.mitigations:
+        mitigation.prepare(call, tuple(other for other in plan.mitigations if other is not mitigation))
+
+
+def keep_plan(call: CallContext, options: dict, plan: MitigationPlan) -> None:
+    """Keep a decoding step's `plan` on its `SepFormerCache` for the next steps (`KeptPlan`)."""
+    given = options_as_given(call.model.config, options)
+    if call.continuing and isinstance(call.cache, SepFormerCache) and given is not None:
+        call.cache.decoding_plan = KeptPlan(given, call_form(call), plan)
+
+
 def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
-    """The call's options resolved against the model and the call, checked, in one plan; `None` when all are off."""
+    """The call's options resolved against the model and the call, checked, in one plan; `None` when all are off. A
+    decoding step's plan is kept for the next steps (`kept_plan`)."""
     parsed = parse_options(call.model.config, options)
     check_prefill_options_kept(call, parsed)
     if not parsed:
@@ -165,12 +247,12 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
             check_prefill_state(name, value, call)
     resolved = tuple(MITIGATIONS[name].resolve(value, call) for name, value in parsed.items())
     plan = MitigationPlan.of(resolved, num_layers)  # every check done: now the work
-    for mitigation in resolved:
-        mitigation.prepare(call, tuple(other for other in resolved if other is not mitigation))
+    prepare(call, plan)
     if not call.continuing and call.sepformer_cache is not None:
         call.sepformer_cache.prefill_options = {
             name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)
         }
+    keep_plan(call, options, plan)
     return plan
 
 

@@ -37,7 +37,14 @@ from .input_checks import check_checkpoint_folder, check_inputs, check_labels, u
 from .kept import derived_store
 from .mitigated_generation import LOSS_KEYWORDS, MitigationGenerationMixin, check_fed_token_ids, check_last_position
 from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, MitigationPlan, QueryKeyProjection
-from .mitigations import call_options, causal_lm_wrapper, resolve_plan, with_mitigation_keywords
+from .mitigations import (
+    call_options,
+    causal_lm_wrapper,
+    holds_plan_for,
+    kept_plan,
+    resolve_plan,
+    with_mitigation_keywords,
+)
 from .positional_maps import POSITIONAL_MAPS, BSplinePositions, call_extrapolation
 from .rotary import SepFormerRotaryEmbedding, apply_partial_rotary
 from .spans import default_position_ids
@@ -358,7 +365,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 new_tokens=new_tokens,
                 continuing=continuing,
             )
-            mitigation_plan = resolve_plan(call, options)
+            mitigation_plan = kept_plan(call, options)
+            if mitigation_plan is None:
+                mitigation_plan = resolve_plan(call, options)
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
         hidden_states, layer_inputs = self.layer_inputs(
@@ -487,7 +496,10 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
             use_cache=use_cache,
             position_extrapolation=position_extrapolation,
         )
-        wrapper = causal_lm_wrapper(kwargs, past_key_values)
+        # A decoding step with the options of the plan its cache keeps: they were found not to wrap the causal LM
+        wrapper = (
+            None if holds_plan_for(past_key_values, self.config, kwargs) else causal_lm_wrapper(kwargs, past_key_values)
+        )
         if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
             mitigation, options = wrapper
             options_of_call = call_options(kwargs)

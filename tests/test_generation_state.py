@@ -402,3 +402,88 @@ def test_a_cache_made_from_another_caches_data_holds_it():
             for name, cache in (("made", made), ("dynamic", dynamic))
         }
     torch.testing.assert_close(logits["made"], logits["dynamic"], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the plan kept for the generation's decoding steps
+
+
+@pytest.fixture
+def resolves(monkeypatch):
+    """How many times each mitigation was resolved against a call, by option name."""
+    from sepformer.mitigations import MITIGATIONS
+
+    counts = {name: 0 for name in MITIGATIONS}
+    for name, mitigation in MITIGATIONS.items():
+
+        def counted(options, call, name=name, resolve=mitigation.resolve):
+            counts[name] += 1
+            return resolve(options, call)
+
+        monkeypatch.setattr(mitigation, "resolve", counted)
+    return counts
+
+
+def mitigated_llama():
+    from test_any_decoder import mitigated
+
+    return mitigated("llama")
+
+
+@pytest.mark.parametrize("make_model", [strong_model, mitigated_llama], ids=["sepformer", "llama"])
+def test_decoding_steps_reuse_the_plan_of_the_first_step_and_generate_the_same(make_model, resolves, monkeypatch):
+    """The prefill and the first decoding step resolve the options; the other steps reuse the first step's plan, and
+    generate what resolving at every step generates (beams included)."""
+    import sepformer.mitigations
+
+    model = make_model()
+    ids = torch.randint(3, 200, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    spans = ((1, 4), (4, 7), (7, 9))
+    options = dict(
+        ms_poe=MSPoE(r_min=1.2, r_max=2.0),
+        attention_calibration=AttentionCalibration(spans=(spans,) * 3, temperature=0.1),
+    )
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
+    kept = model.generate(ids, **kwargs)
+    assert resolves["attention_calibration"] == 2
+    assert resolves["ms_poe"] == 3  # and once more for calibration's dummy passes
+    beams = model.generate(ids, num_beams=2, **kwargs)
+    monkeypatch.setattr(sepformer.mitigations, "keep_plan", lambda *args: None)  # every step resolves its options
+    assert torch.equal(model.generate(ids, **kwargs), kept)
+    assert torch.equal(model.generate(ids, num_beams=2, **kwargs), beams)
+    assert resolves["ms_poe"] > 3 + 5
+
+
+def test_a_step_resolves_and_checks_anew_when_its_options_or_its_form_change(resolves):
+    model = strong_model()
+    model.config.stable_mask = {"gamma": 0.5}
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache, ms_poe = SepFormerCache(), MSPoE(r_min=1.2, r_max=2.0)
+
+    def step(t, options=ms_poe, rows=slice(None)):
+        return model(ids[rows, t : t + 1], past_key_values=cache, use_cache=True, ms_poe=options)
+
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True, ms_poe=ms_poe)
+        step(8)
+        step(9)
+        assert resolves["ms_poe"] == 2  # the prefill, the first step; the second step reused its plan
+        step(10, MSPoE(r_min=1.2, r_max=2.0))  # equal options, another object: resolved, and accepted
+        assert resolves["ms_poe"] == 3
+        with pytest.raises(ValueError, match="continuing a cache needs the options of its prefill"):
+            step(10, MSPoE(r_min=1.2, r_max=1.5))  # still checked against the prefill's
+        step(10)
+        step(10)
+        assert resolves["ms_poe"] == resolves["stable_mask"] == 4  # the first object again: resolved, then kept
+        model.config.stable_mask["gamma"] = 2.0  # the model's default changed in place
+        step(10)
+        assert resolves["stable_mask"] == 5
+        cache.batch_select_indices(torch.tensor([1]))
+        step(11, rows=slice(1, 2))
+        assert resolves["ms_poe"] == 6  # another batch
+    with torch.enable_grad():
+        step(11, rows=slice(1, 2))  # autograd on: nothing kept from the weights may serve it
+    assert resolves["ms_poe"] == 7
+    cache.reset()
+    assert cache.decoding_plan is None
