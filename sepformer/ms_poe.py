@@ -13,6 +13,7 @@ from .cache_sepformer import MitigationState
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
 from .mitigation_options import MSPoE
+from .positional_maps import capacity_for
 from .rotary import apply_partial_rotary, rotary_cos_sin, rotate_partial
 from .spans import check_default_positions, key_positions
 
@@ -301,15 +302,26 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         return cls(options, layers, decoder=decoder, heads=config.num_attention_heads, **where)
 
     def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
-        ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
-        tables = self.decoder.inverse_frequencies()
-        return self.replace(
-            query_turn={
-                kind: turned_by_ratios(run.position_ids, ratios, inv, run.dtype) for kind, inv in tables.items()
-            },
-            padding_mask=run.padding_mask,
-            seen=run.cache.get_seq_length() if run.cache is not None else 0,
-        )
+        seen = run.cache.get_seq_length() if run.cache is not None else 0
+        ranked = self.replace(padding_mask=run.padding_mask, seen=seen)
+        turns = {kind: ranked.turn_at(kind, run.position_ids, run.dtype) for kind in self.decoder.inverse_frequencies()}
+        return ranked.replace(query_turn=turns)
+
+    def turn_at(self, kind: str | None, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin (H, b or 1, n, rotary_dim) by rank of the turn from `m` to `m / r_i` at `positions` (b or 1, n),
+        which are at most the keys seen (`seen` before the call's new ones): rows of a table of every position, made
+        once per doubling of a generation's length (`kept_in`) rather than at every step."""
+        device = positions.device
+
+        def make(rows: int) -> torch.Tensor:  # (rows, 2, H, rotary_dim): cos and sin of every position by rank
+            ratios, inverse = rank_ratios(self.options, self.heads, device), self.decoder.inverse_frequencies()[kind]
+            cos, sin = turned_by_ratios(torch.arange(rows, device=device)[None], ratios, inverse, dtype)
+            return torch.stack((cos[:, 0], sin[:, 0]), 1).transpose(0, 2)
+
+        rows = capacity_for(max(self.seen + positions.shape[-1], 1), 128)  # above every position: no read
+        key = ("ms_poe turn", self.options.r_min, self.options.r_max, self.heads, kind, dtype, device)
+        table = kept_in(derived_store(self.cache), key, make, rows=rows)
+        return table[positions].permute(2, 3, 0, 1, 4).unbind(0)  # (b or 1, n, 2, H, rd) -> 2 × (H, b or 1, n, rd)
 
     def earlier_turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, new: int) -> torch.Tensor:
         """(b, H, n, head_dim) the keys before this call's `new` ones, turned: kept on the cache by the call before,
@@ -326,11 +338,8 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         total = self.seen + new  # the earlier keys are the last (sliding window) or first (static slots) of `seen`
         positions = key_positions(self.padding_mask, total, key.device).clamp(min=0)  # padding is masked: any position
         positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
-        ratios = rank_ratios(self.options, self.heads, key.device)
-        inverse = self.decoder.inverse_frequencies()[self.decoder.table_of(layer)]
-        cos, sin = (
-            by_head(table, ranks).transpose(0, 1) for table in turned_by_ratios(positions, ratios, inverse, key.dtype)
-        )
+        turn = self.turn_at(self.decoder.table_of(layer), positions, key.dtype)
+        cos, sin = (by_head(table, ranks).transpose(0, 1) for table in turn)
         return rotate_partial(earlier, cos, sin)
 
     def per_query_head(self, key: torch.Tensor) -> torch.Tensor:
