@@ -39,6 +39,7 @@ from .mitigations import (
     causal_lm_wrapper,
     kept_plan,
     parse_options,
+    plan_kept_for,
     resolve_plan,
     with_mitigation_keywords,
 )
@@ -244,7 +245,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
         options = call_options(kwargs, plan)
         inputs = forward_inputs(self, args, kwargs)
         cache = inputs.get("past_key_values")
-        if plan is None and getattr(cache, "decoding_plan", None) is not None:  # checked when it was resolved
+        if plan is None and plan_kept_for(cache, self.config, options) is not None:  # checked when it was resolved
             plan = kept_plan(self.call_context(inputs), options)
         if plan is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)

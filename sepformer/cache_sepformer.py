@@ -139,8 +139,6 @@ class SepFormerCache(DynamicCache):
         derived: tensors derived from the weights for this generation only (`derived_store`), by key: each layer's
             `FusedLayer` for decoding steps, MS-PoE's per-head weight layouts, a positional map's rows. Weights,
             not rows of the batch: batch operations leave them alone; the bucket caches share this one.
-        decoding_plan: the mitigations a decoding step resolved, which the next steps reuse when they give the same
-            options in the same form (`mitigations.KeptPlan`), or None.
     """
 
     def __init__(self, *args, **kwargs):
@@ -158,14 +156,12 @@ class SepFormerCache(DynamicCache):
         self.prefill_options: dict[str, Any] | None = None
         self.mitigation_state: dict[str, MitigationState] = {}
         self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
-        self.decoding_plan: Any = None
 
     def start_generation(self) -> None:
         """Drop what an earlier generation made from the weights, which may have changed since (or be another model's),
         keeping the keys, values and prefill state: a `generate` call that continues this cache starts here. Cleared in
         place: the bucket caches share the store."""
         self.derived.clear()
-        self.decoding_plan = None  # resolved with what the earlier generation made
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .cache_sepformer import SepFormerCache
-from .mitigations import MITIGATIONS, check_assisted_decoding
+from .mitigations import MITIGATIONS, check_assisted_decoding, kept_for_generation
 from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
@@ -26,6 +26,8 @@ class MitigationGenerationMixin:
         """`GenerationMixin.generate`, after `check_generate_inputs`. A `SepFormerCache` it continues drops what an
         earlier generation made from the weights (`SepFormerCache.start_generation`).
 
+        Its decoding steps resolve the mitigation options once (`mitigations.KeptPlan`).
+
         `reorder_documents` (a `ReorderDocuments` or the dict of its fields, *optional*): the prompt's documents are
         reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
         begins the returned sequences."""
@@ -40,7 +42,8 @@ class MitigationGenerationMixin:
             kwargs["past_key_values"].start_generation()
         if reordering is not None:
             inputs, kwargs = reorder_generate_prompt(self, reordering, prompt, inputs, kwargs, generation_config)
-        return super().generate(inputs, *args, **kwargs)
+        with kept_for_generation():  # the decoding steps resolve the options once
+            return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """`generate` makes a `DynamicCache` by default: make it a `SepFormerCache`, which also carries the

@@ -170,12 +170,14 @@ class Mitigation:
 
     @classmethod
     def resolve(cls, options: MitigationOptions, call: CallContext) -> "Mitigation":
-        """Check `options` against the model and the call (a `ValueError` naming what is wrong), doing no work yet."""
+        """Check `options` against the model and the call (a `ValueError` naming what is wrong), doing no work yet.
+        Read only the options, the model and the form of the call, not what changes from step to step: within
+        `generate`, later decoding steps reuse what the first one resolved (`mitigations.KeptPlan`)."""
         return cls(options, options.layer_set(call.model.config.num_hidden_layers))
 
     def prepare(self, call: CallContext, others: tuple["Mitigation", ...]) -> None:
-        """Work on the call before its layers run, once every mitigation of the call is resolved: `others` are the
-        rest of them (calibration's dummy passes run with them on)."""
+        """Work on the call before its layers run, once every mitigation of the call is resolved (or reused at a
+        decoding step): `others` are the rest of them (calibration's dummy passes run with them on)."""
 
     def start(self, run: LayerRun) -> "Mitigation":
         """The per-run tensors (from positions, the padding mask, the dtype), computed once for every layer."""

@@ -14,6 +14,8 @@ resolves a call's options into a `MitigationPlan`. A new mitigation is a `Mitiga
 dataclass, added to `MITIGATIONS` here or with `register_mitigation` (see `mitigation_base` for the hooks).
 """
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import inspect
@@ -153,17 +155,33 @@ def check_prefill_options_kept(call: CallContext, parsed: dict[str, MitigationOp
         )
 
 
+# The plans kept by the decoding steps of the `generate` calls running (`kept_for_generation`), by cache.
+GENERATION_PLANS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("generation_plans", default=None)
+
+
 @dataclass(frozen=True, eq=False)
 class KeptPlan:
-    """The plan a decoding step resolved, kept on the generation's cache for the steps after it: a step that gives the
-    same options in the same form reuses it, and parses no option and runs no check. Resolving reads only the options,
-    the model and the form of the call (its batch, token count, kind of mask, extrapolation, and whether it trains or
-    records gradients), which such steps share; what changes from step to step (positions, the cache's length) is
-    read when the plan starts a run."""
+    """The plan a decoding step of a `generate` call resolved, kept for the steps after it: a step on the same cache
+    that gives the same options in the same form reuses it, and parses no option and runs no check. Resolving reads
+    only the options, the model and the form of the call (its batch, token count, kind of mask, extrapolation, and
+    whether it trains or records gradients), which such steps share; what changes from step to step (positions, the
+    cache's length) is read when the plan starts a run, and a step's own work runs in `Mitigation.prepare`."""
 
+    cache: SepFormerCache
     options: dict  # by name: each option as given (or the model's default), resolved into `plan`
     form: tuple  # `call_form` of the step
     plan: MitigationPlan
+
+
+@contextlib.contextmanager
+def kept_for_generation():
+    """The scope of one `generate` call: its decoding steps keep their plan (`KeptPlan`), dropped when it ends (so
+    nothing holds the cache or the model after it, and a cache copied or saved carries no plan)."""
+    token = GENERATION_PLANS.set({})
+    try:
+        yield
+    finally:
+        GENERATION_PLANS.reset(token)
 
 
 def call_form(call: CallContext) -> tuple:
@@ -194,25 +212,26 @@ def options_as_given(config, options: dict) -> dict | None:
     return given
 
 
-def holds_plan_for(cache, config, options: dict) -> bool:
-    """Whether `cache` keeps a plan (`KeptPlan`) resolved from these options (the model's `config` gives defaults)."""
-    kept = getattr(cache, "decoding_plan", None)
-    if kept is None:
-        return False
+def plan_kept_for(cache, config, options: dict) -> KeptPlan | None:
+    """The plan a decoding step of the running `generate` kept for `cache`, if resolved from these options (the model's
+    `config` gives the defaults)."""
+    if not isinstance(cache, SepFormerCache) or torch.compiler.is_compiling():  # compiled: no context to read
+        return None
+    kept = (GENERATION_PLANS.get() or {}).get(id(cache))
+    if kept is None or kept.cache is not cache:
+        return None
     for name in MITIGATIONS:
         value, default = given_option(config, options, name)
         if value is not kept.options.get(name) and not (default and value == kept.options.get(name)):
-            return False
-    return True
+            return None
+    return kept
 
 
 def kept_plan(call: CallContext, options: dict) -> MitigationPlan | None:
-    """The plan kept on the call's cache when this decoding step gives the same options in the same form, its
+    """The plan kept for the call's cache when this decoding step gives the same options in the same form, its
     mitigations prepared for the step (`Mitigation.prepare`: a step's own work, as when resolved)."""
-    if not call.continuing or not holds_plan_for(call.cache, call.model.config, options):
-        return None
-    kept = call.cache.decoding_plan
-    if call_form(call) != kept.form:
+    kept = plan_kept_for(call.cache, call.model.config, options) if call.continuing else None
+    if kept is None or call_form(call) != kept.form:
         return None
     prepare(dataclasses.replace(call, sepformer_cache=call.cache), kept.plan)
     return kept.plan
@@ -224,10 +243,17 @@ def prepare(call: CallContext, plan: MitigationPlan) -> None:
 
 
 def keep_plan(call: CallContext, options: dict, plan: MitigationPlan) -> None:
-    """Keep a decoding step's `plan` on its `SepFormerCache` for the next steps (`KeptPlan`)."""
+    """Keep a decoding step's `plan` for the next steps of the running `generate` (`KeptPlan`); a prefill drops the
+    plan kept for its cache."""
+    if not isinstance(call.cache, SepFormerCache) or torch.compiler.is_compiling():
+        return
+    plans = GENERATION_PLANS.get()
+    if plans is None:
+        return
     given = options_as_given(call.model.config, options)
-    if call.continuing and isinstance(call.cache, SepFormerCache) and given is not None:
-        call.cache.decoding_plan = KeptPlan(given, call_form(call), plan)
+    plans.pop(id(call.cache), None)
+    if call.continuing and given is not None:
+        plans[id(call.cache)] = KeptPlan(call.cache, given, call_form(call), plan)
 
 
 def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:

@@ -40,8 +40,8 @@ from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, Mitigat
 from .mitigations import (
     call_options,
     causal_lm_wrapper,
-    holds_plan_for,
     kept_plan,
+    plan_kept_for,
     resolve_plan,
     with_mitigation_keywords,
 )
@@ -496,9 +496,11 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
             use_cache=use_cache,
             position_extrapolation=position_extrapolation,
         )
-        # A decoding step with the options of the plan its cache keeps: they were found not to wrap the causal LM
+        # A decoding step with the options of a plan kept for its cache: they were found not to wrap the causal LM
         wrapper = (
-            None if holds_plan_for(past_key_values, self.config, kwargs) else causal_lm_wrapper(kwargs, past_key_values)
+            None
+            if plan_kept_for(past_key_values, self.config, kwargs) is not None
+            else causal_lm_wrapper(kwargs, past_key_values)
         )
         if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
             mitigation, options = wrapper

@@ -455,7 +455,31 @@ def test_decoding_steps_reuse_the_plan_of_the_first_step_and_generate_the_same(m
     assert resolves["ms_poe"] > 3 + 5
 
 
+def test_nothing_holds_the_cache_after_generate_and_a_forward_loop_resolves_every_call(resolves):
+    import gc
+    import weakref
+
+    from sepformer.mitigations import GENERATION_PLANS
+
+    model, ids, ms_poe = strong_model(), torch.randint(3, 200, (1, 8)), MSPoE(r_min=1.2, r_max=2.0)
+    gc.disable()  # a reference cycle would keep the cache until the collector runs
+    try:
+        output = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, ms_poe=ms_poe)
+        cache = weakref.ref(output.past_key_values)
+        del output
+        assert cache() is None and GENERATION_PLANS.get() is None
+    finally:
+        gc.enable()
+    cache = SepFormerCache()
+    with torch.no_grad():
+        for t in range(6):
+            model(ids[:, t : t + 1] if t else ids[:, :3], past_key_values=cache, use_cache=True, ms_poe=ms_poe)
+    assert resolves["ms_poe"] == 2 + 6  # the generation's prefill and first step; then every call of the loop
+
+
 def test_a_step_resolves_and_checks_anew_when_its_options_or_its_form_change(resolves):
+    from sepformer.mitigations import kept_for_generation
+
     model = strong_model()
     model.config.stable_mask = {"gamma": 0.5}
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -464,7 +488,7 @@ def test_a_step_resolves_and_checks_anew_when_its_options_or_its_form_change(res
     def step(t, options=ms_poe, rows=slice(None)):
         return model(ids[rows, t : t + 1], past_key_values=cache, use_cache=True, ms_poe=options)
 
-    with torch.no_grad():
+    with torch.no_grad(), kept_for_generation():  # the steps of a generate call
         model(ids[:, :8], past_key_values=cache, use_cache=True, ms_poe=ms_poe)
         step(8)
         step(9)
@@ -482,8 +506,10 @@ def test_a_step_resolves_and_checks_anew_when_its_options_or_its_form_change(res
         cache.batch_select_indices(torch.tensor([1]))
         step(11, rows=slice(1, 2))
         assert resolves["ms_poe"] == 6  # another batch
-    with torch.enable_grad():
-        step(11, rows=slice(1, 2))  # autograd on: nothing kept from the weights may serve it
-    assert resolves["ms_poe"] == 7
-    cache.reset()
-    assert cache.decoding_plan is None
+        with torch.enable_grad():
+            step(11, rows=slice(1, 2))  # autograd on: nothing kept from the weights may serve it
+        assert resolves["ms_poe"] == 7
+        cache.reset()
+        model(ids[1:, :8], past_key_values=cache, use_cache=True, ms_poe=ms_poe)
+        step(8, rows=slice(1, 2))  # a new prefill dropped the plan kept for the cache
+        assert resolves["ms_poe"] == 9
