@@ -1,10 +1,12 @@
 """What `generate` does before its first step with the mitigation options (keywords of `forward`, passed to every
 step), for `SepFormerForCausalLM` and the models `add_mitigations` serves."""
 
+import copy
 import functools
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 
 from .cache_sepformer import SepFormerCache
 from .mitigations import MITIGATIONS, check_assisted_decoding, kept_for_generation
@@ -38,6 +40,7 @@ class MitigationGenerationMixin:
         check_no_options_in(self.generation_config, "model.generation_config")
         if prompt is not None:
             self.check_generate_inputs(prompt, generation_config, kwargs)
+        check_assistance(self, generation_config, kwargs)
         if isinstance(kwargs.get("past_key_values"), SepFormerCache):
             kwargs["past_key_values"].start_generation()
         if reordering is not None:
@@ -54,25 +57,32 @@ class MitigationGenerationMixin:
         if given is None and type(made) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
             model_kwargs["past_key_values"] = SepFormerCache(config=self.config)
 
-    def _get_candidate_generator(self, *args, model_kwargs, **kwargs):
-        """Assisted decoding's drafts: refused, before the assistant or the model runs, with options that act on the
-        prompt's last token (`check_assisted_decoding`), or with options an assistant not served would be given."""
-        check_assisted_decoding(self.config, model_kwargs)
-        assistant = kwargs.get("assistant_model")
-        given = sorted(name for name in MITIGATIONS if model_kwargs.get(name) not in (None, False))
-        if given and assistant is not None and not isinstance(assistant, MitigationGenerationMixin):
-            raise ValueError(
-                f"generate passes the model's keywords ({', '.join(given)}) to the assistant model too, and "
-                f"{type(assistant).__name__} does not take them: call sepformer.add_mitigations on the assistant too."
-            )
-        return super()._get_candidate_generator(*args, model_kwargs=model_kwargs, **kwargs)
-
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """Beams and return sequences repeat each input row; options given per input row are repeated with it."""
         for name, mitigation in MITIGATIONS.items():
             if model_kwargs.get(name) not in (None, False):
                 model_kwargs[name] = mitigation.options_class.parse(model_kwargs[name]).repeat_rows(expand_size)
         return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+
+
+def check_assistance(model, generation_config, kwargs: dict) -> None:
+    """Refuse, before any work, assisted decoding (an assistant model, prompt lookup, multi-token prediction: the
+    generation mode transformers' `GenerationConfig.get_generation_mode` names, on the settings `generate` merges)
+    with options that act on the prompt's last token (`check_assisted_decoding`), or with options an assistant not
+    served would be given."""
+    merged = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    merged.update(**model.generation_config.to_dict(), defaults_only=True)  # merged as `generate` merges them
+    merged.update(**kwargs)  # the generation settings among the keywords
+    assistant = kwargs.get("assistant_model")
+    if merged.get_generation_mode(assistant) != GenerationMode.ASSISTED_GENERATION:
+        return
+    check_assisted_decoding(model.config, kwargs)
+    given = sorted(name for name in MITIGATIONS if kwargs.get(name) not in (None, False))
+    if given and assistant is not None and not isinstance(assistant, MitigationGenerationMixin):
+        raise ValueError(
+            f"generate passes the model's keywords ({', '.join(given)}) to the assistant model too, and "
+            f"{type(assistant).__name__} does not take them: call sepformer.add_mitigations on the assistant too."
+        )
 
 
 def check_no_options_in(generation_config, where: str) -> None:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_model
+from transformers import GenerationConfig
 
 from sepformer import (
     AttentionBuckets,
@@ -173,6 +174,7 @@ ACTS_ALIKE_ON_EVERY_TOKEN = {
 ASSISTANCE = {
     "prompt_lookup": lambda: {"prompt_lookup_num_tokens": 3},
     "assistant_model": lambda: {"assistant_model": tiny_model(seed=1, rotary_dim=4)},
+    "prompt_lookup in a generation config": lambda: {"generation_config": GenerationConfig(prompt_lookup_num_tokens=3)},
 }
 
 
@@ -193,6 +195,14 @@ def test_assisted_decoding_refuses_what_acts_on_the_prompts_last_token(assistanc
         plain = model.generate(LOOPING_PROMPT, **greedy, **{name: option})
         assisted = model.generate(LOOPING_PROMPT, **greedy, **ASSISTANCE[assistance](), **{name: option})
         assert torch.equal(assisted, plain), name
+
+
+def test_assisted_decoding_set_on_the_models_generation_config_is_refused_too():
+    """`generate` merges the model's generation config into the settings it is given: prompt lookup set there drafts."""
+    model = strong_model()
+    model.generation_config.prompt_lookup_num_tokens = 3
+    with pytest.raises(ValueError, match="ms_poe acts on the prompt's last token, but assisted decoding"):
+        model.generate(LOOPING_PROMPT, max_new_tokens=4, do_sample=False, ms_poe=ACTS_ON_THE_LAST_TOKEN["ms_poe"])
 
 
 @pytest.mark.parametrize("name", sorted(ACTS_ON_THE_LAST_TOKEN))
