@@ -693,3 +693,24 @@ def test_a_sepformer_is_returned_as_it_is_and_what_is_no_causal_lm_is_a_type_err
             TypeError, match=f"add_mitigations takes a Hugging Face causal LM .* got {type(other).__name__}"
         ):
             add_mitigations(other)
+
+
+def test_ms_poe_turn_tables_grow_with_the_generation():
+    """The turns from `m` to `m / r` come from a table of positions kept for the generation and made again, longer,
+    when the sequence outgrows it (past 128 and 256 positions here): cached steps across both growths equal the full
+    pass."""
+    model = mitigated("llama")
+    ids, fixed = random_ids(1, 262), options("ms_poe_fixed")
+    cache = sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(ids[:, :125], past_key_values=cache, use_cache=True, **fixed).logits]
+        steps += [
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **fixed).logits for t in range(125, 130)
+        ]
+        steps.append(model(ids[:, 130:258], past_key_values=cache, use_cache=True, **fixed).logits)
+        steps += [
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **fixed).logits for t in range(258, 262)
+        ]
+    tables = [value for key, value in cache.derived.items() if key[0] == "ms_poe turn"]
+    assert [table.shape[0] for table in tables] == [512]
+    torch.testing.assert_close(torch.cat(steps, 1), logits(model, ids, **fixed), rtol=1e-5, atol=1e-5)
