@@ -26,7 +26,6 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import repeat_kv
 
 from .cache_sepformer import SepFormerCache
 from .decoder_attention import query_key_layout_problem, release_rewritings, serve_attention
@@ -135,20 +134,6 @@ class DecoderPositions:
         return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
 
 
-class ExpandedHeads:
-    """An attention module seen with one key-value head per query head: grouped-query keys and values are expanded
-    (a mitigation acts per query head; the keys by the outermost wrapper where it turns them), so the wrapped function
-    must not repeat them again."""
-
-    num_key_value_groups = 1
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __getattr__(self, name: str):
-        return getattr(self.module, name)
-
-
 # Keywords of an attention call that change its scores beyond q·k and the mask, and what each adds.
 SCORE_TERMS = {
     "s_aux": "attention sinks",
@@ -198,14 +183,9 @@ def mitigated_attention(
         mitigation_plan.modules.append(module)
         mitigation_plan.score_keywords |= {name for name in SCORE_TERMS if kwargs.get(name) is not None}
         mitigation_plan.queries_keys[module] = query, key
-    elif mitigation_plan is not None and mitigation_plan.layers[module.layer_idx].attention_wrappers:
+    elif mitigation_plan is not None:
         hooks = mitigation_plan.layers[module.layer_idx]
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
-            value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
-            key = key if hooks.takes_grouped_keys else repeat_kv(key, groups)
-            module = ExpandedHeads(module)
-        function = hooks.attention_function(module.layer_idx, function, mitigation_projection)
+        return hooks.attend(function, module, query, key, value, attention_mask, mitigation_projection, **kwargs)
     return function(module, query, key, value, attention_mask, **kwargs)
 
 

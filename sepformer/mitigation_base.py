@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.masking_utils import and_masks
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from .cache_sepformer import SepFormerCache
 from .mitigation_options import MitigationOptions
@@ -314,12 +315,35 @@ class LayerHooks:
             query_input, key_input = mitigation.query_key_inputs(layer_idx, query_input, key_input)
         return query_input, key_input
 
-    def attention_function(
-        self, layer_idx: int, function: AttentionFunction, projection: QueryKeyProjection | None
-    ) -> AttentionFunction:
-        for mitigation in self.attention_wrappers:
-            function = mitigation.wrap_attention(layer_idx, function, projection)
-        return function
+    def attend(self, function: AttentionFunction, module, query, key, value, attention_mask, projection, **kwargs):
+        """`function(module, query, key, value, attention_mask, **kwargs)` wrapped by the layer's attention wrappers,
+        innermost first: the one seam where the hooks run, for SepFormer's attention and for the attention a Hugging
+        Face decoder looks up (`any_decoder`). `projection`: the layer's `QueryKeyProjection` where an input hook runs.
+        The wrappers act per query head: grouped-query keys and values (b, H_kv, kv, d) are expanded first (the keys
+        but where the outermost wrapper turns them and expands them itself)."""
+        if self.attention_wrappers:
+            groups = query.shape[1] // key.shape[1]
+            if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
+                value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
+                key = key if self.takes_grouped_keys else repeat_kv(key, groups)
+                module = ExpandedHeads(module)
+            for mitigation in self.attention_wrappers:
+                function = mitigation.wrap_attention(module.layer_idx, function, projection)
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+
+class ExpandedHeads:
+    """An attention module seen with one key-value head per query head: grouped-query keys and values are expanded
+    (a mitigation acts per query head; the keys by the outermost wrapper where it turns them), so the wrapped function
+    must not repeat them again."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
 
 
 NO_HOOKS = LayerHooks()

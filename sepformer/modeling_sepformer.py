@@ -110,10 +110,9 @@ class SepFormerAttention(nn.Module):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         hooks = layer_call.hooks
         projection = QueryKeyProjection(self, attention_input, layer_call) if hooks.rewrites_inputs else None
-        attention_function = hooks.attention_function(self.layer_idx, interface, projection)
         dropout = 0.0 if not self.training else self.attention_dropout
         states = (query_states, key_states, value_states, layer_call.attention_mask)
-        return attention_function(self, *states, dropout=dropout, scaling=self.scaling, **kwargs)
+        return hooks.attend(interface, self, *states, projection, dropout=dropout, scaling=self.scaling, **kwargs)
 
 
 class SepFormerDecoderLayer(GradientCheckpointingLayer):
