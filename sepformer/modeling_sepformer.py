@@ -353,17 +353,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
             past_key_values = SepFormerCache(config=self.config)
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            batch, new_tokens = inputs_embeds.shape[:2]
-            call = CallContext(
-                model=self,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                cache=past_key_values,
-                extrapolation=extrapolation,
-                batch=batch,
-                new_tokens=new_tokens,
-                continuing=continuing,
-            )
+            call = self.call_context(input_ids, inputs_embeds, attention_mask, past_key_values, extrapolation)
             mitigation_plan = kept_plan(call, options)
             if mitigation_plan is None:
                 mitigation_plan = resolve_plan(call, options)
@@ -375,6 +365,19 @@ class SepFormerModel(SepFormerPreTrainedModel):
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(hidden_states, past_key_values=past_key_values, **layer_inputs, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def call_context(self, input_ids, inputs_embeds, attention_mask, cache, extrapolation) -> CallContext:
+        batch, new_tokens = inputs_embeds.shape[:2]
+        return CallContext(
+            model=self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            extrapolation=extrapolation,
+            batch=batch,
+            new_tokens=new_tokens,
+            continuing=continues(cache),
+        )
 
     def layer_inputs(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, plan
