@@ -14,7 +14,7 @@ import copy
 import functools
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from .cache_sepformer import SepFormerCache
 from .decoder_attention import query_key_layout_problem, release_rewritings, serve_attention
 from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
-from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, LayerRun, Mitigation, attention_implementation
+from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, Mitigation, PlanReading, attention_implementation
 from .mitigations import (
     MITIGATIONS,
     call_options,
@@ -294,30 +294,22 @@ class MitigatedDecoder(MitigationGenerationMixin):
         position_ids = inputs.get("position_ids")
         if position_ids is None:
             position_ids = default_position_ids(tokens, mask, cache)
-        padding_mask = mask if mask is not None and mask.dim() == 2 else None
-        read_positions = plan.read_positions(position_ids)
         batch, new_tokens = tokens.shape[:2]
-        kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
-        mask_function = plan.mask_function(padding_mask, kv_length, tokens.device)
-        if mask is None and read_positions is not position_ids:  # without a mask, moved positions read as packing
-            mask = padding_mask = torch.ones(batch, kv_length, dtype=torch.long, device=tokens.device)
-        if mask_function is not None:
-            mask = self.masks_with(mask_function, padding_mask, cache, position_ids, batch, new_tokens)
-        run = LayerRun(
-            position_ids=position_ids,
-            table_positions=read_positions,
-            position_rows=None,
-            padding_mask=padding_mask,
-            cache=cache,
-            dtype=self.dtype,
-            device=tokens.device,
-        )
-        inputs = {**inputs, "attention_mask": mask, "mitigation_plan": plan.start(run)}
-        if self.decoder_positions.positions_problem is None or read_positions is not position_ids:
-            inputs["position_ids"] = read_positions  # counted from each row's first real token (left padding)
-        rotary_base, _ = plan.position_bases()
-        if rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
-            tables = self.decoder_positions.rotary_at_base(rotary_base, read_positions, self.dtype, cache)
+        reading = PlanReading.of(plan, position_ids, mask, cache, new_tokens, tokens.device)
+        moved = reading.read_positions is not position_ids
+        if mask is None and moved:  # without a mask, moved positions read as packing
+            mask = torch.ones(batch, reading.kv_length, dtype=torch.long, device=tokens.device)
+            reading = replace(reading, padding_mask=mask)
+        if reading.mask_function is not None:
+            mask = self.masks_with(reading.mask_function, reading.padding_mask, cache, position_ids, batch, new_tokens)
+        started = reading.start(plan, position_ids, cache, self.dtype)
+        inputs = {**inputs, "attention_mask": mask, "mitigation_plan": started}
+        if self.decoder_positions.positions_problem is None or moved:
+            inputs["position_ids"] = reading.read_positions  # counted from each row's first real token (left padding)
+        if reading.rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
+            tables = self.decoder_positions.rotary_at_base(
+                reading.rotary_base, reading.read_positions, self.dtype, cache
+            )
             inputs["mitigation_position_embeddings"] = tables
         return inputs
 

@@ -403,3 +403,46 @@ class MitigationPlan:
         functions = [mitigation.mask_function(padding_mask, kv_length, device) for mitigation in self.mitigations]
         functions = [function for function in functions if function is not None]
         return and_masks(*functions) if functions else None
+
+
+@dataclass(frozen=True, eq=False)
+class PlanReading:
+    """What one run of the layers reads from its plan before it runs them, the same for SepFormer
+    (`SepFormerModel.layer_inputs`) and for a Hugging Face decoder (`MitigatedDecoder.with_plan`): the padding mask, the
+    plan's and-mask over `kv_length` keys, where positions are read, and the bases they are read with (`None`: the
+    model's own)."""
+
+    padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
+    kv_length: int | None  # past + seq; None without a plan
+    mask_function: Callable | None
+    read_positions: torch.LongTensor  # (b or 1, seq)
+    rotary_base: float | None
+    map_base: float | None
+    device: torch.device  # the run's
+
+    @classmethod
+    def of(
+        cls, plan: MitigationPlan | None, position_ids, attention_mask, cache, new_tokens: int, device
+    ) -> "PlanReading":
+        """Read `plan` (or no plan: the tokens' own positions, no and-mask) for `new_tokens` at `position_ids`."""
+        padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if plan is None:
+            return cls(padding_mask, None, None, position_ids, None, None, device)
+        kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
+        mask_function = plan.mask_function(padding_mask, kv_length, device)
+        read_positions, (rotary_base, map_base) = plan.read_positions(position_ids), plan.position_bases()
+        return cls(padding_mask, kv_length, mask_function, read_positions, rotary_base, map_base, device)
+
+    def start(self, plan: MitigationPlan, position_ids, cache, dtype, table_positions=None, position_rows=None):
+        """`plan` started on this run: `position_ids` the tokens' own positions, `table_positions` where a positional
+        map was read (the read positions when `None`) and `position_rows` its rows."""
+        run = LayerRun(
+            position_ids=position_ids,
+            table_positions=self.read_positions if table_positions is None else table_positions,
+            position_rows=position_rows,
+            padding_mask=self.padding_mask,
+            cache=cache,
+            dtype=dtype,
+            device=self.device,
+        )
+        return plan.start(run)

@@ -36,7 +36,7 @@ from .decoding import fused_layer
 from .input_checks import check_checkpoint_folder, check_inputs, check_labels, unreadable_weights
 from .kept import derived_store
 from .mitigated_generation import LOSS_KEYWORDS, MitigationGenerationMixin, check_fed_token_ids, check_last_position
-from .mitigation_base import NO_HOOKS, CallContext, LayerCall, LayerRun, MitigationPlan, QueryKeyProjection
+from .mitigation_base import NO_HOOKS, CallContext, LayerCall, MitigationPlan, PlanReading, QueryKeyProjection
 from .mitigations import (
     call_options,
     causal_lm_wrapper,
@@ -385,24 +385,18 @@ class SepFormerModel(SepFormerPreTrainedModel):
         """The first hidden states (b, seq, d_model) and what every layer is given besides the cache: the causal mask,
         the rotary tables and the mitigation plan, started with this run's positions. Positions are read where the plan
         says."""
-        padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        mask_function, rotary_base, map_base = None, None, None
-        read_positions = position_ids  # where the positional map and rotary are read
-        if plan is not None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            mask_function = plan.mask_function(padding_mask, past + inputs_embeds.shape[1], inputs_embeds.device)
-            read_positions = plan.read_positions(position_ids)
-            rotary_base, map_base = plan.position_bases()
+        new_tokens = inputs_embeds.shape[1]
+        reading = PlanReading.of(plan, position_ids, attention_mask, past_key_values, new_tokens, inputs_embeds.device)
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=position_ids,  # the tokens' own: rewritten positions would read as packed sequences
-            and_mask_function=mask_function,
+            and_mask_function=reading.mask_function,
         )
         table_positions, position_rows = self.position_rows(
-            read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values
+            reading.read_positions, inputs_embeds, extrapolation, reading.map_base, continuing, past_key_values
         )
         hidden_states = inputs_embeds  # (b, seq, d_sem)
         if position_rows is not None:  # [p(i) ‖ s(t)]
@@ -410,18 +404,11 @@ class SepFormerModel(SepFormerPreTrainedModel):
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = None
         if self.rotary_emb is not None:
-            position_embeddings = self.rotary_emb(hidden_states, read_positions, rotary_base)
+            position_embeddings = self.rotary_emb(hidden_states, reading.read_positions, reading.rotary_base)
         if plan is not None:
-            run = LayerRun(
-                position_ids=position_ids,
-                table_positions=table_positions,
-                position_rows=position_rows,
-                padding_mask=padding_mask,
-                cache=past_key_values,
-                dtype=inputs_embeds.dtype,
-                device=inputs_embeds.device,
+            plan = reading.start(
+                plan, position_ids, past_key_values, inputs_embeds.dtype, table_positions, position_rows
             )
-            plan = plan.start(run)
         return hidden_states, dict(
             attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=plan
         )
