@@ -15,6 +15,7 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -31,7 +32,15 @@ from .cache_sepformer import SepFormerCache
 from .decoder_attention import query_key_layout_problem, release_rewritings, serve_attention
 from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
-from .mitigation_base import WRAPPED_IMPLEMENTATIONS, CallContext, Mitigation, PlanReading, attention_implementation
+from .mitigation_base import (
+    SCORE_TERMS,
+    WRAPPED_IMPLEMENTATIONS,
+    CallContext,
+    Mitigation,
+    ModelPositions,
+    PlanReading,
+    attention_implementation,
+)
 from .mitigations import (
     MITIGATIONS,
     call_options,
@@ -48,36 +57,15 @@ from .spans import default_position_ids
 PREFIX = "sepformer_mitigations_"
 
 
-@dataclass(frozen=True, eq=False)
-class DecoderPositions:
-    """Where a Hugging Face decoder keeps its positions, for the mitigations that read them."""
+@dataclass(frozen=True, eq=False, kw_only=True)
+class DecoderPositions(ModelPositions):
+    """Where a Hugging Face decoder keeps its positions, for the mitigations that read them, and what its probe run
+    found."""
 
-    model_name: str  # the causal LM's class name, for errors
     rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
-    query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
     # the layer type of each layer, where the rotary keeps one frequency table per type (`{type}_inv_freq`, Gemma 3)
     layer_types: tuple[str, ...] | None = None
-    # the keywords of its attention calls that add to q·k and the mask (`SCORE_TERMS`: sinks, soft-capping, ...)
-    score_keywords: frozenset[str] = frozenset()
-    positions_problem: str | None = None  # why positions counted from 0 are not the model's own, if they are not
-
-    def check_plain_scores(self, option: str, what: str, served: frozenset[str] = frozenset()) -> None:
-        """Refuse `option`, which computes `what` from q·k and the mask (and the `served` keywords), on a model whose
-        scores have more."""
-        terms = sorted({SCORE_TERMS[name] for name in self.score_keywords - served})
-        if terms:
-            raise ValueError(
-                f"{option} {what} from q·k and the mask, but {self.model_name}'s attention adds {' and '.join(terms)} "
-                "to its scores, which it would leave out."
-            )
-
-    def check_positions(self, option: str) -> None:
-        """Refuse `option`, which moves the positions where tokens are read, where those are not counted from 0."""
-        if self.positions_problem is not None:
-            raise ValueError(
-                f"{option} moves the positions the model reads, counted from each row's first token at 0, but "
-                f"{self.positions_problem}."
-            )
+    is_decoder: ClassVar[bool] = True
 
     @property
     def description(self) -> str:
@@ -132,16 +120,6 @@ class DecoderPositions:
 
         rotary = kept_in(derived_store(cache), ("rotary at base", base), build)
         return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
-
-
-# Keywords of an attention call that change its scores beyond q·k and the mask, and what each adds.
-SCORE_TERMS = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-    "softcap": "soft-capping",
-    "position_bias": "a position bias",
-    "indices": "a sparse choice of keys (indices)",
-}
 
 
 class AttentionProbe:
@@ -283,7 +261,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             batch=batch,
             new_tokens=new_tokens,
             continuing=continuing,
-            decoder=self.decoder_positions,
+            positions=self.decoder_positions,
             position_ids=inputs.get("position_ids"),
         )
 
@@ -513,7 +491,14 @@ def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
             "0, 1, 2, ...: e.g. RoBERTa's start after the padding index)"
         )
     keywords = frozenset(probe.score_keywords)
-    return DecoderPositions(type(model).__name__, rotary, problem, layer_types, keywords, positions_problem)
+    return DecoderPositions(
+        type(model).__name__,
+        problem,
+        keywords,
+        positions_problem,
+        rotary=rotary,
+        layer_types=layer_types,
+    )
 
 
 def add_mitigations(model):

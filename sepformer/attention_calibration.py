@@ -137,8 +137,7 @@ class CalibrationMitigation(Mitigation):
                 "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
                 "does not give: use attn_implementation 'eager' or 'sdpa'."
             )
-        if call.decoder is not None:
-            call.decoder.check_plain_scores("attention_calibration", "writes the last query's attention row out")
+        call.positions.check_plain_scores("attention_calibration", "writes the last query's attention row out")
         check_spans_in_prompt(options, call, "spans")
         if call.continuing and call.new_tokens > 1:
             raise ValueError(

@@ -63,6 +63,57 @@ def attention_implementation(config) -> str:
     return WRAPPED_IMPLEMENTATIONS.get(name, name)
 
 
+# Keywords of an attention call that change its scores beyond q·k and the mask, and what each adds.
+SCORE_TERMS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "softcap": "soft-capping",
+    "position_bias": "a position bias",
+    "indices": "a sparse choice of keys (indices)",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ModelPositions:
+    """What the mitigations ask a model about its attention and positions, the same questions for every model: a
+    SepFormer's answers are these defaults (its scores are q·k and the mask, its queries and keys read the layer's
+    input, its positions count from 0); a Hugging Face decoder's come from a probe run (`any_decoder.DecoderPositions`).
+    """
+
+    model_name: str  # the causal LM's class name, for errors
+    query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
+    # the keywords of its attention calls that add to q·k and the mask (`SCORE_TERMS`: sinks, soft-capping, ...)
+    score_keywords: frozenset[str] = frozenset()
+    positions_problem: str | None = None  # why positions counted from 0 are not the model's own, if they are not
+    is_decoder: ClassVar[bool] = False  # a Hugging Face decoder given `add_mitigations`
+
+    def check_plain_scores(self, option: str, what: str, served: frozenset[str] = frozenset()) -> None:
+        """Refuse `option`, which computes `what` from q·k and the mask (and the `served` keywords), on a model whose
+        scores have more."""
+        terms = sorted({SCORE_TERMS[name] for name in self.score_keywords - served})
+        if terms:
+            raise ValueError(
+                f"{option} {what} from q·k and the mask, but {self.model_name}'s attention adds {' and '.join(terms)} "
+                "to its scores, which it would leave out."
+            )
+
+    def check_query_key_inputs(self, option: str, rewritten: str) -> None:
+        """Refuse `option`, which reads the queries and keys from a `rewritten` input, where the attention cannot."""
+        if self.query_key_problem is not None:
+            raise ValueError(
+                f"{option} reads the queries and keys of {self.model_name} from {rewritten}, but "
+                f"{self.query_key_problem}."
+            )
+
+    def check_positions(self, option: str) -> None:
+        """Refuse `option`, which moves the positions where tokens are read, where those are not counted from 0."""
+        if self.positions_problem is not None:
+            raise ValueError(
+                f"{option} moves the positions the model reads, counted from each row's first token at 0, but "
+                f"{self.positions_problem}."
+            )
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class CallContext:
     """One call of the model, as the mitigations are resolved against it, before any layer runs."""
@@ -78,8 +129,13 @@ class CallContext:
     # The SepFormerCache that keeps what is fixed at prefill: the call's cache, a fresh one for a call without a cache,
     # or None when the call's cache is of another kind; set by `resolve_plan`.
     sepformer_cache: SepFormerCache | None = None
-    decoder: "DecoderPositions | None" = None  # where a Hugging Face model keeps its positions; None for SepFormer
+    positions: ModelPositions  # what the model answers about its attention and positions
     position_ids: torch.LongTensor | None = None  # the call's position_ids where given (a Hugging Face decoder's)
+
+    @property
+    def decoder(self) -> "DecoderPositions | None":
+        """Where a Hugging Face decoder keeps its positions (its rotary, by layer type); None for SepFormer."""
+        return self.positions if self.positions.is_decoder else None
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -36,7 +36,15 @@ from .decoding import fused_layer
 from .input_checks import check_checkpoint_folder, check_inputs, check_labels, unreadable_weights
 from .kept import derived_store
 from .mitigated_generation import LOSS_KEYWORDS, MitigationGenerationMixin, check_fed_token_ids, check_last_position
-from .mitigation_base import NO_HOOKS, CallContext, LayerCall, MitigationPlan, PlanReading, QueryKeyProjection
+from .mitigation_base import (
+    NO_HOOKS,
+    CallContext,
+    LayerCall,
+    MitigationPlan,
+    ModelPositions,
+    PlanReading,
+    QueryKeyProjection,
+)
 from .mitigations import (
     call_options,
     causal_lm_wrapper,
@@ -285,6 +293,11 @@ def staged(folder):
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# A SepFormer's attention scores are q·k and the mask, its queries and keys read the layer's input, and its positions
+# count from each row's first token: the mitigations' questions about a model's attention have the plain answers.
+SEPFORMER_POSITIONS = ModelPositions("SepFormerForCausalLM")
+
+
 def continues(past_key_values: Cache | None) -> bool:
     """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
 
@@ -377,6 +390,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
             batch=batch,
             new_tokens=new_tokens,
             continuing=continues(cache),
+            positions=SEPFORMER_POSITIONS,
         )
 
     def layer_inputs(

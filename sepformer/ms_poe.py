@@ -105,8 +105,7 @@ def ranking(options: MSPoE, call: CallContext) -> dict:
             "again in the backward pass, where the ranks are already kept and the layer saves other tensors: give a "
             "fixed head_order to train with gradient checkpointing, or train without it."
         )
-    if call.decoder is not None:
-        call.decoder.check_plain_scores("ms_poe", "ranks the heads by the last query's attention row, written out")
+    call.positions.check_plain_scores("ms_poe", "ranks the heads by the last query's attention row, written out")
     return {"cache": call.sepformer_cache}
 
 

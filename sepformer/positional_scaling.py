@@ -38,11 +38,7 @@ class PositionalScalingMitigation(Mitigation):
     @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
         config, decoder = call.model.config, call.decoder
-        if decoder is not None and decoder.query_key_problem is not None:
-            raise ValueError(
-                f"positional_scaling reads the queries and keys of {decoder.model_name} from a scaled input, but "
-                f"{decoder.query_key_problem}."
-            )
+        call.positions.check_query_key_inputs("positional_scaling", "a scaled input")
         if options.channels is None and decoder is not None:
             raise ValueError(
                 f"positional_scaling on {decoder.model_name} needs channels=(...): only a SepFormer knows its "

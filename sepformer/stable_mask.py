@@ -88,15 +88,15 @@ class StableMaskMitigation(Mitigation):
                 f"stable_mask runs on the 'eager' and 'sdpa' attention implementations (its sink is an extra key); "
                 f"this model uses {implementation!r}."
             )
-        config, decoder = call.model.config, call.decoder
-        plain_scores = decoder is None or not decoder.score_keywords
-        if decoder is not None and "softcap" in decoder.score_keywords:
+        config, positions = call.model.config, call.positions
+        if "softcap" in positions.score_keywords:
             raise ValueError(
-                f"stable_mask's sink logit τ goes through the attention's scores, and {decoder.model_name} soft-caps "
+                f"stable_mask's sink logit τ goes through the attention's scores, and {positions.model_name} soft-caps "
                 "them: τ would be capped too (to no less than -cap), so the sink would not be StableMask's."
             )
-        if decoder is not None:  # the sink is one more key: the model's own sinks take it as one more column
-            decoder.check_plain_scores("stable_mask", "adds a sink key to the attention", SCORES_WITH_A_SINK)
+        # the sink is one more key: the model's own sinks take it as one more column
+        positions.check_plain_scores("stable_mask", "adds a sink key to the attention", SCORES_WITH_A_SINK)
+        plain_scores = not positions.score_keywords
         return cls(options, frozenset(range(config.num_hidden_layers)), config.max_position_embeddings, plain_scores)
 
     def start(self, run: LayerRun) -> "StableMaskMitigation":

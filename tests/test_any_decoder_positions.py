@@ -1,6 +1,8 @@
 """`add_mitigations`: Attention Buckets and positional scaling on Hugging Face decoders, against the models run at
 each base, a reference written from the scaling's formula, and positional scaling by hooks."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import logits, random_ids
@@ -224,7 +226,7 @@ def test_positional_scaling_is_refused_without_channels_or_where_the_inputs_cann
     model(ids, past_key_values=cache, positional_scaling=SCALING)
     with pytest.raises(ValueError, match="prefilled with positional_scaling"):
         model(ids[:, :1], past_key_values=cache)
-    unreachable = model.decoder_positions.__class__(model.decoder_positions.model_name, None, "its file has no rotary")
+    unreachable = dataclasses.replace(model.decoder_positions, query_key_problem="its file has no rotary")
     model.decoder_positions = unreachable
     with pytest.raises(ValueError, match="from a scaled input, but its file has no rotary"):
         model(ids, positional_scaling=SCALING)
