@@ -65,7 +65,7 @@ class DecoderPositions(ModelPositions):
     rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
     # the layer type of each layer, where the rotary keeps one frequency table per type (`{type}_inv_freq`, Gemma 3)
     layer_types: tuple[str, ...] | None = None
-    is_decoder: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
 
     @property
     def description(self) -> str:
@@ -275,12 +275,12 @@ class MitigatedDecoder(MitigationGenerationMixin):
         batch, new_tokens = tokens.shape[:2]
         reading = PlanReading.of(plan, position_ids, mask, cache, new_tokens, tokens.device)
         moved = reading.read_positions is not position_ids
-        if mask is None and moved:  # without a mask, moved positions read as packing
+        if mask is None and moved:  # without a mask, moved positions read as packing: no padding, said explicitly
             mask = torch.ones(batch, reading.kv_length, dtype=torch.long, device=tokens.device)
-            reading = replace(reading, padding_mask=mask)
+            reading = replace(reading, padding_mask=mask)  # the and-mask read no padding either
         if reading.mask_function is not None:
             mask = self.masks_with(reading.mask_function, reading.padding_mask, cache, position_ids, batch, new_tokens)
-        started = reading.start(plan, position_ids, cache, self.dtype)
+        started = reading.start(self.dtype)
         inputs = {**inputs, "attention_mask": mask, "mitigation_plan": started}
         if self.decoder_positions.positions_problem is None or moved:
             inputs["position_ids"] = reading.read_positions  # counted from each row's first real token (left padding)
@@ -492,10 +492,10 @@ def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
         )
     keywords = frozenset(probe.score_keywords)
     return DecoderPositions(
-        type(model).__name__,
-        problem,
-        keywords,
-        positions_problem,
+        model_name=type(model).__name__,
+        query_key_problem=problem,
+        score_keywords=keywords,
+        positions_problem=positions_problem,
         rotary=rotary,
         layer_types=layer_types,
     )

@@ -85,7 +85,7 @@ class ModelPositions:
     # the keywords of its attention calls that add to q·k and the mask (`SCORE_TERMS`: sinks, soft-capping, ...)
     score_keywords: frozenset[str] = frozenset()
     positions_problem: str | None = None  # why positions counted from 0 are not the model's own, if they are not
-    is_decoder: ClassVar[bool] = False  # a Hugging Face decoder given `add_mitigations`
+    probed: ClassVar[bool] = False  # answered by a probe run: a Hugging Face decoder given `add_mitigations`
 
     def check_plain_scores(self, option: str, what: str, served: frozenset[str] = frozenset()) -> None:
         """Refuse `option`, which computes `what` from q·k and the mask (and the `served` keywords), on a model whose
@@ -135,7 +135,7 @@ class CallContext:
     @property
     def decoder(self) -> "DecoderPositions | None":
         """Where a Hugging Face decoder keeps its positions (its rotary, by layer type); None for SepFormer."""
-        return self.positions if self.positions.is_decoder else None
+        return self.positions if self.positions.probed else None
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -464,12 +464,15 @@ class MitigationPlan:
 @dataclass(frozen=True, eq=False)
 class PlanReading:
     """What one run of the layers reads from its plan before it runs them, the same for SepFormer
-    (`SepFormerModel.layer_inputs`) and for a Hugging Face decoder (`MitigatedDecoder.with_plan`): the padding mask, the
-    plan's and-mask over `kv_length` keys, where positions are read, and the bases they are read with (`None`: the
-    model's own)."""
+    (`SepFormerModel.layer_inputs`) and for a Hugging Face decoder (`MitigatedDecoder.with_plan`): the padding mask
+    the plan's and-mask was made from, that and-mask over `kv_length` keys, where positions are read, and the bases
+    they are read with (`None`: the model's own)."""
 
+    plan: MitigationPlan | None
+    position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions
+    cache: Cache | None
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
-    kv_length: int | None  # past + seq; None without a plan
+    kv_length: int | torch.Tensor | None  # past + seq (a tensor for a static cache, compiled); None without a plan
     mask_function: Callable | None
     read_positions: torch.LongTensor  # (b or 1, seq)
     rotary_base: float | None
@@ -477,28 +480,39 @@ class PlanReading:
     device: torch.device  # the run's
 
     @classmethod
-    def of(
-        cls, plan: MitigationPlan | None, position_ids, attention_mask, cache, new_tokens: int, device
-    ) -> "PlanReading":
+    def of(cls, plan: MitigationPlan | None, position_ids, attention_mask, cache, new_tokens: int, device):
         """Read `plan` (or no plan: the tokens' own positions, no and-mask) for `new_tokens` at `position_ids`."""
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if plan is None:
-            return cls(padding_mask, None, None, position_ids, None, None, device)
+            return cls(None, position_ids, cache, padding_mask, None, None, position_ids, None, None, device)
         kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
         mask_function = plan.mask_function(padding_mask, kv_length, device)
         read_positions, (rotary_base, map_base) = plan.read_positions(position_ids), plan.position_bases()
-        return cls(padding_mask, kv_length, mask_function, read_positions, rotary_base, map_base, device)
+        return cls(
+            plan,
+            position_ids,
+            cache,
+            padding_mask,
+            kv_length,
+            mask_function,
+            read_positions,
+            rotary_base,
+            map_base,
+            device,
+        )
 
-    def start(self, plan: MitigationPlan, position_ids, cache, dtype, table_positions=None, position_rows=None):
-        """`plan` started on this run: `position_ids` the tokens' own positions, `table_positions` where a positional
-        map was read (the read positions when `None`) and `position_rows` its rows."""
+    def start(self, dtype: torch.dtype, table_positions=None, position_rows=None) -> MitigationPlan | None:
+        """The plan started on this run (`None` without one): `table_positions` where a positional map was read (the
+        read positions when `None`) and `position_rows` its rows."""
+        if self.plan is None:
+            return None
         run = LayerRun(
-            position_ids=position_ids,
+            position_ids=self.position_ids,
             table_positions=self.read_positions if table_positions is None else table_positions,
             position_rows=position_rows,
             padding_mask=self.padding_mask,
-            cache=cache,
+            cache=self.cache,
             dtype=dtype,
             device=self.device,
         )
-        return plan.start(run)
+        return self.plan.start(run)

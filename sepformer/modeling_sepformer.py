@@ -295,7 +295,7 @@ def staged(folder):
 
 # A SepFormer's attention scores are q·k and the mask, its queries and keys read the layer's input, and its positions
 # count from each row's first token: the mitigations' questions about a model's attention have the plain answers.
-SEPFORMER_POSITIONS = ModelPositions("SepFormerForCausalLM")
+SEPFORMER_POSITIONS = ModelPositions("SepFormerModel")
 
 
 def continues(past_key_values: Cache | None) -> bool:
@@ -366,7 +366,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
             past_key_values = SepFormerCache(config=self.config)
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            call = self.call_context(input_ids, inputs_embeds, attention_mask, past_key_values, extrapolation)
+            call = self.call_context(
+                input_ids, inputs_embeds, attention_mask, past_key_values, extrapolation, continuing
+            )
             mitigation_plan = kept_plan(call, options)
             if mitigation_plan is None:
                 mitigation_plan = resolve_plan(call, options)
@@ -379,7 +381,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
             hidden_states = decoder_layer(hidden_states, past_key_values=past_key_values, **layer_inputs, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
-    def call_context(self, input_ids, inputs_embeds, attention_mask, cache, extrapolation) -> CallContext:
+    def call_context(self, input_ids, inputs_embeds, attention_mask, cache, extrapolation, continuing) -> CallContext:
+        """The call as its mitigations are resolved against it (`continuing`: it continues the caller's cache)."""
         batch, new_tokens = inputs_embeds.shape[:2]
         return CallContext(
             model=self,
@@ -389,7 +392,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
             extrapolation=extrapolation,
             batch=batch,
             new_tokens=new_tokens,
-            continuing=continues(cache),
+            continuing=continuing,
             positions=SEPFORMER_POSITIONS,
         )
 
@@ -419,12 +422,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
         position_embeddings = None
         if self.rotary_emb is not None:
             position_embeddings = self.rotary_emb(hidden_states, reading.read_positions, reading.rotary_base)
-        if plan is not None:
-            plan = reading.start(
-                plan, position_ids, past_key_values, inputs_embeds.dtype, table_positions, position_rows
-            )
+        started = reading.start(inputs_embeds.dtype, table_positions, position_rows)
         return hidden_states, dict(
-            attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=plan
+            attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=started
         )
 
     def position_rows(self, read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values):
