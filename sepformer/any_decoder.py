@@ -14,7 +14,7 @@ import copy
 import functools
 import inspect
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -277,7 +277,6 @@ class MitigatedDecoder(MitigationGenerationMixin):
         moved = reading.read_positions is not position_ids
         if mask is None and moved:  # without a mask, moved positions read as packing: no padding, said explicitly
             mask = torch.ones(batch, reading.kv_length, dtype=torch.long, device=tokens.device)
-            reading = replace(reading, padding_mask=mask)  # the and-mask read no padding either
         if reading.mask_function is not None:
             mask = self.masks_with(reading.mask_function, reading.padding_mask, cache, position_ids, batch, new_tokens)
         started = reading.start(self.dtype)

@@ -472,33 +472,34 @@ class PlanReading:
     position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions
     cache: Cache | None
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
-    kv_length: int | torch.Tensor | None  # past + seq (a tensor for a static cache, compiled); None without a plan
-    mask_function: Callable | None
-    read_positions: torch.LongTensor  # (b or 1, seq)
-    rotary_base: float | None
-    map_base: float | None
     device: torch.device  # the run's
+    read_positions: torch.LongTensor  # (b or 1, seq)
+    kv_length: int | torch.Tensor | None = (
+        None  # past + seq (a tensor for a static cache, compiled); None without a plan
+    )
+    mask_function: Callable | None = None
+    rotary_base: float | None = None
+    map_base: float | None = None
 
     @classmethod
     def of(cls, plan: MitigationPlan | None, position_ids, attention_mask, cache, new_tokens: int, device):
         """Read `plan` (or no plan: the tokens' own positions, no and-mask) for `new_tokens` at `position_ids`."""
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if plan is None:
-            return cls(None, position_ids, cache, padding_mask, None, None, position_ids, None, None, device)
+            return cls(plan, position_ids, cache, padding_mask, device, read_positions=position_ids)
         kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
-        mask_function = plan.mask_function(padding_mask, kv_length, device)
-        read_positions, (rotary_base, map_base) = plan.read_positions(position_ids), plan.position_bases()
+        rotary_base, map_base = plan.position_bases()
         return cls(
             plan,
             position_ids,
             cache,
             padding_mask,
-            kv_length,
-            mask_function,
-            read_positions,
-            rotary_base,
-            map_base,
             device,
+            read_positions=plan.read_positions(position_ids),
+            kv_length=kv_length,
+            mask_function=plan.mask_function(padding_mask, kv_length, device),
+            rotary_base=rotary_base,
+            map_base=map_base,
         )
 
     def start(self, dtype: torch.dtype, table_positions=None, position_rows=None) -> MitigationPlan | None:
