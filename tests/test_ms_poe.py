@@ -25,7 +25,6 @@ def test_ms_poe_with_all_ratios_one_is_the_base_model_bit_for_bit(overrides, hea
     assert torch.equal(logits(model, ids, ms_poe=option), logits(model, ids))
 
 
-
 def test_ms_poe_with_all_ratios_one_in_training_with_shifted_table_positions_is_the_base_model(monkeypatch):
     """`random_position_offsets` reads the table at shifted positions in training: MS-PoE's `p(m / r) - p(m)` reads it
     there too, so ratios 1 add exactly 0 (reading `p` at the rows' own positions would add `p(m) - p(m + 100)`)."""
@@ -36,6 +35,7 @@ def test_ms_poe_with_all_ratios_one_in_training_with_shifted_table_positions_is_
     option = MSPoE(r_min=1.0, r_max=1.0, layers=(0, 1), head_order=(3, 1, 0, 2))
     with torch.no_grad():
         assert torch.equal(logits(model, ids, ms_poe=option), logits(model, ids))
+
 
 def test_position_awareness_counts_keys_over_three_times_the_mean():
     probs = torch.tensor([[[0.7, 0.1, 0.1, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0]]])  # (1, 2 heads, 5 keys)
