@@ -51,10 +51,30 @@ from .mitigations import (
     resolve_plan,
     with_mitigation_keywords,
 )
-from .ms_poe import LENGTH_DEPENDENT_ROPE
+from .rotary import rotate_partial
 from .spans import default_position_ids
 
 PREFIX = "sepformer_mitigations_"
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
+
+
+@functools.cache
+def rotates_half(modeling_module: str) -> bool:
+    """Whether the model file `modeling_module`'s `apply_rotary_pos_emb` rotates in the rotate-half layout (the first
+    and second halves of the rotated dimensions paired, as Llama, Qwen2 and Mistral do), the one MS-PoE's further turn
+    uses: checked on one vector, since some models (Cohere, GPT-J) pair neighbouring dimensions instead."""
+    apply = getattr(sys.modules.get(modeling_module), "apply_rotary_pos_emb", None)
+    if apply is None:
+        return False
+    angles = torch.tensor([0.3, 0.5, 0.7, 1.1], dtype=torch.float64).repeat(2)[None, None]  # (1, 1, 8), rotate-half
+    vector = torch.arange(1.0, 9.0, dtype=torch.float64)[None, None, None]  # (b, heads, seq, head_dim) = (1, 1, 1, 8)
+    try:
+        theirs, _ = apply(vector, vector, angles.cos(), angles.sin())
+    except Exception:  # another signature: not a layout this check can read
+        return False
+    return torch.allclose(theirs, rotate_partial(vector, angles.cos()[:, None], angles.sin()[:, None]))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -62,9 +82,8 @@ class DecoderPositions(ModelPositions):
     """Where a Hugging Face decoder keeps its positions, for the mitigations that read them, and what its probe run
     found."""
 
-    rotary: nn.Module | None  # the rotary embedding (its `inv_freq`), None without rotary
-    # the layer type of each layer, where the rotary keeps one frequency table per type (`{type}_inv_freq`, Gemma 3)
-    layer_types: tuple[str, ...] | None = None
+    modeling_module: str  # the name of the model's modeling file, whose `apply_rotary_pos_emb` it rotates with
+    calls_position_hooks: bool = False
     probed: ClassVar[bool] = True
 
     @property
@@ -72,23 +91,48 @@ class DecoderPositions(ModelPositions):
         kind = "rotary positions" if self.rotary is not None else "no rotary embedding, e.g. GPT-2's learned positions"
         return f"{self.model_name} ({kind})"
 
-    def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
-        """The rotary's frequency tables: one per layer type, or `{None: inv_freq}` where every layer shares one."""
-        if self.layer_types is None:
-            return {None: self.rotary.inv_freq}
-        return {kind: getattr(self.rotary, f"{kind}_inv_freq") for kind in sorted(set(self.layer_types))}
-
-    def table_of(self, layer: int) -> str | None:
-        """The key of `inverse_frequencies` that layer `layer` rotates with."""
-        return None if self.layer_types is None else self.layer_types[layer]
-
     @property
     def rope_types(self) -> set[str]:
         rope_type = getattr(self.rotary, "rope_type", "default")
         return set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
 
-    def check_rotary_base(self) -> None:
-        """Refuse a rotary whose tables another `rope_theta` does not define (Attention Buckets' bases)."""
+    def check_head_turn(self, config) -> None:
+        """Refuse MS-PoE where each head's rotary cannot be turned further, from `m` to `m / r_h`, in the attention
+        function: no single rotary, another layout than rotate-half, latent attention, or frequencies that follow the
+        length."""
+        if self.rotary is None:
+            raise ValueError(
+                f"ms_poe rescales the rotary positions of each head, but {self.description} has no (single) rotary "
+                "embedding: MS-PoE is not defined for it."
+            )
+        if not rotates_half(self.modeling_module):
+            raise ValueError(
+                f"ms_poe turns each head's rotary further in the rotate-half layout (Llama, Qwen2, Mistral), and "
+                f"{self.model_name}'s apply_rotary_pos_emb does not rotate so (or was not found in its modeling "
+                "file): MS-PoE is not served for it."
+            )
+        if getattr(config, "qk_nope_head_dim", 0):
+            raise ValueError(
+                f"ms_poe turns the first rotary dimensions of each head, but {self.model_name}'s latent attention "
+                "puts the rotary part of each head last ([nope ‖ rope], qk_rope_head_dim): MS-PoE is not served for it."
+            )
+        if length_dependent := sorted(self.rope_types & set(LENGTH_DEPENDENT_ROPE)):
+            raise ValueError(
+                f"ms_poe turns the rotary angles by the rotary's frequencies, but {self.model_name}'s rope_type "
+                f"{length_dependent[0]!r} changes them with the sequence length during the forward."
+            )
+
+    def bucket_bases(self, options, config) -> tuple[float | None, None]:
+        """One Attention Bucket's rotary base (`None`: the model's own), as a rotary of the model's class built with
+        that `rope_theta` (`rotary_at_base`), read at positions `m · scales[0]`."""
+        if self.rotary is None:
+            raise ValueError(
+                f"attention_buckets reads positions with other rotary bases or scales, but {self.description} has "
+                "no (single) rotary embedding: learned absolute positions have no base to change, and a table is not "
+                "read between its rows. Attention Buckets is not defined for it."
+            )
+        if options.bases is None:
+            return None, None
         if self.layer_types is not None:
             raise ValueError(
                 f"attention_buckets bases replace the one rotary base rope_theta, but {self.model_name} rotates each "
@@ -108,6 +152,7 @@ class DecoderPositions(ModelPositions):
                 )
                 + ": give scales=[...] instead, or use a model with a fixed rotary."
             )
+        return options.bases[0], None
 
     def rotary_at_base(self, base: float, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
         """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
@@ -497,6 +542,7 @@ def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
         positions_problem=positions_problem,
         rotary=rotary,
         layer_types=layer_types,
+        modeling_module=type(model).__module__,
     )
 
 

@@ -66,52 +66,19 @@ class AttentionBucketsMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
-        if call.decoder is not None:
-            return cls.resolve_on_decoder(options, call)
-        config = call.model.config
         if options.num_buckets > 1:
             raise ValueError(
                 f"attention_buckets with {options.num_buckets} buckets mixes the buckets' next-token logits: call it "
                 "on SepFormerForCausalLM (forward or generate); the base model runs one bucket at a time."
             )
-        rotary_base = map_base = None
-        if options.bases is not None:
-            if config.rotary_dim > 0:
-                rotary_base = options.bases[0]
-            elif config.position_size > 0 and config.map_options().map == "sinusoidal":
-                map_base = options.bases[0]
-            else:
-                raise ValueError(
-                    f"attention_buckets bases={list(options.bases)} mean nothing for this model: it has no rotary "
-                    f"and its positional map is {config.positional_map!r}"
-                    + (" (a learned table has no base)" if config.position_size > 0 else " (position_size=0)")
-                    + "; give scales=[...] instead (bucket b reads positions m · scales[b])."
-                )
-        if options.scales is not None and config.position_size == 0 and config.rotary_dim == 0:
-            raise ValueError(
-                "attention_buckets scales rescale positions, but this model reads none (position_size=0, no rotary)."
-            )
+        config, extrapolation = call.model.config, call.extrapolation
+        rotary_base, map_base = call.positions.bucket_bases(options, config)
         scale = options.scales[0] if options.scales is not None else 1.0
-        method = call.extrapolation.method
-        rows = config.position_table_size if config.has_positional_table and method in LEARNED_TABLE_METHODS else None
+        method = extrapolation.method if extrapolation is not None else "none"
+        # a learned table that this call's extrapolation makes no row past
+        learned = call.positions.positional_map is not None and config.has_positional_table
+        rows = config.position_table_size if learned and method in LEARNED_TABLE_METHODS else None
         return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale, rows, method)
-
-    @classmethod
-    def resolve_on_decoder(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
-        """One bucket of a Hugging Face decoder (`add_mitigations`): its rotary with base `bases[0]` (the model's own
-        class of rotary, built with that `rope_theta`), read at positions `m · scales[0]`."""
-        decoder = call.decoder
-        if decoder.rotary is None:
-            raise ValueError(
-                f"attention_buckets reads positions with other rotary bases or scales, but {decoder.description} has "
-                "no (single) rotary embedding: learned absolute positions have no base to change, and a table is not "
-                "read between its rows. Attention Buckets is not defined for it."
-            )
-        if options.bases is not None:
-            decoder.check_rotary_base()
-        rotary_base = options.bases[0] if options.bases is not None else None
-        scale = options.scales[0] if options.scales is not None else 1.0
-        return cls(options, options.layer_set(call.model.config.num_hidden_layers), rotary_base, None, scale)
 
     @classmethod
     def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:

@@ -85,7 +85,50 @@ class ModelPositions:
     # the keywords of its attention calls that add to q·k and the mask (`SCORE_TERMS`: sinks, soft-capping, ...)
     score_keywords: frozenset[str] = frozenset()
     positions_problem: str | None = None  # why positions counted from 0 are not the model's own, if they are not
+    rotary: nn.Module | None = None  # the rotary embedding (its `inv_freq`), None without rotary
+    # the layer type of each layer, where the rotary keeps one frequency table per type (`{type}_inv_freq`, Gemma 3)
+    layer_types: tuple[str, ...] | None = None
+    positional_map: nn.Module | None = None  # SepFormer's map `p(·)` of its positional block, None without one
+    # Whether the attention hands its queries and keys to a `position_query_key` hook, unrotated and before the cache
+    # (SepFormer's); otherwise a mitigation first sees them in the attention function, rotated and after the cache.
+    calls_position_hooks: bool = True
     probed: ClassVar[bool] = False  # answered by a probe run: a Hugging Face decoder given `add_mitigations`
+
+    def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
+        """The rotary's frequency tables: one per layer type, or `{None: inv_freq}` where every layer shares one."""
+        if self.layer_types is None:
+            return {None: self.rotary.inv_freq}
+        return {kind: getattr(self.rotary, f"{kind}_inv_freq") for kind in sorted(set(self.layer_types))}
+
+    def table_of(self, layer: int) -> str | None:
+        """The key of `inverse_frequencies` that layer `layer` rotates with."""
+        return None if self.layer_types is None else self.layer_types[layer]
+
+    def bucket_bases(self, options, config) -> tuple[float | None, float | None]:
+        """`(rotary base, sinusoidal map base)` of one Attention Bucket (`None`: the model's own), refused where the
+        model has no base to change, or no positions to scale."""
+        if options.bases is None:
+            if options.scales is not None and self.rotary is None and self.positional_map is None:
+                raise ValueError(
+                    "attention_buckets scales rescale positions, but this model reads none (position_size=0, no "
+                    "rotary)."
+                )
+            return None, None
+        if self.rotary is not None:
+            return options.bases[0], None
+        if self.positional_map is not None and config.map_options().map == "sinusoidal":
+            return None, options.bases[0]
+        raise ValueError(
+            f"attention_buckets bases={list(options.bases)} mean nothing for this model: it has no rotary and its "
+            f"positional map is {config.positional_map!r}"
+            + (" (a learned table has no base)" if self.positional_map is not None else " (position_size=0)")
+            + "; give scales=[...] instead (bucket b reads positions m · scales[b])."
+        )
+
+    def check_head_turn(self, config) -> None:
+        """Refuse MS-PoE, which turns each head's positions to `m / r_h`, where the model has no positions to turn."""
+        if config.position_size == 0 and config.rotary_dim == 0:
+            raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
 
     def check_plain_scores(self, option: str, what: str, served: frozenset[str] = frozenset()) -> None:
         """Refuse `option`, which computes `what` from q·k and the mask (and the `served` keywords), on a model whose

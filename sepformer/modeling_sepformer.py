@@ -293,11 +293,6 @@ def staged(folder):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-# A SepFormer's attention scores are q·k and the mask, its queries and keys read the layer's input, and its positions
-# count from each row's first token: the mitigations' questions about a model's attention have the plain answers.
-SEPFORMER_POSITIONS = ModelPositions("SepFormerModel")
-
-
 def continues(past_key_values: Cache | None) -> bool:
     """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
 
@@ -393,7 +388,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
             batch=batch,
             new_tokens=new_tokens,
             continuing=continuing,
-            positions=SEPFORMER_POSITIONS,
+            # Its attention scores are q·k and the mask, its queries and keys read the layer's input, and its
+            # positions count from each row's first token: the plain answers, with its rotary and positional map.
+            positions=ModelPositions("SepFormerModel", rotary=self.rotary_emb, positional_map=self.embed_positions),
         )
 
     def layer_inputs(

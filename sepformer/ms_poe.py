@@ -1,9 +1,6 @@
 """MS-PoE (arXiv 2403.04797): head `h` of the chosen layers sees positions `m / r_h`."""
 
-import functools
-import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -11,9 +8,15 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from .cache_sepformer import MitigationState
 from .kept import cached_constant, derived_store, kept_in
-from .mitigation_base import CallContext, LayerRun, Mitigation, attention_implementation, last_row_probs
+from .mitigation_base import (
+    CallContext,
+    LayerRun,
+    Mitigation,
+    ModelPositions,
+    attention_implementation,
+    last_row_probs,
+)
 from .mitigation_options import MSPoE
-from .positional_maps import capacity_for
 from .rotary import apply_partial_rotary, rotary_cos_sin, rotate_partial
 from .spans import check_default_positions, key_positions
 
@@ -87,13 +90,12 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
     return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
 
 
-def ranking(options: MSPoE, call: CallContext) -> dict:
-    """Where a layer's head ranks come from: `fixed_ranks` of a `head_order`, or the `cache` that keeps those made at
-    prefill from the last query's attention row."""
+def ranking(options: MSPoE, call: CallContext) -> torch.Tensor | None:
+    """The (1, H, 1, 1) ranks of a fixed `head_order`, or `None` where each layer ranks its heads at prefill from the
+    last query's attention row (kept on the call's cache), which the call must then give."""
     config = call.model.config
     if options.head_order is not None:
-        fixed = fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None]
-        return {"fixed_ranks": fixed.to(call.model.device)}
+        return fixed_head_ranks(options, config.num_attention_heads)[None, :, None, None].to(call.model.device)
     if attention_implementation(config) == "flex_attention":
         raise ValueError(
             "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
@@ -106,15 +108,33 @@ def ranking(options: MSPoE, call: CallContext) -> dict:
             "fixed head_order to train with gradient checkpointing, or train without it."
         )
     call.positions.check_plain_scores("ms_poe", "ranks the heads by the last query's attention row, written out")
-    return {"cache": call.sepformer_cache}
+    return None
+
+
+def check_plain_projections(model: nn.Module, layers: frozenset[int]) -> None:
+    """Refuse adapters on `q_proj`, `k_proj` of a SepFormer's `layers`: MS-PoE's positional additions multiply by their
+    weights directly."""
+    wrapped = {
+        f"layers.{layer}.self_attn.{name}": f"{type(projection).__module__}.{type(projection).__qualname__}"
+        for layer in sorted(layers)
+        for name in ("q_proj", "k_proj")
+        if type(projection := getattr(model.layers[layer].self_attn, name)) is not nn.Linear
+    }
+    if wrapped:
+        raise ValueError(
+            f"ms_poe multiplies by the weights of q_proj and k_proj, which would leave out what these modules "
+            f"add to them: {wrapped}. Merge adapters first (PEFT's merge_and_unload()), or leave ms_poe's "
+            "layers without them."
+        )
 
 
 @dataclass(eq=False)
 class MSPoEState(MitigationState):
     """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
-    position-aware); on a Hugging Face decoder also each layer's keys turned to `m / r_h` (b, H, kv, head_dim), with
-    the number of keys seen when they were turned and the options that turned them, so that a decoding step turns its
-    own keys only (after a crop, the count no longer matches: the next step turns them all anew)."""
+    position-aware); where the keys reach it rotated and cached (a Hugging Face decoder) also each layer's keys turned
+    to `m / r_h` (b, H, kv, head_dim), with the number of keys seen when they were turned and the options that turned
+    them, so that a decoding step turns its own keys only (after a crop, the count no longer matches: the next step
+    turns them all anew)."""
 
     ranks: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_keys: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -122,28 +142,50 @@ class MSPoEState(MitigationState):
     turned_by: MSPoE | None = None
 
 
+def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
+    """cos, sin (H, b or 1, n, rotary_dim) of the rotation that takes queries or keys at `positions` (b or 1, n) to
+    `m / r_i` for rank `i`: from unrotated ones, the rotation at `m / r_i`; from ones already `rotated` at `m`, the
+    further turn by `m / r_i - m` (rotations of the same planes compose)."""
+    positions = positions.float()
+    return rotary_cos_sin(positions / ratios - positions if rotated else positions / ratios, inv_freq, dtype)
+
+
 @dataclass(frozen=True, eq=False)
 class MSPoEMitigation(Mitigation):
-    """Where positions enter the queries and keys of its layers, head `h` reads `m / r_h`: rotary (when on) rotates by
-    `m / r_h`, and the queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) - norm(x_pos))` added
-    (docs/design.md, MS-PoE). The heads are ranked at prefill (or by `head_order`) and keep their ratios while
-    decoding."""
+    """Head `h` of its layers reads positions `m / r_h`: its rotary (when the model has one) turns to `m / r_h`, and on
+    a SepFormer with a positional block the queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) -
+    norm(x_pos))` added (docs/design.md, MS-PoE). The heads are ranked at prefill (or by `head_order`) and keep their
+    ratios while decoding.
+
+    Where the model's attention hands its queries and keys to a position hook (SepFormer: unrotated, before the cache),
+    they are rotated at `m / r_h` there and cached so. Otherwise (a Hugging Face decoder given `add_mitigations`) its
+    attention function receives them rotated at `m`, the cache's keys included (at their positions counted from each
+    row's first real token), and turns head `h`'s further, to `m / r_h`, before the layer's other wrappers read them.
+    Heads are query heads: grouped-query keys are expanded to one per query head as they are turned (the earlier ones
+    are kept turned on the cache)."""
 
     options_class = MSPoE
     prefill_requirement = (
         "ms_poe ranks the heads at prefill: it must be on from the first (prefill) call of a cached generation, or "
         "be given a fixed head_order."
     )
-    model: nn.Module | None = None  # the SepFormerModel: its positional map, rotary and input norms
-    extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
+    turns_queries_keys = True
+
+    positions: ModelPositions | None = None  # the model's rotary (its frequency tables, by layer)
+    heads: int = 0  # query heads
     # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
-    cache: object = None  # the SepFormerCache that keeps the ranks made at prefill (an `MSPoEState`)
-    store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
+    cache: object = None  # the SepFormerCache that keeps the ranks made at prefill, and the turned keys (`MSPoEState`)
+    model: nn.Module | None = None  # a SepFormerModel with a positional block: its map and input norms
+    extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
     position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (H, b or 1, seq, rotary_dim) of m / r_i
+    # per frequency table (one per layer type where the rotary has several), the cos and sin (H, b or 1, seq,
+    # rotary_dim) by rank that take the call's queries, and its new keys, to `m / r_i`
+    query_turn: dict | None = None
+    padding_mask: torch.Tensor | None = None  # (b, kv) the call's padding mask, where the keys' positions come from
+    seen: int = 0  # the keys the cache held before this call
 
     @classmethod
     def fixes_state_at_prefill(cls, options: MSPoE) -> bool:
@@ -155,46 +197,47 @@ class MSPoEMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: MSPoE, call: CallContext) -> "MSPoEMitigation":
-        if call.decoder is not None:
-            return RotaryMSPoEMitigation.resolve_on_decoder(options, call)
-        config = call.model.config
-        if config.position_size == 0 and config.rotary_dim == 0:
-            raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
+        config, positions = call.model.config, call.positions
+        positions.check_head_turn(config)
+        check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
         layers = options.layer_set(config.num_hidden_layers)
-        if config.position_size > 0:  # `position_query_key` multiplies by `q_proj.weight`, `k_proj.weight` directly
-            wrapped = {
-                f"layers.{layer}.self_attn.{name}": f"{type(projection).__module__}.{type(projection).__qualname__}"
-                for layer in sorted(layers)
-                for name in ("q_proj", "k_proj")
-                if type(projection := getattr(call.model.layers[layer].self_attn, name)) is not nn.Linear
-            }
-            if wrapped:
-                raise ValueError(
-                    f"ms_poe multiplies by the weights of q_proj and k_proj, which would leave out what these modules "
-                    f"add to them: {wrapped}. Merge adapters first (PEFT's merge_and_unload()), or leave ms_poe's "
-                    "layers without them."
-                )
-        store = derived_store(call.sepformer_cache)
-        return cls(options, layers, call.model, call.extrapolation, store=store, **ranking(options, call))
+        model = call.model if positions.positional_map is not None else None
+        if model is not None:  # `position_query_key` multiplies by `q_proj.weight`, `k_proj.weight` directly
+            check_plain_projections(model, layers)
+        return cls(
+            options,
+            layers,
+            positions=positions,
+            heads=config.num_attention_heads,
+            fixed_ranks=ranking(options, call),
+            cache=call.sepformer_cache,
+            model=model,
+            extrapolation=call.extrapolation,
+        )
 
     def start(self, run: LayerRun) -> "MSPoEMitigation":
-        model, config = self.model, self.model.config
-        ratios = rank_ratios(self.options, config.num_attention_heads, run.device)  # (H, 1, 1)
-        position_shift = rotary = None
-        if run.position_rows is not None:
-            coordinates = model.embed_positions.table_coordinates(run.table_positions, self.extrapolation)
-            rows = model.embed_positions(coordinates / ratios, self.extrapolation, store=self.store)  # p(m / r_i)
-            rows = rows.to(run.dtype)
-            position_shift = rows - run.position_rows
-        if model.rotary_emb is not None:
-            rotary = rotary_cos_sin(
-                run.position_ids / ratios, model.rotary_emb.inv_freq, run.dtype
-            )  # (H, b|1, seq, rd)
-        return self.replace(position_shift=position_shift, rotary=rotary)
+        ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
+        position_shift = query_turn = None
+        if self.model is not None and run.position_rows is not None:
+            map_ = self.positions.positional_map
+            coordinates = map_.table_coordinates(run.table_positions, self.extrapolation)
+            rows = map_(coordinates / ratios, self.extrapolation, store=derived_store(self.cache))  # p(m / r_i)
+            position_shift = rows.to(run.dtype) - run.position_rows
+        if self.positions.rotary is not None:
+            rotated = not self.positions.calls_position_hooks
+            query_turn = {
+                kind: turned_by_ratios(run.position_ids, ratios, inverse, run.dtype, rotated)
+                for kind, inverse in self.positions.inverse_frequencies().items()
+            }
+        seen = run.cache.get_seq_length() if run.cache is not None else 0
+        return self.replace(
+            position_shift=position_shift, query_turn=query_turn, padding_mask=run.padding_mask, seen=seen
+        )
 
-    def layer_ranks(self, attention, query, key, position_embeddings, attention_mask) -> torch.Tensor:
+    def layer_ranks(self, attention, query, key, attention_mask, position_embeddings=None) -> torch.Tensor:
         """(b or 1, H, 1, 1) ranks of one layer's heads: fixed, kept from prefill, or made now from the last query's
-        attention row with the base positions (a prefill)."""
+        attention row with the base positions (a prefill: `query` and `key` rotated at `m`, or by
+        `position_embeddings`)."""
         if self.fixed_ranks is not None:
             return self.fixed_ranks
         ranks = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState).ranks
@@ -206,9 +249,14 @@ class MSPoEMitigation(Mitigation):
             ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
         return ranks[attention.layer_idx]
 
+    def head_turn(self, layer: int, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (b, H, seq, rotary_dim): each head's rows of the layer's `query_turn`, by its rank."""
+        turn = self.query_turn[self.positions.table_of(layer)]
+        return tuple(by_head(table, ranks).transpose(0, 1) for table in turn)
+
     def position_query_key(self, attention, query, key, layer_call):
-        position_embeddings = layer_call.position_embeddings
-        ranks = self.layer_ranks(attention, query, key, position_embeddings, layer_call.attention_mask).transpose(0, 1)
+        ranks = self.layer_ranks(attention, query, key, layer_call.attention_mask, layer_call.position_embeddings)
+        ranks = ranks.transpose(0, 1)  # (H, b or 1, 1, 1)
         if self.position_shift is not None:
             norm = self.model.layers[attention.layer_idx].input_layernorm.position
             positional = layer_call.residual[..., : self.position_shift.shape[-1]]  # (b, seq, d_pos)
@@ -217,110 +265,13 @@ class MSPoEMitigation(Mitigation):
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
             delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
             heads, batch, seq, d_pos = delta.shape
-            weights = positional_query_key_weights(attention, self.store)  # (H, d_pos, 2 · hd)
+            weights = positional_query_key_weights(attention, derived_store(self.cache))  # (H, d_pos, 2 · hd)
             deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), weights)  # (H, b · seq, 2 · hd)
             query_delta, key_delta = deltas.view(heads, batch, seq, -1).transpose(0, 1).chunk(2, -1)  # (b, H, seq, hd)
             query, key = query + query_delta, key + key_delta
-        if position_embeddings is not None:
-            cos, sin = (by_head(table, ranks).transpose(0, 1) for table in self.rotary)  # (b, H, seq, rotary_dim)
-            query, key = apply_partial_rotary(query, key, cos, sin)
+        if self.query_turn is not None:
+            query, key = apply_partial_rotary(query, key, *self.head_turn(attention.layer_idx, ranks))
         return query, key
-
-
-@functools.cache
-def rotates_half(modeling_module: str) -> bool:
-    """Whether the model file `modeling_module`'s `apply_rotary_pos_emb` rotates in the rotate-half layout (the first
-    and second halves of the rotated dimensions paired, as Llama, Qwen2 and Mistral do), the one MS-PoE's further turn
-    uses: checked on one vector, since some models (Cohere, GPT-J) pair neighbouring dimensions instead."""
-    apply = getattr(sys.modules.get(modeling_module), "apply_rotary_pos_emb", None)
-    if apply is None:
-        return False
-    angles = torch.tensor([0.3, 0.5, 0.7, 1.1], dtype=torch.float64).repeat(2)[None, None]  # (1, 1, 8), rotate-half
-    vector = torch.arange(1.0, 9.0, dtype=torch.float64)[None, None, None]  # (b, heads, seq, head_dim) = (1, 1, 1, 8)
-    try:
-        theirs, _ = apply(vector, vector, angles.cos(), angles.sin())
-    except Exception:  # another signature: not a layout this check can read
-        return False
-    return torch.allclose(theirs, rotate_partial(vector, angles.cos()[:, None], angles.sin()[:, None]))
-
-
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
-
-
-def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin (H, b or 1, n, rotary_dim) of the further rotation from `m` to `m / r_i` for rank `i`: rotations of
-    the same planes compose, so keys and queries already rotated at `m` are then rotated at `m / r_i`."""
-    positions = positions.float()
-    return rotary_cos_sin(positions / ratios - positions, inv_freq, dtype)
-
-
-@dataclass(frozen=True, eq=False)
-class RotaryMSPoEMitigation(MSPoEMitigation):
-    """MS-PoE on a Hugging Face rotary decoder (`add_mitigations`): its attention function receives queries and keys
-    rotated at the tokens' positions `m` (the cache's keys included, at their positions counted from each row's first
-    real token), and turns head `h`'s further, to `m / r_h`, before the layer's other wrappers read them. Heads are
-    query heads: grouped-query keys are expanded to one per query head as they are turned (the earlier ones are kept
-    turned on the cache)."""
-
-    turns_queries_keys = True
-
-    decoder: Any = None  # the model's `DecoderPositions`: its rotary's frequency tables, by layer
-    heads: int = 0  # query heads
-    query_turn: dict | None = None  # per frequency table (one per layer type where the rotary has several), the cos
-    # and sin (H, b or 1, seq, rotary_dim) by rank that turn the call's queries, and its new keys, from `m` to `m / r_i`
-    padding_mask: torch.Tensor | None = None  # (b, kv) the call's padding mask, where the keys' positions come from
-    seen: int = 0  # the keys the cache held before this call
-
-    @classmethod
-    def resolve_on_decoder(cls, options: MSPoE, call: CallContext) -> "RotaryMSPoEMitigation":
-        decoder, config = call.decoder, call.model.config
-        if decoder.rotary is None:
-            raise ValueError(
-                f"ms_poe rescales the rotary positions of each head, but {decoder.description} has no (single) rotary "
-                "embedding: MS-PoE is not defined for it."
-            )
-        if not rotates_half(type(call.model).__module__):
-            raise ValueError(
-                f"ms_poe turns each head's rotary further in the rotate-half layout (Llama, Qwen2, Mistral), and "
-                f"{decoder.model_name}'s apply_rotary_pos_emb does not rotate so (or was not found in its modeling "
-                "file): MS-PoE is not served for it."
-            )
-        if getattr(config, "qk_nope_head_dim", 0):
-            raise ValueError(
-                f"ms_poe turns the first rotary dimensions of each head, but {decoder.model_name}'s latent attention "
-                "puts the rotary part of each head last ([nope ‖ rope], qk_rope_head_dim): MS-PoE is not served for it."
-            )
-        if length_dependent := sorted(decoder.rope_types & set(LENGTH_DEPENDENT_ROPE)):
-            raise ValueError(
-                f"ms_poe turns the rotary angles by the rotary's frequencies, but {decoder.model_name}'s rope_type "
-                f"{length_dependent[0]!r} changes them with the sequence length during the forward."
-            )
-        check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
-        layers = options.layer_set(config.num_hidden_layers)
-        where = ranking(options, call) | {"cache": call.sepformer_cache}  # the cache keeps the turned keys too
-        return cls(options, layers, decoder=decoder, heads=config.num_attention_heads, **where)
-
-    def start(self, run: LayerRun) -> "RotaryMSPoEMitigation":
-        seen = run.cache.get_seq_length() if run.cache is not None else 0
-        ranked = self.replace(padding_mask=run.padding_mask, seen=seen)
-        turns = {kind: ranked.turn_at(kind, run.position_ids, run.dtype) for kind in self.decoder.inverse_frequencies()}
-        return ranked.replace(query_turn=turns)
-
-    def turn_at(self, kind: str | None, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin (H, b or 1, n, rotary_dim) by rank of the turn from `m` to `m / r_i` at `positions` (b or 1, n),
-        which are at most the keys seen (`seen` before the call's new ones): rows of a table of every position, made
-        once per doubling of a generation's length (`kept_in`) rather than at every step."""
-        device = positions.device
-
-        def make(rows: int) -> torch.Tensor:  # (rows, 2, H, rotary_dim): cos and sin of every position by rank
-            ratios, inverse = rank_ratios(self.options, self.heads, device), self.decoder.inverse_frequencies()[kind]
-            cos, sin = turned_by_ratios(torch.arange(rows, device=device)[None], ratios, inverse, dtype)
-            return torch.stack((cos[:, 0], sin[:, 0]), 1).transpose(0, 2)
-
-        rows = capacity_for(max(self.seen + positions.shape[-1], 1), 128)  # above every position: no read
-        key = ("ms_poe turn", self.options.r_min, self.options.r_max, self.heads, kind, dtype, device)
-        table = kept_in(derived_store(self.cache), key, make, rows=rows)
-        return table[positions].permute(2, 3, 0, 1, 4).unbind(0)  # (b or 1, n, 2, H, rd) -> 2 × (H, b or 1, n, rd)
 
     def earlier_turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, new: int) -> torch.Tensor:
         """(b, H, n, head_dim) the keys before this call's `new` ones, turned: kept on the cache by the call before,
@@ -337,9 +288,9 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         total = self.seen + new  # the earlier keys are the last (sliding window) or first (static slots) of `seen`
         positions = key_positions(self.padding_mask, total, key.device).clamp(min=0)  # padding is masked: any position
         positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
-        turn = self.turn_at(self.decoder.table_of(layer), positions, key.dtype)
-        cos, sin = (by_head(table, ranks).transpose(0, 1) for table in turn)
-        return rotate_partial(earlier, cos, sin)
+        ratios, inverse = rank_ratios(self.options, self.heads, key.device), self.positions.inverse_frequencies()
+        turn = turned_by_ratios(positions, ratios, inverse[self.positions.table_of(layer)], key.dtype, rotated=True)
+        return rotate_partial(earlier, *(by_head(table, ranks).transpose(0, 1) for table in turn))
 
     def per_query_head(self, key: torch.Tensor) -> torch.Tensor:
         """(b, H, n, head_dim) from grouped-query keys (b, H_kv, n, head_dim) (or already expanded ones)."""
@@ -363,10 +314,12 @@ class RotaryMSPoEMitigation(MSPoEMitigation):
         return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
 
     def wrap_attention(self, layer_idx: int, function, projection):
+        if self.positions.calls_position_hooks:  # the queries and keys were rotated at `m / r_h` before the cache
+            return function
+
         def rescaled(module, query, key, value, attention_mask, **kwargs):
-            ranks = self.layer_ranks(module, query, key, None, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
-            turn = self.query_turn[self.decoder.table_of(layer_idx)]
-            cos, sin = (by_head(table, ranks).transpose(0, 1) for table in turn)  # (b, H, seq, rotary_dim)
+            ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
+            cos, sin = self.head_turn(layer_idx, ranks)  # (b, H, seq, rotary_dim)
             query, key = rotate_partial(query, cos, sin), self.turned_keys(layer_idx, key, ranks, cos, sin)
             return function(module, query, key, value, attention_mask, **kwargs)
 
