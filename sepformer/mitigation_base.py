@@ -340,9 +340,10 @@ class Mitigation:
     def replace(self, **changes) -> "Mitigation":
         return dataclasses.replace(self, **changes)
 
-
-def overrides(mitigation: Mitigation, hook: str) -> bool:
-    return getattr(type(mitigation), hook) is not getattr(Mitigation, hook)
+    def uses(self, hook: str) -> bool:
+        """Whether the layers call this mitigation's `hook` (`query_key_inputs`, `position_query_key`,
+        `wrap_attention`): by default, the hooks its class overrides."""
+        return getattr(type(self), hook) is not getattr(Mitigation, hook)
 
 
 def last_logits(model, rows: int) -> dict:
@@ -459,7 +460,7 @@ class MitigationPlan:
     def of(cls, mitigations: tuple[Mitigation, ...], num_layers: int) -> "MitigationPlan":
         def hooks(layer: int) -> LayerHooks:
             here = [mitigation for mitigation in mitigations if layer in mitigation.layers]
-            position_hooks = [mitigation for mitigation in here if overrides(mitigation, "position_query_key")]
+            position_hooks = [mitigation for mitigation in here if mitigation.uses("position_query_key")]
             if len(position_hooks) > 1:
                 names = " and ".join(hook.options.name for hook in position_hooks)
                 raise ValueError(
@@ -467,12 +468,12 @@ class MitigationPlan:
                     "disjoint `layers`."
                 )
             return LayerHooks(
-                input_hooks=tuple(mitigation for mitigation in here if overrides(mitigation, "query_key_inputs")),
+                input_hooks=tuple(mitigation for mitigation in here if mitigation.uses("query_key_inputs")),
                 position_hook=position_hooks[0] if position_hooks else None,
                 # innermost first; a wrapper that turns the queries and keys outermost
                 attention_wrappers=tuple(
                     sorted(
-                        (mitigation for mitigation in here if overrides(mitigation, "wrap_attention")),
+                        (mitigation for mitigation in here if mitigation.uses("wrap_attention")),
                         key=lambda mitigation: mitigation.turns_queries_keys,
                     )
                 ),

@@ -176,6 +176,7 @@ class MSPoEMitigation(Mitigation):
     # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
     cache: object = None  # the SepFormerCache that keeps the ranks made at prefill, and the turned keys (`MSPoEState`)
+    store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
     model: nn.Module | None = None  # a SepFormerModel with a positional block: its map and input norms
     extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
@@ -211,6 +212,7 @@ class MSPoEMitigation(Mitigation):
             heads=config.num_attention_heads,
             fixed_ranks=ranking(options, call),
             cache=call.sepformer_cache,
+            store=derived_store(call.sepformer_cache),
             model=model,
             extrapolation=call.extrapolation,
         )
@@ -221,7 +223,7 @@ class MSPoEMitigation(Mitigation):
         if self.model is not None and run.position_rows is not None:
             map_ = self.positions.positional_map
             coordinates = map_.table_coordinates(run.table_positions, self.extrapolation)
-            rows = map_(coordinates / ratios, self.extrapolation, store=derived_store(self.cache))  # p(m / r_i)
+            rows = map_(coordinates / ratios, self.extrapolation, store=self.store)  # p(m / r_i)
             position_shift = rows.to(run.dtype) - run.position_rows
         if self.positions.rotary is not None:
             rotated = not self.positions.calls_position_hooks
@@ -265,7 +267,7 @@ class MSPoEMitigation(Mitigation):
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
             delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
             heads, batch, seq, d_pos = delta.shape
-            weights = positional_query_key_weights(attention, derived_store(self.cache))  # (H, d_pos, 2 · hd)
+            weights = positional_query_key_weights(attention, self.store)  # (H, d_pos, 2 · hd)
             deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), weights)  # (H, b · seq, 2 · hd)
             query_delta, key_delta = deltas.view(heads, batch, seq, -1).transpose(0, 1).chunk(2, -1)  # (b, H, seq, hd)
             query, key = query + query_delta, key + key_delta
@@ -313,10 +315,12 @@ class MSPoEMitigation(Mitigation):
             state.turned_seen[layer] = total
         return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
 
-    def wrap_attention(self, layer_idx: int, function, projection):
-        if self.positions.calls_position_hooks:  # the queries and keys were rotated at `m / r_h` before the cache
-            return function
+    def uses(self, hook: str) -> bool:
+        if hook in ("position_query_key", "wrap_attention"):  # where the model hands it the queries and keys
+            return (hook == "position_query_key") == self.positions.calls_position_hooks
+        return super().uses(hook)
 
+    def wrap_attention(self, layer_idx: int, function, projection):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
             cos, sin = self.head_turn(layer_idx, ranks)  # (b, H, seq, rotary_dim)
