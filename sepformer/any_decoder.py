@@ -15,7 +15,6 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -84,7 +83,6 @@ class DecoderPositions(ModelPositions):
 
     modeling_module: str  # the name of the model's modeling file, whose `apply_rotary_pos_emb` it rotates with
     calls_position_hooks: bool = False
-    probed: ClassVar[bool] = True
 
     @property
     def description(self) -> str:
@@ -95,6 +93,16 @@ class DecoderPositions(ModelPositions):
     def rope_types(self) -> set[str]:
         rope_type = getattr(self.rotary, "rope_type", "default")
         return set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
+
+    @property
+    def no_positional_block(self) -> str:
+        return f"{self.description} has none (a SepFormer's)"
+
+    def positional_channels(self, config) -> tuple[int, ...]:
+        raise ValueError(
+            f"positional_scaling on {self.model_name} needs channels=(...): only a SepFormer knows its positional "
+            "channels by construction (search_positional_scaling finds candidates for other models)."
+        )
 
     def check_head_turn(self, config) -> None:
         """Refuse MS-PoE where each head's rotary cannot be turned further, from `m` to `m / r_h`, in the attention

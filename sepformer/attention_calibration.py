@@ -147,13 +147,10 @@ class CalibrationMitigation(Mitigation):
             )
         layers = options.layer_set(config.num_hidden_layers)
         if options.bias_estimate == "positional":
-            if call.decoder is not None or config.position_size == 0:
-                lacking = "this model has position_size=0"
-                if call.decoder is not None:
-                    lacking = f"{call.decoder.description} has none (a SepFormer's)"
+            if call.positions.positional_map is None:
                 raise ValueError(
                     "attention_calibration bias_estimate='positional' reads the positional block, but "
-                    f"{lacking}: use bias_estimate='dummy_passes'."
+                    f"{call.positions.no_positional_block}: use bias_estimate='dummy_passes'."
                 )
             if not call.continuing:
                 return PositionalBiasCalibration(

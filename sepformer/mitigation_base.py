@@ -32,7 +32,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -43,9 +43,6 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from .cache_sepformer import SepFormerCache
 from .mitigation_options import MitigationOptions
 from .positional_options import PositionExtrapolation
-
-if TYPE_CHECKING:
-    from .any_decoder import DecoderPositions
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 InputScale = tuple[tuple[int, ...], float]  # (channels, factor) of the query and key inputs, as one linear map
@@ -75,10 +72,11 @@ SCORE_TERMS = {
 
 @dataclass(frozen=True, eq=False)
 class ModelPositions:
-    """What the mitigations ask a model about its attention and positions, the same questions for every model: a
-    SepFormer's answers are these defaults (its scores are q·k and the mask, its queries and keys read the layer's
-    input, its positions count from 0); a Hugging Face decoder's come from a probe run (`any_decoder.DecoderPositions`).
-    """
+    """What the mitigations ask a model about its attention and positions, the same questions for every model, so that
+    each method is written once: a SepFormer's answers are these defaults (its scores are q·k and the mask, its queries
+    and keys read the layer's input and reach a position hook before the cache, its positions count from 0, its
+    positions live in its rotary and its positional block); a Hugging Face decoder's come from a probe run
+    (`any_decoder.DecoderPositions`)."""
 
     model_name: str  # the causal LM's class name, for errors
     query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
@@ -92,7 +90,6 @@ class ModelPositions:
     # Whether the attention hands its queries and keys to a `position_query_key` hook, unrotated and before the cache
     # (SepFormer's); otherwise a mitigation first sees them in the attention function, rotated and after the cache.
     calls_position_hooks: bool = True
-    probed: ClassVar[bool] = False  # answered by a probe run: a Hugging Face decoder given `add_mitigations`
 
     def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
         """The rotary's frequency tables: one per layer type, or `{None: inv_freq}` where every layer shares one."""
@@ -103,6 +100,21 @@ class ModelPositions:
     def table_of(self, layer: int) -> str | None:
         """The key of `inverse_frequencies` that layer `layer` rotates with."""
         return None if self.layer_types is None else self.layer_types[layer]
+
+    @property
+    def no_positional_block(self) -> str:
+        """Why the model has no positional block (`positional_map` is None), for errors."""
+        return "this model has position_size=0"
+
+    def positional_channels(self, config) -> tuple[int, ...]:
+        """The channels of the attention input that hold the positions and nothing else: SepFormer's positional block
+        `[0, d_pos)`, known by construction; positional scaling's default."""
+        if self.positional_map is None:
+            raise ValueError(
+                f"positional_scaling scales the positional block by default, but {self.no_positional_block}: give "
+                "channels=(...) explicitly."
+            )
+        return tuple(range(config.position_size))
 
     def bucket_bases(self, options, config) -> tuple[float | None, float | None]:
         """`(rotary base, sinusoidal map base)` of one Attention Bucket (`None`: the model's own), refused where the
@@ -174,11 +186,6 @@ class CallContext:
     sepformer_cache: SepFormerCache | None = None
     positions: ModelPositions  # what the model answers about its attention and positions
     position_ids: torch.LongTensor | None = None  # the call's position_ids where given (a Hugging Face decoder's)
-
-    @property
-    def decoder(self) -> "DecoderPositions | None":
-        """Where a Hugging Face decoder keeps its positions (its rotary, by layer type); None for SepFormer."""
-        return self.positions if self.positions.probed else None
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -37,19 +37,10 @@ class PositionalScalingMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: PositionalScaling, call: CallContext) -> "PositionalScalingMitigation":
-        config, decoder = call.model.config, call.decoder
+        config = call.model.config
         call.positions.check_query_key_inputs("positional_scaling", "a scaled input")
-        if options.channels is None and decoder is not None:
-            raise ValueError(
-                f"positional_scaling on {decoder.model_name} needs channels=(...): only a SepFormer knows its "
-                "positional channels by construction (search_positional_scaling finds candidates for other models)."
-            )
-        if options.channels is None and config.position_size == 0:
-            raise ValueError(
-                "positional_scaling scales the positional block by default, but this model has position_size=0: "
-                "give channels=(...) explicitly."
-            )
-        bad = [channel for channel in options.channels or () if not 0 <= channel < config.hidden_size]
+        channels = options.channels or call.positions.positional_channels(config)
+        bad = [channel for channel in channels if not 0 <= channel < config.hidden_size]
         if bad:
             raise ValueError(
                 f"positional_scaling channels {bad} are out of range: channels are 0..{config.hidden_size - 1}."
@@ -61,7 +52,6 @@ class PositionalScalingMitigation(Mitigation):
                 f"attention scores carry factor² (queries and keys are both scaled), so |factor| must be at most "
                 f"{bound:.4g}."
             )
-        channels = options.channels or tuple(range(config.position_size))
         layers = options.layer_set(config.num_hidden_layers)
         return cls(options, layers, config.hidden_size, channels, call.continuing)
 
