@@ -8,7 +8,8 @@ cache, or a `.gguf` file) with its own tokenizer and chat template: key-value re
 picks on validation prompts of another seed; one the model refuses stops a run that names it and is left out of the
 default run. Greedy decoding, left-padded batches. Writes under `--output-dir`: `results.csv` (model, task, seed,
 mitigation, settings, slot, accuracy, n, seconds per prompt), `outputs.csv` (each prompt's answer and output),
-`results.md` (the table, printed too), `lost_in_the_middle.png` and with `--tune` `tuning.csv`. In full:
+`results.md` (the table, printed too), `lost_in_the_middle.png` and with `--tune` `tuning.csv`; and each condition's
+rows as it finishes, under `finished/`, which `--resume` reads back after a stop. In full:
 docs/experiments/lost_in_the_middle.md.
 
     python examples/lost_in_the_middle.py --model path/to/checkpoint                      # 75 keys, every mitigation
@@ -19,6 +20,8 @@ docs/experiments/lost_in_the_middle.md.
 """
 
 import argparse
+import hashlib
+import json
 import random
 import statistics
 import time
@@ -224,13 +227,30 @@ def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def finished_path(prompts: list[Prompt], condition: Condition, args) -> Path:
+    """Where one condition's rows on `prompts` are kept once run (`--output-dir`/finished/): named by a digest of what
+    they depend on, so that `--resume` reads back only the very same work (greedy decoding is deterministic)."""
+    work = [args.model, args.dtype, args.max_new_tokens, args.keys, args.prompt_read, args.num_documents, args.seed]
+    work += [condition.mitigation, condition.choice, describe(condition.settings)]
+    work += [(list(prompt.input_ids), prompt.spans, prompt.example.slot) for prompt in prompts]
+    digest = hashlib.sha256(json.dumps(work, default=str).encode()).hexdigest()[:16]
+    return Path(args.output_dir) / "finished" / f"{condition.mitigation}-{condition.choice}-{digest}.json"
+
+
 def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[Condition], args):
     """Accuracy by slot under every condition: one row per (condition, slot), with the seconds per prompt; and one row
-    per (condition, prompt) with the answer and what the model wrote."""
+    per (condition, prompt) with the answer and what the model wrote. Each condition's rows are kept as it finishes
+    (`finished_path`); with `--resume`, a condition kept so is read back rather than run again."""
     rows, answers = [], []
     with tqdm(total=len(conditions) * len(prompts), desc="prompts", dynamic_ncols=True, leave=False) as bar:
         for condition in conditions:
-            scores, started = {}, time.perf_counter()
+            finished = finished_path(prompts, condition, args)
+            if args.resume and finished.exists():
+                kept = json.loads(finished.read_text())
+                rows, answers = rows + kept["rows"], answers + kept["answers"]
+                bar.update(len(prompts))
+                continue
+            scores, started, first_answer = {}, time.perf_counter(), len(answers)
             bar.set_postfix(mitigation=condition.label)
             for first in range(0, len(prompts), args.batch_size):
                 batch = prompts[first : first + args.batch_size]
@@ -267,6 +287,9 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
                 )
                 for slot, hits in sorted(scores.items())
             ]
+            finished.parent.mkdir(exist_ok=True)
+            kept = {"rows": rows[-len(scores) :], "answers": answers[first_answer:]}
+            finished.write_text(json.dumps(kept))
     return rows, answers
 
 
@@ -401,6 +424,12 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--tune-examples", type=positive_int, help="objects per slot of the validation prompts of --tune (default 2)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="read back each condition (and each setting --tune tried) that a run stopped part-way finished under "
+        "--output-dir with the same model, task, seed and settings, rather than run it again",
     )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
     parser.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")

@@ -2,6 +2,7 @@
 chat template, tiny SepFormers with their byte tokenizer), end to end at `--tiny`; prompts, spans, metrics, refusals."""
 
 import csv
+import functools
 import importlib.util
 import json
 import random
@@ -594,6 +595,37 @@ def test_tune_picks_on_prompts_of_its_own_and_writes_each_setting(llama_dir, tmp
     choices = {(row["mitigation"], row["choice"]) for row in rows}
     assert choices == {("none", "paper"), *((name, choice) for name in expected for choice in ("paper", "tuned"))}
     assert "stable_mask (tuned)" in table and "ms_poe (tuned)" in table
+
+
+def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_path, monkeypatch):
+    """Each condition (each setting --tune tries too) is kept as it finishes; --resume reads those back and runs the
+    rest: the same rows as a run never stopped, and no condition run twice."""
+    flags = ["--keys", "short", "--prompt", "completion", "--tune", "--mitigations", "none", "stable_mask"]
+    calls, generate, finished = [], litm.generate, tmp_path / "stopped" / "finished"
+
+    def counted(model, tokenizer, prompts, condition, max_new_tokens, stop_after=None):
+        if stop_after is not None and finished.exists() and len(list(finished.iterdir())) == stop_after:
+            raise KeyboardInterrupt
+        calls.append(condition)
+        return generate(model, tokenizer, prompts, condition, max_new_tokens)
+
+    monkeypatch.setattr(litm, "generate", counted)
+    whole, _ = run(llama_dir, tmp_path / "whole", *flags)
+    total = len(calls)  # the checks before the run, then one call per condition (the tiny prompts are one batch)
+    monkeypatch.setattr(litm, "generate", functools.partial(counted, stop_after=2))
+    with pytest.raises(KeyboardInterrupt):
+        litm.main(["--model", llama_dir, "--tiny", "--output-dir", str(tmp_path / "stopped"), *flags])
+    assert len(list(finished.iterdir())) == 2
+    calls.clear()
+    monkeypatch.setattr(litm, "generate", counted)
+    resumed, _ = run(llama_dir, tmp_path / "stopped", *flags, "--resume")
+    assert len(calls) == total - 2
+    timeless = [{key: value for key, value in row.items() if key != "seconds_per_prompt"} for row in whole]
+    assert [{key: value for key, value in row.items() if key != "seconds_per_prompt"} for row in resumed] == timeless
+    assert (tmp_path / "stopped" / "tuning.csv").read_text() == (tmp_path / "whole" / "tuning.csv").read_text()
+    calls.clear()
+    run(llama_dir, tmp_path / "stopped", *flags, "--resume", "--seed", "1")  # another seed: other prompts, run anew
+    assert len(calls) == total
 
 
 def test_tune_is_refused_with_a_qa_file_and_its_count_without_tune(llama_dir, qa_file, capsys):
