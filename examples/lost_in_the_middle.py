@@ -227,10 +227,22 @@ def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def weights_digest(model) -> str:
+    """A digest of the model's weights, as loaded: the rows kept under one checkpoint path are not read back for other
+    weights saved there since."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def finished_path(prompts: list[Prompt], condition: Condition, args) -> Path:
     """Where one condition's rows on `prompts` are kept once run (`--output-dir`/finished/): named by a digest of what
-    they depend on, so that `--resume` reads back only the very same work (greedy decoding is deterministic)."""
-    work = [args.model, args.dtype, args.max_new_tokens, args.keys, args.prompt_read, args.num_documents, args.seed]
+    they depend on (the weights, how they run, the prompts, the condition; the batch size too, which the seconds per
+    prompt do), so that `--resume` reads back only the very same work (greedy decoding is deterministic)."""
+    work = [args.model, args.weights, args.dtype, str(args.device), args.batch_size, args.max_new_tokens]
+    work += [args.keys, args.prompt_read, args.num_documents, args.seed]  # written in the rows
     work += [condition.mitigation, condition.choice, describe(condition.settings)]
     work += [(list(prompt.input_ids), prompt.spans, prompt.example.slot) for prompt in prompts]
     digest = hashlib.sha256(json.dumps(work, default=str).encode()).hexdigest()[:16]
@@ -289,7 +301,9 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
             ]
             finished.parent.mkdir(exist_ok=True)
             kept = {"rows": rows[-len(scores) :], "answers": answers[first_answer:]}
-            finished.write_text(json.dumps(kept))
+            partial = finished.with_suffix(".partial")  # then renamed: a run stopped while writing leaves no file
+            partial.write_text(json.dumps(kept))
+            partial.replace(finished)
     return rows, answers
 
 
@@ -507,6 +521,7 @@ def main(argv=None) -> list[dict]:
     args.prompt_read = "plain (no chat template)" if args.prompt == "chat" and not encoder.chat else args.prompt
     prompts, correct = prompts_and_metric(encoder, args)
     model = load_model(args)
+    args.weights = weights_digest(model)
     check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)
     paper = {**PAPER, SCALING: scaling_channels(model, encoder, args)}

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import random
 import re
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -625,6 +626,15 @@ def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_pat
     assert (tmp_path / "stopped" / "tuning.csv").read_text() == (tmp_path / "whole" / "tuning.csv").read_text()
     calls.clear()
     run(llama_dir, tmp_path / "stopped", *flags, "--resume", "--seed", "1")  # another seed: other prompts, run anew
+    assert len(calls) == total
+    copy = shutil.copytree(llama_dir, tmp_path / "model")
+    run(str(copy), tmp_path / "copied", *flags)
+    calls.clear()
+    reweighted = AutoModelForCausalLM.from_pretrained(copy)
+    with torch.no_grad():
+        reweighted.lm_head.weight.mul_(2)
+    reweighted.save_pretrained(copy)  # other weights under the same path: nothing read back
+    run(str(copy), tmp_path / "copied", *flags, "--resume")
     assert len(calls) == total
 
 
