@@ -8,6 +8,7 @@ takes its dataclass, the dict of its fields (`{"gamma": 0.05}`), or `None` (off)
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,6 +16,10 @@ INT64_MAX = 2**63 - 1
 MIN_TEMPERATURE = 1e-38  # calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, stay finite
 # A bucket's float32 angles m · scale / min(base, 1) stay finite (<= 2**63 · 1e18 < 3.4e38) for every int64 position m.
 MIN_BUCKET_BASE, MAX_BUCKET_SCALE = 1e-9, 1e9
+BUCKET_BOUNDS = (
+    f": a bucket turns position m by up to m · scale / min(base, 1) radians, in float32, finite for every int64 m with "
+    f"bases >= {MIN_BUCKET_BASE:g} and scales <= {MAX_BUCKET_SCALE:g}"
+)
 
 
 def plain_number(value) -> int | float | None:
@@ -90,14 +95,15 @@ def as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, 
     return tuple(float(check_number(name, field[:-1], item, **{"low": 0.0, **bounds})) for item in items)
 
 
-def as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every row."""
+def as_spans(name: str, field: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """`name`'s `field`: per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every
+    row."""
     try:
         rows = tuple(tuple(tuple(span) for span in row) for row in spans)
     except TypeError:
         rows = None
     if rows is None or not all(len(span) == 2 for row in rows for span in row):
-        raise ValueError(f"{name} spans={spans!r} must be, per batch row, a sequence of (start, end).")
+        raise ValueError(f"{name} {field}={spans!r} must be, per batch row, a sequence of (start, end).")
     for row_index, row in enumerate(rows):
         for span in row:
             if None in (plain_integer(bound) for bound in span):
@@ -108,7 +114,7 @@ def as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
     rows = tuple(tuple((plain_integer(start), plain_integer(end)) for start, end in row) for row in rows)
     if not rows or len({len(row) for row in rows}) != 1 or len(rows[0]) == 0:
         raise ValueError(
-            f"{name} spans must give every batch row the same number (>= 1) of documents; got "
+            f"{name} {field} must give every batch row the same number (>= 1) of documents; got "
             f"{[len(row) for row in rows]}."
         )
     for row_index, row in enumerate(rows):
@@ -121,8 +127,46 @@ def as_spans(name: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
                 )
         for (_, end), (start, _) in zip(ordered, ordered[1:], strict=False):
             if start < end:
-                raise ValueError(f"{name} spans of row {row_index} overlap: {ordered}.")
+                raise ValueError(f"{name} {field} of row {row_index} overlap: {ordered}.")
     return rows
+
+
+FieldCheck = Callable[[str, str, object], object]  # (option's name, field, value) -> the value as kept
+
+
+def checked(check: FieldCheck, default=dataclasses.MISSING):
+    """A field of an option dataclass whose value `check` refuses (a `ValueError` naming the option, the field, the
+    value and what is allowed) or keeps as plain Python values, when the dataclass is made."""
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def with_bounds(check: FieldCheck, **bounds) -> FieldCheck:
+    """`check` with these keywords: a closure rather than a `functools.partial`, which torch.compile does not trace
+    (options are made inside compiled forwards, from the config)."""
+    return lambda name, field, value: check(name, field, value, **bounds)
+
+
+def integer(low: int) -> FieldCheck:
+    """An integer >= `low`."""
+
+    def check(name: str, field: str, value) -> int:
+        number = plain_integer(value)
+        if number is None or number < low:
+            raise ValueError(f"{name} {field}={value!r} must be an integer >= {low}.")
+        return number
+
+    return check
+
+
+def one_of(choices: tuple) -> FieldCheck:
+    """One of `choices`."""
+
+    def check(name: str, field: str, value):
+        if value not in choices:
+            raise ValueError(f"{name} {field}={value!r} is not one of {list(choices)}.")
+        return value
+
+    return check
 
 
 # Options refused together, and why; `reorder_documents` is `generate`'s. SAME_LAYERS_ONLY: refused in shared layers.
@@ -167,6 +211,18 @@ class MitigationOptions:
 
     name: ClassVar[str]  # the keyword of `forward` and `generate`
     renamed: ClassVar[dict[str, str]] = {}  # old field name -> new, still read from dicts (saved configs)
+
+    def __post_init__(self):
+        for spec in dataclasses.fields(self):
+            if "check" in spec.metadata:
+                object.__setattr__(
+                    self, spec.name, spec.metadata["check"](self.name, spec.name, getattr(self, spec.name))
+                )
+        self.check()
+
+    def check(self) -> None:
+        """The rules across fields (and what a field becomes given the others), once each field passed its own check
+        (`checked`)."""
 
     @classmethod
     def parse(cls, value):
@@ -216,6 +272,15 @@ class SpanOptions(MitigationOptions):
         return dataclasses.replace(self, spans=tuple(row for row in self.spans for _ in range(repeats)))
 
 
+def as_column_count(name: str, field: str, value) -> int | None:
+    columns = plain_integer(value)
+    if value is not None and (columns is None or not 1 <= columns <= INT64_MAX):
+        raise ValueError(
+            f"{name} {field}={value!r} must be None or a positive integer, at most 2**63 - 1 (positions are int64)."
+        )
+    return columns
+
+
 @dataclass(frozen=True)
 class StableMask(MitigationOptions):
     """StableMask (arXiv 2402.04779): `softmax(A ⊙ C + P) ⊙ C` with pseudo-scores `P_ij = -γ(j-1)` for `j > i`.
@@ -229,20 +294,10 @@ class StableMask(MitigationOptions):
             Rows at `t >= N` get no sink. Any size: `τ` is computed at the positions a call reads, not tabulated.
     """
 
-    gamma: float
-    columns: int | None = None
+    gamma: float = checked(with_bounds(check_number, low=0.0))
+    columns: int | None = checked(as_column_count, default=None)
     name: ClassVar[str] = "stable_mask"
     renamed: ClassVar[dict[str, str]] = {"length": "columns"}
-
-    def __post_init__(self):
-        object.__setattr__(self, "gamma", check_number(self.name, "gamma", self.gamma, low=0.0))
-        columns = plain_integer(self.columns)
-        if self.columns is not None and (columns is None or not 1 <= columns <= INT64_MAX):
-            raise ValueError(
-                f"stable_mask columns={self.columns!r} must be None or a positive integer, at most 2**63 - 1 "
-                "(positions are int64)."
-            )
-        object.__setattr__(self, "columns", columns)
 
 
 @dataclass(frozen=True)
@@ -258,20 +313,15 @@ class MSPoE(MitigationOptions):
             row; the ranking is kept for every later decoding step.
     """
 
-    r_min: float = 1.2
-    r_max: float = 1.8
-    layers: tuple[int, ...] | None = None
-    head_order: tuple[int, ...] | None = None
+    r_min: float = checked(with_bounds(check_number, low=1.0, strict=False), default=1.2)
+    r_max: float = checked(with_bounds(check_number, low=1.0, strict=False), default=1.8)
+    layers: tuple[int, ...] | None = checked(as_int_tuple, default=None)
+    head_order: tuple[int, ...] | None = checked(as_int_tuple, default=None)
     name: ClassVar[str] = "ms_poe"
 
-    def __post_init__(self):
-        for field in ("r_min", "r_max"):
-            ratio = check_number(self.name, field, getattr(self, field), low=1.0, strict=False)
-            object.__setattr__(self, field, ratio)
+    def check(self) -> None:
         if self.r_max < self.r_min:
             raise ValueError(f"ms_poe r_max={self.r_max} must be >= r_min={self.r_min}.")
-        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
-        object.__setattr__(self, "head_order", as_int_tuple(self.name, "head_order", self.head_order))
 
     def default_layers(self, num_layers: int) -> range:
         return range(min(2, num_layers // 2), num_layers)
@@ -299,31 +349,27 @@ class AttentionCalibration(SpanOptions):
             it comes: docs/design.md): check it against the dummy passes on your task before relying on it.
     """
 
-    spans: tuple[tuple[tuple[int, int], ...], ...]
-    temperature: float = 5e-5
-    layers: tuple[int, ...] | None = None
-    dummy_document: tuple[int, ...] | None = None
-    bias_estimate: str = "dummy_passes"
+    spans: tuple[tuple[tuple[int, int], ...], ...] = checked(as_spans)
+    temperature: float = checked(
+        with_bounds(
+            check_number,
+            low=MIN_TEMPERATURE,
+            strict=False,
+            why=": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it",
+        ),
+        default=5e-5,
+    )
+    layers: tuple[int, ...] | None = checked(as_int_tuple, default=None)
+    dummy_document: tuple[int, ...] | None = checked(with_bounds(as_int_tuple, empty=False), default=None)
+    bias_estimate: str = checked(one_of(("dummy_passes", "positional")), default="dummy_passes")
     name: ClassVar[str] = "attention_calibration"
-    bias_estimates: ClassVar[tuple[str, ...]] = ("dummy_passes", "positional")
 
-    def __post_init__(self):
-        why = ": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it"
-        temperature = check_number(self.name, "temperature", self.temperature, MIN_TEMPERATURE, strict=False, why=why)
-        object.__setattr__(self, "temperature", temperature)
-        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
-        dummy_document = as_int_tuple(self.name, "dummy_document", self.dummy_document, empty=False)
-        object.__setattr__(self, "dummy_document", dummy_document)
-        if self.bias_estimate not in self.bias_estimates:
-            raise ValueError(
-                f"attention_calibration bias_estimate={self.bias_estimate!r} is not one of {list(self.bias_estimates)}."
-            )
+    def check(self) -> None:
         if self.bias_estimate == "positional" and self.dummy_document is not None:
             raise ValueError(
                 "attention_calibration dummy_document is only read by bias_estimate='dummy_passes'; "
                 "bias_estimate='positional' runs no dummy document."
             )
-        object.__setattr__(self, "spans", as_spans(self.name, self.spans))
 
     def default_layers(self, num_layers: int) -> range:
         return range(num_layers // 2, num_layers)
@@ -345,24 +391,16 @@ class PositionalScaling(MitigationOptions):
         last_recompute_tokens: how many of the prompt's last rows are recomputed with scaled queries and keys.
     """
 
-    factor: float = 0.0
-    channels: tuple[int, ...] | None = None
-    layers: tuple[int, ...] | None = None
-    skip_first: int = 0
-    last_recompute_tokens: int = 1
+    factor: float = checked(check_number, default=0.0)
+    channels: tuple[int, ...] | None = checked(as_int_tuple, default=None)
+    layers: tuple[int, ...] | None = checked(as_int_tuple, default=None)
+    skip_first: int = checked(integer(0), default=0)
+    last_recompute_tokens: int = checked(integer(1), default=1)
     name: ClassVar[str] = "positional_scaling"
 
-    def __post_init__(self):
-        object.__setattr__(self, "factor", check_number(self.name, "factor", self.factor))
-        object.__setattr__(self, "channels", as_int_tuple(self.name, "channels", self.channels))
-        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
+    def check(self) -> None:
         if self.channels is not None and (len(self.channels) == 0 or len(set(self.channels)) != len(self.channels)):
             raise ValueError(f"positional_scaling channels={self.channels!r} must be distinct and non-empty.")
-        for field, low in (("skip_first", 0), ("last_recompute_tokens", 1)):
-            value = plain_integer(getattr(self, field))
-            if value is None or value < low:
-                raise ValueError(f"positional_scaling {field}={getattr(self, field)!r} must be an integer >= {low}.")
-            object.__setattr__(self, field, value)
 
     def default_layers(self, num_layers: int) -> range:
         return range(1, num_layers - 1) if num_layers >= 3 else range(num_layers)
@@ -383,19 +421,15 @@ class AttentionBuckets(MitigationOptions):
     Bases are at least 1e-9 and scales at most 1e9, which keeps every bucket's float32 angles finite.
     """
 
-    bases: tuple[float, ...] | None = None
-    scales: tuple[float, ...] | None = None
+    bases: tuple[float, ...] | None = checked(
+        with_bounds(as_positive_numbers, low=MIN_BUCKET_BASE, strict=False, why=BUCKET_BOUNDS), default=None
+    )
+    scales: tuple[float, ...] | None = checked(
+        with_bounds(as_positive_numbers, high=MAX_BUCKET_SCALE, why=BUCKET_BOUNDS), default=None
+    )
     name: ClassVar[str] = "attention_buckets"
 
-    def __post_init__(self):
-        why = (
-            f": a bucket turns position m by up to m · scale / min(base, 1) radians, in float32, finite for every "
-            f"int64 m with bases >= {MIN_BUCKET_BASE:g} and scales <= {MAX_BUCKET_SCALE:g}"
-        )
-        bases = as_positive_numbers(self.name, "bases", self.bases, low=MIN_BUCKET_BASE, strict=False, why=why)
-        scales = as_positive_numbers(self.name, "scales", self.scales, high=MAX_BUCKET_SCALE, why=why)
-        object.__setattr__(self, "bases", bases)
-        object.__setattr__(self, "scales", scales)
+    def check(self) -> None:
         if self.bases is None and self.scales is None:
             raise ValueError("attention_buckets needs bases=[...] or scales=[...] (one value per bucket).")
         if self.bases is not None and self.scales is not None and len(self.bases) != len(self.scales):
@@ -429,12 +463,13 @@ class ParallelContextWindows(SpanOptions):
             another without gaps (the windows cover the context from the first window's start to the last's end).
     """
 
-    spans: tuple[tuple[tuple[int, int], ...], ...]
+    spans: tuple[tuple[tuple[int, int], ...], ...] = checked(
+        lambda name, field, value: tuple(tuple(sorted(row)) for row in as_spans(name, field, value))
+    )
     name: ClassVar[str] = "parallel_context_windows"
 
-    def __post_init__(self):
-        rows = tuple(tuple(sorted(row)) for row in as_spans(self.name, self.spans))
-        for row_index, row in enumerate(rows):
+    def check(self) -> None:
+        for row_index, row in enumerate(self.spans):
             for (_, end), (start, _) in zip(row, row[1:], strict=False):
                 if start != end:
                     raise ValueError(
@@ -442,7 +477,6 @@ class ParallelContextWindows(SpanOptions):
                         f"two windows ({list(row)}): windows follow one another without gaps (put separators inside "
                         "a window)."
                     )
-        object.__setattr__(self, "spans", rows)
 
 
 __all__ = [

@@ -15,7 +15,10 @@ from .mitigation_options import (
     as_spans,
     check_combination,
     check_number,
-    plain_integer,
+    checked,
+    integer,
+    one_of,
+    with_bounds,
 )
 from .positional_maps import check_position_readable
 from .spans import (
@@ -34,11 +37,6 @@ from .spans import (
 STRATEGIES = ("ends", "last", "first")
 SOURCES = ("attention", "calibrated", "position_free")
 SCORING_KEYWORDS = ("position_ids", "output_attentions", "use_cache", "logits_to_keep", "past_key_values")
-
-
-def check_strategy(strategy) -> None:
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"reorder_documents strategy={strategy!r} is not one of {list(STRATEGIES)}.")
 
 
 @dataclass(frozen=True)
@@ -60,25 +58,16 @@ class ReorderDocuments(MitigationOptions):
             `attention_calibration`.
     """
 
-    spans: tuple[tuple[tuple[int, int], ...], ...]
+    spans: tuple[tuple[tuple[int, int], ...], ...] = checked(as_spans)
     by: str | tuple[tuple[float, ...], ...] = "attention"
-    strategy: str = "ends"
-    rounds: int = 1
-    layers: tuple[int, ...] | None = None
-    dummy_document: tuple[int, ...] | None = None
+    strategy: str = checked(one_of(STRATEGIES), default="ends")
+    rounds: int = checked(integer(1), default=1)
+    layers: tuple[int, ...] | None = checked(as_int_tuple, default=None)
+    dummy_document: tuple[int, ...] | None = checked(with_bounds(as_int_tuple, empty=False), default=None)
     name: ClassVar[str] = "reorder_documents"
 
-    def __post_init__(self):
-        object.__setattr__(self, "spans", as_spans(self.name, self.spans))
+    def check(self) -> None:
         object.__setattr__(self, "by", self._as_source(self.by))
-        check_strategy(self.strategy)
-        rounds = plain_integer(self.rounds)
-        if rounds is None or rounds < 1:
-            raise ValueError(f"reorder_documents rounds={self.rounds!r} must be an integer >= 1.")
-        object.__setattr__(self, "rounds", rounds)
-        object.__setattr__(self, "layers", as_int_tuple(self.name, "layers", self.layers))
-        dummy_document = as_int_tuple(self.name, "dummy_document", self.dummy_document, empty=False)
-        object.__setattr__(self, "dummy_document", dummy_document)
         if self.dummy_document is not None and self.by != "calibrated":
             raise ValueError(
                 f"reorder_documents dummy_document is only read by by='calibrated' (which measures bias(k) with it); "
@@ -149,7 +138,7 @@ def relevance_order(scores, strategy: str = "ends") -> torch.LongTensor:
     Ties keep the documents' original order: in `"first"` and `"last"` tied documents appear in it, and in `"ends"`
     the earlier of two tied documents takes the place of the more relevant.
     """
-    check_strategy(strategy)
+    one_of(STRATEGIES)("reorder_documents", "strategy", strategy)
     scores = as_scores(scores)
     if strategy == "last":
         return scores.sort(dim=-1, stable=True).indices
@@ -222,7 +211,7 @@ def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     lengths shift the gaps' positions; with equal lengths, every gap stays where it was. Tokens before and after the
     block do not move. Spans count from the row's first real token (padding, left or right, is never moved).
     """
-    spans = as_spans("reorder_prompt", spans)
+    spans = as_spans("reorder_prompt", "spans", spans)
     check_prompt("reorder_prompt", input_ids, attention_mask, spans)
     return move_documents(input_ids, attention_mask, spans, as_order(order, len(spans), len(spans[0])))
 
