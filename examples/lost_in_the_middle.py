@@ -227,10 +227,12 @@ def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def weights_digest(model) -> str:
-    """A digest of the model's weights, as loaded: the rows kept under one checkpoint path are not read back for other
-    weights saved there since."""
-    digest = hashlib.sha256()
+def model_digest(model) -> str:
+    """A digest of the model as loaded (its weights, its config) and of the code that runs it: the rows kept under one
+    checkpoint path are not read back for other weights or settings saved there since, or after an upgrade. Reads every
+    weight once (seconds for a small model; a copy to the CPU for one on a GPU)."""
+    digest = hashlib.sha256(model.config.to_json_string().encode())
+    digest.update(f"{sepformer.__version__} {transformers.__version__} {torch.__version__}".encode())
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -244,9 +246,21 @@ def finished_path(prompts: list[Prompt], condition: Condition, args) -> Path:
     work = [args.model, args.weights, args.dtype, str(args.device), args.batch_size, args.max_new_tokens]
     work += [args.keys, args.prompt_read, args.num_documents, args.seed]  # written in the rows
     work += [condition.mitigation, condition.choice, describe(condition.settings)]
-    work += [(list(prompt.input_ids), prompt.spans, prompt.example.slot) for prompt in prompts]
+    work += [(list(prompt.input_ids), prompt.spans, prompt.example.slot, prompt.example.answers) for prompt in prompts]
     digest = hashlib.sha256(json.dumps(work, default=str).encode()).hexdigest()[:16]
     return Path(args.output_dir) / "finished" / f"{condition.mitigation}-{condition.choice}-{digest}.json"
+
+
+def read_finished(path: Path) -> dict | None:
+    """The rows kept at `path`, or `None` where there are none, or none that can be read (then run again)."""
+    if not path.exists():
+        return None
+    try:
+        kept = json.loads(path.read_text())
+        return {"rows": list(kept["rows"]), "answers": list(kept["answers"])}
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        print(f"--resume: {path} cannot be read ({type(error).__name__}: {error}); running its condition again")
+        return None
 
 
 def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[Condition], args):
@@ -257,12 +271,12 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
     with tqdm(total=len(conditions) * len(prompts), desc="prompts", dynamic_ncols=True, leave=False) as bar:
         for condition in conditions:
             finished = finished_path(prompts, condition, args)
-            if args.resume and finished.exists():
-                kept = json.loads(finished.read_text())
+            kept = read_finished(finished) if args.resume else None
+            if kept is not None:
                 rows, answers = rows + kept["rows"], answers + kept["answers"]
                 bar.update(len(prompts))
                 continue
-            scores, started, first_answer = {}, time.perf_counter(), len(answers)
+            scores, started, first_row, first_answer = {}, time.perf_counter(), len(rows), len(answers)
             bar.set_postfix(mitigation=condition.label)
             for first in range(0, len(prompts), args.batch_size):
                 batch = prompts[first : first + args.batch_size]
@@ -300,7 +314,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
                 for slot, hits in sorted(scores.items())
             ]
             finished.parent.mkdir(exist_ok=True)
-            kept = {"rows": rows[-len(scores) :], "answers": answers[first_answer:]}
+            kept = {"rows": rows[first_row:], "answers": answers[first_answer:]}
             partial = finished.with_suffix(".partial")  # then renamed: a run stopped while writing leaves no file
             partial.write_text(json.dumps(kept))
             partial.replace(finished)
@@ -521,7 +535,7 @@ def main(argv=None) -> list[dict]:
     args.prompt_read = "plain (no chat template)" if args.prompt == "chat" and not encoder.chat else args.prompt
     prompts, correct = prompts_and_metric(encoder, args)
     model = load_model(args)
-    args.weights = weights_digest(model)
+    args.weights = model_digest(model)
     check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)
     paper = {**PAPER, SCALING: scaling_channels(model, encoder, args)}

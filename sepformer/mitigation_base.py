@@ -1,8 +1,8 @@
 """The extension point of the position-bias mitigations: a `Mitigation` and the hooks the attention layers call.
 
 A mitigation is resolved once per call against the model (`resolve`), started once per run of the layers with the
-positions that run computes (`start`), and then acts only through its per-layer hooks, each of which does nothing
-unless the subclass overrides it:
+positions that run computes (`start`), and then acts only through its per-layer hooks, those its `uses` names (by
+default, the ones its class overrides):
 
 | hook                 | slot                                                                  | used by            |
 |----------------------|-----------------------------------------------------------------------|--------------------|
@@ -13,7 +13,8 @@ unless the subclass overrides it:
 |                      | projections (`None`: the layer runs its modules with the hook)        |                    |
 | `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
 | `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
-|                      |                                                                       | positional scaling |
+|                      |                                                                       | positional scaling,|
+|                      |                                                                       | MS-PoE (decoders)  |
 
 and, once per run of the layers, model-level hooks:
 

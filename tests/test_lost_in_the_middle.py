@@ -636,6 +636,17 @@ def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_pat
     reweighted.save_pretrained(copy)  # other weights under the same path: nothing read back
     run(str(copy), tmp_path / "copied", *flags, "--resume")
     assert len(calls) == total
+    config = json.loads((copy / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": 3.0}
+    (copy / "config.json").write_text(json.dumps(config))  # another config, the same weights: run anew
+    calls.clear()
+    run(str(copy), tmp_path / "copied", *flags, "--resume")
+    assert len(calls) == total
+    latest = max((tmp_path / "copied" / "finished").iterdir(), key=lambda path: path.stat().st_mtime_ns)
+    latest.write_text(latest.read_text()[:20])  # cut short (by hand, or a full disk): run again, not a crash
+    calls.clear()
+    run(str(copy), tmp_path / "copied", *flags, "--resume")
+    assert len(calls) == total - len(list((tmp_path / "whole" / "finished").iterdir())) + 1
 
 
 def test_tune_is_refused_with_a_qa_file_and_its_count_without_tune(llama_dir, qa_file, capsys):
