@@ -118,7 +118,7 @@ class CalibrationMitigation(Mitigation):
     prefill_requirement = (
         "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
     )
-    cache: object = None  # the SepFormerCache that keeps `bias(k)` and the spans (a `CalibrationState`)
+    cache: SepFormerCache | None = None  # keeps `bias(k)` and the spans (a `CalibrationState`)
     documents: KeyDocuments | None = None  # each key's document, for one run
 
     @classmethod

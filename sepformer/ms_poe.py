@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .cache_sepformer import MitigationState
+from .cache_sepformer import MitigationState, SepFormerCache
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import (
     CallContext,
@@ -17,6 +17,7 @@ from .mitigation_base import (
     last_row_probs,
 )
 from .mitigation_options import MSPoE
+from .positional_options import PositionExtrapolation
 from .rotary import apply_partial_rotary, rotary_cos_sin, rotate_partial
 from .spans import check_default_positions, key_positions
 
@@ -175,10 +176,10 @@ class MSPoEMitigation(Mitigation):
     heads: int = 0  # query heads
     # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
-    cache: object = None  # the SepFormerCache that keeps the ranks made at prefill, and the turned keys (`MSPoEState`)
+    cache: SepFormerCache | None = None  # keeps the ranks made at prefill, and the turned keys (`MSPoEState`)
     store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
     model: nn.Module | None = None  # a SepFormerModel with a positional block: its map and input norms
-    extrapolation: object = None  # the call's PositionExtrapolation: how the map is read past its table
+    extrapolation: PositionExtrapolation | None = None  # the call's: how the map is read past its table
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
     position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
