@@ -169,6 +169,24 @@ def one_of(choices: tuple) -> FieldCheck:
     return check
 
 
+def from_fields(cls: type, value, name: str, renamed: dict[str, str] | None = None):
+    """`value` as the dataclass `cls` (checked when made): one already; its namesake from another copy of this package
+    (the installed one and a Hub checkpoint's custom code are two copies), by its fields; or a dict of its fields
+    (`renamed`: older names of fields, still read), an unknown key refused under `name`. `None` for anything else."""
+    if isinstance(value, cls):
+        return value
+    fields = cls.__match_args__  # the dataclass's fields; `dataclasses.fields(cls)` does not trace (torch.compile)
+    if type(value).__name__ == cls.__name__ and all(hasattr(value, field) for field in fields):
+        return cls(**{field: getattr(value, field) for field in fields})
+    if not isinstance(value, dict):
+        return None
+    value = {(renamed or {}).get(key, key): item for key, item in value.items()}
+    unknown = set(value) - set(fields)
+    if unknown:
+        raise ValueError(f"{name} got unknown keys {sorted(unknown)}: allowed are {', '.join(map(repr, fields))}.")
+    return cls(**value)
+
+
 # Options refused together, and why; `reorder_documents` is `generate`'s. SAME_LAYERS_ONLY: refused in shared layers.
 REFUSED_TOGETHER = {
     ("stable_mask", "attention_calibration"): (
@@ -226,20 +244,10 @@ class MitigationOptions:
 
     @classmethod
     def parse(cls, value):
-        if value is None or isinstance(value, cls):  # frozen and validated when made
-            return value
-        fields = cls.__match_args__  # the dataclass's fields; `dataclasses.fields(cls)` does not trace (torch.compile)
-        if type(value).__name__ == cls.__name__ and all(hasattr(value, name) for name in fields):
-            return cls(**{name: getattr(value, name) for name in fields})
-        if isinstance(value, dict):
-            value = {cls.renamed.get(key, key): item for key, item in value.items()}
-            unknown = set(value) - set(fields)
-            if unknown:
-                raise ValueError(
-                    f"{cls.name} got unknown keys {sorted(unknown)}: allowed are {', '.join(map(repr, fields))}."
-                )
-            return cls(**value)
-        raise ValueError(f"{cls.name} must be a {cls.__name__}, a dict of its fields or None; got {value!r}.")
+        parsed = None if value is None else from_fields(cls, value, cls.name, cls.renamed)
+        if value is not None and parsed is None:
+            raise ValueError(f"{cls.name} must be a {cls.__name__}, a dict of its fields or None; got {value!r}.")
+        return parsed
 
     def default_layers(self, num_layers: int) -> range:
         """The layers the option acts in when it is given no `layers`: its paper's choice."""

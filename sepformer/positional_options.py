@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 
-from .mitigation_options import plain_integer
+from .mitigation_options import from_fields, plain_integer
 
 
 class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
@@ -170,21 +170,12 @@ class PositionExtrapolation:
     @classmethod
     def parse(cls, value) -> "PositionExtrapolation":
         """A method name, a dict `{"method": ..., <its parameters>}`, or an instance."""
-        keys = ("method", *(name for parameters in EXTRAPOLATION_PARAMETERS.values() for name in parameters))
-        if all(hasattr(value, name) for name in keys):
-            # duck-typed: an instance from another copy of this module (installed package vs. Hub custom code)
-            value = {name: getattr(value, name) for name in keys}
-        value = {"method": value} if isinstance(value, str) else value
-        if not isinstance(value, dict):
+        parsed = from_fields(cls, {"method": value} if isinstance(value, str) else value, "position_extrapolation")
+        if parsed is None:
             raise ValueError(
                 f"position_extrapolation must be a method name, a dict or a PositionExtrapolation; got {value!r}."
             )
-        unknown = sorted(set(value) - set(keys))
-        if unknown:
-            raise ValueError(
-                f"position_extrapolation got unknown keys {unknown}: allowed are {', '.join(map(repr, keys))}."
-            )
-        return cls(**value)
+        return parsed
 
     def as_config_value(self) -> str | dict:
         return config_value("method", self, EXTRAPOLATION_PARAMETERS[self.method])

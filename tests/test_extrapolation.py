@@ -374,10 +374,13 @@ def test_per_call_method_without_a_learned_table_is_refused(overrides):
 
 
 def test_an_extrapolation_from_another_copy_of_the_module_is_accepted():
-    """Hub custom code and the installed package each have their own `PositionExtrapolation` class."""
+    """Hub custom code and the installed package each have their own `PositionExtrapolation` class: a namesake with
+    the same fields is read by its fields; another kind of object with those attributes is not one."""
     from types import SimpleNamespace
 
-    foreign = SimpleNamespace(method="clamp", components=16, length=None)
+    foreign = type("PositionExtrapolation", (SimpleNamespace,), {})(method="clamp", components=16, length=None)
+    with pytest.raises(ValueError, match="position_extrapolation must be a method name"):
+        PositionExtrapolation.parse(SimpleNamespace(method="clamp", components=16, length=None))
     model = model_with_table()
     ids = torch.randint(0, 256, (1, 2 * L))
     with torch.no_grad():
