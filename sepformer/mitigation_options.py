@@ -158,13 +158,13 @@ def integer(low: int) -> FieldCheck:
     return check
 
 
-def one_of(choices: tuple) -> FieldCheck:
-    """One of `choices`."""
+def one_of(choices: tuple[str, ...]) -> FieldCheck:
+    """One of the names `choices`, kept as a plain `str` (a NumPy string, or an array of one, is not a name)."""
 
-    def check(name: str, field: str, value):
-        if value not in choices:
+    def check(name: str, field: str, value) -> str:
+        if not isinstance(value, str) or value not in choices:
             raise ValueError(f"{name} {field}={value!r} is not one of {list(choices)}.")
-        return value
+        return str(value)
 
     return check
 
@@ -180,10 +180,14 @@ def from_fields(cls: type, value, name: str, renamed: dict[str, str] | None = No
         return cls(**{field: getattr(value, field) for field in fields})
     if not isinstance(value, dict):
         return None
-    value = {(renamed or {}).get(key, key): item for key, item in value.items()}
+    renamed = {old: new for old, new in (renamed or {}).items() if old in value}
+    if both := [(old, new) for old, new in renamed.items() if new in value]:
+        raise ValueError(f"{name} got both {both[0][0]!r} and {both[0][1]!r}, the older name of the same field.")
+    value = {renamed.get(key, key): item for key, item in value.items()}
     unknown = set(value) - set(fields)
     if unknown:
-        raise ValueError(f"{name} got unknown keys {sorted(unknown)}: allowed are {', '.join(map(repr, fields))}.")
+        unknown = sorted(unknown, key=repr)  # keys of any type
+        raise ValueError(f"{name} got unknown keys {unknown}: allowed are {', '.join(map(repr, fields))}.")
     return cls(**value)
 
 
@@ -236,11 +240,11 @@ class MitigationOptions:
                 object.__setattr__(
                     self, spec.name, spec.metadata["check"](self.name, spec.name, getattr(self, spec.name))
                 )
-        self.check()
+        self.check_across_fields()
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         """The rules across fields (and what a field becomes given the others), once each field passed its own check
-        (`checked`)."""
+        (`checked`), in the order of the fields."""
 
     @classmethod
     def parse(cls, value):
@@ -327,7 +331,7 @@ class MSPoE(MitigationOptions):
     head_order: tuple[int, ...] | None = checked(as_int_tuple, default=None)
     name: ClassVar[str] = "ms_poe"
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         if self.r_max < self.r_min:
             raise ValueError(f"ms_poe r_max={self.r_max} must be >= r_min={self.r_min}.")
 
@@ -372,7 +376,7 @@ class AttentionCalibration(SpanOptions):
     bias_estimate: str = checked(one_of(("dummy_passes", "positional")), default="dummy_passes")
     name: ClassVar[str] = "attention_calibration"
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         if self.bias_estimate == "positional" and self.dummy_document is not None:
             raise ValueError(
                 "attention_calibration dummy_document is only read by bias_estimate='dummy_passes'; "
@@ -406,7 +410,7 @@ class PositionalScaling(MitigationOptions):
     last_recompute_tokens: int = checked(integer(1), default=1)
     name: ClassVar[str] = "positional_scaling"
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         if self.channels is not None and (len(self.channels) == 0 or len(set(self.channels)) != len(self.channels)):
             raise ValueError(f"positional_scaling channels={self.channels!r} must be distinct and non-empty.")
 
@@ -437,7 +441,7 @@ class AttentionBuckets(MitigationOptions):
     )
     name: ClassVar[str] = "attention_buckets"
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         if self.bases is None and self.scales is None:
             raise ValueError("attention_buckets needs bases=[...] or scales=[...] (one value per bucket).")
         if self.bases is not None and self.scales is not None and len(self.bases) != len(self.scales):
@@ -476,7 +480,7 @@ class ParallelContextWindows(SpanOptions):
     )
     name: ClassVar[str] = "parallel_context_windows"
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         for row_index, row in enumerate(self.spans):
             for (_, end), (start, _) in zip(row, row[1:], strict=False):
                 if start != end:

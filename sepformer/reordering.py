@@ -66,7 +66,7 @@ class ReorderDocuments(MitigationOptions):
     dummy_document: tuple[int, ...] | None = checked(with_bounds(as_int_tuple, empty=False), default=None)
     name: ClassVar[str] = "reorder_documents"
 
-    def check(self) -> None:
+    def check_across_fields(self) -> None:
         object.__setattr__(self, "by", self._as_source(self.by))
         if self.dummy_document is not None and self.by != "calibrated":
             raise ValueError(

@@ -135,6 +135,7 @@ BAD = [
         "dummy_document is only read by bias_estimate='dummy_passes'",
     ),
     ({"attention_calibration": {"spans": (SPANS,)}, "stable_mask": {"gamma": 0.1}}, "cannot be combined"),
+    ({"stable_mask": {"gamma": 1.0, "columns": 6, "length": 5}}, "got both 'length' and 'columns', the older name"),
 ]
 
 

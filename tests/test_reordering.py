@@ -334,6 +334,7 @@ def test_generate_without_attention_mask_infers_no_padding_where_pad_token_id_is
 SCORES = [[0.2, 0.9, 0.5], [0.1, 0.3, 0.7]]
 REFUSED = [
     ({"strategy": "middle"}, r"strategy='middle' is not one of \['ends', 'last', 'first'\]"),
+    ({"strategy": np.array("ends")}, r"strategy=array\('ends', dtype='<U4'\) is not one of"),
     ({"by": "relevance"}, r"by='relevance' is not one of \['attention', 'calibrated', 'position_free'\]"),
     ({"by": [[0.2, 0.9]] * 2}, r"one score per document: shape \(2, 3\) for these spans; got \[2, 2\]"),
     ({"by": torch.ones(3)}, r"one score per document: shape \(2, 3\) for these spans; got not a \(rows, documents\)"),
@@ -410,6 +411,8 @@ def test_bad_orders_and_scores_are_refused():
         relevance_order([])
     with pytest.raises(ValueError, match=r"strategy='best' is not one of"):
         relevance_order([1.0], "best")
+    with pytest.raises(ValueError, match=r"strategy=array\('last', dtype='<U4'\) is not one of"):
+        relevance_order([1.0], np.array("last"))  # a name, not an array holding one
 
 
 @pytest.mark.parametrize(
