@@ -243,7 +243,7 @@ def finished_path(prompts: list[Prompt], condition: Condition, args) -> Path:
     """Where one condition's rows on `prompts` are kept once run (`--output-dir`/finished/): named by a digest of what
     they depend on (the weights, how they run, the prompts, the condition; the batch size too, which the seconds per
     prompt do), so that `--resume` reads back only the very same work (greedy decoding is deterministic)."""
-    work = [args.model, args.weights, args.dtype, str(args.device), args.batch_size, args.max_new_tokens]
+    work = [args.model, args.model_digest, args.dtype, str(args.device), args.batch_size, args.max_new_tokens]
     work += [args.keys, args.prompt_read, args.num_documents, args.seed]  # written in the rows
     work += [condition.mitigation, condition.choice, describe(condition.settings)]
     work += [(list(prompt.input_ids), prompt.spans, prompt.example.slot, prompt.example.answers) for prompt in prompts]
@@ -313,7 +313,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], correct, conditions: list[
                 )
                 for slot, hits in sorted(scores.items())
             ]
-            finished.parent.mkdir(exist_ok=True)
+            finished.parent.mkdir(parents=True, exist_ok=True)
             kept = {"rows": rows[first_row:], "answers": answers[first_answer:]}
             partial = finished.with_suffix(".partial")  # then renamed: a run stopped while writing leaves no file
             partial.write_text(json.dumps(kept))
@@ -535,7 +535,7 @@ def main(argv=None) -> list[dict]:
     args.prompt_read = "plain (no chat template)" if args.prompt == "chat" and not encoder.chat else args.prompt
     prompts, correct = prompts_and_metric(encoder, args)
     model = load_model(args)
-    args.weights = model_digest(model)
+    args.model_digest = model_digest(model)
     check_vocabulary(model, tokenizer, prompts, args)
     check_mitigations(model, tokenizer, prompts, args)
     paper = {**PAPER, SCALING: scaling_channels(model, encoder, args)}

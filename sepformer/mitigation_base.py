@@ -140,7 +140,7 @@ class ModelPositions:
 
     def check_head_turn(self, config) -> None:
         """Refuse MS-PoE, which turns each head's positions to `m / r_h`, where the model has no positions to turn."""
-        if config.position_size == 0 and config.rotary_dim == 0:
+        if self.rotary is None and self.positional_map is None:
             raise ValueError("ms_poe rescales positions, but this model has none (position_size=0, rotary_dim=0).")
 
     def check_plain_scores(self, option: str, what: str, served: frozenset[str] = frozenset()) -> None:
@@ -526,9 +526,8 @@ class PlanReading:
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
     device: torch.device  # the run's
     read_positions: torch.LongTensor  # (b or 1, seq)
-    kv_length: int | torch.Tensor | None = (
-        None  # past + seq (a tensor for a static cache, compiled); None without a plan
-    )
+    # past + seq (a tensor for a static cache, compiled); None without a plan
+    kv_length: int | torch.Tensor | None = None
     mask_function: Callable | None = None
     rotary_base: float | None = None
     map_base: float | None = None

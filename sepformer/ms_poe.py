@@ -221,7 +221,7 @@ class MSPoEMitigation(Mitigation):
     def start(self, run: LayerRun) -> "MSPoEMitigation":
         ratios = rank_ratios(self.options, self.heads, run.device)  # (H, 1, 1)
         position_shift = query_turn = None
-        if self.model is not None and run.position_rows is not None:
+        if run.position_rows is not None:  # the positional block's rows p(m)
             map_ = self.positions.positional_map
             coordinates = map_.table_coordinates(run.table_positions, self.extrapolation)
             rows = map_(coordinates / ratios, self.extrapolation, store=self.store)  # p(m / r_i)

@@ -36,6 +36,7 @@ from .spans import (
 
 STRATEGIES = ("ends", "last", "first")
 SOURCES = ("attention", "calibrated", "position_free")
+check_strategy = one_of(STRATEGIES)
 SCORING_KEYWORDS = ("position_ids", "output_attentions", "use_cache", "logits_to_keep", "past_key_values")
 
 
@@ -60,7 +61,7 @@ class ReorderDocuments(MitigationOptions):
 
     spans: tuple[tuple[tuple[int, int], ...], ...] = checked(as_spans)
     by: str | tuple[tuple[float, ...], ...] = "attention"
-    strategy: str = checked(one_of(STRATEGIES), default="ends")
+    strategy: str = checked(check_strategy, default="ends")
     rounds: int = checked(integer(1), default=1)
     layers: tuple[int, ...] | None = checked(as_int_tuple, default=None)
     dummy_document: tuple[int, ...] | None = checked(with_bounds(as_int_tuple, empty=False), default=None)
@@ -138,7 +139,7 @@ def relevance_order(scores, strategy: str = "ends") -> torch.LongTensor:
     Ties keep the documents' original order: in `"first"` and `"last"` tied documents appear in it, and in `"ends"`
     the earlier of two tied documents takes the place of the more relevant.
     """
-    one_of(STRATEGIES)("reorder_documents", "strategy", strategy)
+    check_strategy("reorder_documents", "strategy", strategy)
     scores = as_scores(scores)
     if strategy == "last":
         return scores.sort(dim=-1, stable=True).indices

@@ -649,6 +649,31 @@ def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_pat
     assert len(calls) == total - len(list((tmp_path / "whole" / "finished").iterdir())) + 1
 
 
+def test_resume_runs_again_a_qa_file_whose_answers_changed(sepformer_dir, tmp_path, monkeypatch):
+    """The same questions and documents (the same prompts) with other gold answers score otherwise: not read back."""
+    calls, generate = [], litm.generate
+
+    def counted(model, tokenizer, prompts, condition, max_new_tokens):
+        calls.append(condition)
+        return generate(model, tokenizer, prompts, condition, max_new_tokens)
+
+    monkeypatch.setattr(litm, "generate", counted)
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in QA_RECORDS))
+    flags = ["--qa-file", str(path), "--mitigations", "none", "--resume"]
+    run(sepformer_dir, tmp_path / "out", *flags)
+    total = len(calls)
+    calls.clear()
+    run(sepformer_dir, tmp_path / "out", *flags)  # the same file: every condition read back, only the checks run
+    checks = len(calls)
+    assert checks < total
+    records = [{**record, "answers": ["someone else"]} for record in QA_RECORDS]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    calls.clear()
+    run(sepformer_dir, tmp_path / "out", *flags)
+    assert len(calls) == total
+
+
 def test_tune_is_refused_with_a_qa_file_and_its_count_without_tune(llama_dir, qa_file, capsys):
     for flags, message in (
         (["--qa-file", qa_file, "--tune"], "--keys, --prompt completion and --tune are for key-value retrieval"),
