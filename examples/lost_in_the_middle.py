@@ -34,7 +34,7 @@ import torch
 import transformers
 from cli_arguments import Distinct, existing_file, nonnegative_int, output_directory, positive_int, torch_device
 from experiment_common import check_plotting, pyplot, save_figure, table_lines, write_csv
-from lost_in_the_middle_options import GRID, NONE, OPTION_CLASSES, PAPER, describe, make_option
+from lost_in_the_middle_options import GRID, IN_PLACE_OF_PAPER, NONE, OPTION_CLASSES, PAPER, describe, make_option
 from lost_in_the_middle_task import (
     KEYS,
     PROMPTS,
@@ -171,17 +171,24 @@ def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
             return str(error)
         return None
 
-    args.grids = {}
+    args.grids, args.paper_refused = {}, {}
     for mitigation in [name for name in args.mitigations if name != NONE]:
-        if (why := tried(mitigation, PAPER[mitigation])) is not None:
-            refuse(mitigation, why, args)
-            continue
+        paper_refused = tried(mitigation, PAPER[mitigation])
+        grid = GRID[mitigation] if paper_refused is None else IN_PLACE_OF_PAPER.get(mitigation, [])
         args.grids[mitigation] = []
-        for settings in GRID[mitigation] if args.tune else ():
+        for settings in grid if args.tune else ():
             if (why := tried(mitigation, settings)) is None:
                 args.grids[mitigation].append(settings)
             else:
                 print(f"tuning grid of {mitigation}: left out {describe(settings)} ({why})")
+        if paper_refused is not None and not args.grids[mitigation]:
+            del args.grids[mitigation]
+            refuse(mitigation, paper_refused, args)
+        elif paper_refused is not None:
+            args.paper_refused[mitigation] = paper_refused
+            print(
+                f"{mitigation}: its paper settings are refused ({paper_refused}); --tune tries its grid in their place"
+            )
 
 
 def scaling_channels(model, encoder: Encoder, args) -> dict:
@@ -347,6 +354,8 @@ def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tupl
     for mitigation in [name for name in args.mitigations if name != NONE]:
         grid = args.grids[mitigation]
         candidates = [paper[mitigation], *(settings for settings in grid if settings != PAPER[mitigation])]
+        if mitigation in args.paper_refused:
+            candidates = grid
         if mitigation == SCALING:  # the searched channels, at each factor and layers of the grid
             candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in grid)]
         scores = [scored(Condition(mitigation, settings)) for settings in candidates]
@@ -382,6 +391,9 @@ def markdown_table(rows: list[dict], args) -> str:
         f"documents, {args.examples_per_slot} examples per slot)"
     )
     left_out = [f"left out: {mitigation} ({why})" for mitigation, why in args.left_out.items()]
+    left_out += [
+        f"left out: {mitigation} at its paper settings ({why})" for mitigation, why in args.paper_refused.items()
+    ]
     return "\n".join([title, "", *table_lines(header, lines, left=2), *([""] if left_out else []), *left_out])
 
 
@@ -540,7 +552,9 @@ def main(argv=None) -> list[dict]:
     check_mitigations(model, tokenizer, prompts, args)
     paper = {**PAPER, SCALING: scaling_channels(model, encoder, args)}
     conditions = [
-        Condition(mitigation, paper[mitigation] if mitigation != NONE else {}) for mitigation in args.mitigations
+        Condition(mitigation, paper[mitigation] if mitigation != NONE else {})
+        for mitigation in args.mitigations
+        if mitigation not in args.paper_refused
     ]
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,8 @@ PAPER = {
     "reorder_documents": {"by": "attention", "strategy": "ends"},
 }
 
+BASE_MULTIPLES = ((1.0, 1.3), (0.8, 1.0, 1.25), (0.5, 1.0, 2.0), (1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8))
+
 # What `--tune` tries (docs/experiments/lost_in_the_middle.md writes it out). Positional scaling's channels are the
 # ones its search picks; the grid varies its factor and layers.
 GRID = {
@@ -55,11 +57,18 @@ GRID = {
         {"factor": factor, **layers} for factor in (0.5, 0.0, -0.5, -1.0) for layers in ({}, {"layers": "last half"})
     ],
     "parallel_context_windows": [{"windows": windows} for windows in (2, 3, 5)] + [{}],
-    "attention_buckets": [
-        {"base_multiples": multiples}
-        for multiples in ((1.0, 1.3), (0.8, 1.0, 1.25), (0.5, 1.0, 2.0), (1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8))
-    ],
+    "attention_buckets": [{"base_multiples": multiples} for multiples in BASE_MULTIPLES],
     "reorder_documents": [{"by": "attention", "strategy": strategy} for strategy in ("ends", "first", "last")],
+}
+
+# Where a model refuses a method's paper settings, what `--tune` tries in their place (the method then has a tuned row
+# only). Attention Buckets' bases multiply the model's one rotary base, which a model rotating each layer type with
+# its own base (Gemma 3) does not have; scales read positions at `m · s` under any rotary layout. Each scale is the
+# inverse of a base multiple of the grid: the turn that base gives the lowest frequency, given to every frequency.
+IN_PLACE_OF_PAPER = {
+    "attention_buckets": [
+        {"scales": tuple(round(1 / multiple, 4) for multiple in multiples)} for multiples in BASE_MULTIPLES
+    ]
 }
 
 

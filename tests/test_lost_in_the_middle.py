@@ -598,6 +598,22 @@ def test_tune_picks_on_prompts_of_its_own_and_writes_each_setting(llama_dir, tmp
     assert "stable_mask (tuned)" in table and "ms_poe (tuned)" in table
 
 
+def test_tune_tries_its_grid_in_place_of_paper_settings_the_model_refuses(learned_sepformer_dir, tmp_path, capsys):
+    """A learned positional table has no rotary base: bucket bases are refused, scales are served. Without --tune the
+    method is left out; with it, the scales grid is tried and only the tuned row runs."""
+    flags = ["--keys", "short", "--prompt", "completion", "--mitigations", "none", "attention_buckets"]
+    with pytest.raises(SystemExit, match="attention_buckets: refused"):
+        run(learned_sepformer_dir, tmp_path / "paper", *flags)
+    rows, table = run(learned_sepformer_dir, tmp_path / "tuned", *flags, "--tune")
+    assert "its paper settings are refused" in capsys.readouterr().out
+    assert {(row["mitigation"], row["choice"]) for row in rows} == {("none", "paper"), ("attention_buckets", "tuned")}
+    with open(tmp_path / "tuned" / "tuning.csv", newline="") as handle:
+        tried = [row["settings"] for row in csv.DictReader(handle) if row["mitigation"] == "attention_buckets"]
+    assert tried == [options.describe(settings) for settings in litm.IN_PLACE_OF_PAPER["attention_buckets"]]
+    assert tried[0] == "scales=1.0 0.7692"  # the inverse of the first base multiples, 1.0 and 1.3
+    assert re.search(r"^left out: attention_buckets at its paper settings \(attention_buckets bases=", table, re.M)
+
+
 def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_path, monkeypatch):
     """Each condition (each setting --tune tries too) is kept as it finishes; --resume reads those back and runs the
     rest: the same rows as a run never stopped, and no condition run twice."""
