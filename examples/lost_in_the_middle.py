@@ -151,7 +151,9 @@ def check_mitigations(model, tokenizer, prompts: list[Prompt], args) -> None:
     mitigation, to the last new token (a model whose positions end before it stops the run); then each mitigation at
     its paper's settings for the prompt and a decoding step (positional scaling with a placeholder channel on a model
     other than SepFormer: its search comes after). With `--tune`, every setting of its grid too: `args.grids` keeps
-    those the model takes, and the output names the others and why."""
+    those the model takes, and the output names the others and why. Where the model refuses the paper's settings,
+    `--tune` tries the settings of `IN_PLACE_OF_PAPER` instead (`args.paper_refused` says why: the method has a
+    tuned row only); without them, or without `--tune`, the method is refused."""
     longest = max(prompts, key=lambda prompt: len(prompt.input_ids))
     try:
         generate(model, tokenizer, [longest], Condition(NONE), args.max_new_tokens)
@@ -337,7 +339,8 @@ def summary(rows: list[dict]) -> tuple[float, float]:
 def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tuple[dict, list[dict]]:
     """Each mitigation's settings with the best `worst slot + mean accuracy` on validation prompts (`--tune-examples`
     objects of another seed than the test's, never the test prompts), its grid and its paper settings tried (the
-    paper's win ties). Returns the choice per mitigation and a row per tried setting (and one of no mitigation)."""
+    paper's win ties), or where the model refuses the paper's settings, the grid that replaces them. Returns the choice
+    per mitigation and a row per tried setting (and one of no mitigation)."""
     rng = random.Random(f"{args.seed}:tuning")
     examples = kv_examples(rng, args.tune_examples, args.num_documents, args.keys, args.prompt)
     prompts = [encoder(example) for example in examples]
@@ -354,10 +357,10 @@ def tune(model, tokenizer, encoder: Encoder, correct, paper: dict, args) -> tupl
     for mitigation in [name for name in args.mitigations if name != NONE]:
         grid = args.grids[mitigation]
         candidates = [paper[mitigation], *(settings for settings in grid if settings != PAPER[mitigation])]
-        if mitigation in args.paper_refused:
-            candidates = grid
         if mitigation == SCALING:  # the searched channels, at each factor and layers of the grid
             candidates = [paper[mitigation], *({**paper[mitigation], **settings} for settings in grid)]
+        if mitigation in args.paper_refused:  # the grid of IN_PLACE_OF_PAPER
+            candidates = grid
         scores = [scored(Condition(mitigation, settings)) for settings in candidates]
         chosen[mitigation] = candidates[scores.index(max(scores))]  # the first of equal scores: the paper's
         print(f"tuned {mitigation}: {describe(chosen[mitigation])}")
@@ -460,7 +463,7 @@ def parse_args(argv=None):
         "--tune",
         action="store_true",
         help="also pick each mitigation's settings from its grid on validation prompts of another seed, then "
-        "evaluate the choice beside the paper's settings (key-value only)",
+        "evaluate the choice beside the paper's settings (alone where the model refuses those) (key-value only)",
     )
     parser.add_argument(
         "--tune-examples", type=positive_int, help="objects per slot of the validation prompts of --tune (default 2)"

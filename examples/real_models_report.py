@@ -8,7 +8,8 @@ For each (model, task, pairs, mitigation, choice): the mean accuracy over slots 
 seeds with the spread (min-max over seeds), the seconds per prompt, the settings of each seed; and a verdict against
 no mitigation on the same prompts: `helps` when the worst slot rises by at least 0.10 and the mean does not fall, on
 every seed; `hurts` when the mean falls by more than 0.05 on every seed; `neutral` otherwise. Writes
-`real_models_tables.md` and one `real_models_<model>_<pairs>.png` (accuracy by slot) per model and pair count.
+`real_models_tables<label>.md` and one `real_models_<model>_<pairs><label>.png` (accuracy by slot) per model and pair
+count, `--label` naming a group of runs reported apart (e.g. `_calibration`).
 """
 
 import argparse
@@ -94,7 +95,7 @@ def table(runs: dict) -> list[str]:
     return table_lines(list(cells), lines, left=7)
 
 
-def plot(runs: dict, output_dir: Path) -> list[Path]:
+def plot(runs: dict, output_dir: Path, label: str = "") -> list[Path]:
     plt, written = pyplot(), []
     for task in dict.fromkeys(key[:4] for key in runs):
         model, _, _, pairs = task
@@ -114,7 +115,7 @@ def plot(runs: dict, output_dir: Path) -> list[Path]:
         axes[0].set_ylabel("accuracy (mean over seeds)")
         for axis in axes:
             axis.legend(fontsize="small", loc="lower left")
-        path = output_dir / f"real_models_{model}_{pairs}.png"
+        path = output_dir / f"real_models_{model}_{pairs}{label}.png"
         save_figure(figure, path, dpi=110, bbox_inches="tight")
         written.append(path)
     return written
@@ -124,12 +125,13 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path, help="results.csv files of lost_in_the_middle.py runs")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/real_model_runs"))
+    parser.add_argument("--label", default="", help="ends the written files' names: a group of runs reported apart")
     args = parser.parse_args(argv)
     runs = read(args.results)
     text = "\n".join(table(runs))
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "real_models_tables.md").write_text(text + "\n")
-    plot(runs, args.output_dir)
+    (args.output_dir / f"real_models_tables{args.label}.md").write_text(text + "\n")
+    plot(runs, args.output_dir, args.label)
     print(text)
     return text
 

@@ -134,10 +134,19 @@ def as_spans(name: str, field: str, spans) -> tuple[tuple[tuple[int, int], ...],
 FieldCheck = Callable[[str, str, object], object]  # (option's name, field, value) -> the value as kept
 
 
-def checked(check: FieldCheck, default=dataclasses.MISSING):
+def checked(check: FieldCheck, default=dataclasses.MISSING, **metadata):
     """A field of an option dataclass whose value `check` refuses (a `ValueError` naming the option, the field, the
-    value and what is allowed) or keeps as plain Python values, when the dataclass is made."""
-    return dataclasses.field(default=default, metadata={"check": check})
+    value and what is allowed) or keeps as plain Python values, when the dataclass is made (`check_fields`);
+    `metadata`: what else the field's users read."""
+    return dataclasses.field(default=default, metadata={"check": check, **metadata})
+
+
+def check_fields(options, name: str) -> None:
+    """Each field of the dataclass instance `options` that `checked` declares, in field order: refused under `name`, or
+    kept as its check returns it."""
+    for spec in dataclasses.fields(options):
+        if "check" in spec.metadata:
+            object.__setattr__(options, spec.name, spec.metadata["check"](name, spec.name, getattr(options, spec.name)))
 
 
 def with_bounds(check: FieldCheck, **bounds) -> FieldCheck:
@@ -235,11 +244,7 @@ class MitigationOptions:
     renamed: ClassVar[dict[str, str]] = {}  # old field name -> new, still read from dicts (saved configs)
 
     def __post_init__(self):
-        for spec in dataclasses.fields(self):
-            if "check" in spec.metadata:
-                object.__setattr__(
-                    self, spec.name, spec.metadata["check"](self.name, spec.name, getattr(self, spec.name))
-                )
+        check_fields(self, self.name)
         self.check_across_fields()
 
     def check_across_fields(self) -> None:

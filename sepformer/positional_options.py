@@ -3,12 +3,12 @@ the parameters it reads, their defaults and what they allow. `positional_maps` r
 these names (`POSITIONAL_MAPS`, `EXTRAPOLATIONS`): a new map is its dataclass here and its module there, a new method
 its name in `EXTRAPOLATION_METHODS` (its parameters in `PositionExtrapolation`) and its function there."""
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 
-from .mitigation_options import from_fields, plain_integer
+from .mitigation_options import check_fields, checked, from_fields, plain_integer
 
 
 class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
@@ -18,31 +18,27 @@ class ConfigTypeError(StrictDataclassFieldValidationError, TypeError):
         Exception.__init__(self, message)
 
 
-def parameter(default, *, minimum: int = 1, choices: tuple = (), reader: str | None = None):
-    """A parameter, its default and what it allows: one of `choices`, else an integer >= `minimum` (or None where
-    that is the default). `reader`: the extrapolation method that reads it."""
-    return field(default=default, metadata={"minimum": minimum, "choices": choices, "reader": reader})
+def parameter(default, *, minimum: int = 1, choices: tuple = (), reader: str | None = None, wrong_type=ValueError):
+    """A parameter, its default and what it allows (a `checked` field): one of `choices`, else an integer >= `minimum`
+    (or None where that is the default), kept as a plain integer, which a config saves as JSON. `reader`: the
+    extrapolation method that reads it, which its errors name; `wrong_type`: the error for a value of the wrong
+    type."""
 
-
-def check_parameters(options, owner: str | None = None, wrong_type_error: type = ValueError) -> None:
-    """A `ValueError` (`wrong_type_error` for a wrong type) naming the first parameter of `options` that is not
-    allowed, its value and what is; integers made plain ones, which a config saves as JSON."""
-    for option in fields(options):
-        value, rules = getattr(options, option.name), option.metadata
-        if "choices" not in rules or (value is None and option.default is None):  # not a parameter, or None allowed
-            continue
-        choices, minimum = rules["choices"], rules["minimum"]
+    def check(name: str, field: str, value):
+        if value is None and default is None:
+            return None
         number = None if choices else plain_integer(value)
-        wrong_type = not isinstance(value, str) if choices else number is None
-        if wrong_type or (value not in choices if choices else number < minimum):
+        is_wrong_type = not isinstance(value, str) if choices else number is None
+        if is_wrong_type or (value not in choices if choices else number < minimum):
             allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             allowed = f"one of {', '.join(map(repr, choices))}" if choices else allowed
-            allowed = f"None or {allowed}" if option.default is None else allowed
-            allowed += f", not {type(value).__name__}" if wrong_type else ""
-            error = wrong_type_error if wrong_type else ValueError
-            raise error(f"{owner or rules['reader']} {option.name}={value!r} must be {allowed}.")
-        if number is not None:
-            object.__setattr__(options, option.name, number)
+            allowed = f"None or {allowed}" if default is None else allowed
+            allowed += f", not {type(value).__name__}" if is_wrong_type else ""
+            error = wrong_type if is_wrong_type else ValueError
+            raise error(f"{reader or name} {field}={value!r} must be {allowed}.")
+        return value if choices else number
+
+    return checked(check, default, reader=reader, minimum=minimum, choices=choices)
 
 
 def parameter_defaults(options: type, reader: str | None = None) -> dict:
@@ -64,8 +60,8 @@ class PositionalMapOptions:
 
     map: ClassVar[str]
 
-    def __post_init__(self):  # only ever a config's field: a wrong type is its `TypeError`
-        check_parameters(self, self.map, ConfigTypeError)
+    def __post_init__(self):
+        check_fields(self, self.map)
 
     @classmethod
     def parse(cls, value) -> "PositionalMapOptions":
@@ -114,9 +110,10 @@ class BSplineMap(PositionalMapOptions):
     point, `linear` continues the end's tangent."""
 
     map: ClassVar[str] = "bspline"
-    control_points: int = parameter(16, minimum=2)
-    degree: int = parameter(3)
-    extension: str = parameter("clamp", choices=("clamp", "linear"))
+    # only ever a config's field: a wrong type is its `TypeError`
+    control_points: int = parameter(16, minimum=2, wrong_type=ConfigTypeError)
+    degree: int = parameter(3, wrong_type=ConfigTypeError)
+    extension: str = parameter("clamp", choices=("clamp", "linear"), wrong_type=ConfigTypeError)
 
     def check(self, config) -> None:
         n, k, T = self.control_points, self.degree, config.position_table_size
@@ -158,7 +155,7 @@ class PositionExtrapolation:
         if self.method not in EXTRAPOLATION_METHODS:
             methods = ", ".join(map(repr, EXTRAPOLATION_METHODS))
             raise ValueError(f"position_extrapolation method {self.method!r} is unknown: choose one of {methods}.")
-        check_parameters(self)
+        check_fields(self, "position_extrapolation")
         for option in fields(self)[1:]:
             if getattr(self, option.name) != option.default and option.metadata["reader"] != self.method:
                 raise ValueError(

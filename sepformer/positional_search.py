@@ -111,7 +111,7 @@ def positional_channel_candidates(curves: torch.Tensor, top_k: int = 8, skip: in
     """The paper's filter on (n, d) position curves, the first `skip` positions dropped: the channels whose fit of
     degree `degree` is monotone in position, smoothest first, at most `top_k` (the tests: docs/design.md, "The
     search"). Fitted on the CPU: a small problem, and the same channels whatever device the model runs on."""
-    curves = curves[skip:].double().cpu()
+    curves = curves[skip:].cpu().double()
     n = curves.shape[0]
     if n < degree + 2:
         raise ValueError(f"the filter needs at least {degree + 2} positions after skip={skip}; got {n}.")

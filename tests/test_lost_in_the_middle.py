@@ -614,6 +614,21 @@ def test_tune_tries_its_grid_in_place_of_paper_settings_the_model_refuses(learne
     assert re.search(r"^left out: attention_buckets at its paper settings \(attention_buckets bases=", table, re.M)
 
 
+def test_a_method_whose_paper_settings_and_in_place_grid_are_all_refused_is_refused(
+    learned_sepformer_dir, tmp_path, monkeypatch, capsys
+):
+    """With every setting of the in-place grid refused too, --tune does not keep the method: a run that names it stops
+    before any evaluation, the default run leaves it out."""
+    monkeypatch.setitem(litm.IN_PLACE_OF_PAPER, "attention_buckets", [{"bases": (1e4, 2e4)}])  # bases again
+    flags = ["--keys", "short", "--prompt", "completion", "--tune"]
+    with pytest.raises(SystemExit, match="--mitigations attention_buckets: refused"):
+        run(learned_sepformer_dir, tmp_path / "named", *flags, "--mitigations", "none", "attention_buckets")
+    assert "tuning grid of attention_buckets: left out bases=10000.0 20000.0" in capsys.readouterr().out
+    rows, table = run(learned_sepformer_dir, tmp_path / "all", *flags)
+    assert "attention_buckets" not in {row["mitigation"] for row in rows}
+    assert re.search(r"^left out: attention_buckets \(attention_buckets bases=", table, re.MULTILINE)
+
+
 def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_path, monkeypatch):
     """Each condition (each setting --tune tries too) is kept as it finishes; --resume reads those back and runs the
     rest: the same rows as a run never stopped, and no condition run twice."""
@@ -798,6 +813,9 @@ def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
     }
     assert "| none | paper | defaults |  | 0.675 (0.600-0.750) | 0.45 (0.40-0.50) | 0.50 | 0, 1 |" in text
     assert (tmp_path / "real_models_m_2.png").read_bytes().startswith(PNG)
+    report.main([*map(str, paths), "--output-dir", str(tmp_path), "--label", "_apart"])
+    assert (tmp_path / "real_models_tables_apart.md").read_text() == text + "\n"
+    assert (tmp_path / "real_models_m_2_apart.png").read_bytes().startswith(PNG)
     # a second run of seed 0 with the plain model again: the same answers are taken once, other ones refused
     with open(paths[0], newline="") as handle:
         again = [row for row in csv.DictReader(handle) if row["mitigation"] == "none"]
