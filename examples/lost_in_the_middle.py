@@ -419,8 +419,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- command line
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_task_arguments(parser) -> None:
+    """The flags that say what is asked: the model, the task, its prompts and the mitigations."""
     parser.add_argument(
         "--model", required=True, help="a checkpoint folder, a Hub name in the local cache, or a .gguf file"
     )
@@ -453,6 +453,11 @@ def parse_args(argv=None):
         type=positive_int,
         help="JSON objects or questions, each asked with its gold at every slot (default 10)",
     )
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_task_arguments(parser)
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="the keys' random stream")
     parser.add_argument(
         "--max-new-tokens",

@@ -496,17 +496,9 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
             use_cache=use_cache,
             position_extrapolation=position_extrapolation,
         )
-        # A decoding step with the options of a plan kept for its cache: they were found not to wrap the causal LM
-        wrapper = (
-            None
-            if plan_kept_for(past_key_values, self.config, kwargs) is not None
-            else causal_lm_wrapper(kwargs, past_key_values)
-        )
-        if wrapper is not None:  # a mitigation that runs this forward itself (several attention buckets)
-            mitigation, options = wrapper
-            options_of_call = call_options(kwargs)
-            inputs = dict(model_inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-            return mitigation.run_causal_lm(options, self, inputs, options_of_call)
+        wrapped = self.wrapped_forward(dict(model_inputs, labels=labels, logits_to_keep=logits_to_keep), kwargs)
+        if wrapped is not None:
+            return wrapped
         loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KEYWORDS if name in kwargs}
         outputs: BaseModelOutputWithPast = self.model(**model_inputs, **kwargs)
         hidden_states = outputs.last_hidden_state
@@ -529,6 +521,18 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def wrapped_forward(self, inputs: dict, kwargs: dict) -> CausalLMOutputWithPast | None:
+        """The output of a mitigation that runs this forward itself (several attention buckets), or None where the
+        call's options have none. A decoding step with the options of a plan kept for its cache has none: they were
+        found not to wrap the causal LM."""
+        cache = inputs["past_key_values"]
+        wrapper = None if plan_kept_for(cache, self.config, kwargs) is not None else causal_lm_wrapper(kwargs, cache)
+        if wrapper is None:
+            return None
+        mitigation, options = wrapper
+        options_of_call = call_options(kwargs)  # taken out of the keywords the forward runs with
+        return mitigation.run_causal_lm(options, self, {**inputs, **kwargs}, options_of_call)
 
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
         """The prompt and its padding mask (an empty or 1-D prompt fails deep inside `generate`), the last position it
