@@ -83,6 +83,8 @@ class DecoderPositions(ModelPositions):
 
     modeling_module: str  # the name of the model's modeling file, whose `apply_rotary_pos_emb` it rotates with
     calls_position_hooks: bool = False
+    knows_position_channels: bool = False
+    extrapolates: bool = False
 
     @property
     def description(self) -> str:

@@ -91,6 +91,11 @@ class ModelPositions:
     # Whether the attention hands its queries and keys to a `position_query_key` hook, unrotated and before the cache
     # (SepFormer's); otherwise a mitigation first sees them in the attention function, rotated and after the cache.
     calls_position_hooks: bool = True
+    # Whether its positions are in channels known by construction (SepFormer's positional block and rotary dims), so
+    # that a method can zero or pick them without a search; and whether it reads positions past its training length
+    # by an extrapolation of its own (SepFormer's `position_extrapolation`).
+    knows_position_channels: bool = True
+    extrapolates: bool = True
 
     def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
         """The rotary's frequency tables: one per layer type, or `{None: inv_freq}` where every layer shares one."""

@@ -376,6 +376,13 @@ class SepFormerModel(SepFormerPreTrainedModel):
             hidden_states = decoder_layer(hidden_states, past_key_values=past_key_values, **layer_inputs, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
+    @property
+    def decoder_positions(self) -> ModelPositions:
+        """What the mitigations ask of its positions. Its attention scores are q·k and the mask, its queries and keys
+        read the layer's input, and its positions count from each row's first token: the plain answers, with its rotary
+        and positional map."""
+        return ModelPositions("SepFormerModel", rotary=self.rotary_emb, positional_map=self.embed_positions)
+
     def call_context(self, input_ids, inputs_embeds, attention_mask, cache, extrapolation, continuing) -> CallContext:
         """The call as its mitigations are resolved against it (`continuing`: it continues the caller's cache)."""
         batch, new_tokens = inputs_embeds.shape[:2]
@@ -388,9 +395,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
             batch=batch,
             new_tokens=new_tokens,
             continuing=continuing,
-            # Its attention scores are q·k and the mask, its queries and keys read the layer's input, and its
-            # positions count from each row's first token: the plain answers, with its rotary and positional map.
-            positions=ModelPositions("SepFormerModel", rotary=self.rotary_emb, positional_map=self.embed_positions),
+            positions=self.decoder_positions,
         )
 
     def layer_inputs(
@@ -461,6 +466,10 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         head_width = config.semantic_size if config.lm_head_input == "semantic" else config.hidden_size
         self.lm_head = nn.Linear(head_width, config.vocab_size, bias=False)
         self.post_init()
+
+    @property
+    def decoder_positions(self) -> ModelPositions:
+        return self.model.decoder_positions
 
     @with_mitigation_keywords
     @can_return_tuple

@@ -286,14 +286,14 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
         check_dummy_document(options, model.config)
         check_dummy_length(model, options, lengths, model_kwargs)
     if options.by == "position_free":
-        config = model.config
-        if config.model_type != "sepformer":
+        config, positions = model.config, getattr(model, "decoder_positions", None)
+        if positions is None or not positions.knows_position_channels:
             raise ValueError(
                 f"reorder_documents by='position_free' zeroes SepFormer's positional block; this is a "
                 f"{type(model).__name__} ({config.model_type!r}), whose positions are not in known channels: use "
                 "by='attention' or by='calibrated'."
             )
-        if config.position_size == 0 or config.rotary_dim > 0:
+        if positions.positional_map is None or positions.rotary is not None:
             raise ValueError(
                 f"reorder_documents by='position_free' needs positions only in the positional block "
                 f"(position_size > 0, rotary_dim = 0); this model has position_size={config.position_size}, "
@@ -313,7 +313,8 @@ def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], mod
     if longest <= max(lengths) or limit is None or longest <= limit:
         return
     why = f"past max_position_embeddings={limit} and the prompt's {max(lengths)} tokens"
-    if model.config.model_type == "sepformer":  # reads positions past L by its position_extrapolation
+    positions = getattr(model, "decoder_positions", None)
+    if positions is not None and positions.extrapolates:  # reads positions past L by its position_extrapolation
         try:
             return check_position_readable(model, longest - 1, model_kwargs.get("position_extrapolation"), False)
         except ValueError as error:
