@@ -304,19 +304,15 @@ class MitigatedDecoder(MitigationGenerationMixin):
             register_wrapper(implementation.removeprefix(PREFIX))
 
     def call_context(self, inputs: dict) -> CallContext:
-        tokens, cache = call_tokens(inputs), inputs.get("past_key_values")
-        continuing = cache is not None and cache.get_seq_length() > 0
-        batch, new_tokens = tokens.shape[:2]
-        return CallContext(
-            model=self,
+        cache = inputs.get("past_key_values")
+        return CallContext.of(
+            self,
+            call_tokens(inputs),
             input_ids=inputs.get("input_ids"),
             attention_mask=inputs.get("attention_mask"),
             cache=cache,
             extrapolation=None,
-            batch=batch,
-            new_tokens=new_tokens,
-            continuing=continuing,
-            positions=self.decoder_positions,
+            continuing=cache is not None and cache.get_seq_length() > 0,
             position_ids=inputs.get("position_ids"),
         )
 

@@ -193,6 +193,13 @@ class CallContext:
     positions: ModelPositions  # what the model answers about its attention and positions
     position_ids: torch.LongTensor | None = None  # the call's position_ids where given (a Hugging Face decoder's)
 
+    @classmethod
+    def of(cls, model: nn.Module, tokens: torch.Tensor, **fields) -> "CallContext":
+        """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...)), with the model's positions
+        (`decoder_positions`)."""
+        batch, new_tokens = tokens.shape[:2]
+        return cls(model=model, batch=batch, new_tokens=new_tokens, positions=model.decoder_positions, **fields)
+
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class LayerRun:

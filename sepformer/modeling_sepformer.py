@@ -361,8 +361,14 @@ class SepFormerModel(SepFormerPreTrainedModel):
             past_key_values = SepFormerCache(config=self.config)
         extrapolation = call_extrapolation(self.config, position_extrapolation, continuing)
         if mitigation_plan is None:
-            call = self.call_context(
-                input_ids, inputs_embeds, attention_mask, past_key_values, extrapolation, continuing
+            call = CallContext.of(
+                self,
+                inputs_embeds,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=past_key_values,
+                extrapolation=extrapolation,
+                continuing=continuing,
             )
             mitigation_plan = kept_plan(call, options)
             if mitigation_plan is None:
@@ -382,21 +388,6 @@ class SepFormerModel(SepFormerPreTrainedModel):
         read the layer's input, and its positions count from each row's first token: the plain answers, with its rotary
         and positional map."""
         return ModelPositions("SepFormerModel", rotary=self.rotary_emb, positional_map=self.embed_positions)
-
-    def call_context(self, input_ids, inputs_embeds, attention_mask, cache, extrapolation, continuing) -> CallContext:
-        """The call as its mitigations are resolved against it (`continuing`: it continues the caller's cache)."""
-        batch, new_tokens = inputs_embeds.shape[:2]
-        return CallContext(
-            model=self,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            extrapolation=extrapolation,
-            batch=batch,
-            new_tokens=new_tokens,
-            continuing=continuing,
-            positions=self.decoder_positions,
-        )
 
     def layer_inputs(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, plan
