@@ -201,6 +201,18 @@ class CallContext:
         return cls(model=model, batch=batch, new_tokens=new_tokens, positions=model.decoder_positions, **fields)
 
 
+def model_positions(model: nn.Module) -> ModelPositions | None:
+    """The `ModelPositions` of a causal LM that takes the mitigations: its `decoder_positions` (a SepFormer's; the
+    probe's, on a decoder `add_mitigations` served), or a SepFormer's from another copy of this package (a Hub
+    checkpoint's custom code), which may have none; None for a model that takes none."""
+    positions = getattr(model, "decoder_positions", None)
+    if positions is None and getattr(getattr(model, "config", None), "model_type", None) == "sepformer":
+        return ModelPositions(
+            type(model).__name__, rotary=model.model.rotary_emb, positional_map=model.model.embed_positions
+        )
+    return positions
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class LayerRun:
     """What one run of the layers computes once for all of them: the positions of its new tokens.

@@ -19,7 +19,7 @@ from numbers import Integral, Real
 import torch
 from torch import nn
 
-from .mitigation_base import last_logits
+from .mitigation_base import last_logits, model_positions
 from .mitigation_options import PositionalScaling
 
 DEFAULT_FACTORS = (0.5, 0.0, -0.5, -1.0)  # the paper's grid
@@ -282,7 +282,7 @@ def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip
     ]
     if not factors or bad:
         raise ValueError(f"factors must be finite numbers < 1 (1 is the unscaled model); got {bad or 'none'}.")
-    if getattr(model, "decoder_positions", None) is None:  # neither a SepFormer nor given add_mitigations
+    if model_positions(model) is None:  # neither a SepFormer nor given add_mitigations
         raise ValueError(
             f"search_positional_scaling evaluates each candidate as the model's positional_scaling option, which "
             f"{type(model).__name__} does not take: give sepformer.add_mitigations(model) (or a SepFormer)."
@@ -297,7 +297,7 @@ def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip
         value = filter_options.get(name, low)
         if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
-    if filter_options and (channel_sets is not None or model.decoder_positions.knows_position_channels):
+    if filter_options and (channel_sets is not None or model_positions(model).knows_position_channels):
         raise ValueError(
             f"{', '.join(f'{name}={value!r}' for name, value in filter_options.items())} would be ignored: top_k and "
             "skip tune the channel filter, which runs only without channel_sets on a model other than SepFormer."
@@ -321,7 +321,7 @@ def candidate_channel_sets(model, first_batch, layers, channel_sets, filter_opti
                 f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad or 'no set'}."
             )
         return [tuple(int(channel) for channel in channels) for channels in channel_sets]
-    if model.decoder_positions.knows_position_channels:
+    if model_positions(model).knows_position_channels:
         return sepformer_channel_sets(model.config.position_size)
     first, _, mask, _, _ = first_batch
     if mask is not None and not bool(mask.all()):

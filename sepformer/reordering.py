@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from .mitigation_base import model_positions
 from .mitigation_options import (
     MitigationOptions,
     PositionalScaling,
@@ -286,7 +287,7 @@ def check_reordering(model, options: ReorderDocuments, input_ids, attention_mask
         check_dummy_document(options, model.config)
         check_dummy_length(model, options, lengths, model_kwargs)
     if options.by == "position_free":
-        config, positions = model.config, getattr(model, "decoder_positions", None)
+        config, positions = model.config, model_positions(model)
         if positions is None or not positions.knows_position_channels:
             raise ValueError(
                 f"reorder_documents by='position_free' zeroes SepFormer's positional block; this is a "
@@ -313,7 +314,7 @@ def check_dummy_length(model, options: ReorderDocuments, lengths: list[int], mod
     if longest <= max(lengths) or limit is None or longest <= limit:
         return
     why = f"past max_position_embeddings={limit} and the prompt's {max(lengths)} tokens"
-    positions = getattr(model, "decoder_positions", None)
+    positions = model_positions(model)
     if positions is not None and positions.extrapolates:  # reads positions past L by its position_extrapolation
         try:
             return check_position_readable(model, longest - 1, model_kwargs.get("position_extrapolation"), False)

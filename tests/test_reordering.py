@@ -17,6 +17,7 @@ from sepformer import (
     reorder_documents,
     reorder_prompt,
 )
+from sepformer.positional_search import search_positional_scaling
 from sepformer.reordering import SCORING_KEYWORDS
 
 # Two rows of 14 columns, the second padded on the left by 3: three documents each, separators between them.
@@ -562,3 +563,21 @@ def test_rounds_of_any_integer_type_are_a_plain_int():
     assert type(ReorderDocuments(spans=SPANS, rounds=torch.tensor(3)).rounds) is int
     with pytest.raises(ValueError, match="rounds=True must be an integer"):
         ReorderDocuments(spans=SPANS, rounds=True)
+
+
+def test_a_sepformer_of_another_copy_of_the_package_is_scored_and_searched_as_one():
+    """A Hub checkpoint's custom code is another copy of this package, whose SepFormer may have no
+    `decoder_positions`: its config says what it is, and it is read as the installed package's SepFormer."""
+    model, (ids, mask) = eager_model(), left_padded_batch()
+
+    class OtherCopy(type(model)):
+        decoder_positions = None  # a copy older than the attribute
+
+    other = OtherCopy(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    for by in ("position_free", "attention"):
+        expected = document_relevance(model, ids, mask, SPANS, by=by, layers=(0,))
+        torch.testing.assert_close(document_relevance(other, ids, mask, SPANS, by=by, layers=(0,)), expected)
+    batches = [{"input_ids": ids[:1], "labels": ids[:1], "gold_position": torch.tensor([1])}]
+    searched = [search_positional_scaling(m, batches, factors=(0.5,)).option for m in (model, other)]
+    assert searched[0] == searched[1]
