@@ -97,6 +97,11 @@ class ModelPositions:
     knows_position_channels: bool = True
     extrapolates: bool = True
 
+    @classmethod
+    def of_sepformer(cls, base_model: nn.Module) -> "ModelPositions":
+        """A SepFormer's answers (its `SepFormerModel`'s): the defaults, with its rotary and positional map."""
+        return cls("SepFormerModel", rotary=base_model.rotary_emb, positional_map=base_model.embed_positions)
+
     def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
         """The rotary's frequency tables: one per layer type, or `{None: inv_freq}` where every layer shares one."""
         if self.layer_types is None:
@@ -207,9 +212,7 @@ def model_positions(model: nn.Module) -> ModelPositions | None:
     checkpoint's custom code), which may have none; None for a model that takes none."""
     positions = getattr(model, "decoder_positions", None)
     if positions is None and getattr(getattr(model, "config", None), "model_type", None) == "sepformer":
-        return ModelPositions(
-            type(model).__name__, rotary=model.model.rotary_emb, positional_map=model.model.embed_positions
-        )
+        return ModelPositions.of_sepformer(model.model)
     return positions
 
 

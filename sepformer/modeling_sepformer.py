@@ -387,7 +387,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         """What the mitigations ask of its positions. Its attention scores are q·k and the mask, its queries and keys
         read the layer's input, and its positions count from each row's first token: the plain answers, with its rotary
         and positional map."""
-        return ModelPositions("SepFormerModel", rotary=self.rotary_emb, positional_map=self.embed_positions)
+        return ModelPositions.of_sepformer(self)
 
     def layer_inputs(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, extrapolation, continuing, plan
