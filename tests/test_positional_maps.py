@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
@@ -465,3 +466,11 @@ def test_the_registries_of_names_and_implementations_are_checked_to_agree(regist
     registries[registry] = (*current, *entry) if isinstance(current, tuple) else {**current, **entry}
     with pytest.raises(ValueError, match=message):
         check_registries(**registries)
+
+
+def test_integer_parameters_are_kept_as_plain_integers():
+    """NumPy and torch integers are taken as integers and kept as Python's (a config saves them as JSON)."""
+    spline = BSplineMap(control_points=np.int64(8), degree=torch.tensor(2))
+    assert (type(spline.control_points), type(spline.degree)) == (int, int)
+    fourier = PositionExtrapolation("fourier", components=np.int32(4))
+    assert type(fourier.components) is int

@@ -470,15 +470,17 @@ def test_the_scoring_passes_own_keywords_are_refused_by_name_before_any_forward(
 
 
 def test_a_dummy_document_taking_the_dummy_passes_past_the_positions_the_model_reads_is_refused_before_any_forward():
-    """GPT-2 has 64 positions: dummy passes of 71 tokens would fail after the first scoring pass. SepFormer reads
-    past its table with a position_extrapolation."""
+    """GPT-2 has 64 positions: dummy passes of 71 tokens would fail after the first scoring pass, with or without
+    add_mitigations. SepFormer reads past its table with a position_extrapolation."""
     long = {"spans": SPANS, "by": "calibrated", "dummy_document": (5,) * 60}
     gpt2, sepformer, (ids, mask) = tiny_gpt2("eager"), eager_model(max_position_embeddings=16), left_padded_batch()
+    mitigated_gpt2 = add_mitigations(tiny_gpt2("eager"))
     calls = []
-    for model in (gpt2, sepformer):
+    for model in (gpt2, mitigated_gpt2, sepformer):
         model.register_forward_pre_hook(lambda *args: calls.append(1))
-    with pytest.raises(ValueError, match=r"dummy_document of 60 tokens makes dummy passes of 71 tokens, past max_posi"):
-        reorder_documents(gpt2, ids, mask, long)
+    for model in (gpt2, mitigated_gpt2):
+        with pytest.raises(ValueError, match=r"dummy_document of 60 tokens makes dummy passes of 71 tokens, past max"):
+            reorder_documents(model, ids, mask, long)
     long["dummy_document"] = (5,) * 8
     with pytest.raises(
         ValueError,
@@ -581,3 +583,8 @@ def test_a_sepformer_of_another_copy_of_the_package_is_scored_and_searched_as_on
     batches = [{"input_ids": ids[:1], "labels": ids[:1], "gold_position": torch.tensor([1])}]
     searched = [search_positional_scaling(m, batches, factors=(0.5,)).option for m in (model, other)]
     assert searched[0] == searched[1]
+    rotary = eager_model(rotary_dim=4)  # positions in the rotary too: refused alike
+    other = OtherCopy(rotary.config).eval()
+    for refused in (rotary, other):
+        with pytest.raises(ValueError, match=r"by='position_free' needs positions only in the positional block"):
+            document_relevance(refused, ids, mask, SPANS, by="position_free")
