@@ -50,13 +50,13 @@ MITIGATIONS: dict[str, Callable[[int, int], dict]] = {
     "attention_calibration_positional": lambda batch, prompt: calibration_over_quarters(batch, prompt, "positional"),
     "parallel_context_windows": windows_over_quarters,
     # one bucket (the model's own reading: what the machinery costs), then three reading the learned table at three
-    # scales: a pass of the model per bucket by design
+    # scales: a copy of every row per bucket by design, in one pass
     "attention_buckets_1": lambda batch, prompt: {"attention_buckets": AttentionBuckets(scales=(1.0,))},
     "attention_buckets_3": lambda batch, prompt: {"attention_buckets": AttentionBuckets(scales=(1.0, 0.9, 0.8))},
 }
 
 
-# Mitigations that do more work by design (one pass of the model per bucket): their target is per bucket.
+# Mitigations that do more work by design (a copy of every row per bucket): their target is per bucket.
 PER_BUCKET = {"attention_buckets_3": 3}
 
 # Mitigations measured on SepFormer alone, with why (the others are measured on the mitigated Llama too).

@@ -132,9 +132,9 @@ class DecoderPositions(ModelPositions):
                 f"{length_dependent[0]!r} changes them with the sequence length during the forward."
             )
 
-    def bucket_bases(self, options, config) -> tuple[float | None, None]:
-        """One Attention Bucket's rotary base (`None`: the model's own), as a rotary of the model's class built with
-        that `rope_theta` (`rotary_at_base`), read at positions `m · scales[0]`."""
+    def bucket_bases(self, options, config) -> tuple[tuple[float, ...] | None, None]:
+        """The Attention Buckets' rotary bases (`None`: the model's own), each read by a rotary of the model's class
+        built with that `rope_theta` (`rotary_at_base`)."""
         if self.rotary is None:
             raise ValueError(
                 f"attention_buckets reads positions with other rotary bases or scales, but {self.description} has "
@@ -162,19 +162,29 @@ class DecoderPositions(ModelPositions):
                 )
                 + ": give scales=[...] instead, or use a model with a fixed rotary."
             )
-        return options.bases[0], None
+        return options.bases, None
 
-    def rotary_at_base(self, base: float, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
+    def rotary_at_base(self, base, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
         """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
-        (a rotary of the model's class, built from its config with that base, kept for the generation)."""
+        (a rotary of the model's class, built from its config with that base, kept for the generation); `base` one
+        float, or (b, 1, 1) one per row."""
 
-        def build() -> nn.Module:
+        def build(base: float) -> nn.Module:
             config = copy.deepcopy(self.rotary.config)
             config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
             return type(self.rotary)(config).to(self.rotary.inv_freq.device)
 
-        rotary = kept_in(derived_store(cache), ("rotary at base", base), build)
-        return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+        def tables(base: float) -> tuple:
+            rotary = kept_in(derived_store(cache), ("rotary at base", base), lambda: build(base))
+            return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+
+        if not isinstance(base, torch.Tensor):
+            return tables(base)
+        positions = positions.expand(len(base), -1)
+        values, bucket = base.flatten().unique(return_inverse=True)  # each row's bucket
+        by_bucket = [tables(value) for value in values.tolist()]  # every row read as each bucket
+        rows = torch.arange(len(bucket), device=bucket.device)
+        return tuple(torch.stack([table[index] for table in by_bucket])[bucket, rows] for index in (0, 1))
 
 
 class AttentionProbe:
@@ -272,11 +282,11 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if plan is None:
             self.check_served(options, inputs.get("attention_mask"))
             wrapper = causal_lm_wrapper(options, cache)  # also every option's rule on continuing the cache
-            if wrapper is not None:  # several attention buckets: this forward once per bucket, the logits mixed
-                mitigation, parsed = wrapper
+            if wrapper is not None:  # several attention buckets: this forward on a copy of each row per bucket
+                mitigation, parsed, options_of_call = wrapper
                 inputs = {"labels": None, "use_cache": None, "past_key_values": None, **inputs}
-                return_dict = inputs.pop("return_dict", None)  # each bucket's forward returns its output's fields
-                output = mitigation.run_causal_lm(parsed, self, inputs, options)
+                return_dict = inputs.pop("return_dict", None)  # the buckets' forward returns its output's fields
+                output = mitigation.run_causal_lm(parsed, self, inputs, options_of_call)
                 as_dict = return_dict if return_dict is not None else self.config.return_dict
                 return output if as_dict else output.to_tuple()
             use_cache = inputs.get("use_cache")

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache_sepformer import MitigationState, SepFormerCache
+from .cache_sepformer import SepFormerCache
 from .mitigation_base import CallContext, Mitigation
-from .mitigation_options import AttentionBuckets
+from .mitigation_options import AttentionBuckets, BucketRows, MitigationOptions
 from .positional_options import EXTRAPOLATION_METHODS, LEARNED_TABLE_METHODS
 
 
@@ -21,166 +21,155 @@ def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
     return (weights * logits).sum(0)
 
 
-def on_each_cache(operation: str):
-    """The cache's batch operation `operation`, applied to each bucket's cache."""
-
-    def apply(self, argument) -> None:
-        for cache in self.caches:
-            getattr(cache, operation)(argument)
-
-    return apply
-
-
-@dataclass(eq=False)
-class BucketsState(MitigationState):
-    """What several buckets keep on the cache (bucket 0's): their options, the caches of buckets 1.., to which the
-    cache's batch operations apply too, and whether a forward is running the buckets (bucket 0's own pass then reads
-    this cache with its one bucket, which a caller may not do)."""
-
-    options: AttentionBuckets
-    caches: list[SepFormerCache]
-    running: bool = False
-
-    reorder_cache = on_each_cache("reorder_cache")
-    batch_repeat_interleave = on_each_cache("batch_repeat_interleave")
-    batch_select_indices = on_each_cache("batch_select_indices")
-    crop = on_each_cache("crop")
-
-
 @dataclass(frozen=True, eq=False)
 class AttentionBucketsMitigation(Mitigation):
-    """One bucket: the model reads positions at `m · scale`, rotary with base `rotary_base` and the sinusoidal map
-    with base `map_base` (`None`: the model's own). Several buckets wrap the causal LM (`run_causal_lm`): each runs
-    the whole model as one bucket, with its own cache, and their logits are mixed."""
+    """The buckets' reading of positions: bucket `b` reads them at `m · scales[b]`, rotary with base `bases[b]` or the
+    sinusoidal map with it (`which_base`; no base: the model's own). Several buckets wrap the causal LM
+    (`run_causal_lm`): it runs once on a copy of every row per bucket (`BucketRows`), whose logits are mixed; then
+    `bucket_of_row` says which bucket each row of the call reads as."""
 
     options_class = AttentionBuckets
     prefill_requirement = (
         "attention_buckets reads positions its own way from the prefill on (the cached keys were made with that "
         "reading): it must be on from the first (prefill) call of a cached generation."
     )
-    rotary_base: float | None = None
-    map_base: float | None = None
-    scale: float = 1.0
+    bases: tuple[float, ...] | None = None
+    which_base: str = "rotary"  # the reading the bases are of: "rotary", or "map" (the sinusoidal map's)
+    scales: tuple[float, ...] = (1.0,)
+    bucket_of_row: torch.Tensor | None = None  # (b,) on the model's device; None for one bucket
     table_rows: int | None = None  # the rows of a learned table whose extrapolation makes none past them, or None
     extrapolation: str = "none"  # the call's method
 
     @classmethod
     def resolve(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
-        if options.num_buckets > 1:
+        several = isinstance(options, BucketRows)
+        if options.num_buckets > 1 and not several:
             raise ValueError(
                 f"attention_buckets with {options.num_buckets} buckets mixes the buckets' next-token logits: call it "
                 "on SepFormerForCausalLM (forward or generate); the base model runs one bucket at a time."
             )
         config, extrapolation = call.model.config, call.extrapolation
         rotary_base, map_base = call.positions.bucket_bases(options, config)
-        scale = options.scales[0] if options.scales is not None else 1.0
         method = extrapolation.method if extrapolation is not None else "none"
         # a learned table that this call's extrapolation makes no row past
         learned = call.positions.positional_map is not None and config.has_positional_table
         rows = config.position_table_size if learned and method in LEARNED_TABLE_METHODS else None
-        return cls(options, options.layer_set(config.num_hidden_layers), rotary_base, map_base, scale, rows, method)
+        bucket_of_row = None
+        if several:
+            repeats, left = divmod(call.batch, options.rows)  # a batch made from the rows, each repeated in place
+            assert repeats and not left, f"{call.batch} rows are not copies of the buckets' {options.rows}"
+            bucket_of_row = (torch.arange(call.batch) // repeats % options.num_buckets).to(call.model.device)
+        return cls(
+            options,
+            options.layer_set(config.num_hidden_layers),
+            bases=rotary_base or map_base,
+            which_base="rotary" if rotary_base else "map",
+            scales=options.scales or (1.0,) * options.num_buckets,
+            bucket_of_row=bucket_of_row,
+            table_rows=rows,
+            extrapolation=method,
+        )
 
     @classmethod
     def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:
         return True  # the cached keys were read with the bucket's positions: later calls need the same reading
 
+    def per_row(self, values: tuple[float, ...], dtype: torch.dtype) -> float | torch.Tensor:
+        """One bucket's value, or (b, 1) the value of each row's bucket."""
+        if self.bucket_of_row is None:
+            return values[0]
+        return torch.tensor(values, dtype=dtype, device=self.bucket_of_row.device)[self.bucket_of_row, None]
+
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.scale == 1.0:
+        if set(self.scales) == {1.0}:
             return position_ids
         if self.table_rows is not None and position_ids.numel() and not torch.compiler.is_compiling():
             self.check_inside_table(int(position_ids.max()))
-        return position_ids * self.scale
+        return position_ids * self.per_row(self.scales, torch.float32)  # as times a Python float
 
     def check_inside_table(self, highest: int) -> None:
         """The scaled positions stay on the learned table, which this call's extrapolation does not extend."""
-        rows, read = self.table_rows, highest * self.scale
+        rows, scale = self.table_rows, max(self.scales)
+        read = highest * scale
         if math.ceil(read) >= rows:
             extending = [method for method in EXTRAPOLATION_METHODS if method not in LEARNED_TABLE_METHODS]
             raise ValueError(
-                f"attention_buckets scale {self.scale:g} reads position {highest} at {read:g}, past the learned "
+                f"attention_buckets scale {scale:g} reads position {highest} at {read:g}, past the learned "
                 f"positional table's {rows} rows, which position_extrapolation={self.extrapolation!r} does not "
                 f"extend: give scales <= {(rows - 1) / highest:g} for positions up to {highest}, or an extrapolation "
                 f"method that makes rows past the table ({', '.join(map(repr, extending))})."
             )
 
-    def position_bases(self) -> tuple[float | None, float | None]:
-        return self.rotary_base, self.map_base
+    def position_bases(self) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
+        if self.bases is None:
+            return None, None
+        bases = self.per_row(self.bases, torch.float64)  # exact: each bucket's own base
+        bases = bases if isinstance(bases, float) else bases[..., None]  # (b, 1, 1): against (b, seq, frequencies)
+        return (bases, None) if self.which_base == "rotary" else (None, bases)
 
     @classmethod
     def wraps_causal_lm(cls, options: AttentionBuckets) -> bool:
-        return options.num_buckets > 1
+        return options.num_buckets > 1 and not isinstance(options, BucketRows)
 
     @classmethod
     def check_continuation(cls, cache: SepFormerCache, options: AttentionBuckets | None) -> None:
-        """Several buckets continue only a cache that keeps their caches, and such a cache only with them (bucket 0's
-        own pass, while the buckets run, reads it with its one bucket)."""
-        state = cache.mitigation_state.get(cls.options_class.name)
-        if state is not None and state.running:
+        """A cache whose rows have a copy per bucket continues only with the buckets of its prefill, and several
+        buckets continue only such a cache."""
+        fixed = (cache.prefill_options or {}).get(cls.options_class.name)
+        fixed = fixed.buckets if isinstance(fixed, BucketRows) else fixed
+        copies = cache.row_copies > 1
+        if isinstance(options, BucketRows) or (options == fixed and copies):
             return
-        prefill = state.options if state is not None else None
-        if options is not None and options.num_buckets > 1 and options != prefill:
+        if options is not None and options.num_buckets > 1:
             raise ValueError(
                 "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "
-                f"attention_buckets as its prefill ({prefill}); got {options}."
+                f"attention_buckets as its prefill ({fixed}); got {options}."
             )
-        if state is not None and options != state.options:
+        if copies:
             raise ValueError(
-                f"this cache keeps one cache per attention bucket from its prefill ({state.options}): continue it with "
+                f"this cache keeps one cache per attention bucket from its prefill ({fixed}): continue it with "
                 f"the same attention_buckets; got {options}."
             )
 
     @classmethod
     def run_causal_lm(cls, options: AttentionBuckets, model, inputs: dict, options_of_call: dict):
-        """Each bucket runs the whole causal LM with its own cache: bucket 0 the call's cache itself, bucket `b > 0`
-        the sub-cache `caches[b - 1]` of the `BucketsState` that the cache keeps (made at prefill). Their logits are
-        mixed."""
+        """The causal LM run once on a copy of every row per bucket, side by side (row `r` of `b · B` a copy of row
+        `r // B`, read as bucket `r % B`), with one cache of `b · B` rows; the buckets' logits are mixed."""
         if inputs.get("output_attentions") or inputs.get("output_hidden_states"):
             raise ValueError(
                 "attention_buckets with several buckets returns mixed logits only: output_attentions and "
                 "output_hidden_states would be one per bucket; run a bucket alone (bases=[one base]) to inspect it."
             )
-        config = model.config
+        config, copies = model.config, options.num_buckets
         use_cache = inputs["use_cache"] if inputs["use_cache"] is not None else config.use_cache
         cache = inputs["past_key_values"]
         if cache is None and use_cache:
             cache = SepFormerCache(config=config)
-        caches = [None] * options.num_buckets
-        if cache is not None:
-            if not isinstance(cache, SepFormerCache):
-                raise ValueError(
-                    f"attention_buckets keeps one cache per bucket on a SepFormerCache (what forward and generate make "
-                    f"by default); got {type(cache).__name__}."
-                )
-            if cache.get_seq_length() == 0:
-                bucket_caches = [SepFormerCache(config=config) for _ in range(options.num_buckets - 1)]
-                for bucket_cache in bucket_caches:  # the same weights: one fused copy serves every bucket
-                    bucket_cache.derived = cache.derived
-                cache.mitigation_state[options.name] = BucketsState(options, bucket_caches)
-            state = cache.mitigation_state[options.name]  # other buckets were refused (`check_continuation`)
-            caches = [cache, *state.caches]
+        if cache is not None and not isinstance(cache, SepFormerCache):
+            raise ValueError(
+                f"attention_buckets keeps one cache per bucket on a SepFormerCache (what forward and generate make "
+                f"by default); got {type(cache).__name__}."
+            )
         labels = inputs.pop("labels")
-        inputs = {key: value for key, value in inputs.items() if key not in ("past_key_values", "use_cache")}
-        if cache is not None:
-            state.running = True
-        # The bucket reading the farthest positions first: refused past the table, it is so before any bucket's cache
-        # holds keys.
-        scales = options.scales or (1.0,) * options.num_buckets
-        order = sorted(range(options.num_buckets), key=lambda index: -scales[index])
-        try:
-            by_bucket = {
-                index: model(
-                    **inputs,
-                    **{**options_of_call, options.name: options.bucket(index)},
-                    past_key_values=caches[index],
-                    use_cache=use_cache,
-                ).logits
-                for index in order
-            }
-            logits = torch.stack([by_bucket[index] for index in range(options.num_buckets)])  # (B, b, seq, V)
-        finally:
-            if cache is not None:
-                state.running = False
-        logits = mix_by_confidence(logits)
+        tokens = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+        batch = tokens.shape[0]
+        rows = {
+            name: value.repeat_interleave(copies, dim=0)
+            for name, value in inputs.items()
+            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[0] == batch
+        }
+        fixed = cache.prefill_options.get(options.name) if cache is not None and cache.get_seq_length() else None
+        rows_of_options = {  # per-row options given for each row's copies
+            name: value.repeat_rows(copies) if isinstance(value, MitigationOptions) else value
+            for name, value in options_of_call.items()
+        }
+        output = model(
+            **{**inputs, **rows, "past_key_values": cache, "use_cache": use_cache},
+            **{**rows_of_options, options.name: fixed or options.as_rows(batch * copies)},
+        )
+        if cache is not None:  # once the prefill has run: a refused one leaves the cache as it was
+            cache.row_copies = copies
+        logits = mix_by_confidence(output.logits.unflatten(0, (batch, copies)).transpose(0, 1))
         loss = None
         if labels is not None:
             loss_kwargs = {key: value for key, value in inputs.items() if key in model.loss_keywords}

@@ -135,10 +135,12 @@ class SepFormerCache(DynamicCache):
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
         mitigation_state: what each mitigation fixed at prefill, by option name (a `MitigationState` each, made and read
-            by its mitigation: MS-PoE's head ranks, calibration's `bias(k)` and spans, the buckets' caches).
+            by its mitigation: MS-PoE's head ranks, calibration's `bias(k)` and spans).
         derived: tensors derived from the weights for this generation only (`derived_store`), by key: each layer's
             `FusedLayer` for decoding steps, MS-PoE's per-head weight layouts, a positional map's rows. Weights,
-            not rows of the batch: batch operations leave them alone; the bucket caches share this one.
+            not rows of the batch: batch operations leave them alone.
+        row_copies: how many copies of each batch row the cache holds, side by side: several attention buckets keep
+            one per bucket (batch operations act on the copies of the rows they name).
     """
 
     def __init__(self, *args, **kwargs):
@@ -156,24 +158,37 @@ class SepFormerCache(DynamicCache):
         self.prefill_options: dict[str, Any] | None = None
         self.mitigation_state: dict[str, MitigationState] = {}
         self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
+        self.row_copies = 1  # copies of each batch row the cache holds, side by side (several attention buckets)
 
     def start_generation(self) -> None:
         """Drop what an earlier generation made from the weights, which may have changed since (or be another model's),
-        keeping the keys, values and prefill state: a `generate` call that continues this cache starts here. Cleared in
-        place: the bucket caches share the store."""
+        keeping the keys, values and prefill state: a `generate` call that continues this cache starts here."""
         self.derived.clear()
 
+    def rows_of(self, index: torch.Tensor) -> torch.Tensor:
+        """The cache's rows of the batch rows `index`: each row's `row_copies` copies, which lie side by side."""
+        copies = self.row_copies
+        if copies == 1:
+            return index
+        index = torch.as_tensor(index)
+        return (index[:, None] * copies + torch.arange(copies, device=index.device)).flatten()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        beam_idx = self.rows_of(beam_idx)
         super().reorder_cache(beam_idx)
         for state in self.mitigation_state.values():
             state.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.row_copies > 1:  # each row's copies repeated together
+            rows = self.layers[0].keys.shape[0] // self.row_copies
+            return self.batch_select_indices(torch.arange(rows).repeat_interleave(repeats))
         super().batch_repeat_interleave(repeats)
         for state in self.mitigation_state.values():
             state.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = self.rows_of(indices)
         super().batch_select_indices(indices)
         for state in self.mitigation_state.values():
             state.batch_select_indices(indices)
@@ -188,6 +203,6 @@ class SepFormerCache(DynamicCache):
             self.reset()
 
     def reset(self) -> None:
-        """Empty the cache and drop the state its prefill fixed (every mitigation's state, the bucket caches)."""
+        """Empty the cache and drop the state its prefill fixed (every mitigation's state, the row copies)."""
         super().reset()
         self.drop_prefill_state()

@@ -127,8 +127,8 @@ class ModelPositions:
             )
         return tuple(range(config.position_size))
 
-    def bucket_bases(self, options, config) -> tuple[float | None, float | None]:
-        """`(rotary base, sinusoidal map base)` of one Attention Bucket (`None`: the model's own), refused where the
+    def bucket_bases(self, options, config) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+        """`(rotary bases, sinusoidal map bases)` of the Attention Buckets (`None`: the model's own), refused where the
         model has no base to change, or no positions to scale."""
         if options.bases is None:
             if options.scales is not None and self.rotary is None and self.positional_map is None:
@@ -138,9 +138,9 @@ class ModelPositions:
                 )
             return None, None
         if self.rotary is not None:
-            return options.bases[0], None
+            return options.bases, None
         if self.positional_map is not None and config.map_options().map == "sinusoidal":
-            return None, options.bases[0]
+            return None, options.bases
         raise ValueError(
             f"attention_buckets bases={list(options.bases)} mean nothing for this model: it has no rotary and its "
             f"positional map is {config.positional_map!r}"
@@ -352,8 +352,9 @@ class Mitigation:
         fractional. Receives the positions counted from each row's first real token (or the caller's)."""
         return position_ids
 
-    def position_bases(self) -> tuple[float | None, float | None]:
-        """`(rotary base, sinusoidal map base)` to read positions with; `None` keeps the model's own."""
+    def position_bases(self) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
+        """`(rotary base, sinusoidal map base)` to read positions with: one, or (b, 1, 1) one per row; `None` keeps
+        the model's own."""
         return None, None
 
     def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
@@ -369,7 +370,8 @@ class Mitigation:
     @classmethod
     def run_causal_lm(cls, options: MitigationOptions, model, inputs: dict, options_of_call: dict):
         """The causal LM's output for `inputs` (the keywords of its forward) with these options; `options_of_call`
-        are the call's mitigation keywords, these options included. Only called when `wraps_causal_lm`."""
+        are the call's mitigation keywords (parsed where on), these options included. Only called when
+        `wraps_causal_lm`."""
         raise NotImplementedError
 
     def replace(self, **changes) -> "Mitigation":
@@ -556,8 +558,8 @@ class PlanReading:
     # past + seq (a tensor for a static cache, compiled); None without a plan
     kv_length: int | torch.Tensor | None = None
     mask_function: Callable | None = None
-    rotary_base: float | None = None
-    map_base: float | None = None
+    rotary_base: float | torch.Tensor | None = None  # one, or (b, 1, 1) one per row
+    map_base: float | torch.Tensor | None = None
 
     @classmethod
     def of(cls, plan: MitigationPlan | None, position_ids, attention_mask, cache, new_tokens: int, device):

@@ -459,13 +459,23 @@ class AttentionBuckets(MitigationOptions):
     def num_buckets(self) -> int:
         return len(self.bases if self.bases is not None else self.scales)
 
-    def bucket(self, index: int) -> "AttentionBuckets":
-        """The options of bucket `index` alone: one bucket, which the model runs as a reading of positions."""
+    def as_rows(self, rows: int) -> "BucketRows":
+        """These buckets as copies of the rows of a batch, run in one forward: `rows` (b · B) rows, row `r` a copy of
+        batch row `r // B` reading positions as bucket `r % B`."""
+        return BucketRows(bases=self.bases, scales=self.scales, rows=rows)
 
-        def pick(values):
-            return None if values is None else (values[index],)
 
-        return AttentionBuckets(bases=pick(self.bases), scales=pick(self.scales))
+@dataclass(frozen=True)
+class BucketRows(AttentionBuckets):
+    """Several buckets as the rows of one batch, which the causal LM runs for them (`AttentionBuckets.as_rows`): of
+    `rows` rows, row `r` reads positions as bucket `r % B`. A batch made from them with each row repeated in place (the
+    dummy passes of calibration) keeps each copy's bucket. Equal to the same buckets over another number of rows."""
+
+    rows: int = dataclasses.field(default=1, compare=False)
+
+    @property
+    def buckets(self) -> AttentionBuckets:
+        return AttentionBuckets(bases=self.bases, scales=self.scales)
 
 
 @dataclass(frozen=True)

@@ -82,18 +82,20 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     return parsed
 
 
-def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], MitigationOptions] | None:
+def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], MitigationOptions, dict] | None:
     """The call's mitigation whose options replace the whole forward of the causal LM (several attention buckets),
-    with its parsed options, or `None`. A cache that holds tokens is first checked by every mitigation's continuation
-    rule (`check_continuation`)."""
-    wrappers = []
+    with its parsed options and the call's (each parsed, or as given where off), or `None`. A cache that holds tokens
+    is first checked by every mitigation's continuation rule (`check_continuation`)."""
+    wrappers, parsed = [], {}
     for name, mitigation in MITIGATIONS.items():
         value = None if options.get(name) in (None, False) else mitigation.options_class.parse(options[name])
+        if name in options:
+            parsed[name] = options[name] if value is None else value
         if isinstance(cache, SepFormerCache) and cache.get_seq_length() > 0:
             mitigation.check_continuation(cache, value)
         if value is not None and mitigation.wraps_causal_lm(value):
             wrappers.append((mitigation, value))
-    return wrappers[0] if wrappers else None
+    return (*wrappers[0], parsed) if wrappers else None
 
 
 def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOptions]) -> None:

@@ -483,7 +483,8 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         stable_mask, ms_poe, attention_calibration, positional_scaling (*optional*):
             Position-bias mitigations (`sepformer.mitigations`); through `generate`, for the prompt and every step.
         parallel_context_windows, attention_buckets (*optional*):
-            Likewise; several attention buckets run this forward once per bucket and return the mixed logits.
+            Likewise; several attention buckets run this forward once, on a copy of each row per bucket, and return the
+            mixed logits.
         """
         if not torch.compiler.is_compiling():  # as `check_inputs`
             check_labels(self.config, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
@@ -530,8 +531,8 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         wrapper = None if plan_kept_for(cache, self.config, kwargs) is not None else causal_lm_wrapper(kwargs, cache)
         if wrapper is None:
             return None
-        mitigation, options = wrapper
-        options_of_call = call_options(kwargs)  # taken out of the keywords the forward runs with
+        mitigation, options, options_of_call = wrapper
+        call_options(kwargs)  # taken out of the keywords the forward runs with
         return mitigation.run_causal_lm(options, self, {**inputs, **kwargs}, options_of_call)
 
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:

@@ -31,8 +31,9 @@ from .positional_options import (
 SINUSOID_BASE = 10000.0  # the sinusoidal map's base, as in "Attention Is All You Need"
 
 
-def sinusoid(positions: torch.Tensor, dim: int, base: float = SINUSOID_BASE) -> torch.Tensor:
-    """`PE(i)_{2k} = sin(i / base^{2k/dim})`, `PE(i)_{2k+1} = cos(i / base^{2k/dim})`; fractional `positions` too.
+def sinusoid(positions: torch.Tensor, dim: int, base: float | torch.Tensor = SINUSOID_BASE) -> torch.Tensor:
+    """`PE(i)_{2k} = sin(i / base^{2k/dim})`, `PE(i)_{2k+1} = cos(i / base^{2k/dim})`; fractional `positions` too,
+    and `base` one float or (b, 1, 1) one per row of `positions` (b, seq).
 
     An odd `dim` ends with a sine.
     """
@@ -288,9 +289,10 @@ class SinusoidalPositions(nn.Module, PositionalMap):
         position_ids: torch.Tensor,
         extrapolation: PositionExtrapolation,
         store: dict | None = None,
-        base: float = SINUSOID_BASE,
+        base: float | torch.Tensor = SINUSOID_BASE,
     ) -> torch.Tensor:
-        """`base`: another base than the map's own (Attention Buckets). Made from no weight: nothing to `store`."""
+        """`base`: another base than the map's own, or (b, 1, 1) one per row (Attention Buckets). Made from no weight:
+        nothing to `store`."""
         return sinusoid(position_ids, self.dim, base)
 
     def extra_repr(self):

@@ -14,22 +14,24 @@ class SepFormerRotaryEmbedding(nn.Module):
         self.rope_theta = config.rope_theta
         self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
 
-    def compute_inv_freq(self, base: float | None = None) -> torch.Tensor:
+    def compute_inv_freq(self, base: float | torch.Tensor | None = None) -> torch.Tensor:
+        """(rotary_dim / 2), or (b, 1, rotary_dim / 2) for `base` (b, 1, 1): one base per row."""
         base = self.rope_theta if base is None else base
         return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
 
     @torch.no_grad()
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, base: float | None = None
+        self, x: torch.Tensor, position_ids: torch.Tensor, base: float | torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`base`: another rotary base than the config's `rope_theta` (Attention Buckets)."""
+        """`base`: another rotary base than the config's `rope_theta`, or (b, 1, 1) one per row (Attention Buckets)."""
         inv_freq = self.inv_freq if base is None else self.compute_inv_freq(base)
         return rotary_cos_sin(position_ids, inv_freq.to(x.device), x.dtype)
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos, sin (..., rotary_dim) of the rotary angles `positions · inv_freq` in the rotate-half layout: `positions`
-    (...) any real positions (MS-PoE's `m / r`, or the turn `m / r - m`), `inv_freq` (rotary_dim / 2)."""
+    (...) any real positions (MS-PoE's `m / r`, or the turn `m / r - m`), `inv_freq` (rotary_dim / 2), or
+    (b, 1, rotary_dim / 2) one table per row of `positions` (b, seq)."""
     angles = positions.float()[..., None] * inv_freq.float()  # (..., rotary_dim / 2)
     angles = torch.cat((angles, angles), -1)  # (..., rotary_dim): both halves of a rotated pair turn alike
     return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -1,5 +1,6 @@
 """Attention Buckets and Parallel Context Windows, checked against references written from the papers' formulas."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,7 +9,6 @@ from conftest import logits, random_ids, tiny_config, tiny_model
 from transformers import DynamicCache
 
 from sepformer import (
-    AttentionBuckets,
     AttentionCalibration,
     ParallelContextWindows,
     SepFormerCache,
@@ -145,6 +145,36 @@ def test_bucket_cached_decoding_equals_the_full_pass():
     torch.testing.assert_close(cached_logits(model, ids, 7, attention_buckets=BUCKETS), full, rtol=1e-5, atol=1e-5)
 
 
+PER_ROW_OPTIONS = {  # options whose spans are per row, for rows each with a copy per bucket
+    "attention_calibration": AttentionCalibration(spans=(((1, 5), (5, 9)), ((0, 4), (4, 8))), temperature=0.05),
+    "parallel_context_windows": ParallelContextWindows(spans=(((0, 5), (5, 10)), ((0, 4), (4, 9)))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_ROW_OPTIONS))
+def test_buckets_beside_per_row_options_equal_each_bucket_run_alone_with_them_mixed(name):
+    """Each row's copies carry that row's spans, and calibration's dummy passes (one per row and document) read their
+    row's bucket: in a left-padded batch, prefill and decoding equal each bucket alone with the option, mixed."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids, mask = random_ids(2, 14), torch.ones(2, 14, dtype=torch.long)
+    mask[1, :2] = 0
+    options = {name: PER_ROW_OPTIONS[name], "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    one = [{key: [values[bucket]] for key, values in BUCKETS.items()} for bucket in range(2)]
+    with torch.no_grad():
+        per_bucket = [model(ids, attention_mask=mask, attention_buckets=bucket, **options).logits for bucket in one]
+        buckets = model(ids, attention_mask=mask, attention_buckets=BUCKETS, **options).logits
+    torch.testing.assert_close(buckets, mixed_by_hand(per_bucket), rtol=1e-5, atol=1e-5)
+    assert (per_bucket[0] - per_bucket[1]).abs().max() > 1e-3  # the buckets differ
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, **{name: PER_ROW_OPTIONS[name]})
+    generated = model.generate(ids, attention_buckets=BUCKETS, **kwargs)
+    by_row = []
+    for row in range(2):  # alone, unpadded
+        alone = {name: dataclasses.replace(PER_ROW_OPTIONS[name], spans=PER_ROW_OPTIONS[name].spans[row : row + 1])}
+        prompt = ids[row : row + 1, 2 * row :]
+        by_row.append(model.generate(prompt, **{**kwargs, **alone, "attention_mask": None}, attention_buckets=BUCKETS))
+    assert torch.equal(generated[:, -4:], torch.cat([tokens[:, -4:] for tokens in by_row]))
+
+
 def test_identical_buckets_follow_beams_and_return_sequences_like_the_base_model():
     """Two buckets with the model's own reading mix to exactly the base model's logits (weights 1/2 each), so beam
     search must give the base model's beams: only if every bucket's cache follows the beams' reordering."""
@@ -161,19 +191,31 @@ def test_identical_buckets_follow_beams_and_return_sequences_like_the_base_model
     assert torch.equal(model.generate(ids, **kwargs, attention_buckets=BUCKETS, use_cache=False), differ)
 
 
-def test_every_bucket_keeps_its_own_cache_and_follows_reordering():
+def test_the_cache_keeps_each_rows_copy_per_bucket_and_batch_operations_move_the_copies_together():
+    """Row `r` of the cache is row `r // B` read as bucket `r % B`: its keys are that bucket's alone; beam reordering,
+    repeats and selection name the batch's rows, and each row's copies follow it."""
     model = strong_positions(tiny_model(rotary_dim=4))
+    ids = random_ids(2, 6)
     cache = SepFormerCache(config=model.config)
+    alone = [SepFormerCache(config=model.config) for _ in range(2)]
     with torch.no_grad():
-        model(random_ids(2, 6), past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
-    state = cache.mitigation_state["attention_buckets"]
-    assert len(state.caches) == 1 and state.options == AttentionBuckets(**BUCKETS)
-    keys = state.caches[0].layers[0].keys.clone()
-    assert not torch.equal(keys, cache.layers[0].keys)  # bucket 1 keys are rotated with its own base
+        model(ids, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        for bucket, bucket_cache in enumerate(alone):
+            one = {name: [values[bucket]] for name, values in BUCKETS.items()}
+            model(ids, past_key_values=bucket_cache, use_cache=True, attention_buckets=one)
+    keys = cache.layers[0].keys.clone()  # (2 rows · 2 buckets, heads, 6, head_dim)
+    assert cache.row_copies == 2 and keys.shape[0] == 4
+    for bucket, bucket_cache in enumerate(alone):
+        torch.testing.assert_close(keys[bucket::2], bucket_cache.layers[0].keys)
+    assert not torch.allclose(keys[0::2], keys[1::2])  # bucket 1 keys are rotated with its own base
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(state.caches[0].layers[0].keys, keys.flip(0))
+    assert torch.equal(cache.layers[0].keys, keys[[2, 3, 0, 1]])
     cache.batch_repeat_interleave(2)
-    assert state.caches[0].layers[0].keys.shape[0] == 4
+    assert torch.equal(cache.layers[0].keys, keys[[2, 3, 2, 3, 0, 1, 0, 1]])
+    cache.batch_select_indices(torch.tensor([3]))
+    assert torch.equal(cache.layers[0].keys, keys[[0, 1]])
+    cache.crop(-6)  # every token: a reset, the copies gone with the prefill's state
+    assert cache.row_copies == 1 and cache.get_seq_length() == 0
 
 
 def test_a_cropped_cache_continues_every_buckets_cache_from_the_kept_tokens():
@@ -221,7 +263,7 @@ def test_scales_reaching_past_a_learned_table_are_refused_naming_the_scale_befor
     )
     with pytest.raises(ValueError, match=message), torch.no_grad():
         model(random_ids(1, 12), past_key_values=cache, use_cache=True, attention_buckets={"scales": scales})
-    assert cache.get_seq_length() == 0
+    assert cache.get_seq_length() == 0 and cache.row_copies == 1  # the batch operations name the rows as they are
     logits(model, random_ids(1, 12), attention_buckets={"scales": scales}, position_extrapolation="fourier")
 
 

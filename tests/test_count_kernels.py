@@ -45,6 +45,6 @@ def test_every_model_and_mitigation_has_a_row(capsys):
     assert labels == {*benchmark_models.MODELS, *(f"SepFormer + {name}" for name in benchmark_sections.MITIGATIONS)}
     assert len(rows) == len(labels) * len(benchmark_models.TINY.generate_batches)
     calls = {(row["model"], row["batch"]): row["calls"] for row in rows}
-    # three buckets run the model three times per step
-    assert calls[("SepFormer + attention_buckets_3", 1)] > 2.5 * calls[("SepFormer", 1)]
+    # three buckets run the model once per step, on three copies of each row (three forwards made 2.5 times the calls)
+    assert calls[("SepFormer", 1)] < calls[("SepFormer + attention_buckets_3", 1)] < 1.5 * calls[("SepFormer", 1)]
     assert "| SepFormer + ms_poe | 2 |" in capsys.readouterr().out

@@ -85,11 +85,12 @@ BATCH_OPERATIONS = {  # (operation, the rows it leaves, the tokens it leaves of 
 
 
 def prefill_state(cache: SepFormerCache) -> dict[str, torch.Tensor]:
-    """What a prefill fixed on `cache`, by name: each per row (the bucket's keys per row and token)."""
+    """What a prefill fixed on `cache`, by name: each per row (bucket 1's keys per row and token: each row's second
+    copy)."""
     kept = cache.mitigation_state
-    buckets, ms_poe, calibration = (kept.get(name) for name in ("attention_buckets", "ms_poe", "attention_calibration"))
+    ms_poe, calibration = (kept.get(name) for name in ("ms_poe", "attention_calibration"))
     state = {
-        "bucket keys": buckets.caches[0].layers[0].keys if buckets else None,
+        "bucket keys": cache.layers[0].keys[1::2] if cache.row_copies == 2 else None,
         "ranks": ms_poe.ranks.get(0) if ms_poe else None,
         "bias": calibration.bias.get(1) if calibration else None,
         "spans": calibration.spans if calibration else None,
@@ -100,8 +101,9 @@ def prefill_state(cache: SepFormerCache) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("operation", sorted(BATCH_OPERATIONS))
 def test_every_batch_operation_applies_to_every_state_a_prefill_fixed(operation):
     """Beam search reorders, several return sequences repeat, other strategies select, assisted decoding crops:
-    MS-PoE's ranks, calibration's bias(k) and spans follow the rows (a crop keeps them: they are per row), the bucket
-    caches the rows and tokens. A reset, or a crop of every token, drops them all: the next call is a prefill."""
+    MS-PoE's ranks, calibration's bias(k) and spans follow the rows (a crop keeps them: they are per row), the
+    buckets' copies of each row the rows and tokens. A reset, or a crop of every token, drops them all: the next call
+    is a prefill."""
     model = strong_model()
     ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
     ranked_and_calibrated = {
