@@ -103,7 +103,7 @@ class AttentionBucketsMitigation(Mitigation):
     def position_bases(self) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
         if self.bases is None:
             return None, None
-        bases = self.per_row(self.bases, torch.float64)  # exact: each bucket's own base
+        bases = self.per_row(self.bases, torch.float32)  # as a Python float base meets the float32 exponents
         bases = bases if isinstance(bases, float) else bases[..., None]  # (b, 1, 1): against (b, seq, frequencies)
         return (bases, None) if self.which_base == "rotary" else (None, bases)
 
@@ -122,13 +122,13 @@ class AttentionBucketsMitigation(Mitigation):
             return
         if options is not None and options.num_buckets > 1:
             raise ValueError(
-                "attention_buckets keeps a cache per bucket from the prefill on: continuing a cache needs the same "
-                f"attention_buckets as its prefill ({fixed}); got {options}."
+                "attention_buckets keeps a copy of every row per bucket in the cache from the prefill on: continuing a "
+                f"cache needs the same attention_buckets as its prefill ({fixed}); got {options}."
             )
         if copies:
             raise ValueError(
-                f"this cache keeps one cache per attention bucket from its prefill ({fixed}): continue it with "
-                f"the same attention_buckets; got {options}."
+                f"this cache keeps a copy of every row per attention bucket from its prefill ({fixed}): continue it "
+                f"with the same attention_buckets; got {options}."
             )
 
     @classmethod
@@ -147,11 +147,13 @@ class AttentionBucketsMitigation(Mitigation):
             cache = SepFormerCache(config=config)
         if cache is not None and not isinstance(cache, SepFormerCache):
             raise ValueError(
-                f"attention_buckets keeps one cache per bucket on a SepFormerCache (what forward and generate make "
-                f"by default); got {type(cache).__name__}."
+                "attention_buckets keeps a copy of every row per bucket on a SepFormerCache (what forward and "
+                f"generate make by default); got {type(cache).__name__}."
             )
         labels = inputs.pop("labels")
-        tokens = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+        tokens = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
         batch = tokens.shape[0]
         rows = {
             name: value.repeat_interleave(copies, dim=0)
@@ -159,16 +161,19 @@ class AttentionBucketsMitigation(Mitigation):
             if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[0] == batch
         }
         fixed = cache.prefill_options.get(options.name) if cache is not None and cache.get_seq_length() else None
+        # the prefill's rows, or as many as the batch now has (the cache's batch operations change it)
+        as_rows = fixed if fixed is not None and fixed.rows == batch * copies else options.as_rows(batch * copies)
         rows_of_options = {  # per-row options given for each row's copies
             name: value.repeat_rows(copies) if isinstance(value, MitigationOptions) else value
             for name, value in options_of_call.items()
         }
         output = model(
             **{**inputs, **rows, "past_key_values": cache, "use_cache": use_cache},
-            **{**rows_of_options, options.name: fixed or options.as_rows(batch * copies)},
+            **{**rows_of_options, options.name: as_rows},
         )
-        if cache is not None:  # once the prefill has run: a refused one leaves the cache as it was
+        if cache is not None:  # once the call has run: a refused prefill leaves the cache as it was
             cache.row_copies = copies
+            cache.prefill_options[options.name] = as_rows  # the next step's, which keeps its plan
         logits = mix_by_confidence(output.logits.unflatten(0, (batch, copies)).transpose(0, 1))
         loss = None
         if labels is not None:

@@ -218,6 +218,31 @@ def test_the_cache_keeps_each_rows_copy_per_bucket_and_batch_operations_move_the
     assert cache.row_copies == 1 and cache.get_seq_length() == 0
 
 
+BATCH_OPERATIONS = {  # the operation, and the rows of the prefill's batch it leaves
+    "reorder": (lambda cache: cache.reorder_cache(torch.tensor([1, 0])), [1, 0]),
+    "repeat": (lambda cache: cache.batch_repeat_interleave(2), [0, 0, 1, 1]),
+    "select": (lambda cache: cache.batch_select_indices(torch.tensor([1])), [1]),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(BATCH_OPERATIONS))
+def test_a_cache_continued_after_a_batch_operation_equals_a_prefill_of_the_batch_it_left(operation):
+    """The rows a batch operation leaves read as their buckets at the next steps, whatever the batch's new size."""
+    model = strong_positions(tiny_model(rotary_dim=4))
+    ids, steps = random_ids(2, 8), random_ids(4, 2, seed=3)
+    operate, rows = BATCH_OPERATIONS[operation]
+    cache, fresh = SepFormerCache(config=model.config), SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
+        operate(cache)
+        model(ids[rows], past_key_values=fresh, use_cache=True, attention_buckets=BUCKETS)
+        for step in range(2):
+            token = steps[: len(rows), step : step + 1]
+            continued = model(token, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS).logits
+            expected = model(token, past_key_values=fresh, use_cache=True, attention_buckets=BUCKETS).logits
+            torch.testing.assert_close(continued, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_cropped_cache_continues_every_buckets_cache_from_the_kept_tokens():
     """Assisted decoding crops the tokens it rejected: from every bucket's cache, or the next step reads another
     bucket's tokens at other positions."""
@@ -283,6 +308,8 @@ def test_buckets_that_mean_nothing_for_the_model_are_refused():
     model = tiny_model(rotary_dim=4)
     with pytest.raises(ValueError, match="2 buckets mixes .* call it on SepFormerForCausalLM"):
         model.model(ids, attention_buckets={"bases": [1e4, 2e4]})
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model(attention_buckets={"bases": [1e4, 2e4]})
     with pytest.raises(ValueError, match="output_attentions and output_hidden_states would be one per bucket"):
         model(ids, attention_buckets={"bases": [1e4, 2e4]}, output_attentions=True)
     with pytest.raises(ValueError, match="ms_poe and attention_buckets cannot be combined"):
@@ -292,7 +319,9 @@ def test_buckets_that_mean_nothing_for_the_model_are_refused():
         model(ids, past_key_values=cache, use_cache=True, attention_buckets={"bases": [1e4, 2e4]})
         with pytest.raises(ValueError, match="needs the same attention_buckets as its prefill"):
             model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets={"bases": [1e4, 3e4]})
-        with pytest.raises(ValueError, match="keeps one cache per attention bucket .* continue it with the same"):
+        with pytest.raises(
+            ValueError, match="keeps a copy of every row per attention bucket .* continue it with the same"
+        ):
             model(ids[:, :1], past_key_values=cache, use_cache=True)
         plain = SepFormerCache(config=model.config)
         model(ids, past_key_values=plain, use_cache=True)
@@ -455,7 +484,7 @@ def test_a_cache_prefilled_with_windows_or_buckets_cannot_be_continued_without_t
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)
         for other in (None, {"bases": [BUCKETS["bases"][0]]}):  # no buckets, or bucket 0 alone
-            with pytest.raises(ValueError, match="one cache per attention bucket from its prefill"):
+            with pytest.raises(ValueError, match="a copy of every row per attention bucket from its prefill"):
                 model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets=other)
         model(ids[:, :1], past_key_values=cache, use_cache=True, attention_buckets=BUCKETS)  # the same: fine
 
