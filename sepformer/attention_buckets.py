@@ -163,10 +163,7 @@ class AttentionBucketsMitigation(Mitigation):
         fixed = cache.prefill_options.get(options.name) if cache is not None and cache.get_seq_length() else None
         # the prefill's rows, or as many as the batch now has (the cache's batch operations change it)
         as_rows = fixed if fixed is not None and fixed.rows == batch * copies else options.as_rows(batch * copies)
-        rows_of_options = {  # per-row options given for each row's copies
-            name: value.repeat_rows(copies) if isinstance(value, MitigationOptions) else value
-            for name, value in options_of_call.items()
-        }
+        rows_of_options = options_for_copies(options_of_call, copies, cache.prefill_options if fixed else {})
         output = model(
             **{**inputs, **rows, "past_key_values": cache, "use_cache": use_cache},
             **{**rows_of_options, options.name: as_rows},
@@ -180,3 +177,15 @@ class AttentionBucketsMitigation(Mitigation):
             loss_kwargs = {key: value for key, value in inputs.items() if key in model.loss_keywords}
             loss = model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+
+def options_for_copies(options_of_call: dict, copies: int, kept: dict) -> dict:
+    """The call's options for `copies` copies of each row: per-row options repeated for each copy, and where equal the
+    object the prefill kept (`kept`), so that the decoding steps keep their plan (matched by object)."""
+    for_copies = {}
+    for name, value in options_of_call.items():
+        if isinstance(value, MitigationOptions):
+            value = value.repeat_rows(copies)
+            value = kept[name] if kept.get(name) == value else value
+        for_copies[name] = value
+    return for_copies

@@ -467,6 +467,27 @@ def test_decoding_steps_reuse_the_plan_of_the_first_step_and_generate_the_same(m
     assert resolves["ms_poe"] > 3 + 5
 
 
+@pytest.mark.parametrize("beside", ["attention_calibration", "parallel_context_windows", None])
+def test_buckets_decoding_steps_reuse_the_first_steps_plan_beside_options_given_per_row(beside, resolves):
+    """Several buckets repeat per-row options (spans) for the copies of each row: the steps keep the prefill's
+    repeated objects, so they reuse the first step's plan as other options do."""
+    model = strong_model()
+    ids = torch.randint(3, 200, (3, 12), generator=torch.Generator().manual_seed(0))
+    spans = (((1, 4), (4, 7), (7, 9)),) * 3
+    per_row = {
+        "attention_calibration": AttentionCalibration(spans=spans, temperature=0.1),
+        "parallel_context_windows": ParallelContextWindows(spans=(((0, 4), (4, 8), (8, 12)),) * 3),
+        None: {},
+    }
+    options = {beside: per_row[beside]} if beside else {}
+    buckets = AttentionBuckets(scales=(1.0, 0.8))
+    model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, attention_buckets=buckets, **options)
+    dummy_passes = beside == "attention_calibration"  # resolve the buckets once more, for their rows
+    assert resolves["attention_buckets"] == 2 + dummy_passes  # the prefill and the first step
+    if beside:
+        assert resolves[beside] == 2
+
+
 def test_nothing_holds_the_cache_after_generate_and_a_forward_loop_resolves_every_call(resolves):
     import gc
     import weakref
