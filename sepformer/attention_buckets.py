@@ -25,18 +25,17 @@ def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
 class AttentionBucketsMitigation(Mitigation):
     """The buckets' reading of positions: bucket `b` reads them at `m · scales[b]`, rotary with base `bases[b]` or the
     sinusoidal map with it (`which_base`; no base: the model's own). Several buckets wrap the causal LM
-    (`run_causal_lm`): it runs once on a copy of every row per bucket (`BucketRows`), whose logits are mixed; then
-    `bucket_of_row` says which bucket each row of the call reads as."""
+    (`run_causal_lm`): it runs once on a copy of every row per bucket (`BucketRows`), whose logits are mixed; each row
+    then reads as its bucket, the scale and base one per row."""
 
     options_class = AttentionBuckets
     prefill_requirement = (
         "attention_buckets reads positions its own way from the prefill on (the cached keys were made with that "
         "reading): it must be on from the first (prefill) call of a cached generation."
     )
-    bases: tuple[float, ...] | None = None
-    which_base: str = "rotary"  # the reading the bases are of: "rotary", or "map" (the sinusoidal map's)
-    scales: tuple[float, ...] = (1.0,)
-    bucket_of_row: torch.Tensor | None = None  # (b,) on the model's device; None for one bucket
+    scale: float | torch.Tensor = 1.0  # one, or (b, 1) one per row
+    base: float | torch.Tensor | None = None  # one, or (b, 1, 1) one per row: against (b, seq, frequencies)
+    which_base: str = "rotary"  # the reading the base is of: "rotary", or "map" (the sinusoidal map's)
     table_rows: int | None = None  # the rows of a learned table whose extrapolation makes none past them, or None
     extrapolation: str = "none"  # the call's method
 
@@ -49,47 +48,39 @@ class AttentionBucketsMitigation(Mitigation):
                 "on SepFormerForCausalLM (forward or generate); the base model runs one bucket at a time."
             )
         config, extrapolation = call.model.config, call.extrapolation
-        rotary_base, map_base = call.positions.bucket_bases(options, config)
+        rotary_bases, map_bases = call.positions.bucket_bases(options, config)
+        bases, scales = rotary_bases or map_bases, options.scales or (1.0,) * options.num_buckets
+        scale, base = scales[0], None if bases is None else bases[0]
+        if several:  # each row's bucket; the copies are side by side, and a batch made from them repeats each in place
+            repeats, left = divmod(call.batch, options.rows)
+            assert repeats and not left, f"{call.batch} rows are not copies of the buckets' {options.rows}"
+            bucket = torch.arange(call.batch, device=call.model.device) // repeats % options.num_buckets
+
+            def per_row(values: tuple[float, ...]) -> torch.Tensor:  # float32, as a Python float meets the positions
+                return torch.tensor(values, device=call.model.device)[bucket, None]
+
+            scale, base = per_row(scales), None if bases is None else per_row(bases)[..., None]
         method = extrapolation.method if extrapolation is not None else "none"
         # a learned table that this call's extrapolation makes no row past
         learned = call.positions.positional_map is not None and config.has_positional_table
         rows = config.position_table_size if learned and method in LEARNED_TABLE_METHODS else None
-        bucket_of_row = None
-        if several:
-            repeats, left = divmod(call.batch, options.rows)  # a batch made from the rows, each repeated in place
-            assert repeats and not left, f"{call.batch} rows are not copies of the buckets' {options.rows}"
-            bucket_of_row = (torch.arange(call.batch) // repeats % options.num_buckets).to(call.model.device)
-        return cls(
-            options,
-            options.layer_set(config.num_hidden_layers),
-            bases=rotary_base or map_base,
-            which_base="rotary" if rotary_base else "map",
-            scales=options.scales or (1.0,) * options.num_buckets,
-            bucket_of_row=bucket_of_row,
-            table_rows=rows,
-            extrapolation=method,
-        )
+        which = "rotary" if rotary_bases else "map"
+        return cls(options, options.layer_set(config.num_hidden_layers), scale, base, which, rows, method)
 
     @classmethod
     def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:
         return True  # the cached keys were read with the bucket's positions: later calls need the same reading
 
-    def per_row(self, values: tuple[float, ...], dtype: torch.dtype) -> float | torch.Tensor:
-        """One bucket's value, or (b, 1) the value of each row's bucket."""
-        if self.bucket_of_row is None:
-            return values[0]
-        return torch.tensor(values, dtype=dtype, device=self.bucket_of_row.device)[self.bucket_of_row, None]
-
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if set(self.scales) == {1.0}:
+        if set(self.options.scales or (1.0,)) == {1.0}:
             return position_ids
         if self.table_rows is not None and position_ids.numel() and not torch.compiler.is_compiling():
             self.check_inside_table(int(position_ids.max()))
-        return position_ids * self.per_row(self.scales, torch.float32)  # as times a Python float
+        return position_ids * self.scale
 
     def check_inside_table(self, highest: int) -> None:
         """The scaled positions stay on the learned table, which this call's extrapolation does not extend."""
-        rows, scale = self.table_rows, max(self.scales)
+        rows, scale = self.table_rows, max(self.options.scales)
         read = highest * scale
         if math.ceil(read) >= rows:
             extending = [method for method in EXTRAPOLATION_METHODS if method not in LEARNED_TABLE_METHODS]
@@ -101,11 +92,7 @@ class AttentionBucketsMitigation(Mitigation):
             )
 
     def position_bases(self) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
-        if self.bases is None:
-            return None, None
-        bases = self.per_row(self.bases, torch.float32)  # as a Python float base meets the float32 exponents
-        bases = bases if isinstance(bases, float) else bases[..., None]  # (b, 1, 1): against (b, seq, frequencies)
-        return (bases, None) if self.which_base == "rotary" else (None, bases)
+        return (self.base, None) if self.which_base == "rotary" else (None, self.base)
 
     @classmethod
     def wraps_causal_lm(cls, options: AttentionBuckets) -> bool:
