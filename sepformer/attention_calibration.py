@@ -31,36 +31,51 @@ from .spans import (
 
 @dataclass(frozen=True, eq=False)
 class KeyDocuments:
-    """Which document each key lies in, for one run of the layers, with the sums every calibrated layer needs."""
+    """Which document each prompt key lies in, for one run of the layers, with the sums every calibrated layer needs.
+    Keys past the prompt's (the generated tokens') lie in no document."""
 
-    membership: torch.Tensor  # (b, kv, K) one-hot, all zero outside documents (float32: rows of probabilities)
+    membership: torch.Tensor  # (b, P, K) one-hot over the P prompt keys, all zero outside documents (float32: rows of
+    # probabilities)
     sizes: torch.Tensor  # (b, 1, K) keys per document
-    outside: torch.Tensor  # (b, 1, kv): 1 for keys in no document
+    outside: torch.Tensor  # (b, 1, P): 1 for prompt keys in no document
+    keys: int  # the run's keys, P and those after them
 
     @classmethod
     def of(cls, membership: torch.Tensor) -> "KeyDocuments":
-        return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None])
+        return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None], membership.shape[1])
+
+    def upto(self, keys: int) -> "KeyDocuments":
+        """The documents of a run of `keys` keys: the prompt's (those left, after a crop into it), then none."""
+        return dataclasses.replace(
+            self, membership=self.membership[:, :keys], outside=self.outside[..., :keys], keys=keys
+        )
 
     def held(self, keys: int) -> "KeyDocuments":
         """The documents of the last `keys` keys, those a sliding-window cache holds; `sizes` stay the whole
         documents': a token slid out of the window gets no attention, as in a pass over every key."""
-        dropped = self.membership.shape[1] - keys
-        return dataclasses.replace(self, membership=self.membership[:, dropped:], outside=self.outside[..., dropped:])
+        dropped = self.keys - keys
+        return dataclasses.replace(
+            self, membership=self.membership[:, dropped:], outside=self.outside[..., dropped:], keys=keys
+        )
 
 
 def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float) -> torch.Tensor:
     """Re-weight one attention row over `K` documents.
 
-    `probs` (b, H, kv) the row; `documents` each key's document; `bias` (b, H, K) the attention a dummy document gets
-    at slot `k`. Every token of document `k` is scaled by `α_k / Attn(doc_k) · C`, `α = softmax((Attn(doc) - bias) /
-    t)`, `C` keeping the total attention on documents; other tokens are untouched, so the row still sums to 1.
+    `probs` (b, H, kv) the row; `documents` each key's document (keys past its `membership` in none); `bias` (b, H, K)
+    the attention a dummy document gets at slot `k`. Every token of document `k` is scaled by `α_k / Attn(doc_k) · C`,
+    `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total attention on documents; other tokens are untouched, so
+    the row still sums to 1.
     """
-    mass = torch.bmm(probs, documents.membership)  # (b, H, K): attention on each document
+    prompt = documents.membership.shape[1]
+    row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
+    mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
     mean = mass / documents.sizes  # Attn(doc_k)
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
     factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
-    return probs * (torch.bmm(factor, documents.membership.mT) + documents.outside)
+    row = row * (torch.bmm(factor, documents.membership.mT) + documents.outside)
+    return row if prompt == probs.shape[-1] else torch.cat((row, probs[..., prompt:]), -1)
 
 
 def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, documents: KeyDocuments) -> torch.Tensor:
@@ -81,10 +96,14 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
 @dataclass(eq=False)
 class CalibrationState(MitigationState):
     """What calibration keeps on the cache: per calibrated layer, the (b, H, K) `bias(k)` (the attention on a dummy
-    document at slot `k`), and the (b, K, 2) document spans of each row, counted from its first real token."""
+    document at slot `k`), the (b, K, 2) document spans of each row, counted from its first real token, and the
+    prompt keys' documents (`KeyDocuments`' tensors, made at prefill: a decoding step's key lies in none)."""
 
     spans: torch.Tensor
     bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    membership: torch.Tensor | None = None  # (b, P, K)
+    sizes: torch.Tensor | None = None  # (b, 1, K)
+    outside: torch.Tensor | None = None  # (b, 1, P)
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,8 +230,12 @@ class CalibrationMitigation(Mitigation):
 
     def start(self, run: LayerRun) -> "CalibrationMitigation":
         kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
-        positions = key_positions(run.padding_mask, kv, run.device)
-        return self.replace(documents=KeyDocuments.of(key_documents(self.state.spans, positions)))
+        state = self.state
+        if state.membership is None:  # the prefill: each prompt key's document, kept for the decoding steps
+            documents = KeyDocuments.of(key_documents(state.spans, key_positions(run.padding_mask, kv, run.device)))
+            state.membership, state.sizes, state.outside = documents.membership, documents.sizes, documents.outside
+        documents = KeyDocuments(state.membership, state.sizes, state.outside, keys=state.membership.shape[1])
+        return self.replace(documents=documents.upto(kv))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         temperature = self.options.temperature
