@@ -45,10 +45,11 @@ class KeyDocuments:
         return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None], membership.shape[1])
 
     def upto(self, keys: int) -> "KeyDocuments":
-        """The documents of a run of `keys` keys: the prompt's (those left, after a crop into it), then none."""
-        return dataclasses.replace(
-            self, membership=self.membership[:, :keys], outside=self.outside[..., :keys], keys=keys
-        )
+        """The documents of a run of `keys` keys: the prompt's, then none; after a crop into the prompt, those of the
+        keys left, with their sizes."""
+        if keys < self.membership.shape[1]:
+            return KeyDocuments.of(self.membership[:, :keys])
+        return dataclasses.replace(self, keys=keys)
 
     def held(self, keys: int) -> "KeyDocuments":
         """The documents of the last `keys` keys, those a sliding-window cache holds; `sizes` stay the whole
@@ -70,7 +71,7 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     prompt = documents.membership.shape[1]
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
     mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
-    mean = mass / documents.sizes  # Attn(doc_k)
+    mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); a document a crop took whole has no key and none
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
     factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)

@@ -419,6 +419,62 @@ def test_a_cache_made_from_another_caches_data_holds_it():
 # ------------------------------------------------------------------ the plan kept for the generation's decoding steps
 
 
+def mitigated_llama():
+    from test_any_decoder import mitigated
+
+    return mitigated("llama")
+
+
+def test_a_mitigated_decoder_given_its_cache_by_position_uses_it_as_given_by_keyword():
+    model = mitigated_llama()
+    ids = torch.randint(3, 200, (1, 10))
+    ms_poe = MSPoE(r_min=1.2, r_max=2.0)
+    by_position, by_keyword = SepFormerCache(config=model.config), SepFormerCache(config=model.config)
+    with torch.no_grad():
+        first = model(ids, None, None, by_position, ms_poe=ms_poe).logits  # input_ids, mask, positions, cache
+        assert torch.equal(first, model(ids, past_key_values=by_keyword, ms_poe=ms_poe).logits)
+        assert by_position.get_seq_length() == by_keyword.get_seq_length() == 10
+        with pytest.raises(ValueError, match="this cache was prefilled with ms_poe="):
+            model(ids[:, :1], None, None, by_position)  # continued without the options its prefill fixed state with
+
+
+KEPT_DOCUMENTS = {  # what is done to the cache after a prefill of 14 tokens, and the rows it leaves
+    "crop into a document": (lambda cache: cache.crop(-7), [0, 1, 2]),
+    "crop a whole document away": (lambda cache: cache.crop(-9), [0, 1, 2]),
+    "reorder": (lambda cache: cache.reorder_cache(torch.tensor([2, 0, 1])), [2, 0, 1]),
+}
+
+
+@pytest.mark.parametrize("change", sorted(KEPT_DOCUMENTS))
+@pytest.mark.parametrize("make_model", [strong_model, mitigated_llama], ids=["sepformer", "llama"])
+def test_calibration_steps_read_the_documents_of_the_keys_the_cache_holds(make_model, change):
+    """The prompt keys' documents, kept from the prefill, follow a batch operation or a crop as the documents read
+    from each step's key positions do (what the step computes where the cache keeps none)."""
+    model = make_model()
+    ids, steps = torch.randint(3, 200, (3, 14)), torch.randint(3, 200, (3, 3))
+    mask = torch.ones_like(ids)
+    mask[0, :2], mask[2, :1] = 0, 0  # rows padded differently, so each row's documents sit elsewhere
+    options = {"attention_calibration": AttentionCalibration(spans=ROW_SPANS, temperature=1e-2)}
+    operate, rows = KEPT_DOCUMENTS[change]
+    logits = {}
+    with torch.no_grad():
+        for kept in (True, False):
+            cache = SepFormerCache(config=model.config)
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, **options)
+            operate(cache)
+            step_mask = mask[rows, : cache.get_seq_length()]
+            state, logits[kept] = cache.mitigation_state["attention_calibration"], []
+            for t in range(3):
+                step_mask = torch.cat((step_mask, torch.ones(len(rows), 1, dtype=torch.long)), 1)
+                if not kept:
+                    state.membership = None  # made anew from the step's key positions
+                token = steps[rows, t : t + 1]
+                output = model(token, attention_mask=step_mask, past_key_values=cache, use_cache=True, **options)
+                logits[kept].append(output.logits)
+    torch.testing.assert_close(torch.cat(logits[True], 1), torch.cat(logits[False], 1), rtol=1e-5, atol=1e-5)
+    assert torch.cat(logits[True], 1).isfinite().all()
+
+
 @pytest.fixture
 def resolves(monkeypatch):
     """How many times each mitigation was resolved against a call, by option name."""
@@ -433,12 +489,6 @@ def resolves(monkeypatch):
 
         monkeypatch.setattr(mitigation, "resolve", counted)
     return counts
-
-
-def mitigated_llama():
-    from test_any_decoder import mitigated
-
-    return mitigated("llama")
 
 
 @pytest.mark.parametrize("make_model", [strong_model, mitigated_llama], ids=["sepformer", "llama"])
