@@ -263,6 +263,8 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     decoding step's plan is kept for the next steps (`kept_plan`)."""
     parsed = parse_options(call.model.config, options)
     check_prefill_options_kept(call, parsed)
+    if not call.continuing and isinstance(call.cache, SepFormerCache):
+        call.cache.drop_prefill_state()  # a prefill starts anew: one refused mid-way may have left its options
     if not parsed:
         return None
     num_layers = call.model.config.num_hidden_layers
