@@ -266,12 +266,12 @@ class MitigatedDecoder(MitigationGenerationMixin):
         already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
         plan = kwargs.pop("mitigation_plan", None)
         options = call_options(kwargs, plan)
-        # by keyword, as generate passes it: a call without options binds no arguments
-        cache = forward_inputs(self, args, kwargs).get("past_key_values") if args else kwargs.get("past_key_values")
+        inputs = forward_inputs(self, args, kwargs) if args else None  # by keyword (generate's): bound only if needed
+        cache = (inputs or kwargs).get("past_key_values")
         kept = plan is None and plan_kept_for(cache, self.config, options) is not None  # checked when it was resolved
         if plan is None and not kept and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
-        inputs = forward_inputs(self, args, kwargs)
+        inputs = inputs or forward_inputs(self, args, kwargs)
         if kept:
             plan = kept_plan(self.call_context(inputs), options)
         implementation = self.config._attn_implementation

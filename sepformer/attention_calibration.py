@@ -71,7 +71,7 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     prompt = documents.membership.shape[1]
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
     mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
-    mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); a document a crop took whole has no key and none
+    mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
     factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
