@@ -39,6 +39,7 @@ from .mitigation_base import (
     ModelPositions,
     PlanReading,
     attention_implementation,
+    continues,
 )
 from .mitigations import (
     MITIGATIONS,
@@ -59,11 +60,11 @@ PREFIX = "sepformer_mitigations_"
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
 
 
-@functools.cache
 def rotates_half(modeling_module: str) -> bool:
     """Whether the model file `modeling_module`'s `apply_rotary_pos_emb` rotates in the rotate-half layout (the first
     and second halves of the rotated dimensions paired, as Llama, Qwen2 and Mistral do), the one MS-PoE's further turn
-    uses: checked on one vector, since some models (Cohere, GPT-J) pair neighbouring dimensions instead."""
+    uses: checked on one vector when `add_mitigations` describes the model, since some models (Cohere, GPT-J) pair
+    neighbouring dimensions instead."""
     apply = getattr(sys.modules.get(modeling_module), "apply_rotary_pos_emb", None)
     if apply is None:
         return False
@@ -81,7 +82,7 @@ class DecoderPositions(ModelPositions):
     """Where a Hugging Face decoder keeps its positions, for the mitigations that read them, and what its probe run
     found."""
 
-    modeling_module: str  # the name of the model's modeling file, whose `apply_rotary_pos_emb` it rotates with
+    rotates_half: bool  # whether its modeling file's `apply_rotary_pos_emb` rotates in the rotate-half layout
     calls_position_hooks: bool = False
     knows_position_channels: bool = False
     extrapolates: bool = False
@@ -115,7 +116,7 @@ class DecoderPositions(ModelPositions):
                 f"ms_poe rescales the rotary positions of each head, but {self.description} has no (single) rotary "
                 "embedding: MS-PoE is not defined for it."
             )
-        if not rotates_half(self.modeling_module):
+        if not self.rotates_half:
             raise ValueError(
                 f"ms_poe turns each head's rotary further in the rotate-half layout (Llama, Qwen2, Mistral), and "
                 f"{self.model_name}'s apply_rotary_pos_emb does not rotate so (or was not found in its modeling "
@@ -131,6 +132,16 @@ class DecoderPositions(ModelPositions):
                 f"ms_poe turns the rotary angles by the rotary's frequencies, but {self.model_name}'s rope_type "
                 f"{length_dependent[0]!r} changes them with the sequence length during the forward."
             )
+
+    def check_query_key_inputs(self, option: str, rewritten: str) -> None:
+        """Refuse also a call traced whole by `torch.compile(fullgraph=True)`: the projections read the rewritten
+        input through hooks registered for the call, which the trace cannot register (without `fullgraph`, the layers
+        with hooks break the graph and run eagerly)."""
+        super().check_query_key_inputs(option, rewritten)
+        refuse_under_compile(
+            f"{option} makes the query and key projections of {self.model_name} read {rewritten} "
+            "through hooks registered for the call"
+        )
 
     def bucket_bases(self, options, config) -> tuple[tuple[float, ...] | None, None]:
         """The Attention Buckets' rotary bases (`None`: the model's own), each read by a rotary of the model's class
@@ -162,6 +173,9 @@ class DecoderPositions(ModelPositions):
                 )
                 + ": give scales=[...] instead, or use a model with a fixed rotary."
             )
+        refuse_under_compile(
+            f"attention_buckets bases build a rotary of {type(self.rotary).__name__}'s class at each base"
+        )
         return options.bases, None
 
     def rotary_at_base(self, base, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
@@ -185,6 +199,16 @@ class DecoderPositions(ModelPositions):
         by_bucket = [tables(value) for value in values.tolist()]  # every row read as each bucket
         rows = torch.arange(len(bucket), device=bucket.device)
         return tuple(torch.stack([table[index] for table in by_bucket])[bucket, rows] for index in (0, 1))
+
+
+def refuse_under_compile(what: str) -> None:
+    """Refuse, in a call `torch.compile` traces, what a trace cannot do (`what`). A `fullgraph=True` compile then fails
+    with this message in its error; without `fullgraph`, the frame breaks the graph and runs eagerly, as it should."""
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"{what}, which torch.compile cannot trace: compile without fullgraph=True (those layers then run "
+            "eagerly), or call the model uncompiled."
+        )
 
 
 class AttentionProbe:
@@ -324,7 +348,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             attention_mask=inputs.get("attention_mask"),
             cache=cache,
             extrapolation=None,
-            continuing=cache is not None and cache.get_seq_length() > 0,
+            continuing=continues(cache),
             position_ids=inputs.get("position_ids"),
         )
 
@@ -560,7 +584,7 @@ def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
         positions_problem=positions_problem,
         rotary=rotary,
         layer_types=layer_types,
-        modeling_module=type(model).__module__,
+        rotates_half=rotates_half(type(model).__module__),
     )
 
 

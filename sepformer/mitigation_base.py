@@ -180,6 +180,19 @@ class ModelPositions:
             )
 
 
+def continues(past_key_values: Cache | None) -> bool:
+    """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
+
+    A compiled graph cannot branch on a static cache's length (a tensor): compiled, a call with such a cache continues
+    it, as in `generate`, which compiles its decoding steps and runs the prefill eagerly."""
+    if past_key_values is None:
+        return False
+    length = past_key_values.get_seq_length()
+    if isinstance(length, torch.Tensor) and torch.compiler.is_compiling():
+        return True
+    return bool(length > 0)
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class CallContext:
     """One call of the model, as the mitigations are resolved against it, before any layer runs."""

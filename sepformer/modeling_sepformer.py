@@ -44,6 +44,7 @@ from .mitigation_base import (
     ModelPositions,
     PlanReading,
     QueryKeyProjection,
+    continues,
 )
 from .mitigations import (
     call_options,
@@ -291,19 +292,6 @@ def staged(folder):
             os.replace(os.path.join(staging, name), os.path.join(folder, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def continues(past_key_values: Cache | None) -> bool:
-    """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
-
-    A compiled graph cannot branch on a static cache's length (a tensor): compiled, a call with such a cache continues
-    it, as in `generate`, which compiles its decoding steps and runs the prefill eagerly."""
-    if past_key_values is None:
-        return False
-    length = past_key_values.get_seq_length()
-    if isinstance(length, torch.Tensor) and torch.compiler.is_compiling():
-        return True
-    return bool(length > 0)
 
 
 class SepFormerModel(SepFormerPreTrainedModel):

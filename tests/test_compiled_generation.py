@@ -4,8 +4,10 @@ graph break or a data-dependent branch fails here as it would there, without ind
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import random_ids, tiny_llama, tiny_model
 from transformers import CompileConfig
+
+from sepformer import add_mitigations
 
 PAST_L = dict(max_position_embeddings=16)  # 10 prompt tokens and 12 new ones reach past L
 FIXED_HEADS = {"ms_poe": {"layers": [0, 1], "head_order": [3, 2, 1, 0]}}
@@ -21,11 +23,8 @@ VARIANTS = {  # (config, options of generate)
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_static_cache_compiled_generation_equals_eager_greedy(variant):
+def compiled_generation_equals_eager_greedy(model, options: dict) -> None:
     torch._dynamo.reset()
-    config, options = VARIANTS[variant]
-    model = tiny_model(**config)
     ids = random_ids(2, 10)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
@@ -36,6 +35,19 @@ def test_static_cache_compiled_generation_equals_eager_greedy(variant):
     compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
     assert torch.equal(compiled, eager)
     assert model._compiled_call is not None  # the decoding steps did run compiled
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_static_cache_compiled_generation_equals_eager_greedy(variant):
+    config, options = VARIANTS[variant]
+    compiled_generation_equals_eager_greedy(tiny_model(**config), options)
+
+
+@pytest.mark.parametrize("options", [{}, {"stable_mask": {"gamma": 0.5}}], ids=["no option", "StableMask"])
+def test_a_mitigated_decoders_static_cache_compiled_generation_equals_eager_greedy(options):
+    """The decoding steps of a decoder given `add_mitigations` tell a continued static cache as SepFormer's do (its
+    length is a tensor a compiled graph cannot branch on); the options that keep state on the cache refuse it."""
+    compiled_generation_equals_eager_greedy(add_mitigations(tiny_llama()), options)
 
 
 SPANS = [[[1, 4], [4, 8]]] * 2
@@ -107,3 +119,42 @@ def test_compiled_training_draws_random_position_offsets():
     ids = random_ids(4, 16)
     torch.compile(model, backend="eager")(ids, labels=ids).loss.backward()
     assert drawn == [1]
+
+
+LLAMA_SPANS = [[[1, 4], [4, 8]]] * 2
+TRACED_ON_DECODERS = {  # the options as a user passes them
+    "stable_mask": {"stable_mask": {"gamma": 0.5}},
+    "ms_poe ranked at prefill": {"ms_poe": {"layers": [0, 1]}},
+    "ms_poe head_order": {"ms_poe": {"head_order": [3, 2, 1, 0]}},
+    "attention_calibration": {"attention_calibration": {"spans": LLAMA_SPANS}},
+    "parallel_context_windows": {"parallel_context_windows": {"spans": LLAMA_SPANS}},
+    "attention_buckets, scales": {"attention_buckets": {"scales": [1.0, 0.5]}},
+}
+# What a trace cannot do on a Hugging Face decoder: hooks registered for the call, a rotary of the model's class built
+UNTRACED_ON_DECODERS = {
+    "positional_scaling": {"positional_scaling": {"layers": [1], "factor": 0.5, "channels": [0, 1]}},
+    "attention_buckets, bases": {"attention_buckets": {"bases": [100.0]}},
+}
+
+
+@pytest.mark.parametrize("variant", list(TRACED_ON_DECODERS))
+def test_a_mitigated_decoder_runs_the_options_under_fullgraph_compile_as_eagerly(variant):
+    torch._dynamo.reset()
+    model, ids, options = add_mitigations(tiny_llama()), random_ids(2, 12), TRACED_ON_DECODERS[variant]
+    with torch.no_grad():
+        eager = model(ids, **options).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, **options).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", list(UNTRACED_ON_DECODERS))
+def test_what_a_trace_cannot_do_on_a_decoder_is_refused_under_fullgraph_and_runs_eagerly_without(variant):
+    model, ids, options = add_mitigations(tiny_llama()), random_ids(2, 12), UNTRACED_ON_DECODERS[variant]
+    with torch.no_grad():
+        eager = model(ids, **options).logits
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"{variant.split(',')[0]}.*which torch.compile cannot trace"):
+            torch.compile(model, fullgraph=True, backend="eager")(ids, **options)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")(ids, **options).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
