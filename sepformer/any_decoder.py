@@ -35,9 +35,9 @@ from .mitigation_base import (
     SCORE_TERMS,
     WRAPPED_IMPLEMENTATIONS,
     CallContext,
+    LayerRun,
     Mitigation,
     ModelPositions,
-    PlanReading,
     attention_implementation,
     continues,
 )
@@ -360,7 +360,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if position_ids is None:
             position_ids = default_position_ids(tokens, mask, cache)
         batch, new_tokens = tokens.shape[:2]
-        reading = PlanReading.of(plan, position_ids, mask, cache, new_tokens, tokens.device)
+        reading = LayerRun.of(plan, position_ids, mask, cache, new_tokens, tokens.device)
         moved = reading.read_positions is not position_ids
         if mask is None and moved:  # without a mask, moved positions read as packing: no padding, said explicitly
             mask = torch.ones(batch, reading.kv_length, dtype=torch.long, device=tokens.device)

@@ -229,23 +229,6 @@ def model_positions(model: nn.Module) -> ModelPositions | None:
     return positions
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)
-class LayerRun:
-    """What one run of the layers computes once for all of them: the positions of its new tokens.
-
-    A position-dependent rule (StableMask's `τ`, rotary angles, which tokens to skip) reads `position_ids`; only what
-    reads the positional map reads `table_positions`."""
-
-    position_ids: torch.LongTensor  # (b or 1, seq): absolute positions in the sequence, from each row's first token
-    table_positions: torch.LongTensor  # (b or 1, seq): where the positional map is read (shifted in training with
-    # `random_position_offsets`; the absolute positions otherwise)
-    position_rows: torch.Tensor | None  # (b or 1, seq, d_pos): p(position_ids), None without a positional block
-    padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
-    cache: Cache | None
-    dtype: torch.dtype
-    device: torch.device
-
-
 @dataclass(frozen=True, eq=False)
 class LayerCall:
     """One call of a SepFormer decoder layer: what the steps of its attention read besides the states they transform,
@@ -327,7 +310,7 @@ class Mitigation:
         """Work on the call before its layers run, once every mitigation of the call is resolved (or reused at a
         decoding step): `others` are the rest of them (calibration's dummy passes run with them on)."""
 
-    def start(self, run: LayerRun) -> "Mitigation":
+    def start(self, run: "LayerRun") -> "Mitigation":
         """The per-run tensors (from positions, the padding mask, the dtype), computed once for every layer."""
         return self
 
@@ -532,7 +515,7 @@ class MitigationPlan:
 
         return cls(mitigations, tuple(hooks(layer) for layer in range(num_layers)))
 
-    def start(self, run: LayerRun) -> "MitigationPlan":
+    def start(self, run: "LayerRun") -> "MitigationPlan":
         """The plan for one run of the layers: each mitigation with its per-run tensors."""
         return MitigationPlan.of(tuple(mitigation.start(run) for mitigation in self.mitigations), len(self.layers))
 
@@ -557,14 +540,18 @@ class MitigationPlan:
 
 
 @dataclass(frozen=True, eq=False)
-class PlanReading:
-    """What one run of the layers reads from its plan before it runs them, the same for SepFormer
+class LayerRun:
+    """One run of the layers, as its plan reads it before they run, the same for SepFormer
     (`SepFormerModel.layer_inputs`) and for a Hugging Face decoder (`MitigatedDecoder.with_plan`): the padding mask
     the plan's and-mask was made from, that and-mask over `kv_length` keys, where positions are read, and the bases
-    they are read with (`None`: the model's own)."""
+    they are read with (`None`: the model's own). Started (`start`), it is what each mitigation computes its per-run
+    tensors from, once for every layer.
+
+    A position-dependent rule (StableMask's `τ`, rotary angles, which tokens to skip) reads `position_ids`; only what
+    reads the positional map reads `table_positions`."""
 
     plan: MitigationPlan | None
-    position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions
+    position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions, from each row's first token
     cache: Cache | None
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
     device: torch.device  # the run's
@@ -574,6 +561,12 @@ class PlanReading:
     mask_function: Callable | None = None
     rotary_base: float | torch.Tensor | None = None  # one, or (b, 1, 1) one per row
     map_base: float | torch.Tensor | None = None
+    # set by `start`: the run's dtype; where the positional map was read (shifted in training with
+    # `random_position_offsets`; the read positions otherwise), and its rows there (b or 1, seq, d_pos), None without
+    # a positional block
+    dtype: torch.dtype | None = None
+    table_positions: torch.LongTensor | None = None
+    position_rows: torch.Tensor | None = None
 
     @classmethod
     def of(cls, plan: MitigationPlan | None, position_ids, attention_mask, cache, new_tokens: int, device):
@@ -601,13 +594,7 @@ class PlanReading:
         read positions when `None`) and `position_rows` its rows."""
         if self.plan is None:
             return None
-        run = LayerRun(
-            position_ids=self.position_ids,
-            table_positions=self.read_positions if table_positions is None else table_positions,
-            position_rows=position_rows,
-            padding_mask=self.padding_mask,
-            cache=self.cache,
-            dtype=dtype,
-            device=self.device,
+        table_positions = self.read_positions if table_positions is None else table_positions
+        return self.plan.start(
+            dataclasses.replace(self, dtype=dtype, table_positions=table_positions, position_rows=position_rows)
         )
-        return self.plan.start(run)

@@ -40,9 +40,9 @@ from .mitigation_base import (
     NO_HOOKS,
     CallContext,
     LayerCall,
+    LayerRun,
     MitigationPlan,
     ModelPositions,
-    PlanReading,
     QueryKeyProjection,
     continues,
 )
@@ -384,7 +384,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         the rotary tables and the mitigation plan, started with this run's positions. Positions are read where the plan
         says."""
         new_tokens = inputs_embeds.shape[1]
-        reading = PlanReading.of(plan, position_ids, attention_mask, past_key_values, new_tokens, inputs_embeds.device)
+        reading = LayerRun.of(plan, position_ids, attention_mask, past_key_values, new_tokens, inputs_embeds.device)
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
