@@ -40,6 +40,7 @@ from .mitigation_base import (
     ModelPositions,
     attention_implementation,
     continues,
+    refuse_under_compile,
 )
 from .mitigations import (
     MITIGATIONS,
@@ -199,16 +200,6 @@ class DecoderPositions(ModelPositions):
         by_bucket = [tables(value) for value in values.tolist()]  # every row read as each bucket
         rows = torch.arange(len(bucket), device=bucket.device)
         return tuple(torch.stack([table[index] for table in by_bucket])[bucket, rows] for index in (0, 1))
-
-
-def refuse_under_compile(what: str) -> None:
-    """Refuse, in a call `torch.compile` traces, what a trace cannot do (`what`). A `fullgraph=True` compile then fails
-    with this message in its error; without `fullgraph`, the frame breaks the graph and runs eagerly, as it should."""
-    if torch.compiler.is_compiling():
-        raise ValueError(
-            f"{what}, which torch.compile cannot trace: compile without fullgraph=True (those layers then run "
-            "eagerly), or call the model uncompiled."
-        )
 
 
 class AttentionProbe:

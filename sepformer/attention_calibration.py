@@ -17,6 +17,7 @@ from .mitigation_base import (
     last_logits,
     last_row_probs,
     last_row_scores,
+    refuse_under_compile,
 )
 from .mitigation_options import AttentionCalibration
 from .spans import (
@@ -180,6 +181,11 @@ class CalibrationMitigation(Mitigation):
             if call.input_ids is None:
                 raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
             check_dummy_document(options, config)
+            if options.dummy_document is not None and call.attention_mask is not None:
+                refuse_under_compile(
+                    "attention_calibration's dummy_document, of a length of its own, re-pads each dummy pass by its "
+                    "row's padding"
+                )
         return cls(options, layers, call.sepformer_cache)
 
     def prepare(self, call: CallContext, others) -> None:

@@ -71,6 +71,16 @@ SCORE_TERMS = {
 }
 
 
+def refuse_under_compile(what: str) -> None:
+    """Refuse, in a call `torch.compile` traces, what a trace cannot do (`what`). A `fullgraph=True` compile then fails
+    with this message in its error; without `fullgraph`, the frame breaks the graph and runs eagerly, as it should."""
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"{what}, which torch.compile cannot trace: compile without fullgraph=True (those layers then run "
+            "eagerly), or call the model uncompiled."
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class ModelPositions:
     """What the mitigations ask a model about its attention and positions, the same questions for every model, so that

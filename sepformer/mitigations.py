@@ -100,9 +100,9 @@ def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], Mitigatio
 
 def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOptions]) -> None:
     """Options that act on each row's last prompt token find it in the prefill's last column: not in a row padded on
-    the right, which has a pad there."""
+    the right, which has a pad there. Read at an eager prefill (in a traced call, a guard on the mask's values)."""
     mask = call.attention_mask
-    if call.continuing or mask is None or mask.dim() != 2:
+    if call.continuing or mask is None or mask.dim() != 2 or torch.compiler.is_compiling():
         return
     acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
     if acting:

@@ -46,13 +46,15 @@ def check_spans(name: str, spans, batch: int, lengths: list[int] | None) -> None
 
 def check_spans_in_prompt(options, call, spans_are: str) -> None:
     """`options.spans` (the `spans_are`) placed by the 2-D padding mask of `call` (a `CallContext`), inside its prompt;
-    the lengths are checked at prefill (a decoding step only adds tokens)."""
+    the lengths are checked at an eager prefill (a decoding step only adds tokens; in a traced call, reading them
+    would guard the graph on the mask's values)."""
     if call.attention_mask is not None and call.attention_mask.dim() != 2:
         raise ValueError(
             f"{options.name} needs the 2D padding mask (batch, length) to place the {spans_are}; got a "
             f"{call.attention_mask.dim()}D attention_mask."
         )
-    lengths = None if call.continuing else prompt_lengths(call.attention_mask, call.batch, call.new_tokens)
+    read = not call.continuing and not torch.compiler.is_compiling()
+    lengths = prompt_lengths(call.attention_mask, call.batch, call.new_tokens) if read else None
     check_spans(options.name, options.spans, call.batch, lengths)
 
 
@@ -124,14 +126,18 @@ def dummy_batch(spans, dummy_document, dummy_token: int, input_ids: torch.Tensor
 
     Returns ids and padding mask (rows × K, width) and the dummy's keys (rows × K, width), row-major.
     """
+    if dummy_document is None:  # the dummy as long as each document: every row keeps its tokens' places
+        positions = key_positions(mask, input_ids.shape[1], input_ids.device)  # (b or 1, n), -1 on padding
+        spans = torch.tensor(spans, device=input_ids.device)  # (b, K, 2)
+        probe = key_documents(spans, positions).bool().transpose(1, 2).flatten(0, 1)  # (b · K, n), row-major
+        ids = input_ids.repeat_interleave(spans.shape[1], 0).masked_fill(probe, dummy_token)
+        padding = torch.ones_like(input_ids) if mask is None else mask
+        return ids, padding.repeat_interleave(spans.shape[1], 0), probe
     sequences, probes = [], []
     for row, row_spans in enumerate(spans):
         tokens = input_ids[row] if mask is None else input_ids[row][mask[row].bool()]
         for start, end in row_spans:
-            if dummy_document is None:
-                dummy = tokens.new_full((end - start,), dummy_token)
-            else:
-                dummy = tokens.new_tensor(dummy_document)
+            dummy = tokens.new_tensor(dummy_document)
             sequences.append(torch.cat((tokens[:start], dummy, tokens[end:])))
             slots = torch.arange(len(sequences[-1]), device=input_ids.device)
             probes.append((slots >= start) & (slots < start + len(dummy)))
@@ -142,9 +148,9 @@ def dummy_batch(spans, dummy_document, dummy_token: int, input_ids: torch.Tensor
 
 def check_default_positions(call, acting: str) -> None:
     """Refuse, at prefill, `position_ids` other than those counted from each row's first real token, where a method
-    (`acting`: what it does) works from those. Not read at a decoding step: its positions come from generate, and
-    reading them would wait for the device."""
-    if call.position_ids is None or call.continuing:
+    (`acting`: what it does) works from those. Not read at a decoding step (its positions come from generate, and
+    reading them would wait for the device), nor in a traced call (a guard on their values)."""
+    if call.position_ids is None or call.continuing or torch.compiler.is_compiling():
         return
     padding = call.attention_mask is None or call.attention_mask.dim() == 2  # a 4D mask's padding is not read
     default = key_positions(call.attention_mask if padding else None, call.new_tokens, call.position_ids.device)

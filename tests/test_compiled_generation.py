@@ -74,18 +74,41 @@ COMPILED_OPTIONS = {  # (config, options as a user passes them: dicts)
 }
 
 
-@pytest.mark.parametrize("variant", list(COMPILED_OPTIONS))
-def test_every_option_given_as_a_dict_runs_under_fullgraph_compile_as_eagerly(variant):
+# The options that read the padding mask, compiled on a left-padded batch too: a traced call reads no value of the
+# mask (the prefill's checks of spans and padding are read eagerly only), and builds the dummy passes by positions.
+READ_PADDING = (
+    "ms_poe ranked at prefill",
+    "positional_scaling",
+    "attention_calibration",
+    "attention_calibration positional",
+    "parallel_context_windows",
+)
+
+
+def left_padded_ids() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = random_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return ids, mask
+
+
+def assert_compiles_as_eagerly(model, options: dict, padded: bool) -> None:
+    torch._dynamo.reset()
+    ids, mask = left_padded_ids() if padded else (random_ids(2, 12), None)
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, **options).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, attention_mask=mask, **options).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("variant", "padded"), [(variant, False) for variant in COMPILED_OPTIONS] + [(name, True) for name in READ_PADDING]
+)
+def test_every_option_given_as_a_dict_runs_under_fullgraph_compile_as_eagerly(variant, padded):
     """Options are parsed inside the traced call: parsing traces, and the positions they read (fractional ones past
     the table among them) take no data-dependent branch."""
-    torch._dynamo.reset()
     config, options = COMPILED_OPTIONS[variant]
-    model = tiny_model(**config)
-    ids = random_ids(2, 24)
-    with torch.no_grad():
-        eager = model(ids, **options).logits
-        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, **options).logits
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert_compiles_as_eagerly(tiny_model(**config), options, padded)
 
 
 @pytest.mark.parametrize(
@@ -121,40 +144,53 @@ def test_compiled_training_draws_random_position_offsets():
     assert drawn == [1]
 
 
-LLAMA_SPANS = [[[1, 4], [4, 8]]] * 2
 TRACED_ON_DECODERS = {  # the options as a user passes them
     "stable_mask": {"stable_mask": {"gamma": 0.5}},
     "ms_poe ranked at prefill": {"ms_poe": {"layers": [0, 1]}},
     "ms_poe head_order": {"ms_poe": {"head_order": [3, 2, 1, 0]}},
-    "attention_calibration": {"attention_calibration": {"spans": LLAMA_SPANS}},
-    "parallel_context_windows": {"parallel_context_windows": {"spans": LLAMA_SPANS}},
+    "attention_calibration": {"attention_calibration": {"spans": SPANS}},
+    "parallel_context_windows": {"parallel_context_windows": {"spans": SPANS}},
     "attention_buckets, scales": {"attention_buckets": {"scales": [1.0, 0.5]}},
 }
-# What a trace cannot do on a Hugging Face decoder: hooks registered for the call, a rotary of the model's class built
-UNTRACED_ON_DECODERS = {
-    "positional_scaling": {"positional_scaling": {"layers": [1], "factor": 0.5, "channels": [0, 1]}},
-    "attention_buckets, bases": {"attention_buckets": {"bases": [100.0]}},
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no mask", "left padding"])
+@pytest.mark.parametrize("variant", list(TRACED_ON_DECODERS))
+def test_a_mitigated_decoder_runs_the_options_under_fullgraph_compile_as_eagerly(variant, padded):
+    assert_compiles_as_eagerly(add_mitigations(tiny_llama()), TRACED_ON_DECODERS[variant], padded)
+
+
+# What a trace cannot do: hooks a decoder's projections get for the call, a rotary of a decoder's class built at another
+# base, dummy passes of their own length re-padded by each row's padding: (the model, its options, left padding).
+UNTRACED = {
+    "positional_scaling": (
+        lambda: add_mitigations(tiny_llama()),
+        {"positional_scaling": {"layers": [1], "factor": 0.5, "channels": [0, 1]}},
+        False,
+    ),
+    "attention_buckets bases": (
+        lambda: add_mitigations(tiny_llama()),
+        {"attention_buckets": {"bases": [100.0]}},
+        False,
+    ),
+    "attention_calibration's dummy_document": (
+        tiny_model,
+        {"attention_calibration": {"spans": SPANS, "dummy_document": [5, 6]}},
+        True,
+    ),
 }
 
 
-@pytest.mark.parametrize("variant", list(TRACED_ON_DECODERS))
-def test_a_mitigated_decoder_runs_the_options_under_fullgraph_compile_as_eagerly(variant):
-    torch._dynamo.reset()
-    model, ids, options = add_mitigations(tiny_llama()), random_ids(2, 12), TRACED_ON_DECODERS[variant]
+@pytest.mark.parametrize("variant", list(UNTRACED))
+def test_what_a_trace_cannot_do_is_refused_under_fullgraph_and_runs_eagerly_without(variant):
+    make_model, options, padded = UNTRACED[variant]
+    model = make_model()
+    ids, mask = left_padded_ids() if padded else (random_ids(2, 12), None)
     with torch.no_grad():
-        eager = model(ids, **options).logits
-        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, **options).logits
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("variant", list(UNTRACED_ON_DECODERS))
-def test_what_a_trace_cannot_do_on_a_decoder_is_refused_under_fullgraph_and_runs_eagerly_without(variant):
-    model, ids, options = add_mitigations(tiny_llama()), random_ids(2, 12), UNTRACED_ON_DECODERS[variant]
-    with torch.no_grad():
-        eager = model(ids, **options).logits
+        eager = model(ids, attention_mask=mask, **options).logits
         torch._dynamo.reset()
-        with pytest.raises(Exception, match=f"{variant.split(',')[0]}.*which torch.compile cannot trace"):
-            torch.compile(model, fullgraph=True, backend="eager")(ids, **options)
+        with pytest.raises(Exception, match=f"{variant.split()[0]}.*which torch.compile cannot trace"):
+            torch.compile(model, fullgraph=True, backend="eager")(ids, attention_mask=mask, **options)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="eager")(ids, **options).logits
+        compiled = torch.compile(model, backend="eager")(ids, attention_mask=mask, **options).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

@@ -110,6 +110,21 @@ def test_a_left_padded_row_gives_what_the_prompt_gives_alone(real, name):
         torch.testing.assert_close(together[row : row + 1], alone, rtol=1e-4, atol=1e-4)
 
 
+def test_a_left_padded_batch_compiles_whole_with_the_options_that_read_its_padding(real):
+    """`torch.compile(fullgraph=True)` on a left-padded batch with ranked MS-PoE and calibration (its dummy passes
+    built by positions): the eager logits."""
+    model_name, _, model, tokenizer = real
+    rows = prompts(tokenizer, 3)[1:3]
+    ids, mask = left_padded([as_ids(prompt)[0][: len(prompt.input_ids) - 2 * k] for k, prompt in enumerate(rows)])
+    spans = tuple(prompt.spans for prompt in rows)
+    options = {**option("ms_poe", model_name, spans), **option("calibration", model_name, spans)}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, **options).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, attention_mask=mask, **options).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_ms_poe_with_one_ratio_in_every_layer_is_the_model_at_positions_m_over_r(real):
     _, plain, model, tokenizer = real
     ids = as_ids(prompts(tokenizer, 1)[0])
