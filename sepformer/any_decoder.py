@@ -38,6 +38,7 @@ from .mitigation_base import (
     LayerRun,
     Mitigation,
     ModelPositions,
+    RowBases,
     attention_implementation,
     continues,
     refuse_under_compile,
@@ -179,10 +180,10 @@ class DecoderPositions(ModelPositions):
         )
         return options.bases, None
 
-    def rotary_at_base(self, base, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
+    def rotary_at_base(self, base: float | RowBases, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
         """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
         (a rotary of the model's class, built from its config with that base, kept for the generation); `base` one
-        float, or (b, 1, 1) one per row."""
+        float, or one per row."""
 
         def build(base: float) -> nn.Module:
             config = copy.deepcopy(self.rotary.config)
@@ -193,13 +194,12 @@ class DecoderPositions(ModelPositions):
             rotary = kept_in(derived_store(cache), ("rotary at base", base), lambda: build(base))
             return rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
 
-        if not isinstance(base, torch.Tensor):
+        if not isinstance(base, RowBases):
             return tables(base)
-        positions = positions.expand(len(base), -1)
-        values, bucket = base.flatten().unique(return_inverse=True)  # each row's bucket
-        by_bucket = [tables(value) for value in values.tolist()]  # every row read as each bucket
-        rows = torch.arange(len(bucket), device=bucket.device)
-        return tuple(torch.stack([table[index] for table in by_bucket])[bucket, rows] for index in (0, 1))
+        positions = positions.expand(len(base.bucket), -1)
+        by_bucket = [tables(value) for value in base.values]  # every row read as each bucket
+        rows = torch.arange(len(base.bucket), device=base.bucket.device)
+        return tuple(torch.stack([table[index] for table in by_bucket])[base.bucket, rows] for index in (0, 1))
 
 
 class AttentionProbe:

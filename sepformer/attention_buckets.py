@@ -7,7 +7,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_sepformer import SepFormerCache
-from .mitigation_base import CallContext, Mitigation
+from .mitigation_base import CallContext, Mitigation, RowBases
 from .mitigation_options import AttentionBuckets, BucketRows, MitigationOptions
 from .positional_options import EXTRAPOLATION_METHODS, LEARNED_TABLE_METHODS
 
@@ -34,7 +34,7 @@ class AttentionBucketsMitigation(Mitigation):
         "reading): it must be on from the first (prefill) call of a cached generation."
     )
     scale: float | torch.Tensor = 1.0  # one, or (b, 1) one per row
-    base: float | torch.Tensor | None = None  # one, or (b, 1, 1) one per row: against (b, seq, frequencies)
+    base: float | RowBases | None = None  # one, or one per row
     which_base: str = "rotary"  # the reading the base is of: "rotary", or "map" (the sinusoidal map's)
     table_rows: int | None = None  # the rows of a learned table whose extrapolation makes none past them, or None
     extrapolation: str = "none"  # the call's method
@@ -55,11 +55,9 @@ class AttentionBucketsMitigation(Mitigation):
             repeats, left = divmod(call.batch, options.rows)
             assert repeats and not left, f"{call.batch} rows are not copies of the buckets' {options.rows}"
             bucket = torch.arange(call.batch, device=call.model.device) // repeats % options.num_buckets
-
-            def per_row(values: tuple[float, ...]) -> torch.Tensor:  # float32, as a Python float meets the positions
-                return torch.tensor(values, device=call.model.device)[bucket, None]
-
-            scale, base = per_row(scales), None if bases is None else per_row(bases)[..., None]
+            # float32, as a Python float meets the positions
+            scale = torch.tensor(scales, device=call.model.device)[bucket, None]
+            base = None if bases is None else RowBases.of(bases, bucket)
         method = extrapolation.method if extrapolation is not None else "none"
         # a learned table that this call's extrapolation makes no row past
         learned = call.positions.positional_map is not None and config.has_positional_table
@@ -91,7 +89,7 @@ class AttentionBucketsMitigation(Mitigation):
                 f"method that makes rows past the table ({', '.join(map(repr, extending))})."
             )
 
-    def position_bases(self) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
+    def position_bases(self) -> tuple[float | RowBases | None, float | RowBases | None]:
         return (self.base, None) if self.which_base == "rotary" else (None, self.base)
 
     @classmethod

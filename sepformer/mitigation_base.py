@@ -82,6 +82,26 @@ def refuse_under_compile(what: str) -> None:
 
 
 @dataclass(frozen=True, eq=False)
+class RowBases:
+    """One base per row of the batch (Attention Buckets' copies of the rows): row `r` reads positions with
+    `values[bucket[r]]`. The values are plain floats, known when the plan is resolved, so that a model that builds a
+    rotary per base (a Hugging Face decoder's) finds them without reading the device at every step."""
+
+    values: tuple[float, ...]
+    bucket: torch.Tensor  # (b,) each row's index into `values`
+    per_row: torch.Tensor  # (b, 1, 1) float32: each row's base, against (b, seq, frequencies) angles
+
+    @classmethod
+    def of(cls, values: tuple[float, ...], bucket: torch.Tensor) -> "RowBases":
+        return cls(values, bucket, torch.tensor(values, device=bucket.device)[bucket, None, None])
+
+
+def base_tensor(base: "float | RowBases | None") -> float | torch.Tensor | None:
+    """A base as SepFormer's rotary and sinusoidal map compute with it: one float, or (b, 1, 1) one per row."""
+    return base.per_row if isinstance(base, RowBases) else base
+
+
+@dataclass(frozen=True, eq=False)
 class ModelPositions:
     """What the mitigations ask a model about its attention and positions, the same questions for every model, so that
     each method is written once: a SepFormer's answers are these defaults (its scores are q·k and the mask, its queries
@@ -358,8 +378,8 @@ class Mitigation:
         fractional. Receives the positions counted from each row's first real token (or the caller's)."""
         return position_ids
 
-    def position_bases(self) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
-        """`(rotary base, sinusoidal map base)` to read positions with: one, or (b, 1, 1) one per row; `None` keeps
+    def position_bases(self) -> tuple[float | RowBases | None, float | RowBases | None]:
+        """`(rotary base, sinusoidal map base)` to read positions with: one, or one per row (`RowBases`); `None` keeps
         the model's own."""
         return None, None
 
@@ -534,7 +554,7 @@ class MitigationPlan:
             position_ids = mitigation.read_positions(position_ids)
         return position_ids
 
-    def position_bases(self) -> tuple[float | None, float | None]:
+    def position_bases(self) -> tuple[float | RowBases | None, float | RowBases | None]:
         """`(rotary base, sinusoidal map base)`: the last mitigation that sets each one, else `None` (the model's)."""
         bases = [None, None]
         for mitigation in self.mitigations:
@@ -569,8 +589,8 @@ class LayerRun:
     # past + seq (a tensor for a static cache, compiled); None without a plan
     kv_length: int | torch.Tensor | None = None
     mask_function: Callable | None = None
-    rotary_base: float | torch.Tensor | None = None  # one, or (b, 1, 1) one per row
-    map_base: float | torch.Tensor | None = None
+    rotary_base: float | RowBases | None = None  # one, or one per row
+    map_base: float | RowBases | None = None
     # set by `start`: the run's dtype; where the positional map was read (shifted in training with
     # `random_position_offsets`; the read positions otherwise), and its rows there (b or 1, seq, d_pos), None without
     # a positional block

@@ -44,6 +44,7 @@ from .mitigation_base import (
     MitigationPlan,
     ModelPositions,
     QueryKeyProjection,
+    base_tensor,
     continues,
 )
 from .mitigations import (
@@ -394,7 +395,12 @@ class SepFormerModel(SepFormerPreTrainedModel):
             and_mask_function=reading.mask_function,
         )
         table_positions, position_rows = self.position_rows(
-            reading.read_positions, inputs_embeds, extrapolation, reading.map_base, continuing, past_key_values
+            reading.read_positions,
+            inputs_embeds,
+            extrapolation,
+            base_tensor(reading.map_base),
+            continuing,
+            past_key_values,
         )
         hidden_states = inputs_embeds  # (b, seq, d_sem)
         if position_rows is not None:  # [p(i) ‖ s(t)]
@@ -402,7 +408,9 @@ class SepFormerModel(SepFormerPreTrainedModel):
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = None
         if self.rotary_emb is not None:
-            position_embeddings = self.rotary_emb(hidden_states, reading.read_positions, reading.rotary_base)
+            position_embeddings = self.rotary_emb(
+                hidden_states, reading.read_positions, base_tensor(reading.rotary_base)
+            )
         started = reading.start(inputs_embeds.dtype, table_positions, position_rows)
         return hidden_states, dict(
             attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=started
