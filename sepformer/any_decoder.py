@@ -398,9 +398,6 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 f"masks already built per layer type ({sorted(attention_mask)}), as generate does with a static "
                 f"cache on {type(self).__name__}: use the default dynamic cache."
             )
-        for name in active:
-            if moves_positions(name, options[name]):
-                self.decoder_positions.check_positions(name)
         for name, value in options.items():
             restricts_mask = MITIGATIONS[name].mask_function is not Mitigation.mask_function
             if unknown and restricts_mask and value not in (None, False):
@@ -413,13 +410,6 @@ class MitigatedDecoder(MitigationGenerationMixin):
 def call_tokens(inputs: dict) -> torch.Tensor:
     """The call's `input_ids`, or its `inputs_embeds`: (b, seq, ...)."""
     return inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
-
-
-def moves_positions(name: str, value) -> bool:
-    """Whether option `name` moves the positions where the tokens are read (windows; buckets with `scales`)."""
-    if name == "attention_buckets":
-        return MITIGATIONS[name].options_class.parse(value).scales is not None
-    return name == "parallel_context_windows"
 
 
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}

@@ -41,6 +41,8 @@ class AttentionBucketsMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: AttentionBuckets, call: CallContext) -> "AttentionBucketsMitigation":
+        if options.scales is not None:
+            call.positions.check_positions(options.name)
         several = isinstance(options, BucketRows)
         if options.num_buckets > 1 and not several:
             raise ValueError(

@@ -55,6 +55,7 @@ class ParallelContextWindowsMitigation(Mitigation):
 
     @classmethod
     def resolve(cls, options: ParallelContextWindows, call: CallContext) -> "ParallelContextWindowsMitigation":
+        call.positions.check_positions(options.name)
         check_spans_in_prompt(options, call, "windows")
         check_default_positions(call, "parallel_context_windows places its windows and the task")
         layers = options.layer_set(call.model.config.num_hidden_layers)
