@@ -96,7 +96,7 @@ class RowBases:
         return cls(values, bucket, torch.tensor(values, device=bucket.device)[bucket, None, None])
 
 
-def base_tensor(base: "float | RowBases | None") -> float | torch.Tensor | None:
+def base_tensor(base: float | RowBases | None) -> float | torch.Tensor | None:
     """A base as SepFormer's rotary and sinusoidal map compute with it: one float, or (b, 1, 1) one per row."""
     return base.per_row if isinstance(base, RowBases) else base
 
