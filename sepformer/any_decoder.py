@@ -259,16 +259,11 @@ def register_wrapper(implementation: str) -> str:
 
 def forward_inputs(model, args, kwargs) -> dict:
     """The arguments of a call of the model's own `forward`, by name (its `**kwargs` spread out)."""
-    signature = forward_signature(type(model))
+    signature = type(model).unmitigated_signature
     arguments = dict(signature.bind(model, *args, **kwargs).arguments)
     del arguments[next(iter(signature.parameters))]  # self
     variadic = [name for name, parameter in signature.parameters.items() if parameter.kind is parameter.VAR_KEYWORD]
     return {**arguments, **arguments.pop(variadic[0], {})}
-
-
-@functools.cache
-def forward_signature(mitigated: type) -> inspect.Signature:
-    return inspect.signature(mitigated.unmitigated_forward)
 
 
 class MitigatedDecoder(MitigationGenerationMixin):
@@ -434,6 +429,7 @@ def mitigated_class(model_class: type) -> type:
         {
             "forward": with_mitigation_keywords(forward),
             "unmitigated_forward": model_class.forward,
+            "unmitigated_signature": inspect.signature(model_class.forward),  # read once, not in a traced call
             "__module__": model_class.__module__,
             "__qualname__": model_class.__qualname__,
         },

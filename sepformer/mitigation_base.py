@@ -581,7 +581,7 @@ class LayerRun:
     reads the positional map reads `table_positions`."""
 
     plan: MitigationPlan | None
-    position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions, from each row's first token
+    position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions (the caller's, or from each row's first)
     cache: Cache | None
     padding_mask: torch.Tensor | None  # (b, past + seq) 2D padding mask, or None
     device: torch.device  # the run's

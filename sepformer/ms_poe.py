@@ -15,6 +15,7 @@ from .mitigation_base import (
     ModelPositions,
     attention_implementation,
     last_row_probs,
+    refuse_under_compile,
 )
 from .mitigation_options import MSPoE
 from .positional_options import PositionExtrapolation
@@ -202,6 +203,11 @@ class MSPoEMitigation(Mitigation):
         config, positions = call.model.config, call.positions
         positions.check_head_turn(config)
         check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
+        if not positions.calls_position_hooks and getattr(call.cache, "is_compileable", False):
+            refuse_under_compile(
+                "ms_poe turns the keys a static cache hands a Hugging Face decoder's attention by how many it has "
+                "seen (a tensor, compiled)"
+            )
         layers = options.layer_set(config.num_hidden_layers)
         model = call.model if positions.positional_map is not None else None
         if model is not None:  # `position_query_key` multiplies by `q_proj.weight`, `k_proj.weight` directly

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 from conftest import SPANS, random_ids, strong_positions, tiny_llama, tiny_model
+from test_any_decoder import left_padded
 
 import sepformer
 from sepformer import AttentionCalibration, MSPoE, PositionalScaling, SepFormerCache
@@ -70,6 +71,30 @@ def test_calibration_bias_is_the_dummy_documents_attention():
             spliced = torch.cat((ids[:, :start], torch.tensor([dummy]), ids[:, end:]), 1)
             row = model(spliced, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
             torch.testing.assert_close(bias[0, :, k], row[:, start : start + len(dummy)].mean(-1))
+
+
+@pytest.mark.parametrize("model_name", ["sepformer", "llama"])
+def test_the_default_dummy_passes_of_rows_padded_differently_measure_each_row_as_alone(model_name):
+    """Each row's `bias(k)` is the attention its own prompt, run alone without padding, gives the default dummy
+    (`pad_token_id` repeated) in place of document `k`: the dummy batch keeps each row's tokens, padding and order."""
+    if model_name == "sepformer":
+        model = strong_positions(tiny_model(attn_implementation="eager"))
+    else:
+        model = sepformer.add_mitigations(tiny_llama(attn="eager"))
+    model.config.pad_token_id = 1
+    prompts = [random_ids(1, length, seed=length)[0] for length in (12, 10, 11)]
+    ids, mask = left_padded(prompts)
+    option = AttentionCalibration(spans=(SPANS,) * len(prompts), layers=(1,))
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, attention_calibration=option)
+        bias = cache.mitigation_state["attention_calibration"].bias[1]  # (rows, H, K)
+        for row, prompt in enumerate(prompts):
+            for k, (start, end) in enumerate(SPANS):
+                spliced = prompt.clone()
+                spliced[start:end] = model.config.pad_token_id
+                attention = model(spliced[None], output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
+                torch.testing.assert_close(bias[row, :, k], attention[:, start:end].mean(-1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("eos", [2, [5, 2]])

@@ -74,6 +74,19 @@ COMPILED_OPTIONS = {  # (config, options as a user passes them: dicts)
 }
 
 
+def test_ms_poe_on_a_decoder_refuses_a_static_cache_compiled_by_name():
+    """Its decoding steps turn the keys a static cache holds by how many it has seen, a tensor a graph cannot branch
+    on; the eager steps on a static cache are the eager greedy tokens."""
+    torch._dynamo.reset()
+    model, ids = add_mitigations(tiny_llama()), random_ids(2, 10)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, ms_poe={"head_order": [3, 2, 1, 0]})
+    compile_config = CompileConfig(fullgraph=True, backend="eager")
+    compile_config._compile_all_devices = True
+    with pytest.raises(Exception, match="ms_poe turns the keys a static cache.*which torch.compile cannot trace"):
+        model.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
+
+
 # The options that read the padding mask, compiled on a left-padded batch too: a traced call reads no value of the
 # mask (the prefill's checks of spans and padding are read eagerly only), and builds the dummy passes by positions.
 READ_PADDING = (
