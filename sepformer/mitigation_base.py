@@ -411,8 +411,10 @@ class Mitigation:
 
 def last_logits(model, rows: int) -> dict:
     """`{"logits_to_keep": rows}` where the causal LM's `forward` takes it, `{}` otherwise: the head then runs on the
-    last `rows` positions only (on a large vocabulary, most of a forward's cost)."""
-    return {"logits_to_keep": rows} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    last `rows` positions only (on a large vocabulary, most of a forward's cost). Read from its class's `forward`: the
+    instance's may be a compiled wrapper (`model.forward = torch.compile(model.forward)`), whose signature a trace
+    cannot read."""
+    return {"logits_to_keep": rows} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
 
 
 def last_row_scores(

@@ -207,3 +207,26 @@ def test_what_a_trace_cannot_do_is_refused_under_fullgraph_and_runs_eagerly_with
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eager")(ids, attention_mask=mask, **options).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_calibration": {"spans": SPANS}},
+        {"ms_poe": {}},
+        {"positional_scaling": {"layers": [1], "factor": 0.5, "channels": [0, 1]}},
+        {"attention_buckets": {"bases": [100.0, 10000.0]}},
+    ],
+    ids=["attention_calibration", "ms_poe", "positional_scaling", "attention_buckets bases"],
+)
+def test_generate_on_a_decoders_compiled_forward_gives_the_eager_tokens(options):
+    """`model.forward = torch.compile(model.forward)`, the usual recipe, on a left-padded batch: the options read
+    nothing of the instance's `forward` (a compiled wrapper, whose signature a trace cannot read), and what a trace
+    cannot do breaks the graph and runs eagerly."""
+    torch._dynamo.reset()
+    model = add_mitigations(tiny_llama())
+    ids, mask = left_padded_ids()
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, **options)
+    eager = model.generate(ids, **kwargs)
+    model.forward = torch.compile(model.forward, backend="eager")
+    assert torch.equal(model.generate(ids, **kwargs), eager)
