@@ -62,6 +62,17 @@ def test_buckets_with_parallel_context_windows_are_each_base_with_the_windows_mi
     torch.testing.assert_close(ours, mixed_by_hand(per_base), rtol=1e-5, atol=1e-5)
 
 
+def test_bucket_bases_beside_calibration_are_each_base_with_calibration_mixed_by_confidence():
+    """Calibration's dummy passes repeat each row's copies in place: each copy still reads its own bucket's base, with
+    the bases out of order and one given twice."""
+    calibration = {"attention_calibration": {"spans": [[(1, 4), (4, 7), (7, 10)]] * 2, "temperature": 0.05}}
+    bases = (3e5, 500.0, 3e5)
+    ids = random_ids(2, 14)
+    ours = logits(mitigated("llama"), ids, attention_buckets={"bases": bases}, **calibration)
+    per_base = [logits(sepformer.add_mitigations(built_at_base("llama", base)), ids, **calibration) for base in bases]
+    torch.testing.assert_close(ours, mixed_by_hand(per_base), rtol=1e-5, atol=1e-5)
+
+
 def test_one_bucket_at_the_models_own_base_is_the_plain_model_bit_for_bit():
     model = mitigated("qwen2")
     ids = random_ids(2, 10)
