@@ -15,9 +15,10 @@ class SepFormerRotaryEmbedding(nn.Module):
         self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self, base: float | torch.Tensor | None = None) -> torch.Tensor:
-        """(rotary_dim / 2), or (b, 1, rotary_dim / 2) for `base` (b, 1, 1): one base per row."""
+        """(rotary_dim / 2), or (b, 1, rotary_dim / 2) for `base` (b, 1, 1): one base per row, on its device."""
         base = self.rope_theta if base is None else base
-        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        device = base.device if isinstance(base, torch.Tensor) else None
+        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=device) / self.rotary_dim))
 
     @torch.no_grad()
     def forward(

@@ -106,6 +106,16 @@ def test_rotary_buckets_equal_models_built_with_each_base_mixed_by_confidence():
     torch.testing.assert_close(buckets, mixed_by_hand(per_bucket), rtol=1e-5, atol=1e-5)
 
 
+def test_per_row_rotary_bases_are_read_on_their_own_device():
+    """Bases one per row are a tensor on the model's device (a GPU's): SepFormer's rotary makes their frequencies there,
+    not on the CPU (the meta device stands in for another device)."""
+    rotary = tiny_model(rotary_dim=4).model.rotary_emb.to("meta")
+    bases = torch.tensor([100.0, 10000.0], device="meta")[:, None, None]  # (b, 1, 1)
+    positions = torch.arange(6, device="meta").expand(2, -1)
+    cos, sin = rotary(torch.empty(0, device="meta"), positions, bases)
+    assert cos.shape == sin.shape == (2, 6, 4) and cos.device.type == "meta"
+
+
 def test_sinusoidal_map_buckets_read_the_sinusoid_of_each_base():
     model = strong_positions(tiny_model(positional_map="sinusoidal"))
     ids = random_ids(2, 16)
