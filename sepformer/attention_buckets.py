@@ -67,10 +67,6 @@ class AttentionBucketsMitigation(Mitigation):
         which = "rotary" if rotary_bases else "map"
         return cls(options, options.layer_set(config.num_hidden_layers), scale, base, which, rows, method)
 
-    @classmethod
-    def fixes_state_at_prefill(cls, options: AttentionBuckets) -> bool:
-        return True  # the cached keys were read with the bucket's positions: later calls need the same reading
-
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         if set(self.options.scales or (1.0,)) == {1.0}:
             return position_ids

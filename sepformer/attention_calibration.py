@@ -15,7 +15,6 @@ from .mitigation_base import (
     QueryKeyProjection,
     attention_implementation,
     last_logits,
-    last_row_probs,
     last_row_scores,
     refuse_under_compile,
 )
@@ -120,7 +119,7 @@ class CalibrationProbe(Mitigation):
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         def probing(module, query, key, value, attention_mask, scaling, **kwargs):
             output = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
+            probs = last_row_scores(query, key, attention_mask, scaling)[0].softmax(-1)  # (b, H, kv)
             probe = self.probe[:, None].to(probs.dtype)  # (b, 1, kv)
             self.probed[layer_idx] = (probs * probe).sum(-1) / probe.sum(-1)
             return output
@@ -141,10 +140,6 @@ class CalibrationMitigation(Mitigation):
     )
     cache: SepFormerCache | None = None  # keeps `bias(k)` and the spans (a `CalibrationState`)
     documents: KeyDocuments | None = None  # each key's document, for one run
-
-    @classmethod
-    def fixes_state_at_prefill(cls, options: AttentionCalibration) -> bool:
-        return True
 
     @classmethod
     def acts_on_last_rows(cls, options: AttentionCalibration) -> bool:
@@ -248,7 +243,7 @@ class CalibrationMitigation(Mitigation):
         temperature = self.options.temperature
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
-            probs, _ = last_row_probs(query, key, attention_mask, scaling)  # (b, H, kv)
+            probs = last_row_scores(query, key, attention_mask, scaling)[0].softmax(-1)  # (b, H, kv)
             probs = calibrate_row(probs, self.documents.held(key.shape[2]), self.state.bias[layer_idx], temperature)
             batch, heads, kv, head_dim = value.shape
             last = torch.bmm(probs.to(value.dtype).view(-1, 1, kv), value.reshape(-1, kv, head_dim))  # (b · H, 1, d)

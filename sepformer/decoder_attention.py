@@ -186,7 +186,7 @@ def before_attention(module: nn.Module, args: tuple, kwargs: dict):
             )
         kwargs["position_embeddings"] = bucket_rotary
     hooks = plan.layers[module.layer_idx]
-    if hooks.rewrites_inputs:
+    if hooks.input_hooks:
         hidden_states = args[0] if args else kwargs["hidden_states"]
         projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"), contextlib.ExitStack())
         rewrite = functools.partial(hooks.query_key_inputs, module.layer_idx)

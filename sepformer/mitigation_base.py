@@ -314,8 +314,9 @@ class Mitigation:
     @classmethod
     def fixes_state_at_prefill(cls, options: MitigationOptions) -> bool:
         """Whether these options fix, at prefill, state that decoding steps reuse: the mitigation keeps it on the
-        `SepFormerCache`, as a `MitigationState` in `cache.mitigation_state[options.name]`."""
-        return False
+        `SepFormerCache`, as a `MitigationState` in `cache.mitigation_state[options.name]`. By default, those of a
+        mitigation with a `prefill_requirement`."""
+        return bool(cls.prefill_requirement)
 
     @classmethod
     def check_continuation(cls, cache, options: MitigationOptions | None) -> None:
@@ -440,14 +441,6 @@ def last_row_scores(
     return scores.masked_fill(~valid, float("-inf")), valid
 
 
-def last_row_probs(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last query's attention row, written out: probs (b, H, kv) and the keys it may attend (b, 1, kv)."""
-    scores, valid = last_row_scores(query, key, attention_mask, scaling)
-    return scores.softmax(-1), valid
-
-
 @dataclass(frozen=True, eq=False)
 class LayerHooks:
     """The hooks of one layer, in the order of the plan's mitigations; no hook is a no-op."""
@@ -455,17 +448,6 @@ class LayerHooks:
     input_hooks: tuple[Mitigation, ...] = ()
     position_hook: Mitigation | None = None
     attention_wrappers: tuple[Mitigation, ...] = ()
-
-    @property
-    def rewrites_inputs(self) -> bool:
-        """Whether a hook reads or rewrites the inputs of `q_proj` and `k_proj`."""
-        return bool(self.input_hooks)
-
-    @property
-    def takes_grouped_keys(self) -> bool:
-        """Whether the attention function of the layer takes grouped-query keys unexpanded: its outermost wrapper turns
-        the queries and keys (`Mitigation.turns_queries_keys`)."""
-        return bool(self.attention_wrappers) and self.attention_wrappers[-1].turns_queries_keys
 
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
         """What the input hooks do, as one `InputScale` the fused decoding projections can carry, or `None`."""
@@ -491,7 +473,7 @@ class LayerHooks:
             groups = query.shape[1] // key.shape[1]
             if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
                 value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
-                key = key if self.takes_grouped_keys else repeat_kv(key, groups)
+                key = key if self.attention_wrappers[-1].turns_queries_keys else repeat_kv(key, groups)
                 module = ExpandedHeads(module)
             for mitigation in self.attention_wrappers:
                 function = mitigation.wrap_attention(module.layer_idx, function, projection)

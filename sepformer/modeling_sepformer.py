@@ -119,7 +119,7 @@ class SepFormerAttention(nn.Module):
             key_states, value_states = layer_call.past_key_values.update(key_states, value_states, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         hooks = layer_call.hooks
-        projection = QueryKeyProjection(self, attention_input, layer_call) if hooks.rewrites_inputs else None
+        projection = QueryKeyProjection(self, attention_input, layer_call) if hooks.input_hooks else None
         dropout = 0.0 if not self.training else self.attention_dropout
         states = (query_states, key_states, value_states, layer_call.attention_mask)
         return hooks.attend(interface, self, *states, projection, dropout=dropout, scaling=self.scaling, **kwargs)
@@ -359,9 +359,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 extrapolation=extrapolation,
                 continuing=continuing,
             )
-            mitigation_plan = kept_plan(call, options)
-            if mitigation_plan is None:
-                mitigation_plan = resolve_plan(call, options)
+            mitigation_plan = kept_plan(call, options) or resolve_plan(call, options)
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
         hidden_states, layer_inputs = self.layer_inputs(

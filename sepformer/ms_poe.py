@@ -14,7 +14,7 @@ from .mitigation_base import (
     Mitigation,
     ModelPositions,
     attention_implementation,
-    last_row_probs,
+    last_row_scores,
     refuse_under_compile,
 )
 from .mitigation_options import MSPoE
@@ -254,8 +254,8 @@ class MSPoEMitigation(Mitigation):
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
             key = repeat_kv(key, query.shape[1] // key.shape[1])  # grouped-query keys: one per query head
-            probs, valid = last_row_probs(query, key, attention_mask, attention.scaling)
-            ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
+            scores, valid = last_row_scores(query, key, attention_mask, attention.scaling)
+            ranks[attention.layer_idx] = head_ranks(position_awareness(scores.softmax(-1), valid))[..., None, None]
         return ranks[attention.layer_idx]
 
     def head_turn(self, layer: int, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,9 +282,10 @@ class MSPoEMitigation(Mitigation):
             query, key = apply_partial_rotary(query, key, *self.head_turn(attention.layer_idx, ranks))
         return query, key
 
-    def earlier_turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, new: int) -> torch.Tensor:
-        """(b, H, n, head_dim) the keys before this call's `new` ones, turned: kept on the cache by the call before,
-        or turned now from their positions (the first call of a cache, after a crop, or other options)."""
+    def earlier_turned_keys(self, layer: int, earlier: torch.Tensor, ranks: torch.Tensor, total: int) -> torch.Tensor:
+        """(b, H, n, head_dim) the keys `earlier` (b, H or H_kv, n, head_dim) held before this call's, of `total` keys
+        seen with them, turned: kept on the cache by the call before, or turned now from their positions (the first
+        call of a cache, after a crop, or other options)."""
         state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
         if state is not None and state.turned_by != self.options:
             state.turned_keys.clear()
@@ -292,13 +293,11 @@ class MSPoEMitigation(Mitigation):
             state.turned_by = self.options
         if state is not None and state.turned_seen.get(layer) == self.seen:
             return state.turned_keys[layer]
-        held = key.shape[2]
-        earlier = self.per_query_head(key[:, :, : held - new] if held <= self.seen + new else key[:, :, : self.seen])
-        total = self.seen + new  # the earlier keys are the last (sliding window) or first (static slots) of `seen`
-        positions = key_positions(self.padding_mask, total, key.device).clamp(min=0)  # padding is masked: any position
+        earlier = self.per_query_head(earlier)  # the last (sliding window) or first (static slots) keys of `seen`
+        positions = key_positions(self.padding_mask, total, earlier.device).clamp(min=0)  # padding is masked: any one
         positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
-        ratios, inverse = rank_ratios(self.options, self.heads, key.device), self.positions.inverse_frequencies()
-        turn = turned_by_ratios(positions, ratios, inverse[self.positions.table_of(layer)], key.dtype, rotated=True)
+        ratios, inverse = rank_ratios(self.options, self.heads, earlier.device), self.positions.inverse_frequencies()
+        turn = turned_by_ratios(positions, ratios, inverse[self.positions.table_of(layer)], earlier.dtype, rotated=True)
         return rotate_partial(earlier, *(by_head(table, ranks).transpose(0, 1) for table in turn))
 
     def per_query_head(self, key: torch.Tensor) -> torch.Tensor:
@@ -313,7 +312,7 @@ class MSPoEMitigation(Mitigation):
         new, held = cos.shape[2], key.shape[2]
         total = self.seen + new
         start = held - new if held <= total else self.seen
-        earlier = self.earlier_turned_keys(layer, key, ranks, new)
+        earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total)
         assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
         turned = torch.cat((earlier, rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)), 2)
         if self.cache is not None:

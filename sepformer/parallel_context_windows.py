@@ -50,10 +50,6 @@ class ParallelContextWindowsMitigation(Mitigation):
     continuing: bool = False
 
     @classmethod
-    def fixes_state_at_prefill(cls, options: ParallelContextWindows) -> bool:
-        return True  # the cached keys were made with the windows' positions and mask: later calls need the same
-
-    @classmethod
     def resolve(cls, options: ParallelContextWindows, call: CallContext) -> "ParallelContextWindowsMitigation":
         call.positions.check_positions(options.name)
         check_spans_in_prompt(options, call, "windows")

@@ -28,10 +28,6 @@ class PositionalScalingMitigation(Mitigation):
     input_scale: InputScale | None = None  # a decoding step whose tokens are all scaled alike: (channels, s or 1)
 
     @classmethod
-    def fixes_state_at_prefill(cls, options: PositionalScaling) -> bool:
-        return True  # the cache holds keys scaled with these options: decoding steps must scale alike
-
-    @classmethod
     def acts_on_last_rows(cls, options: PositionalScaling) -> bool:
         return True  # the prefill's last `last_recompute_tokens` rows are recomputed with scaled queries
 

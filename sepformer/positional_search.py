@@ -79,11 +79,6 @@ def attention_module(layer: nn.Module) -> nn.Module:
     return attention
 
 
-def default_layers(num_layers: int) -> tuple[int, ...]:
-    """The middle layers, as `PositionalScaling`'s default: all but the first and the last when there are >= 3."""
-    return tuple(PositionalScaling().default_layers(num_layers))
-
-
 # ------------------------------------------------------------------------------------------- candidate channels
 
 
@@ -290,7 +285,7 @@ def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip
     if model.training:
         raise ValueError("search_positional_scaling evaluates: put the model in eval mode (model.eval()).")
     num_layers = len(decoder_layers(model))
-    layers = default_layers(num_layers) if layers is None else tuple(layers)
+    layers = tuple(PositionalScaling().default_layers(num_layers) if layers is None else layers)
     PositionalScaling(layers=layers).layer_set(num_layers)  # range and duplicates checked, with the option's messages
     filter_options = {name: value for name, value in (("top_k", top_k), ("skip", skip)) if value is not None}
     for name, low in (("top_k", 1), ("skip", 0)):
