@@ -1,10 +1,6 @@
-"""The decoding fast path: a decoder layer's weights laid out for decoding steps on 2D rows.
-
-A decoding step multiplies a token or a few per row. On a CPU its time goes by the number of kernels and by the bytes of
-weights read, not by FLOPs: `FusedLayer` holds a layer's weights laid out for that, made once per generation and kept on
-its `SepFormerCache` (`derived_store`), and runs the layer's step with them (`fused_layer` decides whether a layer may).
-The layer's modules stay what is trained, saved and adapted.
-"""
+"""The decoding fast path: `FusedLayer`, a decoder layer's weights laid out for decoding steps on 2D rows, made once per
+generation and kept on its `SepFormerCache`; `fused_layer` decides whether a layer may use it. The layer's modules stay
+what is trained, saved and adapted."""
 
 import dataclasses
 from collections.abc import Callable
