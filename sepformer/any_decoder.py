@@ -180,10 +180,10 @@ class DecoderPositions(ModelPositions):
         )
         return options.bases, None
 
-    def rotary_at_base(self, base: float | RowBases, positions: torch.Tensor, dtype: torch.dtype, cache) -> tuple:
-        """cos, sin (b or 1, seq, head_dim) at `positions`, as the model's rotary computes them with `rope_theta=base`
-        (a rotary of the model's class, built from its config with that base, kept for the generation); `base` one
-        float, or one per row."""
+    def rotary_at_base(self, base: float | RowBases, positions: torch.Tensor, dtype: torch.dtype, cache):
+        """What the model's rotary returns at `positions` with `rope_theta=base` (cos, sin (b or 1, seq, head_dim); or
+        one complex tensor, as DeepSeek-V2's and Llama 4's): a rotary of the model's class, built from its config with
+        that base, kept for the generation; `base` one float, or one per row."""
 
         def build(base: float) -> nn.Module:
             config = copy.deepcopy(self.rotary.config)
@@ -199,7 +199,9 @@ class DecoderPositions(ModelPositions):
         positions = positions.expand(len(base.bucket), -1)
         by_bucket = [tables(value) for value in base.values]  # every row read as each bucket
         rows = torch.arange(len(base.bucket), device=base.bucket.device)
-        return tuple(torch.stack([table[index] for table in by_bucket])[base.bucket, rows] for index in (0, 1))
+        if isinstance(by_bucket[0], torch.Tensor):
+            return torch.stack(by_bucket)[base.bucket, rows]
+        return tuple(torch.stack(parts)[base.bucket, rows] for parts in zip(*by_bucket, strict=True))
 
 
 class AttentionProbe:

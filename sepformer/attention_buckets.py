@@ -124,7 +124,7 @@ class AttentionBucketsMitigation(Mitigation):
                 "output_hidden_states would be one per bucket; run a bucket alone (bases=[one base]) to inspect it."
             )
         config, copies = model.config, options.num_buckets
-        use_cache = inputs["use_cache"] if inputs["use_cache"] is not None else config.use_cache
+        use_cache = inputs["use_cache"] if inputs["use_cache"] is not None else getattr(config, "use_cache", False)
         cache = inputs["past_key_values"]
         if cache is None and use_cache:
             cache = SepFormerCache(config=config)

@@ -207,7 +207,7 @@ REFUSED_TOGETHER = {
     ),
     ("ms_poe", "positional_scaling"): "both rewrite the positional part of the queries and keys",
     ("stable_mask", "attention_buckets"): (
-        "StableMask's sink logits are tabulated at integer positions, and a bucket may read positions m · scale"
+        "StableMask's sink logits are defined at integer positions, and a bucket may read positions m · scale"
     ),
     ("ms_poe", "attention_buckets"): "MS-PoE reads positions with the model's own base, not the bucket's",
     ("ms_poe", "parallel_context_windows"): "MS-PoE rescales the tokens' own positions, which the windows rewrite",

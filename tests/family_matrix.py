@@ -16,12 +16,20 @@ import warnings
 
 import torch
 from test_any_decoder import stepwise_logits
+from test_buckets_and_windows import mixed_by_hand
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 import sepformer
-from sepformer import MSPoE, ParallelContextWindows, PositionalScaling, StableMask
+from sepformer import (
+    AttentionBuckets,
+    AttentionCalibration,
+    MSPoE,
+    ParallelContextWindows,
+    PositionalScaling,
+    StableMask,
+)
 
 FAMILIES = tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 # The sizes of a tiny model, under every name a family's config may use; a config takes those among its fields.
@@ -68,7 +76,16 @@ TINY = dict(
     vocab_size_per_layer_input=256,
     hidden_size_per_layer_input=8,
 )
-CHECKS = ("wraps", "ms_poe", "stable_mask", "positional_scaling", "parallel_context_windows")
+CHECKS = (
+    "wraps",
+    "ms_poe",
+    "stable_mask",
+    "positional_scaling",
+    "parallel_context_windows",
+    "attention_buckets_scales",
+    "attention_buckets_bases",
+    "attention_calibration",
+)
 TOLERANCE = 1e-5  # of the largest logit
 MAX_PARAMETERS = 4_000_000
 LENGTH, PREFILL = 12, 8  # tokens of each prompt; the cached checks prefill the first 8, then one token per step
@@ -224,6 +241,48 @@ def check_parallel_context_windows(model, plain, ids):
     close(stepwise_logits(model, ids, PREFILL, parallel_context_windows=two), full, "two windows, cached vs full")
 
 
+def check_attention_buckets_scales(model, plain, ids):
+    """Two buckets reading positions m and m · 0.5 = the plain model at each, mixed by confidence; cached = full."""
+    option = AttentionBuckets(scales=(1.0, 0.5))
+    ours = run(model, ids, attention_buckets=option)
+    half = run(plain, ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids) * 0.5)
+    if torch.equal(half, run(plain, ids)):
+        raise NoOracle("the plain model's logits do not follow the position_ids it is given")
+    close(ours, mixed_by_hand([run(plain, ids), half]), "buckets at scales 1 and 0.5 vs the plain model at each")
+    close(stepwise_logits(model, ids, PREFILL, attention_buckets=option), ours, "buckets, cached vs full")
+
+
+def at_rotary_base(plain, base: float):
+    """The plain model built with `rope_theta=base`, or `NoOracle` where its config has no such base."""
+    parameters = getattr(plain.config, "rope_parameters", None)
+    if not isinstance(parameters, dict) or "rope_theta" not in parameters:
+        raise NoOracle("the config has no rope_parameters['rope_theta'] to build the plain model at another base")
+    config = copy.deepcopy(plain.config)
+    config.rope_parameters = {**parameters, "rope_theta": base}
+    model = from_config(config).eval()
+    model.load_state_dict(plain.state_dict())
+    return model
+
+
+def check_attention_buckets_bases(model, plain, ids):
+    """Two buckets at rotary bases 500 and 300,000 = the plain model built with each, mixed by confidence."""
+    ours = run(model, ids, attention_buckets=AttentionBuckets(bases=(500.0, 3e5)))
+    per_base = [run(at_rotary_base(plain, base), ids) for base in (500.0, 3e5)]
+    if (per_base[0] - per_base[1]).abs().max() <= 1e-4:
+        raise NoOracle("the plain model built at bases 500 and 3e5 gives the same logits (within 1e-4)")
+    close(ours, mixed_by_hand(per_base), "buckets at bases 500 and 3e5 vs the plain model built with each")
+
+
+def check_attention_calibration(model, plain, ids):
+    """One document over every key: its share of the row is kept whatever bias(k) is, so the row is the plain model's
+    (written out, after the dummy pass), full and cached."""
+    option = AttentionCalibration(spans=(((1, PREFILL),),) * len(ids))
+    reference = run(plain, ids)
+    close(run(model, ids, attention_calibration=option), reference, "calibration, one document, vs the plain model")
+    cached = stepwise_logits(model, ids, PREFILL, attention_calibration=option)
+    close(cached, reference, "calibration, one document, cached vs the plain model")
+
+
 def check(family: str, name: str) -> str:
     """`"exact"` or `"refused: ..."` for option `name` on `family`; an `AssertionError` where the option computes
     something else; `NotBuilt` where the family could not be built tiny."""
@@ -241,7 +300,7 @@ def check(family: str, name: str) -> str:
     except NoOracle as reason:
         return f"no oracle: {reason}"
     except (ValueError, TypeError) as error:  # a refusal names the option first
-        if name == "wraps" or not str(error).startswith(name):
+        if name == "wraps" or not str(error).startswith(name.removesuffix("_scales").removesuffix("_bases")):
             raise
         return f"refused: {first_line(error)}"
     return "exact"
@@ -286,11 +345,18 @@ is checked against an oracle built from the plain model itself:
 - **positional_scaling**: channels 0-7 times -1 in every layer: every row but the last = the plain model's, the last
   changes;
 - **parallel_context_windows**: one window over the prompt's start = the plain model; two windows: cached steps = the
-  full pass.
+  full pass;
+- **attention_buckets_scales**: buckets at scales 1 and 0.5 = the plain model given positions m and m · 0.5, mixed by
+  confidence; cached steps = the full pass;
+- **attention_buckets_bases**: buckets at rotary bases 500 and 300,000 = the plain model built with each
+  `rope_theta`, mixed by confidence;
+- **attention_calibration**: one document (tokens 1-7), whose share of the row calibration keeps whatever `bias(k)` the
+  dummy pass measures = the plain model, full pass and cached steps: the last row written out is the model's own.
 
 `exact`: the oracle holds to 1e-5 of the largest logit. `refused`: a `ValueError` naming the option (or
 `add_mitigations`, for a model it cannot wrap) and the reason, before any work. `no oracle`: the plain model's logits
-do not follow the `position_ids` it is given, so "positions m / r" cannot be built.
+do not follow the `position_ids` it is given, so "positions m / r" cannot be built, or (bases) do not change with its
+rotary base at these sizes.
 
 """
 
