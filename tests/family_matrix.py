@@ -85,10 +85,22 @@ CHECKS = (
     "attention_buckets_scales",
     "attention_buckets_bases",
     "attention_calibration",
+    "left_padding",
 )
 TOLERANCE = 1e-5  # of the largest logit
 MAX_PARAMETERS = 4_000_000
 LENGTH, PREFILL = 12, 8  # tokens of each prompt; the cached checks prefill the first 8, then one token per step
+PADDING = 3  # pad tokens before the first prompt of the left-padded batch
+# The options of the left-padding check, each with its spans for one row (counted from the row's first real token).
+PADDED_OPTIONS = {
+    "ms_poe": MSPoE(1.2, 1.8, head_order=(3, 0, 2, 1)),
+    "ms_poe ranked": MSPoE(),
+    "stable_mask": StableMask(0.5),
+    "positional_scaling": PositionalScaling(factor=-1.0, channels=tuple(range(8)), layers=(0, 1)),
+    "parallel_context_windows": ParallelContextWindows(spans=(((0, 2), (2, 5)),)),
+    "attention_buckets": AttentionBuckets(scales=(1.0, 0.5)),
+    "attention_calibration": AttentionCalibration(spans=(((1, 3), (3, 5)),)),
+}
 
 
 class NoOracle(Exception):
@@ -283,6 +295,48 @@ def check_attention_calibration(model, plain, ids):
     close(cached, reference, "calibration, one document, cached vs the plain model")
 
 
+def generated_logits(model, ids, attention_mask, **options) -> torch.Tensor:
+    """(b, 4, vocab) the logits of 4 greedy steps of `generate`."""
+    with torch.no_grad():
+        output = model.generate(
+            ids,
+            attention_mask=attention_mask,
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **options,
+        )
+    return torch.stack(output.logits, 1)
+
+
+def check_left_padding(model, plain, ids):
+    """Each option of `PADDED_OPTIONS` the family takes (the others are refused by name in their columns): a batch of
+    a prompt left-padded by `PADDING` beside a full one = each prompt alone, full pass and `generate`'s steps."""
+    batch, mask = ids.clone(), torch.ones_like(ids)
+    batch[0, :PADDING], mask[0, :PADDING] = 0, 0
+    alone, taken = (ids[:1, PADDING:], ids[1:]), 0
+    for label, option in PADDED_OPTIONS.items():
+        rows = {option.name: option.repeat_rows(2)}  # the spans of both rows
+        try:
+            padded = run(model, batch, attention_mask=mask, **rows)
+        except (ValueError, TypeError) as error:
+            if not str(error).startswith(option.name):
+                raise
+            continue
+        taken += 1
+        padded_steps = generated_logits(model, batch, mask, **rows)
+        for row, prompt in enumerate(alone):
+            real = slice(PADDING if row == 0 else 0, None)
+            close(padded[row, real], run(model, prompt, **{option.name: option})[0], f"{label}, row {row}, full pass")
+            steps = generated_logits(model, prompt, torch.ones_like(prompt), **{option.name: option})[0]
+            close(padded_steps[row], steps, f"{label}, row {row}, generate")
+    if not taken:
+        raise NoOracle("no option to check: each is refused by name in its column")
+
+
 def check(family: str, name: str) -> str:
     """`"exact"` or `"refused: ..."` for option `name` on `family`; an `AssertionError` where the option computes
     something else; `NotBuilt` where the family could not be built tiny."""
@@ -351,7 +405,10 @@ is checked against an oracle built from the plain model itself:
 - **attention_buckets_bases**: buckets at rotary bases 500 and 300,000 = the plain model built with each
   `rope_theta`, mixed by confidence;
 - **attention_calibration**: one document (tokens 1-7), whose share of the row calibration keeps whatever `bias(k)` the
-  dummy pass measures = the plain model, full pass and cached steps: the last row written out is the model's own.
+  dummy pass measures = the plain model, full pass and cached steps: the last row written out is the model's own;
+- **left_padding**: with each option the family takes (MS-PoE with a head order and ranked, StableMask, positional
+  scaling, two windows, two bucket scales, calibration over two documents), a batch of a prompt left-padded by 3
+  tokens beside an unpadded one = each prompt alone, full pass and 4 steps of `generate`.
 
 `exact`: the oracle holds to 1e-5 of the largest logit. `refused`: a `ValueError` naming the option (or
 `add_mitigations`, for a model it cannot wrap) and the reason, before any work. `no oracle`: the plain model's logits
