@@ -209,8 +209,9 @@ class LearnedPositions(nn.Embedding, PositionalMap):
             if not torch.compiler.is_compiling() and int(row_needed.max()) > extrapolation.length:
                 raise ValueError(
                     f"position {int(row_needed.max()) - 1} is past position_extrapolation 'interpolate' "
-                    f"length={extrapolation.length}. Past the table (L={length}), cached decoding with 'interpolate' "
-                    "needs the final sequence length: position_extrapolation={'method': 'interpolate', 'length': N}."
+                    f"length={extrapolation.length}. Past the table ({length} rows), cached decoding with "
+                    "'interpolate' needs the final sequence length: position_extrapolation={'method': 'interpolate', "
+                    "'length': N}."
                 )
             row_needed = torch.full_like(row_needed, extrapolation.length)
         compressed = compress_positions(position_ids, length, row_needed.clamp(min=2))
@@ -237,8 +238,8 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         if method not in EXTRAPOLATIONS:
             choices = [name for name in (*EXTRAPOLATIONS, "interpolate") if name != method]
             raise ValueError(
-                f"position {needed - 1} is past the learned positional table of L={length} rows and "
-                f"position_extrapolation={method!r}"
+                f"position {needed - 1} is past the learned positional table of {length} rows "
+                f"(position_table_size) and position_extrapolation={method!r}"
                 + (" (which compresses integer positions only)" if method == "interpolate" else "")
                 + f". Choose an extrapolation method: {', '.join(map(repr, choices))}"
                 + ", in the config or per call (`model(..., position_extrapolation='fourier')`)."

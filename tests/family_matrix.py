@@ -13,8 +13,10 @@ import copy
 import functools
 import sys
 import warnings
+from pathlib import Path
 
 import torch
+import transformers
 from test_any_decoder import stepwise_logits
 from test_buckets_and_windows import mixed_by_hand
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -76,6 +78,7 @@ TINY = dict(
     vocab_size_per_layer_input=256,
     hidden_size_per_layer_input=8,
 )
+DOCUMENT = Path(__file__).parent.parent / "docs" / "families.md"  # the table `table()` writes
 CHECKS = (
     "wraps",
     "ms_poe",
@@ -98,7 +101,8 @@ PADDED_OPTIONS = {
     "stable_mask": StableMask(0.5),
     "positional_scaling": PositionalScaling(factor=-1.0, channels=tuple(range(8)), layers=(0, 1)),
     "parallel_context_windows": ParallelContextWindows(spans=(((0, 2), (2, 5)),)),
-    "attention_buckets": AttentionBuckets(scales=(1.0, 0.5)),
+    "attention_buckets scales": AttentionBuckets(scales=(1.0, 0.5)),
+    "attention_buckets bases": AttentionBuckets(bases=(500.0, 3e5)),
     "attention_calibration": AttentionCalibration(spans=(((1, 3), (3, 5)),)),
 }
 
@@ -277,12 +281,15 @@ def at_rotary_base(plain, base: float):
 
 
 def check_attention_buckets_bases(model, plain, ids):
-    """Two buckets at rotary bases 500 and 300,000 = the plain model built with each, mixed by confidence."""
-    ours = run(model, ids, attention_buckets=AttentionBuckets(bases=(500.0, 3e5)))
+    """Two buckets at rotary bases 500 and 300,000 = the plain model built with each, mixed by confidence; cached =
+    full."""
+    option = AttentionBuckets(bases=(500.0, 3e5))
+    ours = run(model, ids, attention_buckets=option)
     per_base = [run(at_rotary_base(plain, base), ids) for base in (500.0, 3e5)]
     if (per_base[0] - per_base[1]).abs().max() <= 1e-4:
         raise NoOracle("the plain model built at bases 500 and 3e5 gives the same logits (within 1e-4)")
     close(ours, mixed_by_hand(per_base), "buckets at bases 500 and 3e5 vs the plain model built with each")
+    close(stepwise_logits(model, ids, PREFILL, attention_buckets=option), ours, "buckets at two bases, cached vs full")
 
 
 def check_attention_calibration(model, plain, ids):
@@ -380,10 +387,29 @@ def table() -> str:
         else:
             lines.append(f"| `{family}` | " + " | ".join(cells) + " |")
     summary = (
-        f"{len(FAMILIES)} families; {len(FAMILIES) - len(not_built)} built tiny: {counts['exact']} checks exact, "
+        f"With transformers {transformers.__version__}: {len(FAMILIES)} families; "
+        f"{len(FAMILIES) - len(not_built)} built tiny: {counts['exact']} checks exact, "
         f"{counts['refused']} refused by name, {counts['no oracle']} without an oracle, {counts['fails']} failing."
     )
     return "\n".join([summary, "", *lines, "", "Not built tiny:", "", *not_built, ""])
+
+
+def documented(path: Path = DOCUMENT) -> tuple[str, dict[tuple[str, str], str]]:
+    """The transformers version `path` was generated with, and each (family, check) cell's kind there ("exact",
+    "refused", "no oracle")."""
+    text = path.read_text()
+    version = text.split("With transformers ", 1)[1].split(":", 1)[0]
+    cells = {}
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            family, *outcomes = (cell.strip() for cell in line.strip("|").split("|"))
+            for name, outcome in zip(CHECKS, outcomes, strict=True):
+                cells[family.strip("`"), name] = kind(outcome)
+    return version, cells
+
+
+def kind(outcome: str) -> str:
+    return outcome.split(":", 1)[0].lower()
 
 
 HEADER = """# Model families and the mitigations
@@ -403,12 +429,15 @@ is checked against an oracle built from the plain model itself:
 - **attention_buckets_scales**: buckets at scales 1 and 0.5 = the plain model given positions m and m · 0.5, mixed by
   confidence; cached steps = the full pass;
 - **attention_buckets_bases**: buckets at rotary bases 500 and 300,000 = the plain model built with each
-  `rope_theta`, mixed by confidence;
+  `rope_theta`, mixed by confidence; cached steps = the full pass;
 - **attention_calibration**: one document (tokens 1-7), whose share of the row calibration keeps whatever `bias(k)` the
   dummy pass measures = the plain model, full pass and cached steps: the last row written out is the model's own;
 - **left_padding**: with each option the family takes (MS-PoE with a head order and ranked, StableMask, positional
-  scaling, two windows, two bucket scales, calibration over two documents), a batch of a prompt left-padded by 3
-  tokens beside an unpadded one = each prompt alone, full pass and 4 steps of `generate`.
+  scaling, two windows, two bucket scales, two bucket bases, calibration over two documents), a batch of a prompt
+  left-padded by 3 tokens beside an unpadded one = each prompt alone, full pass and 4 steps of `generate`.
+
+Where the installed transformers is the one this table was generated with, `tests/test_families.py` also requires
+each cell's outcome (exact, refused, no oracle) to be the table's.
 
 `exact`: the oracle holds to 1e-5 of the largest logit. `refused`: a `ValueError` naming the option (or
 `add_mitigations`, for a model it cannot wrap) and the reason, before any work. `no oracle`: the plain model's logits

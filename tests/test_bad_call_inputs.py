@@ -270,7 +270,10 @@ def test_generate_refuses_bad_prompts_and_masks_before_any_step():
         refused_before_any_work(model, (TypeError, ValueError), message, call)
 
 
-PAST_THE_TABLE = r"position {} is past the learned positional table of L=16 rows and position_extrapolation='none'"
+PAST_THE_TABLE = (
+    r"position {} is past the learned positional table of 16 rows \(position_table_size\) and "
+    r"position_extrapolation='none'"
+)
 
 
 @pytest.mark.parametrize(

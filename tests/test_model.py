@@ -286,7 +286,7 @@ def test_tied_head_shares_the_token_embedding():
 
 def test_position_past_the_learned_table_is_a_clear_error():
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"position 64 is past the learned positional table of L=64 rows"):
+    with pytest.raises(ValueError, match=r"position 64 is past the learned positional table of 64 rows"):
         model(random_ids(1, 65))
 
 
