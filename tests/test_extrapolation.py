@@ -96,9 +96,9 @@ def test_interpolate_is_the_identity_up_to_L_and_compresses_longer_sequences():
     torch.testing.assert_close(got[[0, -1]], weight[[0, -1]])  # the ends map to the ends
 
 
-def test_none_names_the_position_L_and_the_methods():
+def test_none_names_the_position_the_table_rows_and_the_methods():
     model = model_with_table()
-    with pytest.raises(ValueError, match=r"position 20 is past .* L=16 .*'clamp', 'sinusoidal', 'fourier'"):
+    with pytest.raises(ValueError, match=r"position 20 is past .* 16 rows .*'clamp', 'sinusoidal', 'fourier'"):
         model(torch.zeros(1, 21, dtype=torch.long))
 
 
