@@ -9,6 +9,7 @@ Each check returns `"exact"` (the oracle holds) or `"refused: <message>"` (a `Va
 option before any work); anything else, a wrong number or an error from inside torch or transformers, fails.
 """
 
+import contextlib
 import copy
 import functools
 import sys
@@ -320,8 +321,8 @@ def generated_logits(model, ids, attention_mask, **options) -> torch.Tensor:
 
 
 def check_left_padding(model, plain, ids):
-    """Each option of `PADDED_OPTIONS` the family takes (the others are refused by name in their columns): a batch of
-    a prompt left-padded by `PADDING` beside a full one = each prompt alone, full pass and `generate`'s steps."""
+    """Each option of `PADDED_OPTIONS` the family takes (the others are refused by name, unpadded too): a batch of a
+    prompt left-padded by `PADDING` beside a full one = each prompt alone, full pass and `generate`'s steps."""
     batch, mask = ids.clone(), torch.ones_like(ids)
     batch[0, :PADDING], mask[0, :PADDING] = 0, 0
     alone, taken = (ids[:1, PADDING:], ids[1:]), 0
@@ -332,6 +333,9 @@ def check_left_padding(model, plain, ids):
         except (ValueError, TypeError) as error:
             if not str(error).startswith(option.name):
                 raise
+            with contextlib.suppress(ValueError, TypeError):  # refused unpadded too: its own refusal
+                run(model, ids, **rows)
+                raise AssertionError(f"{label} refuses the left-padded batch only: {first_line(error)}") from error
             continue
         taken += 1
         padded_steps = generated_logits(model, batch, mask, **rows)
