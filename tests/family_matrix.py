@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 from test_any_decoder import stepwise_logits
+from test_any_decoder_positions import built_at_base
 from test_buckets_and_windows import mixed_by_hand
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -274,11 +275,7 @@ def at_rotary_base(plain, base: float):
     parameters = getattr(plain.config, "rope_parameters", None)
     if not isinstance(parameters, dict) or "rope_theta" not in parameters:
         raise NoOracle("the config has no rope_parameters['rope_theta'] to build the plain model at another base")
-    config = copy.deepcopy(plain.config)
-    config.rope_parameters = {**parameters, "rope_theta": base}
-    model = from_config(config).eval()
-    model.load_state_dict(plain.state_dict())
-    return model
+    return built_at_base(plain, base)
 
 
 def check_attention_buckets_bases(model, plain, ids):

@@ -1,6 +1,7 @@
 """`add_mitigations`: Attention Buckets and positional scaling on Hugging Face decoders, against the models run at
 each base, a reference written from the scaling's formula, and positional scaling by hooks."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -19,11 +20,11 @@ BASES = (10000.0, 500.0, 3e5)
 SCALING = PositionalScaling(-0.5, channels=(1, 7, 30), layers=(1, 2))
 
 
-def built_at_base(name: str, base: float):
-    """The plain model `name` built with `rope_theta=base`."""
-    plain = plain_model(name)
-    plain.config.rope_parameters = {**plain.config.rope_parameters, "rope_theta": base}
-    model = type(plain)(plain.config).eval()
+def built_at_base(plain, base: float):
+    """The model `plain` built again with `rope_theta=base`, its weights loaded."""
+    config = copy.deepcopy(plain.config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
+    model = type(plain)(config).eval()
     model.load_state_dict(plain.state_dict())
     return model
 
@@ -31,7 +32,9 @@ def built_at_base(name: str, base: float):
 def at_base(name: str, base: float, scale: float, ids: torch.Tensor) -> torch.Tensor:
     """The model built with `rope_theta=base`, read at positions `m · scale`: one bucket, written out."""
     positions = torch.arange(ids.shape[1])[None] * scale
-    return logits(built_at_base(name, base), ids, attention_mask=torch.ones_like(ids), position_ids=positions)
+    return logits(
+        built_at_base(plain_model(name), base), ids, attention_mask=torch.ones_like(ids), position_ids=positions
+    )
 
 
 # ------------------------------------------------------------------------------------------------ Attention Buckets
@@ -58,7 +61,10 @@ def test_buckets_with_parallel_context_windows_are_each_base_with_the_windows_mi
     windows = {"parallel_context_windows": {"spans": [[(1, 4), (4, 7), (7, 10)]] * 2}}
     ids = random_ids(2, 14)
     ours = logits(mitigated("llama"), ids, attention_buckets={"bases": BASES[1:]}, **windows)
-    per_base = [logits(sepformer.add_mitigations(built_at_base("llama", base)), ids, **windows) for base in BASES[1:]]
+    per_base = [
+        logits(sepformer.add_mitigations(built_at_base(plain_model("llama"), base)), ids, **windows)
+        for base in BASES[1:]
+    ]
     torch.testing.assert_close(ours, mixed_by_hand(per_base), rtol=1e-5, atol=1e-5)
 
 
@@ -69,7 +75,10 @@ def test_bucket_bases_beside_calibration_are_each_base_with_calibration_mixed_by
     bases = (3e5, 500.0, 3e5)
     ids = random_ids(2, 14)
     ours = logits(mitigated("llama"), ids, attention_buckets={"bases": bases}, **calibration)
-    per_base = [logits(sepformer.add_mitigations(built_at_base("llama", base)), ids, **calibration) for base in bases]
+    per_base = [
+        logits(sepformer.add_mitigations(built_at_base(plain_model("llama"), base)), ids, **calibration)
+        for base in bases
+    ]
     torch.testing.assert_close(ours, mixed_by_hand(per_base), rtol=1e-5, atol=1e-5)
 
 
