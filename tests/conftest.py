@@ -22,6 +22,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one core per xdist worker
 
 
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    """Each test compiles from scratch: dynamo counts the graphs of a `forward` over the whole process, and a
+    `fullgraph=True` compile past its recompile limit fails, so a test would pass or fail by which tests shared its
+    worker before it."""
+    torch._dynamo.reset()
+
+
 def random_ids(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> torch.LongTensor:
     """Token ids below `vocab` (bytes by default), the same for a given seed."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))

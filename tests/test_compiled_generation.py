@@ -24,7 +24,6 @@ VARIANTS = {  # (config, options of generate)
 
 
 def compiled_generation_equals_eager_greedy(model, options: dict) -> None:
-    torch._dynamo.reset()
     ids = random_ids(2, 10)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
@@ -77,7 +76,6 @@ COMPILED_OPTIONS = {  # (config, options as a user passes them: dicts)
 def test_ms_poe_on_a_decoder_refuses_a_static_cache_compiled_by_name():
     """Its decoding steps turn the keys a static cache holds by how many it has seen, a tensor a graph cannot branch
     on; the eager steps on a static cache are the eager greedy tokens."""
-    torch._dynamo.reset()
     model, ids = add_mitigations(tiny_llama()), random_ids(2, 10)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, ms_poe={"head_order": [3, 2, 1, 0]})
     compile_config = CompileConfig(fullgraph=True, backend="eager")
@@ -106,7 +104,6 @@ def left_padded_ids() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def assert_compiles_as_eagerly(model, options: dict, padded: bool) -> None:
-    torch._dynamo.reset()
     ids, mask = left_padded_ids() if padded else (random_ids(2, 12), None)
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, **options).logits
@@ -136,7 +133,6 @@ def test_every_option_given_as_a_dict_runs_under_fullgraph_compile_as_eagerly(va
 def test_a_compiled_forward_with_its_own_cache_is_a_prefill(options):
     """A compiled call without a cache (one is made for it when `use_cache` is on) starts a generation: the options
     that act at prefill give the eager logits."""
-    torch._dynamo.reset()
     model = tiny_model()
     ids = random_ids(2, 10)
     with torch.no_grad():
@@ -146,7 +142,6 @@ def test_a_compiled_forward_with_its_own_cache_is_a_prefill(options):
 
 
 def test_compiled_training_draws_random_position_offsets():
-    torch._dynamo.reset()
     model = tiny_model(max_position_embeddings=16, position_table_size=64, random_position_offsets=True).train()
     table = model.model.embed_positions
     drawn = []
@@ -201,7 +196,6 @@ def test_what_a_trace_cannot_do_is_refused_under_fullgraph_and_runs_eagerly_with
     ids, mask = left_padded_ids() if padded else (random_ids(2, 12), None)
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, **options).logits
-        torch._dynamo.reset()
         with pytest.raises(Exception, match=f"{variant.split()[0]}.*which torch.compile cannot trace"):
             torch.compile(model, fullgraph=True, backend="eager")(ids, attention_mask=mask, **options)
         torch._dynamo.reset()
@@ -223,7 +217,6 @@ def test_generate_on_a_decoders_compiled_forward_gives_the_eager_tokens(options)
     """`model.forward = torch.compile(model.forward)`, the usual recipe, on a left-padded batch: the options read
     nothing of the instance's `forward` (a compiled wrapper, whose signature a trace cannot read), and what a trace
     cannot do breaks the graph and runs eagerly."""
-    torch._dynamo.reset()
     model = add_mitigations(tiny_llama())
     ids, mask = left_padded_ids()
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, **options)

@@ -118,7 +118,6 @@ def test_a_left_padded_batch_compiles_whole_with_the_options_that_read_its_paddi
     ids, mask = left_padded([as_ids(prompt)[0][: len(prompt.input_ids) - 2 * k] for k, prompt in enumerate(rows)])
     spans = tuple(prompt.spans for prompt in rows)
     options = {**option("ms_poe", model_name, spans), **option("calibration", model_name, spans)}
-    torch._dynamo.reset()
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, **options).logits
         compiled = torch.compile(model, fullgraph=True, backend="eager")(ids, attention_mask=mask, **options).logits
