@@ -113,6 +113,7 @@ class CalibrationProbe(Mitigation):
     nothing."""
 
     options_class = AttentionCalibration
+    reads_grouped_keys = True
     probe: torch.Tensor | None = None  # (b, kv) boolean: the dummy document's keys
     probed: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, H)
 
@@ -138,6 +139,7 @@ class CalibrationMitigation(Mitigation):
     prefill_requirement = (
         "attention_calibration measures bias(k) on the prompt: it must be on from the first (prefill) call."
     )
+    reads_grouped_keys = True  # a decoding step's row is written out against the cache's keys and values as they are
     cache: SepFormerCache | None = None  # keeps `bias(k)` and the spans (a `CalibrationState`)
     documents: KeyDocuments | None = None  # each key's document, for one run
 
@@ -245,8 +247,10 @@ class CalibrationMitigation(Mitigation):
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs = last_row_scores(query, key, attention_mask, scaling)[0].softmax(-1)  # (b, H, kv)
             probs = calibrate_row(probs, self.documents.held(key.shape[2]), self.state.bias[layer_idx], temperature)
-            batch, heads, kv, head_dim = value.shape
-            last = torch.bmm(probs.to(value.dtype).view(-1, 1, kv), value.reshape(-1, kv, head_dim))  # (b · H, 1, d)
+            batch, heads, kv = probs.shape
+            key_heads, head_dim = value.shape[1], value.shape[-1]
+            # (b, H_kv, H / H_kv, kv) @ (b, H_kv, kv, d): each key-value head's values for the query heads it serves
+            last = torch.matmul(probs.to(value.dtype).view(batch, key_heads, heads // key_heads, kv), value)
             last = last.view(batch, 1, heads, head_dim)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 # weights as the layer's implementation gives them: eager returns them, the others do not

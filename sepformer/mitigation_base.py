@@ -304,6 +304,9 @@ class Mitigation:
     # cache's grouped-query keys as they are, (b, H_kv, kv, d), handing the function it wraps one key per query head:
     # it keeps its own turned keys, so expanding every cached key first would be a wasted copy at every step.
     turns_queries_keys: ClassVar[bool] = False
+    # Whether `wrap_attention` reads grouped-query keys and values (b, H_kv, kv, d) as the cache holds them, query head
+    # `h` against key-value head `h // (H / H_kv)`: where every wrapper of a layer does, none is expanded.
+    reads_grouped_keys: ClassVar[bool] = False
 
     @classmethod
     def default_options(cls, config) -> MitigationOptions | None:
@@ -424,13 +427,17 @@ def last_row_scores(
     """The last query's attention logits in float32, written out: scores (b, H, kv), -inf on the keys it may not
     attend, and the keys it may attend (b, 1, kv).
 
-    `query` (b, H, seq, d), `key` (b, H, kv, d); `attention_mask` as the attention functions get it (`None`, boolean
-    with True = attend, or additive float), already causal, so the last row's slice is all that matters.
+    `query` (b, H, seq, d), `key` (b, H_kv, kv, d) with H_kv dividing H (grouped-query keys, or one per query head);
+    `attention_mask` as the attention functions get it (`None`, boolean with True = attend, or additive float), already
+    causal, so the last row's slice is all that matters.
     """
-    batch, heads, kv, _ = key.shape
-    # the query times the transposed keys, a view of the cache's: (b, H, 1, kv). A matrix times one column (keys
-    # times the query) runs several times slower on CPUs.
-    scores = torch.matmul(query[:, :, -1:], key.transpose(-1, -2))
+    batch, heads, _, head_dim = query.shape
+    key_heads, kv = key.shape[1:3]
+    # (b, H_kv, H / H_kv, d): the query heads each key-value head serves
+    last_query = query[:, :, -1:].reshape(batch, key_heads, heads // key_heads, head_dim)
+    # the query times the transposed keys, a view of the cache's: (b, H_kv, H / H_kv, kv). A matrix times one column
+    # (keys times the query) runs several times slower on CPUs.
+    scores = torch.matmul(last_query, key.transpose(-1, -2))
     scores = scores.view(batch, heads, kv).float() * scaling
     if attention_mask is None:
         return scores, torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
@@ -468,10 +475,13 @@ class LayerHooks:
         innermost first: the one seam where the hooks run, for SepFormer's attention and for the attention a Hugging
         Face decoder looks up (`any_decoder`). `projection`: the layer's `QueryKeyProjection` where an input hook runs.
         The wrappers act per query head: grouped-query keys and values (b, H_kv, kv, d) are expanded first (the keys
-        but where the outermost wrapper turns them and expands them itself)."""
+        but where the outermost wrapper turns them and expands them itself), unless every wrapper reads them grouped."""
         if self.attention_wrappers:
             groups = query.shape[1] // key.shape[1]
-            if groups > 1:  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
+            expand = not all(mitigation.reads_grouped_keys for mitigation in self.attention_wrappers)
+            if (
+                groups > 1 and expand
+            ):  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
                 value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
                 key = key if self.attention_wrappers[-1].turns_queries_keys else repeat_kv(key, groups)
                 module = ExpandedHeads(module)
