@@ -286,7 +286,7 @@ class PositionalBiasCalibration(CalibrationMitigation):
         semantic = key_input[..., d_pos:]  # (b, kv, d_sem): the normed semantic block, as k_proj reads it
         mean = (semantic.float() * in_documents).sum(1, keepdim=True) / in_documents.sum(1, keepdim=True)
         dummy_input = torch.cat((key_input[..., :d_pos], mean.to(key_input.dtype).expand_as(semantic)), -1)
-        return projection.project(projection.attention_input, dummy_input)[1]
+        return projection.project_keys(dummy_input)
 
     def wrap_attention(
         self, layer_idx: int, function: AttentionFunction, projection: QueryKeyProjection | None

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import repeat_kv
 
 from .mitigation_base import MitigationPlan
 from .mitigations import MITIGATIONS
@@ -74,28 +73,45 @@ def query_key_layout_problem(attention: nn.Module, attention_input, position_emb
 def project_query_key(attention: nn.Module, query_input, key_input, position_embeddings):
     """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and (b, H_kv, seq, head_dim) keys as the module makes
     them. The projections' `forward` is called directly: their hooks (the rewriting among them) do not run."""
+    query, key = projected(attention, query_input, QUERY), projected(attention, key_input, KEY)
+    return rotated(attention, query, key, position_embeddings)
+
+
+def project_key(attention: nn.Module, key_input, position_embeddings) -> torch.Tensor:
+    """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them, without projecting queries (the
+    keys stand in for them in the rotary function, which rotates both alike)."""
+    key = projected(attention, key_input, KEY)
+    return rotated(attention, key, key, position_embeddings)[1]
+
+
+QUERY, KEY = 0, 1
+
+
+def projected(attention: nn.Module, hidden: torch.Tensor, side: int) -> torch.Tensor:
+    """(b, seq, d_model) -> (b, heads, seq, head_dim): the module's queries (`side` QUERY) or keys (KEY) of `hidden`,
+    normed as it norms them, not rotated."""
     if is_llama_like(attention):
-        query, key = attention.q_proj.forward(query_input), attention.k_proj.forward(key_input)
+        states = (attention.q_proj, attention.k_proj)[side].forward(hidden)
         norms = query_key_norms(attention)
+        norm = None if norms is None else norms[side]
     else:
         split = attention.split_size
-        query = attention.c_attn.forward(query_input)[..., :split]
-        key = attention.c_attn.forward(key_input)[..., split : 2 * split]
-        norms = None
-    if norms is not None and not normed_per_head(norms[0], attention.head_dim):  # OLMo-2: the whole projection
-        query, key = norms[0](query), norms[1](key)
-    query = query.view(*query_input.shape[:-1], -1, attention.head_dim)  # (b, seq, H, head_dim)
-    key = key.view(*key_input.shape[:-1], -1, attention.head_dim)
-    if norms is not None and normed_per_head(norms[0], attention.head_dim):
-        query, key = norms[0](query), norms[1](key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)  # (b, H or H_kv, seq, head_dim)
-    if position_embeddings is not None:  # the first cos.shape[-1] dimensions of each head are rotated (Phi: part)
-        rotary_dim = position_embeddings[0].shape[-1]
-        rotated = rotary_function(attention)(query[..., :rotary_dim], key[..., :rotary_dim], *position_embeddings)
-        query, key = (
-            torch.cat((turned, x[..., rotary_dim:]), -1) for turned, x in zip(rotated, (query, key), strict=True)
-        )
-    return query, key
+        states, norm = attention.c_attn.forward(hidden)[..., side * split : (side + 1) * split], None
+    per_head = norm is not None and normed_per_head(norm, attention.head_dim)
+    if norm is not None and not per_head:  # OLMo-2: the whole projection
+        states = norm(states)
+    states = states.view(*hidden.shape[:-1], -1, attention.head_dim)  # (b, seq, heads, head_dim)
+    return (norm(states) if per_head else states).transpose(1, 2)
+
+
+def rotated(attention: nn.Module, query, key, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """`query`, `key` (b, heads, seq, head_dim) rotated by the module's file's `apply_rotary_pos_emb`, on the first
+    `cos.shape[-1]` dimensions of each head (Phi: part of them)."""
+    if position_embeddings is None:
+        return query, key
+    rotary_dim = position_embeddings[0].shape[-1]
+    turned = rotary_function(attention)(query[..., :rotary_dim], key[..., :rotary_dim], *position_embeddings)
+    return tuple(torch.cat((part, x[..., rotary_dim:]), -1) for part, x in zip(turned, (query, key), strict=True))
 
 
 def query_key_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -155,12 +171,10 @@ class DecoderProjection:
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # the cos, sin the module rotates with
     rewriting: contextlib.ExitStack
 
-    def project(self, query_input: torch.Tensor, key_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and keys as the module makes them, the keys
-        repeated to the query heads (as the attention function receives them). The projections' `forward` is called
-        directly: their hooks, the rewriting among them, do not run."""
-        query, key = project_query_key(self.attention, query_input, key_input, self.position_embeddings)
-        return query, repeat_kv(key, query.shape[1] // key.shape[1])
+    def project_keys(self, key_input: torch.Tensor) -> torch.Tensor:
+        """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them. The projection's `forward` is
+        called directly: its hooks, the rewriting among them, do not run."""
+        return project_key(self.attention, key_input, self.position_embeddings)
 
 
 def before_attention(module: nn.Module, args: tuple, kwargs: dict):

@@ -281,10 +281,12 @@ class QueryKeyProjection:
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
     layer_call: LayerCall
 
-    def project(self, query_input: torch.Tensor, key_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and keys, positions applied as the layer does."""
-        query, key = self.attention.project_query_key(query_input, key_input)
-        return self.attention.apply_positions(query, key, self.layer_call)
+    def project_keys(self, key_input: torch.Tensor) -> torch.Tensor:
+        """(b, seq, d_model) -> (b, H, seq, head_dim) keys, positions applied as the layer does: no query is projected,
+        the keys stand in for them (positions act on both alike; a position hook's head ranks were fixed by the layer's
+        own call)."""
+        key = self.attention.by_head(self.attention.k_proj(key_input))
+        return self.attention.apply_positions(key, key, self.layer_call)[1]
 
 
 @dataclass(frozen=True, eq=False)

@@ -98,10 +98,11 @@ class SepFormerAttention(nn.Module):
         self, query_input: torch.Tensor, key_input: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, seq, d_model) inputs -> (b, heads, seq, head_dim) queries and keys."""
-        hidden_shape = (*query_input.shape[:-1], -1, self.head_dim)
-        query_states = self.q_proj(query_input).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(key_input).view(hidden_shape).transpose(1, 2)
-        return query_states, key_states
+        return self.by_head(self.q_proj(query_input)), self.by_head(self.k_proj(key_input))
+
+    def by_head(self, states: torch.Tensor) -> torch.Tensor:
+        """(b, seq, heads · head_dim) -> (b, heads, seq, head_dim)."""
+        return states.view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
     def apply_positions(self, query_states, key_states, layer_call: LayerCall):
         """Positions into the queries and keys: a mitigation's position hook, or rotary when on."""

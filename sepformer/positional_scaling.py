@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from .mitigation_base import AttentionFunction, CallContext, InputScale, LayerRun, Mitigation, QueryKeyProjection
 from .mitigation_options import PositionalScaling
@@ -96,7 +97,8 @@ class PositionalScalingMitigation(Mitigation):
                 return output, weights
             # Prefill: the rows before the last attend to the unscaled keys, as in the base model. A causal row reads
             # keys up to itself only, so the base rows of a full attention call with those keys are the base model's.
-            _, base_key = projection.project(projection.attention_input, projection.attention_input)
+            base_key = projection.project_keys(projection.attention_input)  # (b, H or H_kv, seq, head_dim)
+            base_key = repeat_kv(base_key, key.shape[1] // base_key.shape[1])
             base_output, base_weights = function(module, query, base_key, value, attention_mask, **kwargs)
             output = torch.cat((base_output[:, :base_rows], output[:, base_rows:]), 1)  # (b, seq, H, head_dim)
             if weights is not None:
