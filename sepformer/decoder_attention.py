@@ -77,13 +77,6 @@ def project_query_key(attention: nn.Module, query_input, key_input, position_emb
     return rotated(attention, query, key, position_embeddings)
 
 
-def project_key(attention: nn.Module, key_input, position_embeddings) -> torch.Tensor:
-    """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them, without projecting queries (the
-    keys stand in for them in the rotary function, which rotates both alike)."""
-    key = projected(attention, key_input, KEY)
-    return rotated(attention, key, key, position_embeddings)[1]
-
-
 QUERY, KEY = 0, 1
 
 
@@ -172,9 +165,11 @@ class DecoderProjection:
     rewriting: contextlib.ExitStack
 
     def project_keys(self, key_input: torch.Tensor) -> torch.Tensor:
-        """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them. The projection's `forward` is
-        called directly: its hooks, the rewriting among them, do not run."""
-        return project_key(self.attention, key_input, self.position_embeddings)
+        """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them, no query projected (the keys
+        stand in for them in the rotary function, which rotates both alike). The projection's `forward` is called
+        directly: its hooks, the rewriting among them, do not run."""
+        key = projected(self.attention, key_input, KEY)
+        return rotated(self.attention, key, key, self.position_embeddings)[1]
 
 
 def before_attention(module: nn.Module, args: tuple, kwargs: dict):
