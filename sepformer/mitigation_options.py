@@ -95,6 +95,16 @@ def as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, 
     return tuple(float(check_number(name, field[:-1], item, **{"low": 0.0, **bounds})) for item in items)
 
 
+def as_int_pairs(value) -> tuple[tuple[int, int], ...] | None:
+    """`value` as a tuple of (int, int) pairs if it is a non-empty sequence of pairs of integers (one row's spans), else
+    `None`."""
+    try:
+        pairs = tuple(tuple(plain_integer(bound) for bound in pair) for pair in value)
+    except TypeError:
+        return None
+    return pairs if pairs and all(len(pair) == 2 and None not in pair for pair in pairs) else None
+
+
 def as_spans(name: str, field: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
     """`name`'s `field`: per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every
     row."""
@@ -103,7 +113,9 @@ def as_spans(name: str, field: str, spans) -> tuple[tuple[tuple[int, int], ...],
     except TypeError:
         rows = None
     if rows is None or not all(len(span) == 2 for row in rows for span in row):
-        raise ValueError(f"{name} {field}={spans!r} must be, per batch row, a sequence of (start, end).")
+        one_row = as_int_pairs(spans)
+        hint = f": for a batch of one row, {field}=[{one_row!r}]" if one_row else ""
+        raise ValueError(f"{name} {field}={spans!r} must be, per batch row, a sequence of (start, end){hint}.")
     for row_index, row in enumerate(rows):
         for span in row:
             if None in (plain_integer(bound) for bound in span):

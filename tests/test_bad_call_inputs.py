@@ -5,7 +5,7 @@ import torch
 from conftest import random_ids, tiny_llama, tiny_model
 from transformers import GenerationConfig
 
-from sepformer import AttentionCalibration, MSPoE, SepFormerCache, StableMask, add_mitigations
+from sepformer import AttentionCalibration, MSPoE, ParallelContextWindows, SepFormerCache, StableMask, add_mitigations
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -362,6 +362,19 @@ def test_fractional_document_spans_are_refused_not_truncated():
         AttentionCalibration(spans=[[(0, 3.5)]])
     with pytest.raises(ValueError, match="must be, per batch row, a sequence of \\(start, end\\)"):
         AttentionCalibration(spans=[[(0, 3, 5)]])
+
+
+@pytest.mark.parametrize("option", [AttentionCalibration, ParallelContextWindows])
+def test_one_rows_spans_given_without_their_batch_row_are_refused_with_the_nesting_to_give(option):
+    """A batch of one is the usual call, and its spans are easily given unnested: the refusal shows the nesting."""
+    with pytest.raises(
+        ValueError,
+        match=r"spans=\(\(0, 3\), \(3, 6\)\) must be, per batch row, .*: for a batch of one "
+        r"row, spans=\[\(\(0, 3\), \(3, 6\)\)\]\.$",
+    ):
+        option(spans=((0, 3), (3, 6)))
+    with pytest.raises(ValueError, match=r"spans=5 must be, per batch row, a sequence of \(start, end\)\.$"):
+        option(spans=5)
 
 
 def test_dummy_document_ids_outside_the_vocabulary_are_refused():
