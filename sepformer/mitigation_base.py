@@ -480,10 +480,9 @@ class LayerHooks:
         but where the outermost wrapper turns them and expands them itself), unless every wrapper reads them grouped."""
         if self.attention_wrappers:
             groups = query.shape[1] // key.shape[1]
-            expand = not all(mitigation.reads_grouped_keys for mitigation in self.attention_wrappers)
-            if (
-                groups > 1 and expand
-            ):  # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
+            grouped = all(mitigation.reads_grouped_keys for mitigation in self.attention_wrappers)
+            # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
+            if groups > 1 and not grouped:
                 value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
                 key = key if self.attention_wrappers[-1].turns_queries_keys else repeat_kv(key, groups)
                 module = ExpandedHeads(module)
