@@ -261,6 +261,8 @@ def register_wrapper(implementation: str) -> str:
 
 def forward_inputs(model, args, kwargs) -> dict:
     """The arguments of a call of the model's own `forward`, by name (its `**kwargs` spread out)."""
+    if not args:  # by keyword already (generate's): binding would give them back as they are
+        return dict(kwargs)
     signature = type(model).unmitigated_signature
     arguments = dict(signature.bind(model, *args, **kwargs).arguments)
     del arguments[next(iter(signature.parameters))]  # self
@@ -278,14 +280,13 @@ class MitigatedDecoder(MitigationGenerationMixin):
         already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
         plan = kwargs.pop("mitigation_plan", None)
         options = call_options(kwargs, plan)
-        inputs = forward_inputs(self, args, kwargs) if args else None  # by keyword (generate's): bound only if needed
-        cache = (inputs or kwargs).get("past_key_values")
-        kept = plan is None and plan_kept_for(cache, self.config, options) is not None  # checked when it was resolved
-        if plan is None and not kept and not parse_options(self.config, options) and not holds_prefill_state(cache):
+        inputs = forward_inputs(self, args, kwargs)
+        cache = inputs.get("past_key_values")
+        kept = plan_kept_for(cache, self.config, options) if plan is None else None  # checked when it was resolved
+        if plan is None and kept is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
-        inputs = inputs or forward_inputs(self, args, kwargs)
-        if kept:
-            plan = kept_plan(self.call_context(inputs), options)
+        if kept is not None:
+            plan = kept_plan(self.call_context(inputs), kept)
         implementation = self.config._attn_implementation
         if implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(

@@ -235,8 +235,8 @@ class CallContext:
     batch: int
     new_tokens: int  # the call's tokens (its sequence length)
     continuing: bool  # the call continues a cache (a decoding step), rather than starting one (prefill)
-    # The SepFormerCache that keeps what is fixed at prefill: the call's cache, a fresh one for a call without a cache,
-    # or None when the call's cache is of another kind; set by `resolve_plan`.
+    # The SepFormerCache that keeps what is fixed at prefill: the call's cache, a fresh one for a call without a cache
+    # (set by `resolve_plan`), or None when the call's cache is of another kind.
     sepformer_cache: SepFormerCache | None = None
     positions: ModelPositions  # what the model answers about its attention and positions
     position_ids: torch.LongTensor | None = None  # the call's position_ids where given (a Hugging Face decoder's)
@@ -246,7 +246,16 @@ class CallContext:
         """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...)), with the model's positions
         (`decoder_positions`)."""
         batch, new_tokens = tokens.shape[:2]
-        return cls(model=model, batch=batch, new_tokens=new_tokens, positions=model.decoder_positions, **fields)
+        cache = fields["cache"]
+        sepformer_cache = cache if isinstance(cache, SepFormerCache) else None
+        return cls(
+            model=model,
+            batch=batch,
+            new_tokens=new_tokens,
+            positions=model.decoder_positions,
+            sepformer_cache=sepformer_cache,
+            **fields,
+        )
 
 
 def model_positions(model: nn.Module) -> ModelPositions | None:
@@ -458,6 +467,14 @@ class LayerHooks:
     position_hook: Mitigation | None = None
     attention_wrappers: tuple[Mitigation, ...] = ()
 
+    def started(self, started: dict[int, Mitigation]) -> "LayerHooks":
+        """The same hooks, each mitigation replaced by its started self, `started[id(mitigation)]`."""
+        return LayerHooks(
+            tuple(started[id(mitigation)] for mitigation in self.input_hooks),
+            None if self.position_hook is None else started[id(self.position_hook)],
+            tuple(started[id(mitigation)] for mitigation in self.attention_wrappers),
+        )
+
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
         """What the input hooks do, as one `InputScale` the fused decoding projections can carry, or `None`."""
         if not self.input_hooks:
@@ -517,7 +534,16 @@ class MitigationPlan:
 
     @classmethod
     def of(cls, mitigations: tuple[Mitigation, ...], num_layers: int) -> "MitigationPlan":
+        """The plan of `mitigations`: layers with the same mitigations share one `LayerHooks`."""
+        by_members: dict[tuple[bool, ...], LayerHooks] = {}
+
         def hooks(layer: int) -> LayerHooks:
+            members = tuple(layer in mitigation.layers for mitigation in mitigations)
+            if members not in by_members:
+                by_members[members] = layer_hooks(layer)
+            return by_members[members]
+
+        def layer_hooks(layer: int) -> LayerHooks:
             here = [mitigation for mitigation in mitigations if layer in mitigation.layers]
             position_hooks = [mitigation for mitigation in here if mitigation.uses("position_query_key")]
             if len(position_hooks) > 1:
@@ -541,8 +567,10 @@ class MitigationPlan:
         return cls(mitigations, tuple(hooks(layer) for layer in range(num_layers)))
 
     def start(self, run: "LayerRun") -> "MitigationPlan":
-        """The plan for one run of the layers: each mitigation with its per-run tensors."""
-        return MitigationPlan.of(tuple(mitigation.start(run) for mitigation in self.mitigations), len(self.layers))
+        """The plan for one run of the layers: each mitigation with its per-run tensors, in the same layers' hooks."""
+        started = {id(mitigation): mitigation.start(run) for mitigation in self.mitigations}
+        layers = {id(hooks): hooks.started(started) for hooks in self.layers}  # one per distinct `LayerHooks`
+        return MitigationPlan(tuple(started.values()), tuple(layers[id(hooks)] for hooks in self.layers))
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         for mitigation in self.mitigations:

@@ -229,13 +229,12 @@ def plan_kept_for(cache, config, options: dict) -> KeptPlan | None:
     return kept
 
 
-def kept_plan(call: CallContext, options: dict) -> MitigationPlan | None:
-    """The plan kept for the call's cache when this decoding step gives the same options in the same form, its
+def kept_plan(call: CallContext, kept: KeptPlan | None) -> MitigationPlan | None:
+    """The plan `kept` (`plan_kept_for` the call's cache and options) when this decoding step has the same form, its
     mitigations prepared for the step (`Mitigation.prepare`: a step's own work, as when resolved)."""
-    kept = plan_kept_for(call.cache, call.model.config, options) if call.continuing else None
-    if kept is None or call_form(call) != kept.form:
+    if kept is None or not call.continuing or call_form(call) != kept.form:
         return None
-    prepare(dataclasses.replace(call, sepformer_cache=call.cache), kept.plan)
+    prepare(call, kept.plan)
     return kept.plan
 
 
@@ -268,8 +267,8 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
     if not parsed:
         return None
     num_layers = call.model.config.num_hidden_layers
-    if isinstance(call.cache, SepFormerCache) or call.cache is None:
-        call = dataclasses.replace(call, sepformer_cache=call.cache if call.cache is not None else SepFormerCache())
+    if call.cache is None:
+        call = dataclasses.replace(call, sepformer_cache=SepFormerCache())
     check_combination({name: value.layer_set(num_layers) for name, value in parsed.items()})
     check_last_rows_are_prompt(call, parsed)
     for name, value in parsed.items():

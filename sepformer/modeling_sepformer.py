@@ -360,7 +360,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 extrapolation=extrapolation,
                 continuing=continuing,
             )
-            mitigation_plan = kept_plan(call, options) or resolve_plan(call, options)
+            kept = plan_kept_for(past_key_values, self.config, options)
+            mitigation_plan = kept_plan(call, kept) or resolve_plan(call, options)
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, attention_mask, past_key_values)
         hidden_states, layer_inputs = self.layer_inputs(

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .cache_sepformer import MitigationState, SepFormerCache
+from .cache_sepformer import MitigationState, SepFormerCache, fits_in_place
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import (
     CallContext,
@@ -136,12 +136,43 @@ class MSPoEState(MitigationState):
     position-aware); where the keys reach it rotated and cached (a Hugging Face decoder) also each layer's keys turned
     to `m / r_h` (b, H, kv, head_dim), with the number of keys seen when they were turned and the options that turned
     them, so that a decoding step turns its own keys only (after a crop, the count no longer matches: the next step
-    turns them all anew)."""
+    turns them all anew).
+
+    Where the turned keys are every key seen (no sliding window), they are also the leading keys of `turned_room`, a
+    buffer with room for more: a step without autograd writes its own turned keys there in place, as the cache's
+    `GrowingLayer` does, rather than copying every turned key into a new tensor."""
 
     ranks: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_seen: dict[int, int] = field(default_factory=dict)
+    turned_room: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_by: MSPoE | None = None
+
+    def keep_turned(self, layer: int, turned: torch.Tensor, seen: int) -> None:
+        """Keep `turned` (b, H, n, head_dim), the turned keys of the last `n` of the `seen` keys."""
+        self.turned_keys[layer], self.turned_seen[layer] = turned, seen
+        self.turned_room.pop(layer, None)
+
+    def room_for(self, layer: int, seen: int, new: torch.Tensor) -> torch.Tensor | None:
+        """A buffer whose leading `seen` keys are this layer's kept turned keys of all `seen` keys, with room for the
+        `new` ones (b, H, n, head_dim) after them, or `None` where they cannot be written in place."""
+        kept = self.turned_keys.get(layer)
+        if (
+            kept is None
+            or self.turned_seen.get(layer) != seen
+            or kept.shape[2] != seen
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not fits_in_place(kept, new)
+        ):
+            return None
+        room = self.turned_room.get(layer)
+        needed = seen + new.shape[2]
+        if room is None or room.shape[2] < needed:
+            room = kept.new_empty(*kept.shape[:2], needed + max(128, needed // 8), kept.shape[3])
+            room[:, :, :seen] = kept
+            self.turned_room[layer] = room
+        return room
 
 
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
@@ -282,15 +313,22 @@ class MSPoEMitigation(Mitigation):
             query, key = apply_partial_rotary(query, key, *self.head_turn(attention.layer_idx, ranks))
         return query, key
 
-    def earlier_turned_keys(self, layer: int, earlier: torch.Tensor, ranks: torch.Tensor, total: int) -> torch.Tensor:
-        """(b, H, n, head_dim) the keys `earlier` (b, H or H_kv, n, head_dim) held before this call's, of `total` keys
-        seen with them, turned: kept on the cache by the call before, or turned now from their positions (the first
-        call of a cache, after a crop, or other options)."""
+    def turned_state(self) -> MSPoEState | None:
+        """The state keeping the turned keys on the call's cache (emptied where other options turned them), if any."""
         state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
         if state is not None and state.turned_by != self.options:
             state.turned_keys.clear()
             state.turned_seen.clear()
+            state.turned_room.clear()
             state.turned_by = self.options
+        return state
+
+    def earlier_turned_keys(
+        self, layer: int, earlier: torch.Tensor, ranks: torch.Tensor, total: int, state: MSPoEState | None
+    ) -> torch.Tensor:
+        """(b, H, n, head_dim) the keys `earlier` (b, H or H_kv, n, head_dim) held before this call's, of `total` keys
+        seen with them, turned: kept on the cache by the call before, or turned now from their positions (the first
+        call of a cache, after a crop, or other options)."""
         if state is not None and state.turned_seen.get(layer) == self.seen:
             return state.turned_keys[layer]
         earlier = self.per_query_head(earlier)  # the last (sliding window) or first (static slots) keys of `seen`
@@ -312,13 +350,18 @@ class MSPoEMitigation(Mitigation):
         new, held = cos.shape[2], key.shape[2]
         total = self.seen + new
         start = held - new if held <= total else self.seen
-        earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total)
+        new_turned = rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)
+        state = self.turned_state()
+        room = state.room_for(layer, self.seen, new_turned) if state is not None and held == total else None
+        if room is not None:  # every key seen so far, kept turned: this step's are written after them
+            room[:, :, self.seen : total] = new_turned
+            state.turned_keys[layer], state.turned_seen[layer] = room[:, :, :total], total
+            return state.turned_keys[layer]
+        earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total, state)
         assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
-        turned = torch.cat((earlier, rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)), 2)
-        if self.cache is not None:
-            state = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
-            state.turned_keys[layer] = turned[:, :, -held:]  # a sliding window's next call needs at most these
-            state.turned_seen[layer] = total
+        turned = torch.cat((earlier, new_turned), 2)
+        if state is not None:
+            state.keep_turned(layer, turned[:, :, -held:], total)  # a sliding window's next call needs at most these
         return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
 
     def uses(self, hook: str) -> bool:

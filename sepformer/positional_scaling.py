@@ -24,7 +24,8 @@ class PositionalScalingMitigation(Mitigation):
     hidden_size: int = 0
     channels: tuple[int, ...] = ()
     continuing: bool = False
-    key_factors: torch.Tensor | None = None  # (b or 1, seq, d_model): `s` on the channels of scaled tokens, else 1
+    key_factors: torch.Tensor | None = None  # (b or 1, seq, d_model), or (d_model,) for every token: `s` on the
+    # channels of scaled tokens, else 1
     query_factors: torch.Tensor | None = None  # the same on the rows whose queries are scaled, 1 on the others
     input_scale: InputScale | None = None  # a decoding step whose tokens are all scaled alike: (channels, s or 1)
 
@@ -55,6 +56,9 @@ class PositionalScalingMitigation(Mitigation):
     def start(self, run: LayerRun) -> "PositionalScalingMitigation":
         factors = torch.ones(self.hidden_size, dtype=run.dtype, device=run.device)
         factors[list(self.channels)] = self.options.factor
+        input_scale = self.uniform_scale(run.position_ids)
+        if input_scale is not None and input_scale[1] == self.options.factor:  # a step whose every token is scaled
+            return self.replace(key_factors=factors, query_factors=factors, input_scale=input_scale)
         skipped = (run.position_ids < self.options.skip_first)[..., None]  # (b or 1, seq, 1)
         key_factors = torch.where(skipped, torch.ones_like(factors), factors)  # (b or 1, seq, d_model)
         query_factors = key_factors
@@ -63,9 +67,7 @@ class PositionalScalingMitigation(Mitigation):
                 key_factors.shape[1] - self.options.last_recompute_tokens
             )
             query_factors = torch.where(recomputed[:, None], key_factors, torch.ones_like(factors))
-        return self.replace(
-            key_factors=key_factors, query_factors=query_factors, input_scale=self.uniform_scale(run.position_ids)
-        )
+        return self.replace(key_factors=key_factors, query_factors=query_factors, input_scale=input_scale)
 
     def uniform_scale(self, position_ids: torch.Tensor) -> InputScale | None:
         """At a decoding step, `(channels, s)` when every new token is scaled, `(channels, 1)` when none is."""
