@@ -135,8 +135,8 @@ class MSPoEState(MitigationState):
     """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
     position-aware); where the keys reach it rotated and cached (a Hugging Face decoder) also each layer's keys turned
     to `m / r_h` (b, H, kv, head_dim), with the number of keys seen when they were turned and the options that turned
-    them, so that a decoding step turns its own keys only (after a crop, the count no longer matches: the next step
-    turns them all anew).
+    them, so that a decoding step turns its own keys only (after a crop, or a step without MS-PoE, the next step turns
+    them all anew).
 
     Where the turned keys are every key seen (no sliding window), they are also the leading keys of `turned_room`, a
     buffer with room for more: a step without autograd writes its own turned keys there in place, as the cache's
@@ -147,6 +147,13 @@ class MSPoEState(MitigationState):
     turned_seen: dict[int, int] = field(default_factory=dict)
     turned_room: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_by: MSPoE | None = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """The ranks stay (per row); the turned keys go, and the next step turns the keys left anew: steps without
+        MS-PoE after the crop could bring the cache back to as many keys as were turned, other ones."""
+        self.turned_keys.clear()
+        self.turned_seen.clear()
+        self.turned_room.clear()
 
     def keep_turned(self, layer: int, turned: torch.Tensor, seen: int) -> None:
         """Keep `turned` (b, H, n, head_dim), the turned keys of the last `n` of the `seen` keys."""
