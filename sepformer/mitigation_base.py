@@ -312,8 +312,9 @@ class Mitigation:
     # Whether `wrap_attention` turns the queries and keys it is given (MS-PoE's further rotation on a Hugging Face
     # decoder). Such a wrapper is its layer's outermost, so that the others read the turned queries and keys, as they
     # read SepFormer's (whose positions a `position_query_key` hook applies before any wrapper); and it takes the
-    # cache's grouped-query keys as they are, (b, H_kv, kv, d), handing the function it wraps one key per query head:
-    # it keeps its own turned keys, so expanding every cached key first would be a wasted copy at every step.
+    # cache's grouped-query keys and values as they are, (b, H_kv, kv, d), handing the function it wraps one of each
+    # per query head: it keeps its own turned keys and expanded values, so expanding every cached one first would be a
+    # wasted copy at every step.
     turns_queries_keys: ClassVar[bool] = False
     # Whether `wrap_attention` reads grouped-query keys and values (b, H_kv, kv, d) as the cache holds them, query head
     # `h` against key-value head `h // (H / H_kv)`: where every wrapper of a layer does, none is expanded.
@@ -493,15 +494,15 @@ class LayerHooks:
         """`function(module, query, key, value, attention_mask, **kwargs)` wrapped by the layer's attention wrappers,
         innermost first: the one seam where the hooks run, for SepFormer's attention and for the attention a Hugging
         Face decoder looks up (`any_decoder`). `projection`: the layer's `QueryKeyProjection` where an input hook runs.
-        The wrappers act per query head: grouped-query keys and values (b, H_kv, kv, d) are expanded first (the keys
-        but where the outermost wrapper turns them and expands them itself), unless every wrapper reads them grouped."""
+        The wrappers act per query head: grouped-query keys and values (b, H_kv, kv, d) are expanded first (but where
+        the outermost wrapper turns the keys and expands both itself), unless every wrapper reads them grouped."""
         if self.attention_wrappers:
             groups = query.shape[1] // key.shape[1]
             grouped = all(mitigation.reads_grouped_keys for mitigation in self.attention_wrappers)
             # (b, H_kv, kv, d) -> (b, H, kv, d): key-value head j serves query heads j·groups..
             if groups > 1 and not grouped:
-                value = repeat_kv(value, groups)  # the wrapped function reads one value per query head it is given
-                key = key if self.attention_wrappers[-1].turns_queries_keys else repeat_kv(key, groups)
+                if not self.attention_wrappers[-1].turns_queries_keys:  # which expands them itself
+                    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
                 module = ExpandedHeads(module)
             for mitigation in self.attention_wrappers:
                 function = mitigation.wrap_attention(module.layer_idx, function, projection)

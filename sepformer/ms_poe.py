@@ -136,50 +136,57 @@ class MSPoEState(MitigationState):
     position-aware); where the keys reach it rotated and cached (a Hugging Face decoder) also each layer's keys turned
     to `m / r_h` (b, H, kv, head_dim), with the number of keys seen when they were turned and the options that turned
     them, so that a decoding step turns its own keys only (after a crop, or a step without MS-PoE, the next step turns
-    them all anew).
+    them all anew); and, where the model groups its key-value heads and the turned keys are every key seen, its values
+    per query head (b, H, kv, head_dim), which a step would otherwise expand from the cache's whole.
 
-    Where the turned keys are every key seen (no sliding window), they are also the leading keys of `turned_room`, a
-    buffer with room for more: a step without autograd writes its own turned keys there in place, as the cache's
-    `GrowingLayer` does, rather than copying every turned key into a new tensor."""
+    Where they are every key seen (no sliding window), the turned keys and expanded values are the leading keys of
+    buffers with room for more (`rooms`): a step without autograd writes its own there in place, as the cache's
+    `GrowingLayer` does, rather than copying every earlier one into a new tensor."""
 
     ranks: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     turned_seen: dict[int, int] = field(default_factory=dict)
-    turned_room: dict[int, torch.Tensor] = field(default_factory=dict)
+    expanded_values: dict[int, torch.Tensor] = field(default_factory=dict)
+    rooms: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # by ("keys" or "values", layer)
     turned_by: MSPoE | None = None
+
+    def forget_turned(self) -> None:
+        """Drop every turned key and expanded value: the next step makes them anew."""
+        for kept in (self.turned_keys, self.turned_seen, self.expanded_values, self.rooms):
+            kept.clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         """The ranks stay (per row); the turned keys go, and the next step turns the keys left anew: steps without
         MS-PoE after the crop could bring the cache back to as many keys as were turned, other ones."""
-        self.turned_keys.clear()
-        self.turned_seen.clear()
-        self.turned_room.clear()
+        self.forget_turned()
 
-    def keep_turned(self, layer: int, turned: torch.Tensor, seen: int) -> None:
-        """Keep `turned` (b, H, n, head_dim), the turned keys of the last `n` of the `seen` keys."""
-        self.turned_keys[layer], self.turned_seen[layer] = turned, seen
-        self.turned_room.pop(layer, None)
+    def keep(self, part: str, layer: int, tensor: torch.Tensor) -> None:
+        """Keep `tensor` as the layer's turned keys (`part` "keys") or expanded values ("values"), made anew."""
+        (self.turned_keys if part == "keys" else self.expanded_values)[layer] = tensor
+        self.rooms.pop((part, layer), None)
 
-    def room_for(self, layer: int, seen: int, new: torch.Tensor) -> torch.Tensor | None:
-        """A buffer whose leading `seen` keys are this layer's kept turned keys of all `seen` keys, with room for the
-        `new` ones (b, H, n, head_dim) after them, or `None` where they cannot be written in place."""
-        kept = self.turned_keys.get(layer)
+    def written_after(self, part: str, layer: int, seen: int, new: torch.Tensor) -> torch.Tensor | None:
+        """The layer's kept turned keys (`part` "keys") or expanded values ("values") of all `seen` keys, followed by
+        `new` (b, H, n, head_dim) written in place into their buffer's room, kept; `None` where they cannot be (none
+        kept of `seen` keys, autograd on, compiled, or another dtype or shape)."""
+        kept = (self.turned_keys if part == "keys" else self.expanded_values).get(layer)
         if (
             kept is None
-            or self.turned_seen.get(layer) != seen
             or kept.shape[2] != seen
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
             or not fits_in_place(kept, new)
         ):
             return None
-        room = self.turned_room.get(layer)
         needed = seen + new.shape[2]
+        room = self.rooms.get((part, layer))
         if room is None or room.shape[2] < needed:
             room = kept.new_empty(*kept.shape[:2], needed + max(128, needed // 8), kept.shape[3])
             room[:, :, :seen] = kept
-            self.turned_room[layer] = room
-        return room
+            self.rooms[part, layer] = room
+        room[:, :, seen:needed] = new
+        (self.turned_keys if part == "keys" else self.expanded_values)[layer] = room[:, :, :needed]
+        return room[:, :, :needed]
 
 
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
@@ -324,9 +331,7 @@ class MSPoEMitigation(Mitigation):
         """The state keeping the turned keys on the call's cache (emptied where other options turned them), if any."""
         state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
         if state is not None and state.turned_by != self.options:
-            state.turned_keys.clear()
-            state.turned_seen.clear()
-            state.turned_room.clear()
+            state.forget_turned()
             state.turned_by = self.options
         return state
 
@@ -359,17 +364,33 @@ class MSPoEMitigation(Mitigation):
         start = held - new if held <= total else self.seen
         new_turned = rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)
         state = self.turned_state()
-        room = state.room_for(layer, self.seen, new_turned) if state is not None and held == total else None
-        if room is not None:  # every key seen so far, kept turned: this step's are written after them
-            room[:, :, self.seen : total] = new_turned
-            state.turned_keys[layer], state.turned_seen[layer] = room[:, :, :total], total
-            return state.turned_keys[layer]
+        if state is not None and held == total and state.turned_seen.get(layer) == self.seen:
+            turned = state.written_after("keys", layer, self.seen, new_turned)  # after every earlier key, kept turned
+            if turned is not None:
+                state.turned_seen[layer] = total
+                return turned
         earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total, state)
         assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
         turned = torch.cat((earlier, new_turned), 2)
         if state is not None:
-            state.keep_turned(layer, turned[:, :, -held:], total)  # a sliding window's next call needs at most these
+            state.keep("keys", layer, turned[:, :, -held:])  # a sliding window's next call needs at most these
+            state.turned_seen[layer] = total
         return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
+
+    def values_per_query_head(self, layer: int, value: torch.Tensor, new: int) -> torch.Tensor:
+        """`value` (b, H or H_kv, held, head_dim) as the cache hands it over, one per query head: where the cache holds
+        every key seen (the turned keys' case above), this call's `new` ones expanded after the earlier ones kept,
+        else all of them expanded."""
+        if value.shape[1] == self.heads:
+            return value
+        state, held, total = self.turned_state(), value.shape[2], self.seen + new
+        if state is None or held != total:
+            return self.per_query_head(value)
+        expanded = state.written_after("values", layer, self.seen, self.per_query_head(value[:, :, self.seen :]))
+        if expanded is None:
+            expanded = self.per_query_head(value)
+            state.keep("values", layer, expanded)
+        return expanded
 
     def uses(self, hook: str) -> bool:
         if hook in ("position_query_key", "wrap_attention"):  # where the model hands it the queries and keys
@@ -381,6 +402,7 @@ class MSPoEMitigation(Mitigation):
             ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
             cos, sin = self.head_turn(layer_idx, ranks)  # (b, H, seq, rotary_dim)
             query, key = rotate_partial(query, cos, sin), self.turned_keys(layer_idx, key, ranks, cos, sin)
+            value = self.values_per_query_head(layer_idx, value, cos.shape[2])
             return function(module, query, key, value, attention_mask, **kwargs)
 
         return rescaled

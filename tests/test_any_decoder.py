@@ -482,17 +482,18 @@ def test_ms_poe_turns_each_step_s_keys_and_keeps_them_for_the_generation(model_n
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "mistral"])
-def test_ms_poe_s_turned_keys_written_in_place_follow_beams_and_repeated_rows(model_name):
-    """The turned keys a generation keeps, each step's written in place after the earlier ones, follow beam search's
-    reordering and the rows `num_return_sequences` repeats (left-padded prompts): the same tokens and scores as on a
-    `DynamicCache`, where every step turns every cached key anew."""
+def test_ms_poe_s_turned_keys_and_values_written_in_place_follow_beams_and_repeated_rows(model_name):
+    """The turned keys and per-query-head values a generation keeps, each step's written in place after the earlier
+    ones, follow beam search's reordering and the rows `num_return_sequences` repeats (left-padded prompts): the same
+    tokens and scores as on a `DynamicCache`, where every step turns every cached key and expands every value anew."""
     model = mitigated(model_name)
     ids, mask = left_padded([random_ids(1, 14, seed=1)[0], random_ids(1, 11, seed=2)[0]])
     settings = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, output_scores=True)
     settings.update(do_sample=False, pad_token_id=0, return_dict_in_generate=True, **options("ms_poe_fixed"))
     kept = model.generate(ids, attention_mask=mask, **settings)
     anew = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **settings)
-    assert kept.past_key_values.mitigation_state["ms_poe"].turned_room, "the steps wrote their turned keys in place"
+    rooms = kept.past_key_values.mitigation_state["ms_poe"].rooms
+    assert {part for part, _ in rooms} == {"keys", "values"}, "the steps wrote their keys and values in place"
     assert torch.equal(kept.sequences, anew.sequences)
     torch.testing.assert_close(torch.stack(kept.scores), torch.stack(anew.scores), rtol=1e-5, atol=1e-5)
 
