@@ -48,6 +48,7 @@ class ParallelContextWindowsMitigation(Mitigation):
     )
     spans: torch.Tensor | None = None  # (b, K, 2)
     continuing: bool = False
+    task_offset: torch.Tensor | None = None  # (b, 1): how far the task's positions move back (`task_shift`)
 
     @classmethod
     def resolve(cls, options: ParallelContextWindows, call: CallContext) -> "ParallelContextWindowsMitigation":
@@ -55,13 +56,14 @@ class ParallelContextWindowsMitigation(Mitigation):
         check_spans_in_prompt(options, call, "windows")
         check_default_positions(call, "parallel_context_windows places its windows and the task")
         layers = options.layer_set(call.model.config.num_hidden_layers)
-        return cls(options, layers, torch.tensor(options.spans, device=call.model.device), call.continuing)
+        spans = torch.tensor(options.spans, device=call.model.device)
+        return cls(options, layers, spans, call.continuing, task_shift(spans))
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         # Every token of a later call is a task token: the windows lie in the prefill's prompt, as `mask_function`
         # also assumes (a cache cropped back into a window is not supported).
         if self.continuing:
-            return position_ids - task_shift(self.spans)
+            return position_ids - self.task_offset
         return window_positions(self.spans, position_ids)
 
     def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
