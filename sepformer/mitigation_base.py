@@ -511,8 +511,8 @@ class LayerHooks:
 
 class ExpandedHeads:
     """An attention module seen with one key-value head per query head: grouped-query keys and values are expanded
-    (a mitigation acts per query head; the keys by the outermost wrapper where it turns them), so the wrapped function
-    must not repeat them again."""
+    (a mitigation acts per query head; by the outermost wrapper where it turns the keys), so the wrapped function must
+    not repeat them again."""
 
     num_key_value_groups = 1
 

@@ -155,14 +155,25 @@ class MSPoEState(MitigationState):
         for kept in (self.turned_keys, self.turned_seen, self.expanded_values, self.rooms):
             kept.clear()
 
+    def map_rows(self, function) -> None:
+        """The kept tensors follow the rows; the rooms are dropped (as `GrowingLayer` drops its buffers), and the next
+        step makes new ones from the kept tensors."""
+        self.rooms.clear()
+        super().map_rows(function)
+
     def crop(self, tokens_to_remove: int) -> None:
         """The ranks stay (per row); the turned keys go, and the next step turns the keys left anew: steps without
         MS-PoE after the crop could bring the cache back to as many keys as were turned, other ones."""
         self.forget_turned()
 
-    def keep(self, part: str, layer: int, tensor: torch.Tensor) -> None:
-        """Keep `tensor` as the layer's turned keys (`part` "keys") or expanded values ("values"), made anew."""
-        (self.turned_keys if part == "keys" else self.expanded_values)[layer] = tensor
+    def keep(self, part: str, layer: int, tensor: torch.Tensor | None) -> None:
+        """Keep `tensor` as the layer's turned keys (`part` "keys") or expanded values ("values"), made anew; `None`
+        keeps none."""
+        kept = self.turned_keys if part == "keys" else self.expanded_values
+        if tensor is None:
+            kept.pop(layer, None)
+        else:
+            kept[layer] = tensor
         self.rooms.pop((part, layer), None)
 
     def written_after(self, part: str, layer: int, seen: int, new: torch.Tensor) -> torch.Tensor | None:
@@ -384,7 +395,10 @@ class MSPoEMitigation(Mitigation):
         if value.shape[1] == self.heads:
             return value
         state, held, total = self.turned_state(), value.shape[2], self.seen + new
-        if state is None or held != total:
+        if state is None:
+            return self.per_query_head(value)
+        if held != total:  # a sliding window's or a static cache's: expanded at each step, none kept
+            state.keep("values", layer, None)
             return self.per_query_head(value)
         expanded = state.written_after("values", layer, self.seen, self.per_query_head(value[:, :, self.seen :]))
         if expanded is None:

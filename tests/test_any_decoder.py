@@ -452,28 +452,33 @@ def test_ms_poe_decodes_past_a_sliding_window_and_on_a_static_cache_as_the_full_
 
 @pytest.mark.parametrize("model_name", ["qwen2", "mistral"])
 def test_ms_poe_turns_each_step_s_keys_and_keeps_them_for_the_generation(model_name):
-    """On a `SepFormerCache` a decoding step turns its own keys and reuses the earlier ones, kept turned; where they
-    were not kept (MS-PoE switched on after a plain prefill, other options, a crop), it turns them anew. Either way
-    the steps equal those on a plain `DynamicCache`, which keeps nothing and turns every cached key at every step, and
-    that equals the full pass (grouped-query keys, a sliding window of 6)."""
+    """On a `SepFormerCache` a decoding step turns its own keys and reuses the earlier ones, kept turned (with the
+    values per query head), written in place after them where it can; where they were not kept (MS-PoE switched on
+    after a plain prefill, other options, a step without MS-PoE or with autograd on between, a crop), it turns them
+    anew. Either way the steps equal those on a plain `DynamicCache`, which keeps nothing and turns every cached key at
+    every step, and that equals the full pass (grouped-query keys, a sliding window of 6)."""
     model = mitigated(model_name, "eager", sliding_window=6) if model_name == "mistral" else mitigated(model_name)
-    ids, fixed = random_ids(2, 14), options("ms_poe_fixed")
+    ids, fixed = random_ids(2, 20), options("ms_poe_fixed")
     stepwise = stepwise_logits(model, ids, 9, cache=DynamicCache(config=model.config), **fixed)
     torch.testing.assert_close(stepwise, logits(model, ids, **fixed), rtol=1e-5, atol=1e-5)
     first, second = fixed["ms_poe"], MSPoE(1.1, 2.0, head_order=(0, 2, 3, 1))
 
     def run(cache) -> torch.Tensor:
-        calls = [(0, 8, None), (8, 10, first), (10, 11, first), (11, 12, second), (12, 13, second)]
+        # (start, end, option, autograd on): steps written in place, and between them steps that cannot be
+        calls = [(0, 8, None, False), (8, 10, first, False), (10, 11, first, False), (11, 12, second, False)]
+        calls += [(12, 13, second, False), (13, 14, None, False), (14, 15, second, False), (15, 16, second, True)]
+        calls += [(16, 17, second, False), (17, 18, second, False)]
+        out = []
+        for start, end, option, grad in calls:
+            with torch.set_grad_enabled(grad):
+                step = model(ids[:, start:end], past_key_values=cache, use_cache=True, ms_poe=option).logits
+            out.append(step.detach())
         with torch.no_grad():
-            out = [
-                model(ids[:, start:end], past_key_values=cache, use_cache=True, ms_poe=option).logits
-                for start, end, option in calls
-            ]
             if model_name == "qwen2":  # a sliding-window cache past its window cannot be cropped
                 cache.crop(-2)  # as assisted decoding drops rejected tokens; then a step without MS-PoE brings the
                 # cache back to as many keys as were turned, other ones
-                out.append(model(ids[:, 11:13], past_key_values=cache, use_cache=True).logits)
-                out.append(model(ids[:, 13:14], past_key_values=cache, use_cache=True, ms_poe=second).logits)
+                out.append(model(ids[:, 16:18], past_key_values=cache, use_cache=True).logits)
+                out.append(model(ids[:, 18:20], past_key_values=cache, use_cache=True, ms_poe=second).logits)
         return torch.cat(out, 1)
 
     kept = sepformer.SepFormerCache(config=model.config)
@@ -481,21 +486,38 @@ def test_ms_poe_turns_each_step_s_keys_and_keeps_them_for_the_generation(model_n
     assert kept.mitigation_state["ms_poe"].turned_keys, "the steps kept their turned keys"
 
 
+def test_ms_poe_keeps_no_values_a_sliding_window_cannot_reuse():
+    """Past its window a sliding-window layer holds other values at every step: MS-PoE keeps none, not even the
+    prompt's that its prefill expanded, so a long prompt leaves no copy of its values on the cache."""
+    model = mitigated("mistral", sliding_window=6)
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    state = model.generate(random_ids(1, 14), **settings, **options("ms_poe_fixed")).past_key_values.mitigation_state
+    assert state["ms_poe"].turned_keys and not state["ms_poe"].expanded_values
+
+
+@pytest.mark.parametrize("beams", [1, 3])
 @pytest.mark.parametrize("model_name", ["qwen2", "mistral"])
-def test_ms_poe_s_turned_keys_and_values_written_in_place_follow_beams_and_repeated_rows(model_name):
+def test_ms_poe_s_turned_keys_and_values_written_in_place_follow_beams_and_repeated_rows(model_name, beams):
     """The turned keys and per-query-head values a generation keeps, each step's written in place after the earlier
     ones, follow beam search's reordering and the rows `num_return_sequences` repeats (left-padded prompts): the same
     tokens and scores as on a `DynamicCache`, where every step turns every cached key and expands every value anew."""
     model = mitigated(model_name)
     ids, mask = left_padded([random_ids(1, 14, seed=1)[0], random_ids(1, 11, seed=2)[0]])
-    settings = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, output_scores=True)
-    settings.update(do_sample=False, pad_token_id=0, return_dict_in_generate=True, **options("ms_poe_fixed"))
-    kept = model.generate(ids, attention_mask=mask, **settings)
-    anew = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **settings)
-    rooms = kept.past_key_values.mitigation_state["ms_poe"].rooms
-    assert {part for part, _ in rooms} == {"keys", "values"}, "the steps wrote their keys and values in place"
+    settings = dict(max_new_tokens=8, num_beams=beams, num_return_sequences=2, output_logits=True)
+    settings.update(do_sample=beams == 1, top_k=1, pad_token_id=0, return_dict_in_generate=True)
+    kept = model.generate(ids, attention_mask=mask, **settings, **options("ms_poe_fixed"))
+    anew = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=DynamicCache(config=model.config),
+        **settings,
+        **options("ms_poe_fixed"),
+    )
+    if beams == 1:  # beam search reorders the rows at every step, which drops the rooms (the next step makes them)
+        rooms = kept.past_key_values.mitigation_state["ms_poe"].rooms
+        assert {part for part, _ in rooms} == {"keys", "values"}, "the steps wrote their keys and values in place"
     assert torch.equal(kept.sequences, anew.sequences)
-    torch.testing.assert_close(torch.stack(kept.scores), torch.stack(anew.scores), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(kept.logits), torch.stack(anew.logits), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- Parallel Context Windows
