@@ -31,7 +31,8 @@ class GrowingLayer(DynamicLayer):
     is copied into larger buffers. Any other assignment of the keys or values (`DynamicLayer`'s `crop`, beam
     reordering, repeats, selection, offloading, `reset`, or a caller's) drops the buffers, and the next step makes them
     anew, so a step never writes where a tensor handed out before can see it (a shallow copy of a layer shares its
-    buffers, as it shares `DynamicLayer`'s tensors). With autograd on, under `torch.compile`, or for states whose
+    buffers, as it shares `DynamicLayer`'s tensors); buffers made under `torch.inference_mode` are made again by a step
+    outside it, which may not write into them. With autograd on, under `torch.compile`, or for states whose
     dtype, device or shape differ from the cache's, it concatenates as `DynamicLayer` does (which promotes a dtype and
     refuses another batch).
     """
@@ -60,7 +61,7 @@ class GrowingLayer(DynamicLayer):
         ):
             return super().update(key_states, value_states, *args, **kwargs)
         needed = length + key_states.shape[-2]
-        if self.key_buffer is None or needed > self.key_buffer.shape[2]:
+        if not writable(self.key_buffer) or needed > self.key_buffer.shape[2]:
             self.make_room(needed)
         self.key_buffer[:, :, length:needed] = key_states
         self.value_buffer[:, :, length:needed] = value_states
@@ -77,6 +78,12 @@ class GrowingLayer(DynamicLayer):
             buffer[:, :, : cached.shape[2]] = cached
             buffers.append(buffer)
         self.key_buffer, self.value_buffer = buffers
+
+
+def writable(buffer: torch.Tensor | None) -> bool:
+    """Whether this call may write into `buffer` in place: one made under `torch.inference_mode` only inside it (a
+    cache filled there and continued outside gets new buffers, as `DynamicLayer` makes new tensors)."""
+    return buffer is not None and (torch.is_inference_mode_enabled() or not buffer.is_inference())
 
 
 def fits_in_place(cached: torch.Tensor, states: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .cache_sepformer import MitigationState, SepFormerCache, fits_in_place
+from .cache_sepformer import MitigationState, SepFormerCache, fits_in_place, writable
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import (
     CallContext,
@@ -191,7 +191,7 @@ class MSPoEState(MitigationState):
             return None
         needed = seen + new.shape[2]
         room = self.rooms.get((part, layer))
-        if room is None or room.shape[2] < needed:
+        if not writable(room) or room.shape[2] < needed:
             room = kept.new_empty(*kept.shape[:2], needed + max(128, needed // 8), kept.shape[3])
             room[:, :, :seen] = kept
             self.rooms[part, layer] = room

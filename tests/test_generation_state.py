@@ -296,6 +296,28 @@ def test_growing_layers_equal_a_dynamic_cache_across_regrowths():
     torch.testing.assert_close(grown, steps_with(model, DynamicCache(config=model.config), ids, 16), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("model_name", ["sepformer", "qwen2"])
+def test_a_cache_filled_under_inference_mode_continues_outside_it(model_name):
+    """Buffers made under `torch.inference_mode` cannot be written outside it: the steps after make new ones, and give
+    a `DynamicCache`'s logits (on a grouped-query decoder with MS-PoE, whose kept keys and values have buffers too)."""
+    from test_any_decoder import mitigated, options
+    from transformers import DynamicCache
+
+    model = tiny_model() if model_name == "sepformer" else mitigated(model_name)
+    keywords = {} if model_name == "sepformer" else options("ms_poe_fixed")
+    ids = torch.randint(0, 64, (2, 14), generator=torch.Generator().manual_seed(2))
+
+    def steps(cache) -> torch.Tensor:
+        logits = []
+        for start, end in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12), (12, 14)):
+            with torch.inference_mode() if end <= 10 else torch.no_grad():
+                logits.append(model(ids[:, start:end], past_key_values=cache, use_cache=True, **keywords).logits)
+        return torch.cat(logits, 1)
+
+    grown = steps(SepFormerCache(config=model.config))
+    torch.testing.assert_close(grown, steps(DynamicCache(config=model.config)), rtol=1e-5, atol=1e-5)
+
+
 def test_a_step_does_not_change_keys_handed_out_before():
     """Not after a step, nor after a crop (whose dropped tokens a tensor taken before it still holds), nor after the
     keys were assigned."""
