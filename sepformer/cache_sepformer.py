@@ -71,13 +71,15 @@ class GrowingLayer(DynamicLayer):
 
     def make_room(self, needed: int) -> None:
         """Buffers with room for `needed` tokens and more, holding the keys and values as their leading tokens."""
-        capacity = needed + max(128, needed // 8)
-        buffers = []
-        for cached in (self.keys, self.values):
-            buffer = cached.new_empty(*cached.shape[:2], capacity, cached.shape[3])
-            buffer[:, :, : cached.shape[2]] = cached
-            buffers.append(buffer)
-        self.key_buffer, self.value_buffer = buffers
+        self.key_buffer, self.value_buffer = room_for(self.keys, needed), room_for(self.values, needed)
+
+
+def room_for(held: torch.Tensor, needed: int) -> torch.Tensor:
+    """A buffer (b, heads, capacity, head_dim) with room for `needed` tokens and `max(128, needed / 8)` more, `held`
+    (b, heads, n, head_dim) its leading tokens."""
+    buffer = held.new_empty(*held.shape[:2], needed + max(128, needed // 8), held.shape[3])
+    buffer[:, :, : held.shape[2]] = held
+    return buffer
 
 
 def writable(buffer: torch.Tensor | None) -> bool:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .cache_sepformer import MitigationState, SepFormerCache, fits_in_place, writable
+from .cache_sepformer import MitigationState, SepFormerCache, fits_in_place, room_for, writable
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import (
     CallContext,
@@ -166,10 +166,14 @@ class MSPoEState(MitigationState):
         MS-PoE after the crop could bring the cache back to as many keys as were turned, other ones."""
         self.forget_turned()
 
+    def kept(self, part: str) -> dict[int, torch.Tensor]:
+        """The turned keys (`part` "keys") or the expanded values ("values"), by layer."""
+        return self.turned_keys if part == "keys" else self.expanded_values
+
     def keep(self, part: str, layer: int, tensor: torch.Tensor | None) -> None:
         """Keep `tensor` as the layer's turned keys (`part` "keys") or expanded values ("values"), made anew; `None`
         keeps none."""
-        kept = self.turned_keys if part == "keys" else self.expanded_values
+        kept = self.kept(part)
         if tensor is None:
             kept.pop(layer, None)
         else:
@@ -180,7 +184,7 @@ class MSPoEState(MitigationState):
         """The layer's kept turned keys (`part` "keys") or expanded values ("values") of all `seen` keys, followed by
         `new` (b, H, n, head_dim) written in place into their buffer's room, kept; `None` where they cannot be (none
         kept of `seen` keys, autograd on, compiled, or another dtype or shape)."""
-        kept = (self.turned_keys if part == "keys" else self.expanded_values).get(layer)
+        kept = self.kept(part).get(layer)
         if (
             kept is None
             or kept.shape[2] != seen
@@ -192,12 +196,10 @@ class MSPoEState(MitigationState):
         needed = seen + new.shape[2]
         room = self.rooms.get((part, layer))
         if not writable(room) or room.shape[2] < needed:
-            room = kept.new_empty(*kept.shape[:2], needed + max(128, needed // 8), kept.shape[3])
-            room[:, :, :seen] = kept
-            self.rooms[part, layer] = room
+            room = self.rooms[part, layer] = room_for(kept, needed)
         room[:, :, seen:needed] = new
-        (self.turned_keys if part == "keys" else self.expanded_values)[layer] = room[:, :, :needed]
-        return room[:, :, :needed]
+        self.kept(part)[layer] = room[:, :, :needed]
+        return self.kept(part)[layer]
 
 
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
@@ -365,16 +367,17 @@ class MSPoEMitigation(Mitigation):
         """(b, H, n, head_dim) from grouped-query keys (b, H_kv, n, head_dim) (or already expanded ones)."""
         return repeat_kv(key, self.heads // key.shape[1])
 
-    def turned_keys(self, layer: int, key: torch.Tensor, ranks: torch.Tensor, cos, sin) -> torch.Tensor:
+    def turned_keys(
+        self, layer: int, key: torch.Tensor, ranks: torch.Tensor, cos, sin, state: MSPoEState | None
+    ) -> torch.Tensor:
         """`key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query head's keys turned to `m / r_h`:
         the call's new keys by `cos`, `sin` (the queries' turn: they share positions), the earlier ones kept turned on
-        the cache. A sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones
-        filled."""
+        `state` (`turned_state`; `None`: nothing kept, every key turned). A sliding-window cache hands over the last
+        keys it has seen; a static one its slots, the first ones filled."""
         new, held = cos.shape[2], key.shape[2]
         total = self.seen + new
         start = held - new if held <= total else self.seen
         new_turned = rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)
-        state = self.turned_state()
         if state is not None and held == total and state.turned_seen.get(layer) == self.seen:
             turned = state.written_after("keys", layer, self.seen, new_turned)  # after every earlier key, kept turned
             if turned is not None:
@@ -388,13 +391,15 @@ class MSPoEMitigation(Mitigation):
             state.turned_seen[layer] = total
         return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
 
-    def values_per_query_head(self, layer: int, value: torch.Tensor, new: int) -> torch.Tensor:
+    def values_per_query_head(
+        self, layer: int, value: torch.Tensor, new: int, state: MSPoEState | None
+    ) -> torch.Tensor:
         """`value` (b, H or H_kv, held, head_dim) as the cache hands it over, one per query head: where the cache holds
-        every key seen (the turned keys' case above), this call's `new` ones expanded after the earlier ones kept,
-        else all of them expanded."""
+        every key seen (the turned keys' case above), this call's `new` ones expanded after the earlier ones kept on
+        `state`, else all of them expanded."""
         if value.shape[1] == self.heads:
             return value
-        state, held, total = self.turned_state(), value.shape[2], self.seen + new
+        held, total = value.shape[2], self.seen + new
         if state is None:
             return self.per_query_head(value)
         if held != total:  # a sliding window's or a static cache's: expanded at each step, none kept
@@ -415,8 +420,9 @@ class MSPoEMitigation(Mitigation):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
             cos, sin = self.head_turn(layer_idx, ranks)  # (b, H, seq, rotary_dim)
-            query, key = rotate_partial(query, cos, sin), self.turned_keys(layer_idx, key, ranks, cos, sin)
-            value = self.values_per_query_head(layer_idx, value, cos.shape[2])
+            state = self.turned_state()  # where the turned keys and expanded values are kept, if anywhere
+            query, key = rotate_partial(query, cos, sin), self.turned_keys(layer_idx, key, ranks, cos, sin, state)
+            value = self.values_per_query_head(layer_idx, value, cos.shape[2], state)
             return function(module, query, key, value, attention_mask, **kwargs)
 
         return rescaled
