@@ -37,24 +37,28 @@ class KeyDocuments:
     membership: torch.Tensor  # (b, P, K) one-hot over the P prompt keys, all zero outside documents (float32: rows of
     # probabilities)
     sizes: torch.Tensor  # (b, 1, K) keys per document
+    log_sizes: torch.Tensor  # (b, 1, K) their log (-inf for a document a crop removed whole)
     outside: torch.Tensor  # (b, 1, P): 1 for prompt keys in no document
     keys: int  # the run's keys, P and those after them
 
     @classmethod
     def of(cls, membership: torch.Tensor) -> "KeyDocuments":
-        return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None], membership.shape[1])
+        sizes = membership.sum(1)[:, None]
+        return cls(membership, sizes, sizes.log(), 1 - membership.sum(-1)[:, None], membership.shape[1])
 
     def upto(self, keys: int) -> "KeyDocuments":
         """The documents of a run of `keys` keys: the prompt's, then none; after a crop into the prompt, those of the
         keys left, with their sizes."""
         if keys < self.membership.shape[1]:
             return KeyDocuments.of(self.membership[:, :keys])
-        return dataclasses.replace(self, keys=keys)
+        return self if keys == self.keys else dataclasses.replace(self, keys=keys)
 
     def held(self, keys: int) -> "KeyDocuments":
         """The documents of the last `keys` keys, those a sliding-window cache holds; `sizes` stay the whole
         documents': a token slid out of the window gets no attention, as in a pass over every key."""
         dropped = self.keys - keys
+        if not dropped:  # every key held: a decoding step of a full-attention layer
+            return self
         return dataclasses.replace(
             self, membership=self.membership[:, dropped:], outside=self.outside[..., dropped:], keys=keys
         )
@@ -72,9 +76,10 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
     mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
     mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
-    alpha = ((mean - bias) / temperature).softmax(-1)
-    keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
-    factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
+    # α_k · C / Attn(doc_k) = β_k · mass / mass_k with β = α · |doc| / Σ α · |doc| = softmax((Attn(doc) - bias) / t +
+    # log |doc|): one softmax gives both the weights and their normalisation (log 0 = -inf: a removed document gets 0)
+    share = ((mean - bias) / temperature + documents.log_sizes).softmax(-1)  # β
+    factor = torch.where(mass > 0, share * mass.sum(-1, keepdim=True) / mass, 0.0)  # (b, H, K)
     row = row * (torch.bmm(factor, documents.membership.mT) + documents.outside)
     return row if prompt == probs.shape[-1] else torch.cat((row, probs[..., prompt:]), -1)
 
@@ -104,6 +109,7 @@ class CalibrationState(MitigationState):
     bias: dict[int, torch.Tensor] = field(default_factory=dict)
     membership: torch.Tensor | None = None  # (b, P, K)
     sizes: torch.Tensor | None = None  # (b, 1, K)
+    log_sizes: torch.Tensor | None = None  # (b, 1, K)
     outside: torch.Tensor | None = None  # (b, 1, P)
 
 
@@ -141,6 +147,7 @@ class CalibrationMitigation(Mitigation):
     )
     reads_grouped_keys = True  # a decoding step's row is written out against the cache's keys and values as they are
     cache: SepFormerCache | None = None  # keeps `bias(k)` and the spans (a `CalibrationState`)
+    returns_weights: bool = False  # the layers' attention gives its weights (eager), so a decoding step gives its row
     documents: KeyDocuments | None = None  # each key's document, for one run
 
     @classmethod
@@ -150,7 +157,8 @@ class CalibrationMitigation(Mitigation):
     @classmethod
     def resolve(cls, options: AttentionCalibration, call: CallContext) -> "CalibrationMitigation":
         config = call.model.config
-        if attention_implementation(config) == "flex_attention":
+        implementation = attention_implementation(config)
+        if implementation == "flex_attention":
             raise ValueError(
                 "attention_calibration rewrites the last query's attention row, which flex_attention's block mask "
                 "does not give: use attn_implementation 'eager' or 'sdpa'."
@@ -172,7 +180,7 @@ class CalibrationMitigation(Mitigation):
                 )
             if not call.continuing:
                 return PositionalBiasCalibration(
-                    options, layers, call.sepformer_cache, position_size=config.position_size
+                    options, layers, call.sepformer_cache, implementation == "eager", position_size=config.position_size
                 )
         elif not call.continuing:
             if call.input_ids is None:
@@ -183,7 +191,7 @@ class CalibrationMitigation(Mitigation):
                     "attention_calibration's dummy_document, of a length of its own, re-pads each dummy pass by its "
                     "row's padding"
                 )
-        return cls(options, layers, call.sepformer_cache)
+        return cls(options, layers, call.sepformer_cache, implementation == "eager")
 
     def prepare(self, call: CallContext, others) -> None:
         """At prefill, `bias(k)`: one extra pass per (row, document), batched, with the call's other mitigations on."""
@@ -237,8 +245,11 @@ class CalibrationMitigation(Mitigation):
         state = self.state
         if state.membership is None:  # the prefill: each prompt key's document, kept for the decoding steps
             documents = KeyDocuments.of(key_documents(state.spans, key_positions(run.padding_mask, kv, run.device)))
-            state.membership, state.sizes, state.outside = documents.membership, documents.sizes, documents.outside
-        documents = KeyDocuments(state.membership, state.sizes, state.outside, keys=state.membership.shape[1])
+            state.membership, state.sizes, state.log_sizes = documents.membership, documents.sizes, documents.log_sizes
+            state.outside = documents.outside
+        documents = KeyDocuments(
+            state.membership, state.sizes, state.log_sizes, state.outside, keys=state.membership.shape[1]
+        )
         return self.replace(documents=documents.upto(kv))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
@@ -253,9 +264,7 @@ class CalibrationMitigation(Mitigation):
             last = torch.matmul(probs.to(value.dtype).view(batch, key_heads, heads // key_heads, kv), value)
             last = last.view(batch, 1, heads, head_dim)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
-                # weights as the layer's implementation gives them: eager returns them, the others do not
-                eager = attention_implementation(module.config) == "eager"
-                return last, probs[:, :, None].to(query.dtype) if eager else None
+                return last, probs[:, :, None].to(query.dtype) if self.returns_weights else None
             output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             output = torch.cat((output[:, :-1], last), 1)
             if weights is not None:

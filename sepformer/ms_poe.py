@@ -367,29 +367,39 @@ class MSPoEMitigation(Mitigation):
         """(b, H, n, head_dim) from grouped-query keys (b, H_kv, n, head_dim) (or already expanded ones)."""
         return repeat_kv(key, self.heads // key.shape[1])
 
-    def turned_keys(
-        self, layer: int, key: torch.Tensor, ranks: torch.Tensor, cos, sin, state: MSPoEState | None
-    ) -> torch.Tensor:
-        """`key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query head's keys turned to `m / r_h`:
-        the call's new keys by `cos`, `sin` (the queries' turn: they share positions), the earlier ones kept turned on
-        `state` (`turned_state`; `None`: nothing kept, every key turned). A sliding-window cache hands over the last
-        keys it has seen; a static one its slots, the first ones filled."""
+    def turned_queries_keys(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        ranks: torch.Tensor,
+        cos,
+        sin,
+        state: MSPoEState | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`query` (b, H, n, head_dim) and `key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query
+        head's turned to `m / r_h`: the queries and the call's new keys by `cos`, `sin` (they share positions: one turn
+        of both), the earlier keys kept turned on `state` (`turned_state`; `None`: nothing kept, every key turned). A
+        sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones filled."""
         new, held = cos.shape[2], key.shape[2]
         total = self.seen + new
         start = held - new if held <= total else self.seen
-        new_turned = rotate_partial(self.per_query_head(key[:, :, start : start + new]), cos, sin)
+        both = torch.stack((query, self.per_query_head(key[:, :, start : start + new])))  # (2, b, H, n, head_dim)
+        query, new_turned = rotate_partial(both, cos, sin).unbind()
         if state is not None and held == total and state.turned_seen.get(layer) == self.seen:
             turned = state.written_after("keys", layer, self.seen, new_turned)  # after every earlier key, kept turned
             if turned is not None:
                 state.turned_seen[layer] = total
-                return turned
+                return query, turned
         earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total, state)
         assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
         turned = torch.cat((earlier, new_turned), 2)
         if state is not None:
             state.keep("keys", layer, turned[:, :, -held:])  # a sliding window's next call needs at most these
             state.turned_seen[layer] = total
-        return turned[:, :, -held:] if held <= total else torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
+        if held > total:  # a static cache's slots not filled yet
+            return query, torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
+        return query, turned[:, :, -held:]
 
     def values_per_query_head(
         self, layer: int, value: torch.Tensor, new: int, state: MSPoEState | None
@@ -421,7 +431,7 @@ class MSPoEMitigation(Mitigation):
             ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
             cos, sin = self.head_turn(layer_idx, ranks)  # (b, H, seq, rotary_dim)
             state = self.turned_state()  # where the turned keys and expanded values are kept, if anywhere
-            query, key = rotate_partial(query, cos, sin), self.turned_keys(layer_idx, key, ranks, cos, sin, state)
+            query, key = self.turned_queries_keys(layer_idx, query, key, ranks, cos, sin, state)
             value = self.values_per_query_head(layer_idx, value, cos.shape[2], state)
             return function(module, query, key, value, attention_mask, **kwargs)
 
