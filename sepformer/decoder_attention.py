@@ -186,8 +186,12 @@ def before_attention(module: nn.Module, args: tuple, kwargs: dict):
     plan = kwargs.get("mitigation_plan")
     if not isinstance(plan, MitigationPlan):
         return None
+    hooks = plan.layers[module.layer_idx]
+    bucket_rotary = kwargs.get("mitigation_position_embeddings")
+    if bucket_rotary is None and not hooks.input_hooks:  # the module's call as it is
+        return None
     kwargs = dict(kwargs)
-    bucket_rotary = kwargs.pop("mitigation_position_embeddings", None)
+    kwargs.pop("mitigation_position_embeddings", None)
     if bucket_rotary is not None:
         if "position_embeddings" not in kwargs:
             raise ValueError(
@@ -195,7 +199,6 @@ def before_attention(module: nn.Module, args: tuple, kwargs: dict):
                 "rotary base (attention_buckets) cannot be given to it."
             )
         kwargs["position_embeddings"] = bucket_rotary
-    hooks = plan.layers[module.layer_idx]
     if hooks.input_hooks:
         hidden_states = args[0] if args else kwargs["hidden_states"]
         projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"), contextlib.ExitStack())

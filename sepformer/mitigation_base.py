@@ -29,7 +29,6 @@ A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forwar
 `sepformer.mitigations` registers the mitigations and holds the rules on which of them can be combined.
 """
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +68,16 @@ SCORE_TERMS = {
     "position_bias": "a position bias",
     "indices": "a sparse choice of keys (indices)",
 }
+
+
+def replaced(instance, **changes):
+    """A copy of the frozen dataclass `instance` with the fields `changes`, made without `__init__`
+    (`dataclasses.replace` runs it, several times slower): a mitigation or run started at every decoding step is its
+    checked self plus per-run tensors."""
+    assert changes.keys() <= instance.__dataclass_fields__.keys(), f"not fields: {changes.keys()}"
+    copy = object.__new__(type(instance))
+    copy.__dict__.update(vars(instance), **changes)
+    return copy
 
 
 def refuse_under_compile(what: str) -> None:
@@ -417,7 +426,7 @@ class Mitigation:
         raise NotImplementedError
 
     def replace(self, **changes) -> "Mitigation":
-        return dataclasses.replace(self, **changes)
+        return replaced(self, **changes)
 
     def uses(self, hook: str) -> bool:
         """Whether the layers call this mitigation's `hook` (`query_key_inputs`, `position_query_key`,
@@ -570,7 +579,8 @@ class MitigationPlan:
     def start(self, run: "LayerRun") -> "MitigationPlan":
         """The plan for one run of the layers: each mitigation with its per-run tensors, in the same layers' hooks."""
         started = {id(mitigation): mitigation.start(run) for mitigation in self.mitigations}
-        layers = {id(hooks): hooks.started(started) for hooks in self.layers}  # one per distinct `LayerHooks`
+        distinct = {id(hooks): hooks for hooks in self.layers}  # layers with the same mitigations share their hooks
+        layers = {key: hooks.started(started) for key, hooks in distinct.items()}
         return MitigationPlan(tuple(started.values()), tuple(layers[id(hooks)] for hooks in self.layers))
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -650,5 +660,5 @@ class LayerRun:
             return None
         table_positions = self.read_positions if table_positions is None else table_positions
         return self.plan.start(
-            dataclasses.replace(self, dtype=dtype, table_positions=table_positions, position_rows=position_rows)
+            replaced(self, dtype=dtype, table_positions=table_positions, position_rows=position_rows)
         )
