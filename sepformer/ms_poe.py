@@ -203,11 +203,20 @@ class MSPoEState(MitigationState):
 
 
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
-    """cos, sin (H, b or 1, n, rotary_dim) of the rotation that takes queries or keys at `positions` (b or 1, n) to
-    `m / r_i` for rank `i`: from unrotated ones, the rotation at `m / r_i`; from ones already `rotated` at `m`, the
-    further turn by `m / r_i - m` (rotations of the same planes compose)."""
+    """`cos ‖ sin` (H, b or 1, n, 2 · rotary_dim), by rank `i`, of the rotation that takes queries or keys at
+    `positions` (b or 1, n) to `m / r_i`: from unrotated ones, the rotation at `m / r_i`; from ones already `rotated` at
+    `m`, the further turn by `m / r_i - m` (rotations of the same planes compose). One table, so that each head's rows
+    of both are one gather (`heads_turn`)."""
     positions = positions.float()
-    return rotary_cos_sin(positions / ratios - positions if rotated else positions / ratios, inv_freq, dtype)
+    return torch.cat(
+        rotary_cos_sin(positions / ratios - positions if rotated else positions / ratios, inv_freq, dtype), -1
+    )
+
+
+def heads_turn(turn: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (b, H, n, rotary_dim): each head's rows of a `turned_by_ratios` table, by its rank `ranks`
+    (H, b or 1, 1, 1)."""
+    return by_head(turn, ranks).transpose(0, 1).chunk(2, -1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,8 +251,8 @@ class MSPoEMitigation(Mitigation):
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
     position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
-    # per frequency table (one per layer type where the rotary has several), the cos and sin (H, b or 1, seq,
-    # rotary_dim) by rank that take the call's queries, and its new keys, to `m / r_i`
+    # per frequency table (one per layer type where the rotary has several), `cos ‖ sin` (H, b or 1, seq,
+    # 2 · rotary_dim) by rank that take the call's queries, and its new keys, to `m / r_i` (`turned_by_ratios`)
     query_turn: dict | None = None
     padding_mask: torch.Tensor | None = None  # (b, kv) the call's padding mask, where the keys' positions come from
     seen: int = 0  # the keys the cache held before this call
@@ -318,8 +327,7 @@ class MSPoEMitigation(Mitigation):
 
     def head_turn(self, layer: int, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (b, H, seq, rotary_dim): each head's rows of the layer's `query_turn`, by its rank."""
-        turn = self.query_turn[self.positions.table_of(layer)]
-        return tuple(by_head(table, ranks).transpose(0, 1) for table in turn)
+        return heads_turn(self.query_turn[self.positions.table_of(layer)], ranks)
 
     def position_query_key(self, attention, query, key, layer_call):
         ranks = self.layer_ranks(attention, query, key, layer_call.attention_mask, layer_call.position_embeddings)
@@ -343,7 +351,7 @@ class MSPoEMitigation(Mitigation):
     def turned_state(self) -> MSPoEState | None:
         """The state keeping the turned keys on the call's cache (emptied where other options turned them), if any."""
         state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
-        if state is not None and state.turned_by != self.options:
+        if state is not None and state.turned_by is not self.options and state.turned_by != self.options:
             state.forget_turned()
             state.turned_by = self.options
         return state
@@ -361,7 +369,7 @@ class MSPoEMitigation(Mitigation):
         positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
         ratios, inverse = rank_ratios(self.options, self.heads, earlier.device), self.positions.inverse_frequencies()
         turn = turned_by_ratios(positions, ratios, inverse[self.positions.table_of(layer)], earlier.dtype, rotated=True)
-        return rotate_partial(earlier, *(by_head(table, ranks).transpose(0, 1) for table in turn))
+        return rotate_partial(earlier, *heads_turn(turn, ranks))
 
     def per_query_head(self, key: torch.Tensor) -> torch.Tensor:
         """(b, H, n, head_dim) from grouped-query keys (b, H_kv, n, head_dim) (or already expanded ones)."""
