@@ -38,11 +38,12 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
   difference read from torch's allocator, `torch.cuda.max_memory_allocated() - memory_allocated()` at the start,
   after `reset_peak_memory_stats()` before each measurement;
 - FLOPs per token: `torch.utils.flop_counter` on one forward pass (`count_params_flops.forward_flops_per_token`);
-- mitigations: `generate` with each position-bias mitigation on (`MITIGATIONS`), in the generation measurements'
-  repetitions; the overhead row is tokens/s with / without (attention calibration's four dummy passes per row at
-  prefill are inside the timed call). The same on Llama given the options by `sepformer.add_mitigations` (a second
-  Llama with the plain one's weights): first its cost with no option (mitigated / plain Llama), then each option against
-  none on it; options that read SepFormer's own positions (`SEPFORMER_ONLY`) are listed as skipped;
+- mitigations: `generate` with each position-bias mitigation on (`MITIGATIONS`); the overhead row is tokens/s with /
+  without, the two timed back to back in each repetition, in turn first (machine drift over a repetition is larger
+  than the overheads; attention calibration's four dummy passes per row at prefill are inside the timed call). The
+  same on Llama given the options by `sepformer.add_mitigations` (a second Llama with the plain one's weights): first
+  its cost with no option (mitigated / plain Llama), then each option against none on it; options that read
+  SepFormer's own positions (`SEPFORMER_ONLY`) are listed as skipped;
 - extrapolation: SepFormer trained length `L` = `max_position_embeddings`; the same weights generate the same number of
   tokens from the same prompt once with a table long enough (plain, within L) and once with a table of `L` rows that
   every new token walks past (`position_extrapolation="fourier"` and `"clamp"`); whole `generate` calls, and, finer,
@@ -53,7 +54,7 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
   the eager ones (default dynamic cache, and static cache) in the same repetitions; compilation is done before timing
   and its wall time reported (it depends on inductor's on-disk cache).
 
-`--sections` picks what is measured (all by default; `mitigations` needs `generation`, whose repetitions time them).
+`--sections` picks what is measured (all by default).
 
 Noise: on a shared 2-core virtual machine single samples vary by 10-30 %; compare medians and paired ratios, and
 re-run when an interquartile range straddles a target.
@@ -85,7 +86,6 @@ from benchmark_sections import (  # noqa: E402
     compile_measurements,
     extrapolation_measurements,
     insert_flops_rows,
-    link_mitigation_samples,
     mitigated_models,
     skipped_mitigations,
 )
@@ -153,7 +153,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=SECTIONS,
         default=list(SECTIONS),
         action=Distinct,
-        help="what to measure (default: all); mitigations are timed in generation's repetitions",
+        help="what to measure (default: all)",
     )
     return parser
 
@@ -167,11 +167,6 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
         parser.error(
             "argument --device: cuda given, but torch finds no CUDA GPU here (torch.cuda.is_available() is "
             "False); give --device cpu"
-        )
-    if "mitigations" in args.sections and "generation" not in args.sections:
-        parser.error(
-            f"argument --sections: mitigations are timed in the repetitions of generation; give generation "
-            f"with them (given: {' '.join(args.sections)})"
         )
     sections = [name for name in SECTIONS if name in args.sections and not (name == "memory" and args.no_memory)]
     if not sections and not args.compile:
@@ -196,7 +191,6 @@ def measure(models: dict, shape: Shape, args, sections: list[str], log) -> tuple
         log(line[2:])
     measurements = comparison_measurements(models, mitigated, shape, args.seed, sections)
     run_interleaved([m for m in measurements if m.runners], shape.reps, log)
-    link_mitigation_samples(measurements)
     if "extrapolation" in sections:
         measurements += extrapolation_measurements(models["SepFormer"], shape, args.seed, log)
     if "memory" in sections:

@@ -38,12 +38,12 @@ class Measurement:
     ratios: tuple[tuple[str, str], ...] = (("SepFormer", "GPT-2"), ("SepFormer", "Llama"))  # (numerator, denominator)
     section: str = "comparison"
     target: str = ""
-    source: str = ""  # the key of the measurement whose samples the ratios read (timed there)
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 def run_interleaved(measurements: list[Measurement], reps: int, log) -> None:
-    """Warm up every runner once, then `reps` repetitions; in each, every measurement runs every variant in turn."""
+    """Warm up every runner once, then `reps` repetitions; in each, every measurement runs every variant in turn
+    (`repetition_order`)."""
     for m in measurements:
         for name, runner in m.runners.items():
             log(f"warm-up {m.key} {name}")
@@ -52,10 +52,21 @@ def run_interleaved(measurements: list[Measurement], reps: int, log) -> None:
     for rep in range(reps):
         log(f"repetition {rep + 1}/{reps}")
         for m in measurements:
-            names = list(m.runners)
-            shift = rep % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in repetition_order(m, rep):
                 m.samples[name].append(m.runners[name]())
+
+
+def repetition_order(m: Measurement, rep: int) -> list[str]:
+    """The variants of `m` in repetition `rep`. Where its ratios pair each variant with exactly one other (an
+    overhead: with and without an option), each pair runs back to back, the two in turn first: a ratio then compares
+    samples timed a second apart, not across a whole repetition, over which a shared machine drifts by 10-30%.
+    Otherwise every variant in turn, rotated by one each repetition, so that none is always first."""
+    names = list(m.runners)
+    paired = [name for pair in m.ratios for name in pair]
+    if sorted(paired) == sorted(names):  # each variant in one pair
+        return [name for pair in m.ratios for name in (pair if rep % 2 else pair[::-1])]
+    shift = rep % len(names)
+    return names[shift:] + names[:shift]
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:

@@ -1,5 +1,6 @@
-"""The sections of `benchmark.py`: the comparison (training, prefill, generation), the position-bias mitigations timed
-in generation's repetitions, extrapolation past the trained length, `--compile`, and the FLOPs per token."""
+"""The sections of `benchmark.py`: the comparison (training, prefill, generation), the position-bias mitigations'
+overheads (each option timed back to back with none), extrapolation past the trained length, `--compile`, and the
+FLOPs per token."""
 
 import time
 from collections.abc import Callable
@@ -38,8 +39,8 @@ def windows_over_quarters(batch: int, prompt: int) -> dict:
 
 
 # Position-bias mitigations: a name -> (batch, prompt length) -> the keyword arguments that switch it on in
-# SepFormer's `generate`. Each adds a variant "SepFormer + <name>" to the generation measurements, timed against plain
-# SepFormer in the same repetitions (same prompt, same number of tokens), and a row of overhead ratios. Main
+# SepFormer's `generate`. Each gives a measurement of its overhead: "SepFormer + <name>" timed against plain SepFormer
+# back to back in each repetition (same prompt, same number of tokens), and the same on the mitigated Llama. Main
 # parameters as in the papers; their values do not change the work done.
 MITIGATIONS: dict[str, Callable[[int, int], dict]] = {
     "stable_mask": lambda batch, prompt: {"stable_mask": StableMask(gamma=0.05)},
@@ -118,6 +119,8 @@ def comparison_measurements(models: dict, mitigated: dict, shape: Shape, seed: i
         )
     for batch in shape.generate_batches if "generation" in sections else ():
         measurements += generation_measurements(models, mitigated, shape, seed, batch)
+    for batch in shape.generate_batches if mitigated else ():
+        measurements += mitigation_overheads(models, mitigated, shape, seed, batch)
     return measurements
 
 
@@ -145,67 +148,58 @@ def skipped_mitigations() -> list[str]:
 
 
 def generation_measurements(models: dict, mitigated: dict, shape: Shape, seed: int, batch: int) -> list[Measurement]:
-    """Cached generation at `batch`, every model and every mitigation timed in it, and the mitigations' overheads."""
+    """Cached generation at `batch`: every model (and the mitigated ones with no option) timed in turn."""
     runners = {name: generate_throughput(model, batch, shape, seed) for name, model in {**models, **mitigated}.items()}
-    for base, model in mitigated.items():  # see MITIGATIONS: each model with each one switched on
-        for mitigation in measured_on(base):
-            options = MITIGATIONS[mitigation](batch, shape.prompt)
-            runners[f"{base} + {mitigation}"] = generate_throughput(model, batch, shape, seed, **options)
-    key = f"generate_b{batch}_tokens_per_s"
-    generation = Measurement(
-        key=key,
-        label=f"cached generation, {shape.new_tokens} new tokens, batch {batch} (prompt {shape.prompt})",
-        unit="tokens/s",
-        higher_is_better=True,
-        runners=runners,
-        target="SepFormer/GPT-2 >= 1.05, /Llama >= 1.0" if batch == 1 else "SepFormer/GPT-2 and /Llama >= 1.0",
-    )
-    if not mitigated:
-        return [generation]
-    return [generation, *mitigation_overheads(mitigated, batch, key)]
-
-
-def mitigation_overheads(mitigated: dict, batch: int, source: str) -> list[Measurement]:
-    """The overhead rows at `batch`: the mitigated Llama with no option against the plain one, then each mitigation
-    against none on each model it is measured on; their samples are those timed in the measurement `source`."""
-    overheads = [
+    return [
         Measurement(
-            key=f"generate_b{batch}_add_mitigations",
-            label=f"Llama generation after add_mitigations, no option, batch {batch}",
+            key=f"generate_b{batch}_tokens_per_s",
+            label=f"cached generation, {shape.new_tokens} new tokens, batch {batch} (prompt {shape.prompt})",
             unit="tokens/s",
             higher_is_better=True,
-            runners={},
-            ratios=((MITIGATED_LLAMA, "Llama"),),
-            section="mitigations",
-            source=source,
-            target="mitigated / plain >= 0.95",
+            runners=runners,
+            target="SepFormer/GPT-2 >= 1.05, /Llama >= 1.0" if batch == 1 else "SepFormer/GPT-2 and /Llama >= 1.0",
         )
     ]
-    for mitigation in MITIGATIONS:
-        overheads.append(
-            Measurement(
-                key=f"generate_b{batch}_mitigation_{mitigation}",
-                label=f"generation with {mitigation}, batch {batch}",
-                unit="tokens/s",
-                higher_is_better=True,
-                runners={},
-                ratios=tuple((f"{base} + {mitigation}", base) for base in mitigated if mitigation in measured_on(base)),
-                section="mitigations",
-                source=source,
-                target=f"with / without >= 0.87 / {PER_BUCKET[mitigation]} ({PER_BUCKET[mitigation]} buckets)"
-                if mitigation in PER_BUCKET
-                else "with / without >= 0.87 (<= 15% more time)",
-            )
+
+
+def mitigation_overheads(models: dict, mitigated: dict, shape: Shape, seed: int, batch: int) -> list[Measurement]:
+    """The overhead rows at `batch`: the mitigated Llama with no option against the plain one, then each mitigation
+    against none on each model it is measured on. Each ratio's two variants are timed back to back
+    (`repetition_order`)."""
+
+    def overhead(key: str, label: str, pairs: dict, target: str) -> Measurement:
+        """`pairs`: (with, without) -> (model, options) of each."""
+        runners = {
+            name: generate_throughput(model, batch, shape, seed, **options)
+            for names, variants in pairs.items()
+            for name, (model, options) in zip(names, variants, strict=True)
+        }
+        return Measurement(
+            key=key,
+            label=label,
+            unit="tokens/s",
+            higher_is_better=True,
+            runners=runners,
+            ratios=tuple(pairs),
+            section="mitigations",
+            target=target,
         )
+
+    plain = {(MITIGATED_LLAMA, "Llama"): ((mitigated[MITIGATED_LLAMA], {}), (models["Llama"], {}))}
+    label = f"Llama generation after add_mitigations, no option, batch {batch}"
+    overheads = [overhead(f"generate_b{batch}_add_mitigations", label, plain, "mitigated / plain >= 0.95")]
+    for mitigation, options_of in MITIGATIONS.items():
+        options = options_of(batch, shape.prompt)
+        pairs = {
+            (f"{base} + {mitigation}", base): ((model, options), (model, {}))
+            for base, model in mitigated.items()
+            if mitigation in measured_on(base)
+        }
+        buckets = PER_BUCKET.get(mitigation)
+        target = f"with / without >= 0.87 / {buckets} ({buckets} buckets)" if buckets else "with / without >= 0.87"
+        label = f"generation with {mitigation}, batch {batch}"
+        overheads.append(overhead(f"generate_b{batch}_mitigation_{mitigation}", label, pairs, target))
     return overheads
-
-
-def link_mitigation_samples(measurements: list[Measurement]) -> None:
-    """Mitigation variants are timed inside the generation measurements; their overhead rows reuse those samples."""
-    by_key = {m.key: m for m in measurements}
-    for m in measurements:
-        if m.source:
-            m.samples = {name: by_key[m.source].samples[name] for pair in m.ratios for name in pair}
 
 
 # -------------------------------------------------------------------------------------------------------- extrapolation

@@ -49,8 +49,8 @@ def apply_partial_rotary(q, k, cos, sin):
 
 
 def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `cos.shape[-1]` dimensions of each head of `x` (b, heads, n, head_dim) by the angles of `cos`
-    and `sin` (b, heads or 1, n, rotary_dim), in rotary's rotate-half layout."""
+    """Rotate the first `cos.shape[-1]` dimensions of each head of `x` (..., b, heads, n, head_dim) by the angles of
+    `cos` and `sin` (b, heads or 1, n, rotary_dim), in rotary's rotate-half layout."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:  # the whole head turns: no slices, no copy of an empty rest
         return x * cos + rotate_half(x) * sin

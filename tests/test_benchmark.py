@@ -110,9 +110,10 @@ def test_llama_measures_every_option_but_those_that_read_sepformers_positions():
     ]
 
 
-def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sections", [["generation", "mitigations"], ["mitigations"]])
+def test_bfloat16_generation_and_mitigations_only(sections, tmp_path, monkeypatch):
     """The GPU run's flags on the CPU: --dtype bfloat16, --sections generation mitigations (a smaller shape, two
-    mitigations: one measured on Llama, one not)."""
+    mitigations: one measured on Llama, one not); the mitigations alone time their own variants."""
     shape = dict(prompt=8, new_tokens=2, generate_batches=[1], hidden_size=32, layers=1, heads=2)
     two = ("stable_mask", "attention_calibration_positional")
     monkeypatch.setattr(benchmark_sections, "MITIGATIONS", {name: benchmark_sections.MITIGATIONS[name] for name in two})
@@ -125,18 +126,18 @@ def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
             "--dtype",
             "bfloat16",
             "--sections",
-            "generation",
-            "mitigations",
+            *sections,
             "--output-dir",
             str(tmp_path),
         ]
     )
     table = (tmp_path / "benchmark.md").read_text()
-    assert "bfloat16 on cpu" in table and "sections: generation, mitigations" in table
+    assert "bfloat16 on cpu" in table and f"sections: {', '.join(sections)}" in table
     with open(tmp_path / "benchmark.csv") as handle:
         rows = list(csv.DictReader(handle))
+    generation = {"generate_b1_tokens_per_s"} if "generation" in sections else set()
     assert {row["metric"].split("_mitigation_")[0] for row in rows} == {
-        "generate_b1_tokens_per_s",
+        *generation,
         "generate_b1_add_mitigations",
         "generate_b1",
     }
@@ -147,10 +148,27 @@ def test_bfloat16_generation_and_mitigations_only(tmp_path, monkeypatch):
     assert f"- {llama} + attention_calibration_positional: skipped" in table
 
 
+def test_each_overhead_is_timed_back_to_back_and_the_comparison_in_turn():
+    """An overhead's two variants run next to each other, in turn first; variants compared to several others rotate."""
+    from benchmark_measuring import Measurement, repetition_order
+
+    def measurement(names, ratios):
+        return Measurement("key", "label", "tokens/s", True, dict.fromkeys(names, None), ratios)
+
+    overheads = measurement(("S", "S + m", "L", "L + m"), (("S + m", "S"), ("L + m", "L")))
+    assert repetition_order(overheads, 0) == ["S", "S + m", "L", "L + m"]
+    assert repetition_order(overheads, 1) == ["S + m", "S", "L + m", "L"]
+    comparison = measurement(("S", "G", "L"), (("S", "G"), ("S", "L")))
+    assert [repetition_order(comparison, rep) for rep in range(3)] == [
+        ["S", "G", "L"],
+        ["G", "L", "S"],
+        ["L", "S", "G"],
+    ]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--sections", "mitigations"], "mitigations are timed in the repetitions of generation"),
         (["--sections", "memory", "--no-memory"], "nothing to measure"),
         (["--sections", "generation", "generation"], "generation given more than once"),
         (["--sections", "speed"], "invalid choice: 'speed'"),
