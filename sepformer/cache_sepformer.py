@@ -7,20 +7,6 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
-class BufferDroppingStates:
-    """A `GrowingLayer`'s keys or values: assigning them (anything but a step's own write) drops the layer's buffers."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.stored = "_" + name
-
-    def __get__(self, layer, owner: type | None = None):
-        return self if layer is None else getattr(layer, self.stored)
-
-    def __set__(self, layer, tensor: torch.Tensor | None) -> None:
-        setattr(layer, self.stored, tensor)
-        layer.key_buffer = layer.value_buffer = None
-
-
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose decoding steps write their keys and values in place, into buffers with room to grow.
 
@@ -40,8 +26,12 @@ class GrowingLayer(DynamicLayer):
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
 
-    keys = BufferDroppingStates()
-    values = BufferDroppingStates()
+    def __setattr__(self, name: str, value) -> None:
+        """Assigning the keys or values drops the buffers (a step's own write goes past, through `__dict__`): reading
+        them stays a plain attribute's, which transformers does a dozen times per layer and step."""
+        if name in ("keys", "values"):
+            self.__dict__.update(key_buffer=None, value_buffer=None)
+        super().__setattr__(name, value)
 
     @classmethod
     def from_layer(cls, layer: DynamicLayer) -> "GrowingLayer":
@@ -65,8 +55,8 @@ class GrowingLayer(DynamicLayer):
             self.make_room(needed)
         self.key_buffer[:, :, length:needed] = key_states
         self.value_buffer[:, :, length:needed] = value_states
-        # stored past `BufferDroppingStates`: the new keys and values are the buffers' leading tokens
-        self._keys, self._values = self.key_buffer[:, :, :needed], self.value_buffer[:, :, :needed]
+        # stored past `__setattr__`: the new keys and values are the buffers' leading tokens
+        self.__dict__.update(keys=self.key_buffer[:, :, :needed], values=self.value_buffer[:, :, :needed])
         return self.keys, self.values
 
     def make_room(self, needed: int) -> None:
