@@ -37,14 +37,12 @@ class KeyDocuments:
     membership: torch.Tensor  # (b, P, K) one-hot over the P prompt keys, all zero outside documents (float32: rows of
     # probabilities)
     sizes: torch.Tensor  # (b, 1, K) keys per document
-    log_sizes: torch.Tensor  # (b, 1, K) their log (-inf for a document a crop removed whole)
     outside: torch.Tensor  # (b, 1, P): 1 for prompt keys in no document
     keys: int  # the run's keys, P and those after them
 
     @classmethod
     def of(cls, membership: torch.Tensor) -> "KeyDocuments":
-        sizes = membership.sum(1)[:, None]
-        return cls(membership, sizes, sizes.log(), 1 - membership.sum(-1)[:, None], membership.shape[1])
+        return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None], membership.shape[1])
 
     def upto(self, keys: int) -> "KeyDocuments":
         """The documents of a run of `keys` keys: the prompt's, then none; after a crop into the prompt, those of the
@@ -76,10 +74,9 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
     mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
     mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
-    # α_k · C / Attn(doc_k) = β_k · mass / mass_k with β = α · |doc| / Σ α · |doc| = softmax((Attn(doc) - bias) / t +
-    # log |doc|): one softmax gives both the weights and their normalisation (log 0 = -inf: a removed document gets 0)
-    share = ((mean - bias) / temperature + documents.log_sizes).softmax(-1)  # β
-    factor = torch.where(mass > 0, share * mass.sum(-1, keepdim=True) / mass, 0.0)  # (b, H, K)
+    alpha = ((mean - bias) / temperature).softmax(-1)
+    keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
+    factor = torch.where(mean > 0, alpha * keep_total / mean, 0.0)  # (b, H, K)
     row = row * (torch.bmm(factor, documents.membership.mT) + documents.outside)
     return row if prompt == probs.shape[-1] else torch.cat((row, probs[..., prompt:]), -1)
 
@@ -109,7 +106,6 @@ class CalibrationState(MitigationState):
     bias: dict[int, torch.Tensor] = field(default_factory=dict)
     membership: torch.Tensor | None = None  # (b, P, K)
     sizes: torch.Tensor | None = None  # (b, 1, K)
-    log_sizes: torch.Tensor | None = None  # (b, 1, K)
     outside: torch.Tensor | None = None  # (b, 1, P)
 
 
@@ -245,11 +241,8 @@ class CalibrationMitigation(Mitigation):
         state = self.state
         if state.membership is None:  # the prefill: each prompt key's document, kept for the decoding steps
             documents = KeyDocuments.of(key_documents(state.spans, key_positions(run.padding_mask, kv, run.device)))
-            state.membership, state.sizes, state.log_sizes = documents.membership, documents.sizes, documents.log_sizes
-            state.outside = documents.outside
-        documents = KeyDocuments(
-            state.membership, state.sizes, state.log_sizes, state.outside, keys=state.membership.shape[1]
-        )
+            state.membership, state.sizes, state.outside = documents.membership, documents.sizes, documents.outside
+        documents = KeyDocuments(state.membership, state.sizes, state.outside, keys=state.membership.shape[1])
         return self.replace(documents=documents.upto(kv))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:

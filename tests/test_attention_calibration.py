@@ -36,6 +36,25 @@ def test_calibrated_row_keeps_the_row_and_the_document_total():
     torch.testing.assert_close(flat_means, flat_means[..., :1].expand_as(flat_means))
 
 
+@pytest.mark.parametrize("temperature", [5e-5, 1e-8, 1e-12])
+def test_calibrated_row_keeps_float32_precision_at_small_temperatures(temperature):
+    """Documents of 2, 8 and 20 keys whose relevances tie (a uniform row, one bias): the paper's formula written in
+    float64 gives every key its attention back; the float32 row must match it to float32 precision, however small the
+    temperature (a form that adds log |doc| to rel / t loses the sizes to rounding there: 0.76 off at t = 1e-8)."""
+    documents = torch.zeros(1, 30, 3)
+    documents[:, :2, 0], documents[:, 2:10, 1], documents[:, 10:, 2] = 1, 1, 1
+    probs = torch.full((1, 2, 30), 1 / 30)
+    bias = torch.full((1, 2, 3), 1 / 30 - 0.3)
+    wide = probs.double()
+    mass = torch.bmm(wide, documents.double())
+    sizes = documents.double().sum(1)[:, None]
+    alpha = ((mass / sizes - bias.double()) / temperature).softmax(-1)
+    factor = alpha * mass.sum(-1, keepdim=True) / (alpha * sizes).sum(-1, keepdim=True) / (mass / sizes)
+    expected = wide * torch.bmm(factor, documents.double().mT)
+    calibrated = calibrate_row(probs, KeyDocuments.of(documents), bias, temperature)
+    torch.testing.assert_close(calibrated.double(), expected, rtol=1e-6, atol=1e-7)
+
+
 def test_calibration_in_the_model_rewrites_the_last_row_of_its_layers_only():
     model = strong_positions(tiny_model(num_hidden_layers=3))
     model.set_attn_implementation("eager")

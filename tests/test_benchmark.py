@@ -166,6 +166,27 @@ def test_each_overhead_is_timed_back_to_back_and_the_comparison_in_turn():
     ]
 
 
+def test_each_overhead_times_its_option_against_the_same_model_without_it(monkeypatch):
+    """The two runners of an overhead pair: the same model, the option's keywords on one, none on the other (and, for
+    `add_mitigations` itself, the mitigated Llama against the plain one, neither with an option)."""
+    timed = []
+
+    def runner(model, batch, shape, seed, **options):
+        timed.append((model, options))
+        return len(timed) - 1
+
+    monkeypatch.setattr(benchmark_sections, "generate_throughput", runner)
+    llama = benchmark_sections.MITIGATED_LLAMA
+    mitigated = {"SepFormer": "sepformer", llama: "mitigated llama"}
+    plain, *overheads = benchmark_sections.mitigation_overheads({"Llama": "llama"}, mitigated, benchmark.TINY, 0, 2)
+    assert [timed[plain.runners[name]] for name in plain.ratios[0]] == [("mitigated llama", {}), ("llama", {})]
+    for m, (mitigation, options_of) in zip(overheads, benchmark_sections.MITIGATIONS.items(), strict=True):
+        for with_name, without_name in m.ratios:
+            assert timed[m.runners[with_name]] == (mitigated[without_name], options_of(2, benchmark.TINY.prompt))
+            assert timed[m.runners[without_name]] == (mitigated[without_name], {})
+            assert with_name == f"{without_name} + {mitigation}"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -176,3 +176,38 @@ def test_a_registered_default_applies_to_calls_without_the_keyword_and_false_swi
         assert not torch.equal(plain, silenced)
         assert torch.equal(model(ids).logits, silenced)
         assert torch.equal(model(ids, value_gain=False).logits, plain)
+
+
+def test_a_mitigation_s_replace_is_dataclasses_replace():
+    """`Mitigation.replace` (what `start` returns at every step) skips `__init__` only where that changes nothing: a
+    field derived in `__post_init__` is derived again, a class with slots is copied, and a field `__init__` does not
+    take, or no field at all, is refused as `dataclasses.replace` refuses it."""
+    import dataclasses
+
+    @dataclass(frozen=True, eq=False)
+    class Derived(Mitigation):
+        scale: float = 1.0
+        double: float = dataclasses.field(init=False, default=0.0)
+
+        def __post_init__(self):
+            object.__setattr__(self, "double", 2 * self.scale)
+
+    @dataclass(frozen=True, eq=False, slots=True)
+    class Slotted(Mitigation):
+        scale: float = 1.0
+
+    @dataclass(frozen=True, eq=False)
+    class Plain(Mitigation):
+        scale: float = 1.0
+        fixed: float = dataclasses.field(init=False, default=0.0)
+
+    options = MitigationOptions()
+    assert Derived(options, frozenset()).replace(scale=3.0).double == 6.0
+    assert Slotted(options, frozenset()).replace(scale=3.0).scale == 3.0
+    plain = Plain(options, frozenset({1}))
+    started = plain.replace(scale=3.0)
+    assert (type(started), started.scale, started.layers, plain.scale) == (Plain, 3.0, frozenset({1}), 1.0)
+    with pytest.raises(ValueError, match="init=False"):
+        plain.replace(fixed=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scael'"):
+        plain.replace(scael=3.0)
