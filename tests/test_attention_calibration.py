@@ -55,6 +55,22 @@ def test_calibrated_row_keeps_float32_precision_at_small_temperatures(temperatur
     torch.testing.assert_close(calibrated.double(), expected, rtol=1e-6, atol=1e-7)
 
 
+def test_a_document_the_row_does_not_attend_keeps_its_zeros_and_the_gradients_finite():
+    """A document whose keys the row cannot attend (masked: slid out of a window) has no mass: it gets factor 0, and a
+    gradient through the row is finite (the division by its zero mean must not reach the backward pass, where
+    0 · inf is NaN)."""
+    generator = torch.Generator().manual_seed(0)
+    documents = torch.zeros(1, 12, 3)
+    documents[:, 1:4, 0], documents[:, 4:6, 1], documents[:, 8:11, 2] = 1, 1, 1
+    logits = torch.randn(1, 2, 12, generator=generator, requires_grad=True)
+    probs = logits.masked_fill(documents[..., 1].bool()[:, None], float("-inf")).softmax(-1)
+    bias = torch.rand(1, 2, 3, generator=generator) * 0.1
+    calibrated = calibrate_row(probs, KeyDocuments.of(documents), bias, temperature=0.05)
+    assert torch.equal(calibrated[..., 4:6], torch.zeros(1, 2, 2))
+    (calibrated * torch.randn(calibrated.shape, generator=generator)).sum().backward()
+    assert logits.grad.isfinite().all()
+
+
 def test_calibration_in_the_model_rewrites_the_last_row_of_its_layers_only():
     model = strong_positions(tiny_model(num_hidden_layers=3))
     model.set_attn_implementation("eager")
