@@ -50,26 +50,23 @@ class GrowingLayer(DynamicLayer):
             or not (fits_in_place(self.keys, key_states) and fits_in_place(self.values, value_states))
         ):
             return super().update(key_states, value_states, *args, **kwargs)
-        needed = length + key_states.shape[-2]
-        if not writable(self.key_buffer) or needed > self.key_buffer.shape[2]:
-            self.make_room(needed)
-        self.key_buffer[:, :, length:needed] = key_states
-        self.value_buffer[:, :, length:needed] = value_states
-        # stored past `__setattr__`: the new keys and values are the buffers' leading tokens
-        self.__dict__.update(keys=self.key_buffer[:, :, :needed], values=self.value_buffer[:, :, :needed])
+        self.key_buffer, keys = appended_in_place(self.key_buffer, self.keys, key_states)
+        self.value_buffer, values = appended_in_place(self.value_buffer, self.values, value_states)
+        self.__dict__.update(keys=keys, values=values)  # past `__setattr__`: the buffers' leading tokens
         return self.keys, self.values
 
-    def make_room(self, needed: int) -> None:
-        """Buffers with room for `needed` tokens and more, holding the keys and values as their leading tokens."""
-        self.key_buffer, self.value_buffer = room_for(self.keys, needed), room_for(self.values, needed)
 
-
-def room_for(held: torch.Tensor, needed: int) -> torch.Tensor:
-    """A buffer (b, heads, capacity, head_dim) with room for `needed` tokens and `max(128, needed / 8)` more, `held`
-    (b, heads, n, head_dim) its leading tokens."""
-    buffer = held.new_empty(*held.shape[:2], needed + max(128, needed // 8), held.shape[3])
-    buffer[:, :, : held.shape[2]] = held
-    return buffer
+def appended_in_place(buffer: torch.Tensor | None, held: torch.Tensor, new: torch.Tensor):
+    """`(buffer, its leading tokens)`: `held` (b, heads, n, head_dim), the leading tokens of `buffer` where it is one,
+    followed by `new` (b, heads, m, head_dim) written in place after them. A buffer that cannot take them (none, too
+    small, or not `writable` here) is replaced by one with room for `max(128, (n + m) / 8)` more tokens, `held` copied
+    in: the caller's states grow by copying their new tokens only."""
+    needed = held.shape[2] + new.shape[2]
+    if not writable(buffer) or buffer.shape[2] < needed:
+        buffer = held.new_empty(*held.shape[:2], needed + max(128, needed // 8), held.shape[3])
+        buffer[:, :, : held.shape[2]] = held
+    buffer[:, :, held.shape[2] : needed] = new
+    return buffer, buffer[:, :, :needed]
 
 
 def writable(buffer: torch.Tensor | None) -> bool:

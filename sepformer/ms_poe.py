@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .cache_sepformer import MitigationState, SepFormerCache, fits_in_place, room_for, writable
+from .cache_sepformer import MitigationState, SepFormerCache, appended_in_place, fits_in_place
 from .kept import cached_constant, derived_store, kept_in
 from .mitigation_base import (
     CallContext,
@@ -193,12 +193,7 @@ class MSPoEState(MitigationState):
             or not fits_in_place(kept, new)
         ):
             return None
-        needed = seen + new.shape[2]
-        room = self.rooms.get((part, layer))
-        if not writable(room) or room.shape[2] < needed:
-            room = self.rooms[part, layer] = room_for(kept, needed)
-        room[:, :, seen:needed] = new
-        self.kept(part)[layer] = room[:, :, :needed]
+        self.rooms[part, layer], self.kept(part)[layer] = appended_in_place(self.rooms.get((part, layer)), kept, new)
         return self.kept(part)[layer]
 
 
