@@ -486,6 +486,25 @@ def test_ms_poe_turns_each_step_s_keys_and_keeps_them_for_the_generation(model_n
     assert kept.mitigation_state["ms_poe"].turned_keys, "the steps kept their turned keys"
 
 
+def test_ms_poe_steps_given_equal_options_anew_reuse_the_turned_keys(monkeypatch):
+    """A loop calling `forward` parses its options at every step (a new dict, equal ones): the keys turned by the
+    steps before are reused, not turned again; other options turn them anew."""
+    model = mitigated("qwen2")
+    forgotten = []
+    forget = sepformer.ms_poe.MSPoEState.forget_turned
+    monkeypatch.setattr(sepformer.ms_poe.MSPoEState, "forget_turned", lambda state: forgotten.append(forget(state)))
+    ids, cache = random_ids(1, 12), sepformer.SepFormerCache(config=model.config)
+    fields = dict(r_min=1.2, r_max=1.8, head_order=(3, 1, 0, 2))
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True, ms_poe=dict(fields))  # the prefill: nothing kept
+        forgotten.clear()
+        for start in range(8, 11):
+            model(ids[:, start : start + 1], past_key_values=cache, use_cache=True, ms_poe=dict(fields))
+        assert not forgotten
+        model(ids[:, 11:12], past_key_values=cache, use_cache=True, ms_poe={**fields, "r_max": 2.0})
+    assert forgotten
+
+
 def test_ms_poe_keeps_no_values_a_sliding_window_cannot_reuse():
     """Past its window a sliding-window layer holds other values at every step: MS-PoE keeps none, not even the
     prompt's that its prefill expanded, so a long prompt leaves no copy of its values on the cache."""
