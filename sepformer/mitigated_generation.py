@@ -9,7 +9,9 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 
 from .cache_sepformer import SepFormerCache
-from .mitigations import MITIGATIONS, check_assisted_decoding, kept_for_generation
+from .mitigation_base import Mitigation
+from .mitigation_options import SpanOptions
+from .mitigations import MITIGATIONS, check_assisted_decoding, kept_for_generation, parse_options
 from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
@@ -41,6 +43,7 @@ class MitigationGenerationMixin:
         if prompt is not None:
             self.check_generate_inputs(prompt, generation_config, kwargs)
         check_assistance(self, generation_config, kwargs)
+        check_prefill_in_one_call(self, prompt, generation_config, kwargs)
         if isinstance(kwargs.get("past_key_values"), SepFormerCache):
             kwargs["past_key_values"].start_generation()
         if reordering is not None:
@@ -85,6 +88,29 @@ def check_assistance(model, generation_config, kwargs: dict) -> None:
         )
 
 
+def check_prefill_in_one_call(model, prompt, generation_config, kwargs: dict) -> None:
+    """Refuse, before any work, a chunked prefill (`prefill_chunk_size` shorter than the prompt: `generate` feeds the
+    prompt in several calls, the first one taken for the prefill) with options that read the whole prompt there: its
+    last token (`acts_on_last_rows`) or its documents' spans."""
+    chunk = generation_setting(model, generation_config, kwargs, "prefill_chunk_size")
+    if chunk is None or prompt is None or prompt.shape[-1] <= chunk:
+        return
+    parsed = parse_options(model.config, kwargs)
+    whole = [
+        name
+        for name, options in parsed.items()
+        if MITIGATIONS[name].acts_on_last_rows(options) or isinstance(options, SpanOptions)
+    ]
+    if whole:
+        names, count = ", ".join(whole), prompt.shape[-1]
+        raise ValueError(
+            f"{names} {'reads' if len(whole) == 1 else 'read'} the whole prompt at prefill (its last token or its "
+            f"documents' spans), but prefill_chunk_size={chunk} feeds the prompt of {count} tokens in chunks, of which "
+            f"the first would be taken for the prompt: generate without prefill_chunk_size (or with one of at least "
+            f"{count}), or without {names}."
+        )
+
+
 def check_no_options_in(generation_config, where: str) -> None:
     """The options are keywords of `generate` (and `forward`): found on a `GenerationConfig`, they would be ignored."""
     found = [name for name in (*MITIGATIONS, "reorder_documents") if getattr(generation_config, name, None) is not None]
@@ -102,10 +128,13 @@ def generation_setting(model, generation_config, kwargs: dict, name: str):
 
 
 def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a generation whose last position (from `max_new_tokens`, else `max_length`)
-    the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past its rows with
-    `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step reaching that
-    position would fail with the same error."""
+    """Refuse, before the first step, a generation whose last fed position (the last new token is returned, not fed:
+    from `max_new_tokens`, else `max_length`) the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past
+    its rows with `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step
+    reaching that position would fail with the same error. Options that move the positions read (`read_positions`:
+    parallel context windows, bucket scales) are left to the steps, which check the positions they read."""
+    if any(moves_positions(name) for name in MITIGATIONS if kwargs.get(name) not in (None, False)):
+        return
     setting = functools.partial(generation_setting, model, generation_config, kwargs)
     new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
     final_length = length + new_tokens if new_tokens is not None else setting("max_length")
@@ -113,8 +142,14 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
         return
     mask = kwargs.get("attention_mask")
     longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
+    last_fed = longest - 1 + max(final_length - length - 1, 0)
     use_cache = setting("use_cache") is not False
-    check_position_readable(model, longest - 1 + final_length - length, kwargs.get("position_extrapolation"), use_cache)
+    check_position_readable(model, last_fed, kwargs.get("position_extrapolation"), use_cache)
+
+
+def moves_positions(name: str) -> bool:
+    """Whether the mitigation of keyword `name` moves the positions the model reads (`Mitigation.read_positions`)."""
+    return MITIGATIONS[name].read_positions is not Mitigation.read_positions
 
 
 def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:

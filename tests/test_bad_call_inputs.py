@@ -1,5 +1,7 @@
 """Every bad input of a call is refused before any work is done, with what was wrong, the value and what is allowed."""
 
+import functools
+
 import pytest
 import torch
 from conftest import random_ids, tiny_llama, tiny_model
@@ -287,8 +289,9 @@ PAST_THE_TABLE = (
     ids=["max_new_tokens", "max_length", "generation_config", "keyword-over-config"],
 )
 def test_generating_past_the_table_is_refused_before_the_first_step(length):
-    model = tiny_model(max_position_embeddings=16)  # a 12-token prompt and 6 new tokens reach position 17
-    message = PAST_THE_TABLE.format(17)
+    # a 12-token prompt and 6 new tokens: the model is fed positions up to 16 (the last new token is returned only)
+    model = tiny_model(max_position_embeddings=16)
+    message = PAST_THE_TABLE.format(16)
     refused_before_any_work(model, ValueError, message, lambda: model.generate(IDS, do_sample=False, **length))
     model.generation_config.max_new_tokens = 6  # the model's own generation config, read last
     refused_before_any_work(model, ValueError, message, lambda: model.generate(IDS, do_sample=False))
@@ -303,23 +306,23 @@ def test_generating_past_the_table_is_refused_before_the_first_step(length):
 def test_the_last_position_counts_a_rows_real_tokens_and_the_extrapolation_of_the_call():
     model = tiny_model(max_position_embeddings=16)
     mask = torch.ones(2, 12, dtype=torch.long)
-    mask[:, :2] = 0  # every row left-padded by 2: 10 real tokens, 6 new reach position 15, the table's last row
-    assert model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (2, 18)
+    mask[:, :2] = 0  # every row left-padded by 2: 10 real tokens, 7 new are fed up to position 15, the table's last row
+    assert model.generate(IDS, attention_mask=mask, max_new_tokens=7, do_sample=False).shape == (2, 19)
     refused_before_any_work(
         model,
         ValueError,
         PAST_THE_TABLE.format(16),
-        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=7, do_sample=False),
+        lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=8, do_sample=False),
     )
     assert model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="clamp").shape == (2, 18)
     # a cached `interpolate` keeps the table's scale once decoding starts: it needs the final length
     refused_before_any_work(
         model,
         ValueError,
-        r"position 17 is past position_extrapolation 'interpolate' length=16",
+        r"position 16 is past position_extrapolation 'interpolate' length=16",
         lambda: model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate"),
     )
-    interpolated = {"method": "interpolate", "length": 18}
+    interpolated = {"method": "interpolate", "length": 17}
     assert model.generate(IDS, max_new_tokens=6, do_sample=False, position_extrapolation=interpolated).shape == (2, 18)
     uncached = model.generate(
         IDS, max_new_tokens=6, do_sample=False, position_extrapolation="interpolate", use_cache=False
@@ -331,20 +334,51 @@ def test_the_last_position_is_the_longest_rows():
     """Rows padded unevenly: the longest row reaches the last position, not the shortest."""
     model = tiny_model(max_position_embeddings=16)
     mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0  # row 0: 12 real tokens, 6 new reach position 17; row 1: 8 real tokens reach 13
+    mask[1, :4] = 0  # row 0: 12 real tokens, 6 new are fed up to position 16; row 1: 8 real tokens up to 12
     refused_before_any_work(
         model,
         ValueError,
-        PAST_THE_TABLE.format(17),
+        PAST_THE_TABLE.format(16),
         lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False),
     )
     refused_before_any_work(
         model,
         ValueError,
-        r"position 17 is past position_extrapolation 'interpolate' length=16",
+        r"position 16 is past position_extrapolation 'interpolate' length=16",
         lambda: model.generate(IDS, attention_mask=mask, max_new_tokens=6, position_extrapolation="interpolate"),
     )
-    assert model.generate(IDS, attention_mask=mask, max_new_tokens=4, do_sample=False).shape == (2, 16)
+    assert model.generate(IDS, attention_mask=mask, max_new_tokens=5, do_sample=False).shape == (2, 17)
+
+
+def test_a_generation_one_token_past_the_table_runs_as_its_steps_do():
+    """The last new token is returned, never fed: a generation of `L + 1` tokens reads positions up to `L - 1` only,
+    and gives the tokens of a cached loop feeding each one."""
+    model = tiny_model(max_position_embeddings=16)
+    ids = IDS[:1]
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)  # 17 tokens, positions 0..15 fed
+    tokens, cache = ids, SepFormerCache(config=model.config)
+    with torch.no_grad():
+        for _ in range(5):
+            fed = tokens if cache.get_seq_length() == 0 else tokens[:, -1:]
+            logits = model(fed, past_key_values=cache, use_cache=True).logits
+            tokens = torch.cat((tokens, logits[:, -1].argmax(-1, keepdim=True)), 1)
+    assert torch.equal(generated, tokens)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"parallel_context_windows": {"spans": [[(0, 6), (6, 10)]]}}, {"attention_buckets": {"scales": [0.5, 0.8]}}],
+    ids=["windows", "bucket scales"],
+)
+def test_options_that_move_the_positions_read_are_checked_by_the_steps_on_those_positions(options):
+    """Windows and bucket scales < 1 read the task's positions earlier than their tokens: a generation past the table
+    by its tokens runs where its forward reads inside the table, and is refused at the step reading past it."""
+    model = tiny_model(max_position_embeddings=16)
+    ids = IDS[:1]  # 12 tokens: the windows move the task's positions back by 4, the scales to at most 0.8 m
+    assert model.generate(ids, max_new_tokens=8, do_sample=False, **options).shape == (1, 20)
+    assert model(torch.cat((ids, ids[:, :7]), 1), **options).logits.shape[1] == 19  # the same positions, unfed
+    with pytest.raises(ValueError, match="past the learned positional table"):
+        model.generate(ids, max_new_tokens=40, do_sample=False, **options)
 
 
 def test_an_unknown_keyword_is_refused_not_ignored():
@@ -450,3 +484,35 @@ def test_generate_refuses_padding_outside_the_vocabulary_before_any_step():
         model.generate(random_ids(2, 6), max_new_tokens=4, do_sample=False)
     model.generate(random_ids(2, 6), max_new_tokens=4, do_sample=False, pad_token_id=3)  # a valid id given to the call
     model.generate(random_ids(2, 6), max_new_tokens=4, do_sample=False, pad_token_id=-1, eos_token_id=-1)
+
+
+@pytest.mark.parametrize("kind", ["sepformer", "llama"])
+def test_a_chunked_prefill_is_refused_with_options_that_read_the_whole_prompt(kind):
+    """`prefill_chunk_size` feeds the prompt in several calls: options that read its last token or its documents'
+    spans at prefill are refused before any work; the others give the tokens of the prompt fed whole."""
+    model = tiny_model() if kind == "sepformer" else add_mitigations(tiny_llama())
+    spans = [[(0, 6), (6, 10)]] * 2
+    chunked = dict(max_new_tokens=3, do_sample=False, prefill_chunk_size=5)
+    reading_the_prompt = {
+        "ms_poe": {},
+        "positional_scaling": {"channels": [0]},
+        "attention_calibration": {"spans": spans},
+        "parallel_context_windows": {"spans": spans},
+    }
+    for name, fields in reading_the_prompt.items():
+        message = rf"{name} reads the whole prompt at prefill .* prefill_chunk_size=5 feeds the prompt of 12 tokens"
+        refused_before_any_work(
+            model, ValueError, message, functools.partial(model.generate, IDS, **chunked, **{name: fields})
+        )
+    heads = model.config.num_attention_heads
+    for options in (
+        {"stable_mask": {"gamma": 0.5}},
+        {"ms_poe": {"head_order": list(range(heads))[::-1]}},  # fixed ranks: no prefill row read
+        {"attention_buckets": {"scales": [0.5, 1.0]}},
+    ):
+        settings = dict(output_logits=True, return_dict_in_generate=True, **options)
+        fed_whole = model.generate(IDS, max_new_tokens=3, do_sample=False, **settings)
+        in_chunks = model.generate(IDS, **chunked, **settings)
+        assert torch.equal(in_chunks.sequences, fed_whole.sequences)
+        torch.testing.assert_close(torch.stack(in_chunks.logits), torch.stack(fed_whole.logits), rtol=1e-5, atol=1e-5)
+    assert model.generate(IDS, **{**chunked, "prefill_chunk_size": 12}, ms_poe={}).shape == (2, 15)  # one chunk
