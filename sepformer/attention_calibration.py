@@ -20,6 +20,7 @@ from .mitigation_base import (
 )
 from .mitigation_options import AttentionCalibration
 from .spans import (
+    check_default_positions,
     check_dummy_document,
     check_spans_in_prompt,
     default_dummy_token,
@@ -183,6 +184,12 @@ class CalibrationMitigation(Mitigation):
             if call.input_ids is None:
                 raise ValueError("attention_calibration needs input_ids: its dummy passes splice token ids.")
             check_dummy_document(options, config)
+            if options.dummy_document is not None:
+                check_default_positions(
+                    call,
+                    "attention_calibration runs its dummy passes (a dummy_document of a length of its own moves the "
+                    "tokens after it)",
+                )
             if options.dummy_document is not None and call.attention_mask is not None:
                 refuse_under_compile(
                     "attention_calibration's dummy_document, of a length of its own, re-pads each dummy pass by its "
@@ -202,12 +209,16 @@ class CalibrationMitigation(Mitigation):
         ids, padding, probe = dummy_batch(
             options.spans, options.dummy_document, default_dummy_token(config), call.input_ids, call.attention_mask
         )
+        rows, documents = len(options.spans), len(options.spans[0])
+        # Each row's positions, where the dummy keeps its tokens' places; else the default of each row (`resolve`).
+        given = call.position_ids is not None and options.dummy_document is None
+        position_ids = call.position_ids.expand(rows, -1).repeat_interleave(documents, 0) if given else None
         # The other mitigations, resolved for the dummy batch with a state of its own (MS-PoE ranks its heads anew).
         dummy_call = dataclasses.replace(
             call,
             input_ids=ids,
             attention_mask=padding,
-            position_ids=None,  # the passes run at the default positions of their own rows
+            position_ids=position_ids,
             cache=None,
             batch=len(ids),
             new_tokens=ids.shape[1],
@@ -221,6 +232,7 @@ class CalibrationMitigation(Mitigation):
             call.model(
                 input_ids=ids,
                 attention_mask=padding,
+                position_ids=position_ids,
                 **head,
                 **({} if call.extrapolation is None else {"position_extrapolation": call.extrapolation}),
                 mitigation_plan=plan,
@@ -228,7 +240,6 @@ class CalibrationMitigation(Mitigation):
                 output_attentions=False,
                 output_hidden_states=False,
             )
-        rows, documents = len(options.spans), len(options.spans[0])
         self.state.bias.update(
             {layer: probed.view(rows, documents, -1).transpose(1, 2) for layer, probed in probing.probed.items()}
         )  # (b, H, K)

@@ -191,7 +191,7 @@ class ModelPositions:
         raise ValueError(
             f"attention_buckets bases={list(options.bases)} mean nothing for this model: it has no rotary and its "
             f"positional map is {config.positional_map!r}"
-            + (" (a learned table has no base)" if self.positional_map is not None else " (position_size=0)")
+            + (" (only the sinusoidal map has a base)" if self.positional_map is not None else " (position_size=0)")
             + "; give scales=[...] instead (bucket b reads positions m · scales[b])."
         )
 
@@ -256,7 +256,7 @@ class CallContext:
     # (set by `resolve_plan`), or None when the call's cache is of another kind.
     sepformer_cache: SepFormerCache | None = None
     positions: ModelPositions  # what the model answers about its attention and positions
-    position_ids: torch.LongTensor | None = None  # the call's position_ids where given (a Hugging Face decoder's)
+    position_ids: torch.LongTensor | None = None  # the call's position_ids where given
 
     @classmethod
     def of(cls, model: nn.Module, tokens: torch.Tensor, **fields) -> "CallContext":

@@ -224,7 +224,8 @@ REFUSED_TOGETHER = {
     ("ms_poe", "attention_buckets"): "MS-PoE reads positions with the model's own base, not the bucket's",
     ("ms_poe", "parallel_context_windows"): "MS-PoE rescales the tokens' own positions, which the windows rewrite",
     ("attention_calibration", "parallel_context_windows"): (
-        "calibration's dummy passes splice documents into the prompt, which moves the windows"
+        "calibration measures each document's positional bias at its slot of one sequence, and the windows give "
+        "every document the first slots (their positions restart)"
     ),
     **{
         ("reorder_documents", name): "its spans would describe the documents where they were before reordering: "

@@ -359,6 +359,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 cache=past_key_values,
                 extrapolation=extrapolation,
                 continuing=continuing,
+                position_ids=position_ids,
             )
             kept = plan_kept_for(past_key_values, self.config, options)
             mitigation_plan = kept_plan(call, kept) or resolve_plan(call, options)

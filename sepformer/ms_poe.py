@@ -264,7 +264,8 @@ class MSPoEMitigation(Mitigation):
     def resolve(cls, options: MSPoE, call: CallContext) -> "MSPoEMitigation":
         config, positions = call.model.config, call.positions
         positions.check_head_turn(config)
-        check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
+        if not positions.calls_position_hooks:  # SepFormer's hook reads each call's own positions
+            check_default_positions(call, "ms_poe on a Hugging Face decoder turns the keys (the cached ones included)")
         if not positions.calls_position_hooks and getattr(call.cache, "is_compileable", False):
             refuse_under_compile(
                 "ms_poe turns the keys a static cache hands a Hugging Face decoder's attention by how many it has "

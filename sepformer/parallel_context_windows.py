@@ -35,6 +35,22 @@ def task_shift(spans: torch.Tensor) -> torch.Tensor:
     return ends[:, -1:] - starts[:, :1] - (ends - starts).amax(-1, keepdim=True)
 
 
+def check_windows_held(options: ParallelContextWindows, call: CallContext) -> None:
+    """Refuse a call that continues a cache holding less of a row's prompt than its windows (a cache cropped back into
+    one): its tokens would be read as task tokens after the windows. Not read in a traced call (a guard on values)."""
+    if torch.compiler.is_compiling():
+        return
+    held, mask = int(call.cache.get_seq_length()), call.attention_mask
+    real = mask[:, :held].sum(-1).tolist() if mask is not None and mask.dim() == 2 else [held] * len(options.spans)
+    for row, (spans, tokens) in enumerate(zip(options.spans, real, strict=True)):
+        if tokens < spans[-1][1]:
+            raise ValueError(
+                f"parallel_context_windows reads a call continuing a cache as task tokens after the windows, but the "
+                f"cache holds {tokens} tokens of row {row}, short of the end of its last window {spans[-1]} (cropped "
+                "back into a window?): run the prompt again on an empty cache."
+            )
+
+
 @dataclass(frozen=True, eq=False)
 class ParallelContextWindowsMitigation(Mitigation):
     """Rewrites the positions where the map and rotary are read (`read_positions`) and, through an and-mask on the
@@ -55,6 +71,8 @@ class ParallelContextWindowsMitigation(Mitigation):
         call.positions.check_positions(options.name)
         check_spans_in_prompt(options, call, "windows")
         check_default_positions(call, "parallel_context_windows places its windows and the task")
+        if call.continuing:
+            check_windows_held(options, call)
         layers = options.layer_set(call.model.config.num_hidden_layers)
         spans = torch.tensor(options.spans, device=call.model.device)
         return cls(options, layers, spans, call.continuing, task_shift(spans))

@@ -108,6 +108,28 @@ def test_calibration_bias_is_the_dummy_documents_attention():
             torch.testing.assert_close(bias[0, :, k], row[:, start : start + len(dummy)].mean(-1))
 
 
+def test_the_dummy_passes_read_the_positions_the_call_gives():
+    """Given `position_ids`, each dummy pass reads the prompt's positions (the dummy keeps its tokens' places):
+    `bias(k)` is the dummy's attention at those positions; a `dummy_document` of another length, which moves the
+    tokens after it, refuses positions other than the default ones."""
+    model = strong_positions(tiny_model(attn_implementation="eager"))  # a learned table: absolute positions matter
+    ids, shifted = random_ids(1, 12), torch.arange(12)[None] + 5
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        option = AttentionCalibration(spans=(SPANS,), layers=(1,))
+        model(ids, position_ids=shifted, past_key_values=cache, use_cache=True, attention_calibration=option)
+        bias = cache.mitigation_state["attention_calibration"].bias[1]  # (1, H, K)
+        for k, (start, end) in enumerate(SPANS):
+            spliced = ids.clone()
+            spliced[:, start:end] = model.config.pad_token_id
+            row = model(spliced, position_ids=shifted, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
+            torch.testing.assert_close(bias[0, :, k], row[:, start:end].mean(-1), rtol=1e-5, atol=1e-6)
+        other_length = AttentionCalibration(spans=(SPANS,), dummy_document=(7, 7))
+        with pytest.raises(ValueError, match=r"attention_calibration runs its dummy passes .* position_ids are others"):
+            model(ids, position_ids=shifted, attention_calibration=other_length)
+        model(ids, position_ids=torch.arange(12)[None], attention_calibration=other_length)  # the default ones
+
+
 @pytest.mark.parametrize("model_name", ["sepformer", "llama"])
 def test_the_default_dummy_passes_of_rows_padded_differently_measure_each_row_as_alone(model_name):
     """Each row's `bias(k)` is the attention its own prompt, run alone without padding, gives the default dummy

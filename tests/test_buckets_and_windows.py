@@ -314,8 +314,10 @@ def test_the_extreme_buckets_allowed_give_finite_logits():
 
 def test_buckets_that_mean_nothing_for_the_model_are_refused():
     ids = random_ids(1, 8)
-    with pytest.raises(ValueError, match="bases=\\[10000.0\\] mean nothing .* \\(a learned table has no base"):
-        tiny_model()(ids, attention_buckets={"bases": [10000.0]})
+    for positional_map in ("learned", "bspline"):
+        message = f"mean nothing .* its positional map is '{positional_map}' \\(only the sinusoidal map has a base"
+        with pytest.raises(ValueError, match=message):
+            tiny_model(positional_map=positional_map)(ids, attention_buckets={"bases": [10000.0]})
     with pytest.raises(ValueError, match="rescale positions, but this model reads none"):
         tiny_model(position_size=0)(ids, attention_buckets={"scales": [1.0, 2.0]})
     model = tiny_model(rotary_dim=4)
@@ -480,6 +482,26 @@ def test_windows_refuse_a_4d_mask_calibration_and_a_cache_started_without_them()
         model(ids, past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="parallel_context_windows encodes the windows at prefill"):
             model(ids[:, :1], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+
+
+def test_windows_refuse_other_position_ids_and_a_cache_cropped_back_into_a_window():
+    """Windows are placed from the positions counted from each row's first token (the mask and the positions read
+    must agree), and a continuing call's tokens are task tokens after them: both refused as on Hugging Face decoders."""
+    model = strong_positions(tiny_model(position_size=0, rotary_dim=8))  # relative positions: a shift alone is no-op
+    ids, windows = random_ids(1, 22), ParallelContextWindows(spans=(((0, 10), (10, 18)),))
+    with pytest.raises(ValueError, match=r"places its windows and the task .* position_ids are others \(\[7, 8"):
+        model(ids, position_ids=torch.arange(7, 29)[None], parallel_context_windows=windows)
+    cache = SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        cache.crop(-6)  # 14 tokens: back into the second window
+        with pytest.raises(ValueError, match=r"holds 14 tokens of row 0, short of the end of its last window \(10, 18"):
+            model(ids[:, 14:15], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        assert cache.get_seq_length() == 14
+        cache = SepFormerCache(config=model.config)
+        model(ids[:, :20], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        cache.crop(-2)  # 18 tokens: every window held
+        model(ids[:, 18:19], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
 
 
 def test_a_cache_prefilled_with_windows_or_buckets_cannot_be_continued_without_them():
