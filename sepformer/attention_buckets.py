@@ -67,8 +67,12 @@ class AttentionBucketsMitigation(Mitigation):
         which = "rotary" if rotary_bases else "map"
         return cls(options, options.layer_set(config.num_hidden_layers), scale, base, which, rows, method)
 
+    @classmethod
+    def moves_positions(cls, options: AttentionBuckets) -> bool:
+        return set(options.scales or (1.0,)) != {1.0}
+
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if set(self.options.scales or (1.0,)) == {1.0}:
+        if not self.moves_positions(self.options):
             return position_ids
         if self.table_rows is not None and position_ids.numel() and not torch.compiler.is_compiling():
             self.check_inside_table(int(position_ids.max()))

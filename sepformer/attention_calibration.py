@@ -187,8 +187,7 @@ class CalibrationMitigation(Mitigation):
             if options.dummy_document is not None:
                 check_default_positions(
                     call,
-                    "attention_calibration runs its dummy passes (a dummy_document of a length of its own moves the "
-                    "tokens after it)",
+                    "attention_calibration runs the dummy passes of a dummy_document, each padded anew to its length,",
                 )
             if options.dummy_document is not None and call.attention_mask is not None:
                 refuse_under_compile(

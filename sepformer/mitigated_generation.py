@@ -9,7 +9,6 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 
 from .cache_sepformer import SepFormerCache
-from .mitigation_base import Mitigation
 from .mitigation_options import SpanOptions
 from .mitigations import MITIGATIONS, check_assisted_decoding, kept_for_generation, parse_options
 from .positional_maps import check_position_readable
@@ -89,11 +88,14 @@ def check_assistance(model, generation_config, kwargs: dict) -> None:
 
 
 def check_prefill_in_one_call(model, prompt, generation_config, kwargs: dict) -> None:
-    """Refuse, before any work, a chunked prefill (`prefill_chunk_size` shorter than the prompt: `generate` feeds the
-    prompt in several calls, the first one taken for the prefill) with options that read the whole prompt there: its
-    last token (`acts_on_last_rows`) or its documents' spans."""
+    """Refuse, before any work, a chunked prefill (`prefill_chunk_size` shorter than the prompt, on an empty cache:
+    `generate` feeds the prompt in several calls, the first one taken for the prefill) with options that read the
+    whole prompt there: its last token (`acts_on_last_rows`) or its documents' spans."""
     chunk = generation_setting(model, generation_config, kwargs, "prefill_chunk_size")
+    cache = kwargs.get("past_key_values")
     if chunk is None or prompt is None or prompt.shape[-1] <= chunk:
+        return
+    if isinstance(cache, Cache) and cache.get_seq_length() > 0:  # the chunks continue a prefill made before
         return
     parsed = parse_options(model.config, kwargs)
     whole = [
@@ -133,7 +135,7 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
     its rows with `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step
     reaching that position would fail with the same error. Options that move the positions read (`read_positions`:
     parallel context windows, bucket scales) are left to the steps, which check the positions they read."""
-    if any(moves_positions(name) for name in MITIGATIONS if kwargs.get(name) not in (None, False)):
+    if any(MITIGATIONS[name].moves_positions(options) for name, options in parse_options(model.config, kwargs).items()):
         return
     setting = functools.partial(generation_setting, model, generation_config, kwargs)
     new_tokens, length = setting("max_new_tokens"), prompt.shape[1]
@@ -145,11 +147,6 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
     last_fed = longest - 1 + max(final_length - length - 1, 0)
     use_cache = setting("use_cache") is not False
     check_position_readable(model, last_fed, kwargs.get("position_extrapolation"), use_cache)
-
-
-def moves_positions(name: str) -> bool:
-    """Whether the mitigation of keyword `name` moves the positions the model reads (`Mitigation.read_positions`)."""
-    return MITIGATIONS[name].read_positions is not Mitigation.read_positions
 
 
 def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:

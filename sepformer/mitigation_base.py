@@ -406,6 +406,12 @@ class Mitigation:
         `projection`: the layer's input and query/key pipeline where a hook rewrites its query and key inputs."""
         return function
 
+    @classmethod
+    def moves_positions(cls, options: MitigationOptions) -> bool:
+        """Whether these options move the positions the model reads (`read_positions`): `generate` then leaves the
+        check of the last position it reaches to the steps, which read them."""
+        return cls.read_positions is not Mitigation.read_positions
+
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Where the positional map and rotary read the call's new tokens: (b or 1, seq) -> (b or 1, seq), integer or
         fractional. Receives the positions counted from each row's first real token (or the caller's)."""

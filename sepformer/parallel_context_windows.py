@@ -4,9 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_sepformer import MitigationState, SepFormerCache
 from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import ParallelContextWindows
-from .spans import check_default_positions, check_spans_in_prompt, key_documents, key_positions
+from .spans import check_default_positions, check_spans_in_prompt, key_documents, key_positions, prompt_lengths
 
 
 def window_ids(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -35,20 +36,25 @@ def task_shift(spans: torch.Tensor) -> torch.Tensor:
     return ends[:, -1:] - starts[:, :1] - (ends - starts).amax(-1, keepdim=True)
 
 
-def check_windows_held(options: ParallelContextWindows, call: CallContext) -> None:
-    """Refuse a call that continues a cache holding less of a row's prompt than its windows (a cache cropped back into
-    one): its tokens would be read as task tokens after the windows. Not read in a traced call (a guard on values)."""
-    if torch.compiler.is_compiling():
-        return
-    held, mask = int(call.cache.get_seq_length()), call.attention_mask
-    real = mask[:, :held].sum(-1).tolist() if mask is not None and mask.dim() == 2 else [held] * len(options.spans)
-    for row, (spans, tokens) in enumerate(zip(options.spans, real, strict=True)):
-        if tokens < spans[-1][1]:
-            raise ValueError(
-                f"parallel_context_windows reads a call continuing a cache as task tokens after the windows, but the "
-                f"cache holds {tokens} tokens of row {row}, short of the end of its last window {spans[-1]} (cropped "
-                "back into a window?): run the prompt again on an empty cache."
-            )
+@dataclass(eq=False)
+class WindowsState(MitigationState):
+    """What the windows keep on the cache: how many of its tokens (padding included) hold every row's windows, so that
+    a call continuing it after a crop back into a window is refused without reading the device."""
+
+    columns: int
+
+
+def check_windows_held(cache: SepFormerCache) -> None:
+    """Refuse a call that continues `cache` where it holds fewer tokens than its prefill's windows (a cache cropped back
+    into one): its tokens would be read as task tokens after the windows."""
+    state = cache.mitigation_state.get(ParallelContextWindows.name)
+    held = cache.get_seq_length()
+    if isinstance(state, WindowsState) and held < state.columns:
+        raise ValueError(
+            f"parallel_context_windows reads a call continuing a cache as task tokens after the windows, but the "
+            f"cache holds {held} tokens, short of the {state.columns} that hold every row's windows (cropped back "
+            "into a window?): run the prompt again on an empty cache."
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,15 +77,24 @@ class ParallelContextWindowsMitigation(Mitigation):
         call.positions.check_positions(options.name)
         check_spans_in_prompt(options, call, "windows")
         check_default_positions(call, "parallel_context_windows places its windows and the task")
-        if call.continuing:
-            check_windows_held(options, call)
+        if call.continuing and call.sepformer_cache is not None:
+            check_windows_held(call.sepformer_cache)
         layers = options.layer_set(call.model.config.num_hidden_layers)
         spans = torch.tensor(options.spans, device=call.model.device)
         return cls(options, layers, spans, call.continuing, task_shift(spans))
 
+    def prepare(self, call: CallContext, others) -> None:
+        """At an eager prefill, the cache's tokens that hold every row's windows: its padding and its windows."""
+        if call.continuing or call.sepformer_cache is None or torch.compiler.is_compiling():
+            return
+        lengths = prompt_lengths(call.attention_mask, call.batch, call.new_tokens)
+        ends = [max(end for _, end in spans) for spans in self.options.spans]
+        columns = max(call.new_tokens - length + end for end, length in zip(ends, lengths, strict=True))
+        call.sepformer_cache.mitigation_state[self.options.name] = WindowsState(columns)
+
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         # Every token of a later call is a task token: the windows lie in the prefill's prompt, as `mask_function`
-        # also assumes (a cache cropped back into a window is not supported).
+        # also assumes (a cache cropped back into a window is refused: `check_windows_held`).
         if self.continuing:
             return position_ids - self.task_offset
         return window_positions(self.spans, position_ids)

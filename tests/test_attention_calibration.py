@@ -113,21 +113,23 @@ def test_the_dummy_passes_read_the_positions_the_call_gives():
     `bias(k)` is the dummy's attention at those positions; a `dummy_document` of another length, which moves the
     tokens after it, refuses positions other than the default ones."""
     model = strong_positions(tiny_model(attn_implementation="eager"))  # a learned table: absolute positions matter
-    ids, shifted = random_ids(1, 12), torch.arange(12)[None] + 5
+    ids, shifted = random_ids(2, 12), torch.arange(12)[None] + torch.tensor([[3], [9]])  # each row its own
     cache = SepFormerCache(config=model.config)
     with torch.no_grad():
-        option = AttentionCalibration(spans=(SPANS,), layers=(1,))
+        option = AttentionCalibration(spans=(SPANS, SPANS), layers=(1,))
         model(ids, position_ids=shifted, past_key_values=cache, use_cache=True, attention_calibration=option)
-        bias = cache.mitigation_state["attention_calibration"].bias[1]  # (1, H, K)
-        for k, (start, end) in enumerate(SPANS):
-            spliced = ids.clone()
-            spliced[:, start:end] = model.config.pad_token_id
-            row = model(spliced, position_ids=shifted, output_attentions=True).attentions[1][0, :, -1]  # (H, kv)
-            torch.testing.assert_close(bias[0, :, k], row[:, start:end].mean(-1), rtol=1e-5, atol=1e-6)
+        bias = cache.mitigation_state["attention_calibration"].bias[1]  # (2, H, K)
+        for row in range(2):
+            for k, (start, end) in enumerate(SPANS):
+                spliced = ids[row : row + 1].clone()
+                spliced[:, start:end] = model.config.pad_token_id
+                positions = shifted[row : row + 1]
+                attention = model(spliced, position_ids=positions, output_attentions=True).attentions[1][0, :, -1]
+                torch.testing.assert_close(bias[row, :, k], attention[:, start:end].mean(-1), rtol=1e-5, atol=1e-6)
         other_length = AttentionCalibration(spans=(SPANS,), dummy_document=(7, 7))
-        with pytest.raises(ValueError, match=r"attention_calibration runs its dummy passes .* position_ids are others"):
-            model(ids, position_ids=shifted, attention_calibration=other_length)
-        model(ids, position_ids=torch.arange(12)[None], attention_calibration=other_length)  # the default ones
+        with pytest.raises(ValueError, match=r"runs the dummy passes of a dummy_document, .* position_ids are others"):
+            model(ids[:1], position_ids=shifted[:1], attention_calibration=other_length)
+        model(ids[:1], position_ids=torch.arange(12)[None], attention_calibration=other_length)  # the default ones
 
 
 @pytest.mark.parametrize("model_name", ["sepformer", "llama"])

@@ -381,6 +381,13 @@ def test_options_that_move_the_positions_read_are_checked_by_the_steps_on_those_
         model.generate(ids, max_new_tokens=40, do_sample=False, **options)
 
 
+def test_buckets_that_move_no_position_are_checked_before_the_first_step():
+    model = tiny_model(max_position_embeddings=16, rotary_dim=4)
+    for buckets in ({"bases": [1e4, 2e4]}, {"scales": [1.0, 1.0]}):
+        call = functools.partial(model.generate, IDS, max_new_tokens=8, do_sample=False, attention_buckets=buckets)
+        refused_before_any_work(model, ValueError, PAST_THE_TABLE.format(18), call)
+
+
 def test_an_unknown_keyword_is_refused_not_ignored():
     model = tiny_model()
     with pytest.raises(TypeError, match=r"unknown keyword arguments \['stablemask'\].*'stable_mask'"):
@@ -516,3 +523,13 @@ def test_a_chunked_prefill_is_refused_with_options_that_read_the_whole_prompt(ki
         assert torch.equal(in_chunks.sequences, fed_whole.sequences)
         torch.testing.assert_close(torch.stack(in_chunks.logits), torch.stack(fed_whole.logits), rtol=1e-5, atol=1e-5)
     assert model.generate(IDS, **{**chunked, "prefill_chunk_size": 12}, ms_poe={}).shape == (2, 15)  # one chunk
+    # continuing a prefilled cache, every chunk is a continuation, as the tokens fed whole are
+    continued = []
+    for chunk in (None, 2):
+        cache = SepFormerCache(config=model.config)
+        with torch.no_grad():
+            model(IDS[:, :9], past_key_values=cache, use_cache=True, ms_poe={})
+        continued.append(
+            model.generate(IDS, **{**chunked, "prefill_chunk_size": chunk}, past_key_values=cache, ms_poe={})
+        )
+    assert torch.equal(*continued)

@@ -486,22 +486,31 @@ def test_windows_refuse_a_4d_mask_calibration_and_a_cache_started_without_them()
 
 def test_windows_refuse_other_position_ids_and_a_cache_cropped_back_into_a_window():
     """Windows are placed from the positions counted from each row's first token (the mask and the positions read
-    must agree), and a continuing call's tokens are task tokens after them: both refused as on Hugging Face decoders."""
+    must agree), and a continuing call's tokens are task tokens after them: both refused as on Hugging Face decoders.
+    The windows a cache must hold count each row's padding."""
     model = strong_positions(tiny_model(position_size=0, rotary_dim=8))  # relative positions: a shift alone is no-op
-    ids, windows = random_ids(1, 22), ParallelContextWindows(spans=(((0, 10), (10, 18)),))
+    ids = random_ids(2, 20)
+    one_row = ParallelContextWindows(spans=(((0, 10), (10, 18)),))
     with pytest.raises(ValueError, match=r"places its windows and the task .* position_ids are others \(\[7, 8"):
-        model(ids, position_ids=torch.arange(7, 29)[None], parallel_context_windows=windows)
-    cache = SepFormerCache(config=model.config)
-    with torch.no_grad():
-        model(ids[:, :20], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
-        cache.crop(-6)  # 14 tokens: back into the second window
-        with pytest.raises(ValueError, match=r"holds 14 tokens of row 0, short of the end of its last window \(10, 18"):
-            model(ids[:, 14:15], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
-        assert cache.get_seq_length() == 14
+        model(ids[:1], position_ids=torch.arange(7, 27)[None], parallel_context_windows=one_row)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :3] = 0  # row 1: 17 real tokens, its windows end at its 16th: 19 columns
+    windows = ParallelContextWindows(spans=(((0, 10), (10, 18)), ((0, 8), (8, 16))))
+
+    def continued(crop: int):
         cache = SepFormerCache(config=model.config)
-        model(ids[:, :20], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
-        cache.crop(-2)  # 18 tokens: every window held
-        model(ids[:, 18:19], past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        cache.crop(crop)
+        step_mask = torch.cat((mask[:, : cache.get_seq_length()], torch.ones(2, 1, dtype=torch.long)), 1)
+        step = dict(attention_mask=step_mask, past_key_values=cache, use_cache=True, parallel_context_windows=windows)
+        return model(ids[:, :1], **step).logits
+
+    with torch.no_grad():
+        continued(-1)  # 19 tokens: every row's windows held
+        with pytest.raises(
+            ValueError, match="the cache holds 18 tokens, short of the 19 that hold every row's windows"
+        ):
+            continued(-2)
 
 
 def test_a_cache_prefilled_with_windows_or_buckets_cannot_be_continued_without_them():

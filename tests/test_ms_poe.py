@@ -115,6 +115,18 @@ def test_ms_poe_equals_a_head_by_head_reference(overrides):
     assert (ours - logits(model, ids)).abs().max() > 1e-4  # the ratios did something
 
 
+def test_ms_poe_on_sepformer_reads_the_positions_the_call_gives():
+    """SepFormer's position hook turns each call's own positions: given `position_ids`, head `h` reads `p(m / r_h)` at
+    those `m` (a Hugging Face decoder, which turns cached keys from the default positions, refuses others)."""
+    model = strong_positions(tiny_model(num_hidden_layers=1))
+    ids, shifted = random_ids(2, 12), torch.arange(12) + 5
+    option = MSPoE(r_min=1.3, r_max=2.5, layers=(0,), head_order=(2, 0, 3, 1))
+    with torch.no_grad():
+        reference = ms_poe_reference_logits(model, ids, option, positions=shifted.float())
+    ours = logits(model, ids, position_ids=shifted[None], ms_poe=option)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-5)
+
+
 def test_ms_poe_reads_the_weights_of_each_call():
     """The positional columns of W_q and W_k that MS-PoE multiplies by are laid out per head once per generation; a
     later call reads the weights as they are, also after a write through `.data` (PEFT's merge), which moves no
