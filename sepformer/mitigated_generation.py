@@ -23,7 +23,8 @@ class MitigationGenerationMixin:
     loss_keywords = ("num_items_in_batch", *LOSS_KEYWORDS)  # what `loss_function` takes besides logits and labels
 
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
-        """Refuse, before any work, a prompt `generate` would fail on deep inside (the model's own checks)."""
+        """Refuse, before any work, a prompt `generate` would fail on deep inside (the model's own checks); `prompt`:
+        its token ids, `None` where it is given as `inputs_embeds` (among `kwargs`)."""
 
     def generate(self, inputs=None, *args, **kwargs):
         """`GenerationMixin.generate`, after `check_generate_inputs`. A `SepFormerCache` it continues drops what an
@@ -39,7 +40,7 @@ class MitigationGenerationMixin:
         generation_config = args[0] if args else kwargs.get("generation_config")
         check_no_options_in(generation_config, "the generation_config given to generate")
         check_no_options_in(self.generation_config, "model.generation_config")
-        if prompt is not None:
+        if prompt is not None or kwargs.get("inputs_embeds") is not None:
             self.check_generate_inputs(prompt, generation_config, kwargs)
         check_assistance(self, generation_config, kwargs)
         check_prefill_in_one_call(self, prompt, generation_config, kwargs)
@@ -132,9 +133,10 @@ def generation_setting(model, generation_config, kwargs: dict, name: str):
 def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
     """Refuse, before the first step, a generation whose last fed position (the last new token is returned, not fed:
     from `max_new_tokens`, else `max_length`) the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past
-    its rows with `position_extrapolation='none'`, or past the `interpolate` length of a cached generation. The step
-    reaching that position would fail with the same error. Options that move the positions read (`read_positions`:
-    parallel context windows, bucket scales) are left to the steps, which check the positions they read."""
+    its rows with `position_extrapolation='none'`, or past the `interpolate` length of a cached decoding step. The call
+    feeding that position would fail with the same error. `prompt`: (b, seq) ids or (b, seq, d) embeddings. Options
+    that move the positions read (`read_positions`: parallel context windows, bucket scales) are left to the steps,
+    which check the positions they read."""
     if any(MITIGATIONS[name].moves_positions(options) for name, options in parse_options(model.config, kwargs).items()):
         return
     setting = functools.partial(generation_setting, model, generation_config, kwargs)
@@ -144,9 +146,10 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
         return
     mask = kwargs.get("attention_mask")
     longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
+    decoding = final_length - length >= 2  # a step feeds a new token; otherwise only the prompt is fed, at prefill
     last_fed = longest - 1 + max(final_length - length - 1, 0)
-    use_cache = setting("use_cache") is not False
-    check_position_readable(model, last_fed, kwargs.get("position_extrapolation"), use_cache)
+    continuing = decoding and setting("use_cache") is not False
+    check_position_readable(model, last_fed, kwargs.get("position_extrapolation"), continuing)
 
 
 def check_fed_token_ids(model, generation_config, kwargs: dict) -> None:

@@ -535,8 +535,9 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
         """The prompt and its padding mask (an empty or 1-D prompt fails deep inside `generate`), the last position it
         may reach (`check_last_position`) and the padding it feeds (`check_fed_token_ids`)."""
-        check_inputs(self.model, prompt, None, kwargs.get("attention_mask"), None, None, {})
-        check_last_position(self, prompt, generation_config, kwargs)
+        embeds = kwargs.get("inputs_embeds") if prompt is None else None
+        check_inputs(self.model, prompt, embeds, kwargs.get("attention_mask"), None, None, {})
+        check_last_position(self, prompt if embeds is None else embeds, generation_config, kwargs)
         check_fed_token_ids(self, generation_config, kwargs)
 
 

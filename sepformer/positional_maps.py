@@ -67,11 +67,14 @@ def fourier_rows(table: torch.Tensor, positions: torch.Tensor, components: int) 
 def compress_positions(positions: torch.Tensor, length: int, needed) -> torch.Tensor:
     """`i · (L-1)/(n-1)`: positions of a sequence of `n > L` tokens compressed into a table of `L` rows.
 
-    Computed as the integer product `i · (L-1)` divided once by `n-1`: one correctly rounded division, so the last
-    position lands exactly on row `L-1`. Multiplying by a rounded scale can overshoot it (float32 `19 · (15/19)` is
-    `15.000001`), and a reader that takes the ceiling then asks for a row past the table.
+    Computed from the integer product `i · (L-1)`: its integer quotient by `n-1` plus the remainder's fraction, so the
+    last position lands exactly on row `L-1` and no other rounds past it. Multiplying by a rounded scale can overshoot
+    it (float32 `19 · (15/19)` is `15.000001`), and so can dividing the product in float32 once it is past `2^24`
+    (`L = 2048` at `8L`); a reader that takes the ceiling then asks for a row past the table.
     """
-    return positions * (length - 1) / (needed - 1)
+    scaled = positions * (length - 1)
+    whole = torch.div(scaled, needed - 1, rounding_mode="floor")
+    return whole + (scaled - whole * (needed - 1)) / (needed - 1)
 
 
 def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -533,3 +533,27 @@ def test_a_chunked_prefill_is_refused_with_options_that_read_the_whole_prompt(ki
             model.generate(IDS, **{**chunked, "prefill_chunk_size": chunk}, past_key_values=cache, ms_poe={})
         )
     assert torch.equal(*continued)
+
+
+def test_the_last_position_of_a_prompt_given_as_embeddings_is_checked_before_the_first_step():
+    model = tiny_model(max_position_embeddings=16)
+    embeds = model.model.embed_tokens(IDS)
+    call = functools.partial(model.generate, inputs_embeds=embeds, max_new_tokens=10, do_sample=False)
+    refused_before_any_work(model, ValueError, PAST_THE_TABLE.format(20), call)
+    assert model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False).shape == (2, 5)
+
+
+def test_one_new_token_under_interpolate_feeds_only_the_prompt_at_prefill():
+    """With one new token no decoding step runs: the prompt is compressed for its own length at prefill, as the
+    forward of the same prompt is, and needs no `interpolate` length."""
+    model = tiny_model(max_position_embeddings=8)
+    generated = model.generate(IDS, max_new_tokens=1, do_sample=False, position_extrapolation="interpolate")
+    with torch.no_grad():
+        expected = model(IDS, position_extrapolation="interpolate").logits[:, -1].argmax(-1)
+    assert torch.equal(generated[:, -1], expected)
+    refused_before_any_work(
+        model,
+        ValueError,
+        r"position 12 is past position_extrapolation 'interpolate' length=8",
+        lambda: model.generate(IDS, max_new_tokens=2, do_sample=False, position_extrapolation="interpolate"),
+    )

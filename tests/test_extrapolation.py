@@ -7,8 +7,14 @@ import torch
 from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from sepformer import EXTRAPOLATION_METHODS, PositionExtrapolation, SepFormerCache, SepFormerConfig
-from sepformer.positional_maps import fourier_rows
+from sepformer import (
+    EXTRAPOLATION_METHODS,
+    PositionExtrapolation,
+    SepFormerCache,
+    SepFormerConfig,
+    SepFormerForCausalLM,
+)
+from sepformer.positional_maps import compress_positions, fourier_rows
 
 L = 16
 METHODS = [m for m in EXTRAPOLATION_METHODS if m != "none"]
@@ -413,6 +419,30 @@ def test_ms_poe_identity_under_interpolate_is_the_base_model_at_every_length(n):
     table = model.model.embed_positions
     coordinates = table.table_coordinates(torch.arange(n)[None], PositionExtrapolation("interpolate"))
     assert coordinates[0, -1].item() == L - 1
+
+
+def test_interpolate_puts_the_last_position_on_the_last_row_past_float32_s_exact_integers():
+    """At `L = 2048` and `8L` tokens the product `i · (L-1)` is past `2^24`: divided in float32 it lands the last
+    position off row `L-1` (past it for 270 of 400 lengths from 16384), and MS-PoE's reader then asks for row `L`."""
+    for rows in (2048, 4096):
+        lengths = torch.arange(8 * rows, 8 * rows + 400)[:, None]
+        last = compress_positions(lengths - 1, rows, lengths)
+        assert (last == rows - 1).all()
+        positions = torch.randint(0, 8 * rows, (1, 4096), generator=torch.Generator().manual_seed(rows))
+        compressed = compress_positions(positions, rows, lengths)
+        exact = positions.double() * (rows - 1) / (lengths.double() - 1)
+        assert (compressed <= rows - 1).all()
+        torch.testing.assert_close(compressed.double(), exact, rtol=2e-7, atol=0)
+    model = SepFormerForCausalLM(
+        SepFormerConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, max_position_embeddings=2048)
+    ).eval()
+    with torch.no_grad():  # a last position that float32 put at 2047.0001: MS-PoE at ratio 1 reads rows 2047 and 2048
+        model(
+            torch.tensor([[65]]),
+            position_ids=torch.tensor([[16394]]),
+            position_extrapolation={"method": "interpolate", "length": 16395},
+            ms_poe={"r_min": 1.0, "r_max": 1.5},
+        )
 
 
 def test_the_fields_of_older_configs_fold_into_position_extrapolation():
