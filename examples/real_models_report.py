@@ -59,9 +59,13 @@ def verdict(mine: dict, none: dict) -> str:
     seeds = sorted(set(mine) & set(none))
     if not seeds:
         return "n/a (no seed run with none)"
-    if all(mine[s][1] - none[s][1] >= 0.10 and mine[s][0] >= none[s][0] for s in seeds):
+    # accuracies are fractions of a few prompts, compared as such: in floats 0.3 - 0.2 is 0.0999... and 0.65 - 0.6 is
+    # 0.0500...04, which would miss or pass the thresholds they meet exactly
+    worst_gain = [round(mine[s][1] - none[s][1], 9) for s in seeds]
+    mean_change = [round(mine[s][0] - none[s][0], 9) for s in seeds]
+    if all(gain >= 0.10 and change >= 0 for gain, change in zip(worst_gain, mean_change, strict=True)):
         return "helps"
-    if all(none[s][0] - mine[s][0] > 0.05 for s in seeds):
+    if all(change < -0.05 for change in mean_change):
         return "hurts"
     return "neutral"
 

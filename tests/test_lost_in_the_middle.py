@@ -400,6 +400,9 @@ def test_exact_match_metrics_on_hand_cases():
     assert task.qa_correct("Paris, France.", ("london", "paris"))
     assert task.qa_correct("the U.S. navy", ("US Navy",))  # punctuation gone on both sides
     assert not task.qa_correct("blu", ("blue",)) and not task.qa_correct("maintainer", ("maintainers",))
+    # the first line only, as the paper's evaluation: copying the documents after it earns nothing
+    assert task.qa_correct("Paris.\nDocument [1](Title: London)", ("paris",))
+    assert not task.qa_correct("I do not know.\nDocument [1](Title: Sky) The sky is blue.", ("blue",))
     assert task.normalize_answer("  The  Eiffel-Tower, an icon ") == "eiffeltower icon"
 
 
@@ -762,6 +765,15 @@ def test_gguf_files_that_cannot_be_read_are_refused_before_any_loading(tmp_path,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name))
     with pytest.raises(SystemExit, match=re.escape("needs the gguf package (pip install -e '.[gguf]')")):
         litm.main(["--model", str(bert), "--tiny", "--output-dir", str(tmp_path / "out")])
+
+
+def test_verdicts_meet_their_thresholds_exactly():
+    """Accuracies are fractions of a few prompts: a worst slot 0.2 -> 0.3 rises by 0.10 (0.0999... in floats) and a
+    mean 0.65 -> 0.60 falls by 0.05, not more (0.0500...04 in floats)."""
+    none = {0: (0.65, 0.2)}  # seed -> (mean, worst slot)
+    assert report.verdict({0: (0.70, 0.3)}, none) == "helps"
+    assert report.verdict({0: (0.60, 0.2)}, none) == "neutral"
+    assert report.verdict({0: (0.59, 0.2)}, none) == "hurts"
 
 
 def test_the_report_averages_seeds_and_gives_each_method_its_verdict(tmp_path):
