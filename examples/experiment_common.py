@@ -198,8 +198,10 @@ def check_resumable(args, names_and_seeds) -> None:
 
 
 def first_line(error: Exception) -> str:
-    """The first line of an error's message, at most 200 characters: for a one-line refusal or row."""
-    return str(error).splitlines()[0][:200] if str(error) else ""
+    """The first line of an error's message, cut after a word within 200 characters (marked "..."): for a one-line
+    refusal or row."""
+    line = str(error).splitlines()[0] if str(error) else ""
+    return line if len(line) <= 200 else line[:200].rsplit(" ", 1)[0] + " ..."
 
 
 def world_size() -> int:

@@ -39,6 +39,7 @@ from experiment_common import (
     checkpoint_dir,
     every_seed,
     experiment_parser,
+    first_line,
     is_main_process,
     main_process_prints,
     tail_mean,
@@ -141,8 +142,7 @@ def evaluate(model, contender: Contender, stream: torch.Tensor, args) -> list[di
                 total, beyond = bits_per_byte(model, stream, length, args, **kwargs)
                 row.update(bits_per_byte=total, bits_per_byte_beyond_L=beyond, status="ok")
             except (ValueError, IndexError, RuntimeError) as error:  # e.g. a learned table asked for a row it lacks
-                message = str(error).splitlines()[0] if str(error) else ""
-                row["status"] = f"cannot run: {type(error).__name__}: {message[:200]}"
+                row["status"] = f"cannot run: {type(error).__name__}: {first_line(error)}"
         rows.append(row)
     return rows
 

@@ -77,6 +77,7 @@ TUNING_FIELDS = ["model", "keys", "prompt", "num_documents", "seed", "mitigation
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MITIGATIONS = (NONE, *OPTION_CLASSES)
 SCALING = "positional_scaling"
+REORDER = "reorder_documents"
 
 
 @dataclass(frozen=True)
@@ -225,8 +226,9 @@ def validation_batch(encoder: Encoder, example: Example, device) -> dict:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_new_tokens: int) -> list[str]:
     """The greedy continuations of `prompts` (left-padded together) under `condition`."""
-    batch = tokenizer.pad({"input_ids": [list(prompt.input_ids) for prompt in prompts]}, return_tensors="pt")
-    batch = batch.to(model.device)
+    if condition.mitigation == REORDER:
+        prompts, condition = reordered(model, tokenizer, prompts, condition), Condition(NONE)
+    batch = padded(tokenizer, prompts, model.device)
     options = {}
     if condition.mitigation != NONE:
         spans = tuple(prompt.spans for prompt in prompts)
@@ -234,6 +236,34 @@ def generate(model, tokenizer, prompts: list[Prompt], condition: Condition, max_
     greedy = dict(do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id)
     output = model.generate(**batch, max_new_tokens=max_new_tokens, **greedy, **options)
     return tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def padded(tokenizer, prompts: list[Prompt], device) -> dict:
+    return tokenizer.pad({"input_ids": [list(prompt.input_ids) for prompt in prompts]}, return_tensors="pt").to(device)
+
+
+def reordered(model, tokenizer, prompts: list[Prompt], condition: Condition) -> list[Prompt]:
+    """`prompts` with their documents in the order `reorder_documents` gives them (`sepformer.document_relevance` and
+    `relevance_order`, its `rounds` each on the prompts the last made), written anew at their places: the JSON object's
+    punctuation and the results' numbers stay where they are, as the paper writes a prompt in any order (moving the
+    documents' tokens would move them too)."""
+    options = make_option(REORDER, condition.settings, tuple(prompt.spans for prompt in prompts), model.config)
+    for done in range(1, options.rounds + 1):
+        batch = padded(tokenizer, prompts, model.device)
+        spans = tuple(prompt.spans for prompt in prompts)
+        scores = sepformer.document_relevance(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            spans,
+            options.by,
+            options.layers,
+            options.dummy_document,
+        )
+        order = sepformer.relevance_order(scores, options.strategy if done == options.rounds else "last")
+        rows = zip(prompts, order.tolist(), strict=True)
+        prompts = [prompt.encoder(prompt.example.reordered(row)) for prompt, row in rows]
+    return prompts
 
 
 def model_digest(model) -> str:
@@ -458,7 +488,13 @@ def add_task_arguments(parser) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_task_arguments(parser)
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="the keys' random stream")
+    parser.add_argument(
+        "--seed",
+        type=nonnegative_int,
+        default=0,
+        help="the keys' random stream (with --qa-file the questions are the file's: it draws only the key-value "
+        "prompts of positional scaling's channel search on a model other than SepFormer)",
+    )
     parser.add_argument(
         "--max-new-tokens",
         type=positive_int,

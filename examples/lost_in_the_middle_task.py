@@ -2,29 +2,58 @@
 retrieval over random UUIDs and multi-document QA from the paper's JSON lines, the gold at every slot; and each prompt's
 token ids with its documents' token spans (`Encoder`)."""
 
+import dataclasses
 import functools
 import json
 import random
 import re
 import string
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
+
+
+def kv_documents(contents: tuple[str, ...]) -> tuple[str, ...]:
+    """The paper's JSON object, one string per pair (`contents`: `"k": "v"`): `{"k": "v",\\n`, ` "k": "v",\\n`, ...,
+    ` "k": "v"}`."""
+    last = len(contents) - 1
+    return tuple(
+        ("{" if i == 0 else " ") + content + (",\n" if i < last else "}") for i, content in enumerate(contents)
+    )
+
+
+def qa_documents(contents: tuple[str, ...]) -> tuple[str, ...]:
+    """The paper's search results (`contents`: `(Title: t) text`), numbered from 1, one per line."""
+    last = len(contents) - 1
+    return tuple(f"Document [{i + 1}]{content}" + ("\n" if i < last else "") for i, content in enumerate(contents))
+
+
+LAYOUTS = {"kv": kv_documents, "qa": qa_documents}
 
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt, `head + "".join(documents) + tail`, with its answers and the gold document's slot (0-based)."""
+    """One prompt, `head + "".join(documents) + tail`, with its answers and the gold document's slot (0-based); each
+    document is its content written at its place (`layout`: the JSON object's punctuation, the search result's
+    number)."""
 
     head: str
     documents: tuple[str, ...]
     tail: str
     answers: tuple[str, ...]
     slot: int
+    contents: tuple[str, ...] = ()
+    layout: str = ""
 
     @property
     def text(self) -> str:
         return self.head + "".join(self.documents) + self.tail
+
+    def reordered(self, order: list[int]) -> "Example":
+        """The prompt with the contents in `order` (entry `j`: the document now at place `j`), each written at its new
+        place, as the paper writes a prompt in any order; `slot` stays where the gold was given."""
+        contents = tuple(self.contents[j] for j in order)
+        return dataclasses.replace(self, documents=LAYOUTS[self.layout](contents), contents=contents)
 
 
 KV_HEAD = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
@@ -51,12 +80,8 @@ def random_pair(rng: random.Random, keys: str) -> tuple[str, str]:
 
 
 def kv_records(pairs: list[tuple[str, str]]) -> tuple[str, ...]:
-    """The paper's JSON object, one string per pair: `{"k": "v",\\n`, ` "k": "v",\\n`, ..., ` "k": "v"}`."""
-    last = len(pairs) - 1
-    return tuple(
-        ("{" if i == 0 else " ") + f'"{key}": "{value}"' + (",\n" if i < last else "}")
-        for i, (key, value) in enumerate(pairs)
-    )
+    """The contents of the JSON object's pairs, `"k": "v"`."""
+    return tuple(f'"{key}": "{value}"' for key, value in pairs)
 
 
 def kv_examples(
@@ -73,7 +98,15 @@ def kv_examples(
         pairs = [random_pair(rng, keys) for _ in range(num_documents)]
         records = kv_records(pairs)
         examples += [
-            Example(KV_HEAD, records, f'\n\nKey: "{key}"\nCorresponding value:{opening}', (value,), slot)
+            Example(
+                KV_HEAD,
+                kv_documents(records),
+                f'\n\nKey: "{key}"\nCorresponding value:{opening}',
+                (value,),
+                slot,
+                records,
+                "kv",
+            )
             for slot, (key, value) in enumerate(pairs)
         ]
     return examples
@@ -88,11 +121,8 @@ def qa_examples(records: list[dict], num_documents: int) -> list[Example]:
         question, answers = f"\n\nQuestion: {record['question']}\nAnswer:", tuple(record["answers"])
         for slot in range(num_documents):
             ctxs = [*others[:slot], gold, *others[slot:]]
-            documents = tuple(
-                f"Document [{i + 1}](Title: {ctx['title']}) {ctx['text']}" + ("\n" if i < num_documents - 1 else "")
-                for i, ctx in enumerate(ctxs)
-            )
-            examples.append(Example(QA_HEAD, documents, question, answers, slot))
+            contents = tuple(f"(Title: {ctx['title']}) {ctx['text']}" for ctx in ctxs)
+            examples.append(Example(QA_HEAD, qa_documents(contents), question, answers, slot, contents, "qa"))
     return examples
 
 
@@ -174,6 +204,7 @@ class Prompt:
     example: Example
     input_ids: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
+    encoder: "Encoder" = field(default=None, compare=False, repr=False)  # what made it (and makes a reordered example)
 
 
 class Encoder:
@@ -214,15 +245,26 @@ class Encoder:
             return len(prefix)
         return next(i for i, (mine, whole) in enumerate(zip(prefix, ids, strict=False)) if mine != whole)
 
+    def token_boundaries(self, text: str, boundaries: list[int]) -> tuple[tuple[int, ...], list[int]]:
+        """The ids of `text` and how many of them lie before each character offset of `boundaries` (a token across one
+        is the later part's): from the tokenizer's character offsets where it gives them (a fast tokenizer), else
+        where the tokenisation of the text before it stops agreeing with the whole's (`tokens_before`)."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            ids = self.ids(text)
+            return ids, [self.tokens_before(text, boundary, ids) for boundary in boundaries]
+        encoding = self.tokenizer(text, add_special_tokens=not self.chat, return_offsets_mapping=True)
+        ends = [end for _, end in encoding["offset_mapping"]]
+        before = [next((k for k, end in enumerate(ends) if end > boundary), len(ends)) for boundary in boundaries]
+        return tuple(encoding["input_ids"]), before
+
     def __call__(self, example: Example) -> Prompt:
         text, start = self.framed(example.text)
-        ids = self.ids(text)
-        boundaries = accumulate(map(len, example.documents), initial=start + len(example.head))
-        starts = [self.tokens_before(text, boundary, ids) for boundary in boundaries]
+        boundaries = list(accumulate(map(len, example.documents), initial=start + len(example.head)))
+        ids, starts = self.token_boundaries(text, boundaries)
         spans = tuple(zip(starts[:-1], starts[1:], strict=True))
         if empty := [k for k, (first, end) in enumerate(spans) if end <= first]:
             raise ValueError(
                 f"document {empty[0]} of {example.text!r} has no token of its own: a token of this "
                 "tokenizer crosses both of its boundaries"
             )
-        return Prompt(example, ids, spans)
+        return Prompt(example, ids, spans, self)

@@ -66,28 +66,33 @@ def curves(rows: list[dict]) -> list[Curve]:
     return list(cells.values())
 
 
-def table_row(curve: Curve, baseline: dict) -> list[str]:
-    """The curve's mean ± 95% over seeds, worst slot, worst/best, change against `baseline` (no mitigation), slots."""
+def table_row(curve: Curve, baseline: dict, seeds: list[int]) -> list[str]:
+    """The curve's mean ± 95% over seeds (`seeds`: the run's; a curve of fewer names them), worst slot, worst/best,
+    change against `baseline` (no mitigation: model -> seed -> mean) on the curve's seeds, slots."""
     if curve.status != "ok":
         return [curve.model, curve.mitigation, curve.setting, curve.status] + [""] * (curve.num_pairs + 3)
     means, seed_means = curve.mean_by_slot, curve.seed_means
     mean = statistics.fmean(seed_means)
     worst = min(range(curve.num_pairs), key=means.__getitem__)
-    delta = "" if curve.mitigation == NONE else f"{mean - baseline.get(curve.model, float('nan')):+.3f}"
-    summary = [f"**{mean:.3f}** ± {interval95(seed_means):.3f}", f"{means[worst]:.2f} (slot {worst + 1})"]
+    base = baseline.get(curve.model, {})
+    changes = [own - base[seed] for seed, own in zip(curve.per_seed, seed_means, strict=True) if seed in base]
+    delta = "" if curve.mitigation == NONE else f"{statistics.fmean(changes) if changes else float('nan'):+.3f}"
+    mine = sorted(curve.per_seed)
+    spread = f"± {interval95(seed_means):.3f}" if mine == seeds else f"(seeds {mine} of {seeds})"
+    summary = [f"**{mean:.3f}** {spread}", f"{means[worst]:.2f} (slot {worst + 1})"]
     summary += [f"{curve.worst_over_best:.2f}", delta, *(f"{a:.2f}" for a in means)]
     return [curve.model, curve.mitigation, curve.setting, *summary]
 
 
-def pairs_table(every: list[Curve], pairs: int, args) -> list[str]:
+def pairs_table(every: list[Curve], pairs: int, seeds: list[int], args) -> list[str]:
     """The table of the curves at `pairs` documents, then reordering's gold-at-an-end fractions."""
     mine = [c for c in every if c.num_pairs == pairs]
-    baseline = {c.model: statistics.fmean(c.mean_by_slot) for c in mine if c.mitigation == NONE}
+    baseline = {c.model: dict(zip(c.per_seed, c.seed_means, strict=True)) for c in mine if c.mitigation == NONE}
     header = ["model", "mitigation", "setting", "mean ± 95%", "worst slot", "worst/best", "Δ mean"]
     header += [str(slot) for slot in range(1, pairs + 1)]
     title = "the training length" if pairs == args.num_pairs else f"trained at {args.num_pairs}"
     lines = [f"**{pairs} pairs ({title})**: exact-match accuracy by gold slot, mean over seeds", ""]
-    lines += [*table_lines(header, [table_row(curve, baseline) for curve in mine], left=3), ""]
+    lines += [*table_lines(header, [table_row(curve, baseline, seeds) for curve in mine], left=3), ""]
     if reordered_curves := [c for c in mine if c.gold_at_end]:
         lines += [
             f"Gold at an end after reordering ({pairs} pairs): the fraction of test prompts whose gold "
@@ -102,7 +107,7 @@ def pairs_table(every: list[Curve], pairs: int, args) -> list[str]:
 def markdown_table(rows: list[dict], args) -> str:
     every = curves(rows)
     seeds = sorted({r["seed"] for r in rows})
-    lines = [line for pairs in args.eval_pairs for line in pairs_table(every, pairs, args)]
+    lines = [line for pairs in args.eval_pairs for line in pairs_table(every, pairs, seeds, args)]
     picks = [
         f"{r['model']}, seed {r['seed']}: {r['details']}"
         for r in rows

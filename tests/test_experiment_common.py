@@ -113,3 +113,10 @@ def test_interval_is_students_t_over_seeds():
     assert experiment_common.interval95([0.0, 1.0]) == pytest.approx(6.353)
     # n = 3: t(2) = 4.303, stdev([0.8, 0.9, 1.0]) = 0.1
     assert experiment_common.interval95([0.8, 0.9, 1.0]) == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+
+
+def test_a_long_error_is_cut_after_a_word():
+    long = ValueError("word " * 60 + "\nsecond line")
+    line = experiment_common.first_line(long)
+    assert len(line) <= 204 and line.endswith("word ...") and "second" not in line
+    assert experiment_common.first_line(ValueError("short\nmore")) == "short"

@@ -18,6 +18,7 @@ from conftest import tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import sepformer
 from sepformer import PositionalScaling, SepFormerForCausalLM, SepFormerTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -63,10 +64,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained offline on this task's own prompts, with a chat template."""
+def bpe_tokenizer(extra_texts: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained offline on this task's own prompts (and `extra_texts`), with a chat template."""
     texts = [example.text for example in task.kv_examples(random.Random(1), 4, 4)]
-    texts += [example.text for example in task.qa_examples(QA_RECORDS, 3)]
+    texts += [example.text for example in task.qa_examples(QA_RECORDS, 3)] + list(extra_texts)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -331,7 +332,11 @@ def test_each_object_is_asked_with_the_gold_key_at_every_slot():
 def test_the_prompts_are_the_papers():
     pairs = [("test key1", "test value1"), ("test key2", "test value2"), ("test key3", "test value3")]
     example = task.Example(
-        task.KV_HEAD, task.kv_records(pairs), '\n\nKey: "test key2"\nCorresponding value:', ("test value2",), 1
+        task.KV_HEAD,
+        task.kv_documents(task.kv_records(pairs)),
+        '\n\nKey: "test key2"\nCorresponding value:',
+        ("test value2",),
+        1,
     )
     assert example.text == "\n".join(
         [
@@ -378,6 +383,51 @@ def test_spans_are_exact_token_ranges_of_the_documents_in_the_final_ids(tokenize
         assert list(prompt.input_ids) == list(expected)
         assert [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans] == list(example.documents)
         assert [end for _, end in prompt.spans[:-1]] == [start for start, _ in prompt.spans[1:]]  # no gaps: PCW
+
+
+def test_spans_follow_the_whole_prompt_s_tokens_where_the_text_before_a_document_tokenises_otherwise():
+    """A tokenizer that merges the header's closing `\\n\\n` when it ends the text, but not before `Document` (as
+    SmolLM2's): the first document's span must not start at the header's newlines."""
+    tokenizer = bpe_tokenizer(extra_texts=(task.QA_HEAD,) * 50)
+    assert len(tokenizer(task.QA_HEAD)["input_ids"]) < len(tokenizer(task.QA_HEAD + "Document")["input_ids"]) - 1
+    for chat in (True, False):
+        encoder = task.Encoder(tokenizer, chat=chat)
+        for example in task.qa_examples(QA_RECORDS, 3):
+            prompt = encoder(example)
+            documents = [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans]
+            assert documents == list(example.documents)
+
+
+def test_reordered_examples_are_the_papers_prompts_in_the_new_order():
+    """Reordering writes the contents anew at their places: the JSON object keeps its braces and commas, the search
+    results their numbers from 1; the gold's slot stays where it was given."""
+    example = task.kv_examples(random.Random(0), 1, 3)[1]
+    moved = example.reordered([2, 0, 1])
+    pairs = [re.fullmatch(r'[{ ]"(.+)": "(.+)"(,\n|})', document).groups()[:2] for document in example.documents]
+    reordered_pairs = [pairs[2], pairs[0], pairs[1]]
+    assert moved.documents == task.kv_documents(task.kv_records(reordered_pairs)) and moved.slot == 1
+    assert json.loads("".join(moved.documents)) == dict(reordered_pairs)
+    qa = task.qa_examples(QA_RECORDS[:1], 3)[0].reordered([1, 2, 0])
+    assert [document[:13] for document in qa.documents] == ["Document [1](", "Document [2](", "Document [3]("]
+    assert qa.contents == tuple(task.qa_examples(QA_RECORDS[:1], 3)[0].contents[j] for j in (1, 2, 0))
+
+
+def test_the_reordering_condition_generates_on_the_prompts_written_in_the_model_s_order(llama_dir):
+    """`reorder_documents` in the experiment: the order of `sepformer.document_relevance` and `relevance_order`, the
+    prompts written anew in that order and run without a mitigation."""
+    args = litm.parse_args(["--model", llama_dir, "--mitigations", "reorder_documents"])
+    tokenizer, model = litm.load_tokenizer(args), litm.load_model(args)
+    encoder = task.Encoder(tokenizer)
+    prompts = [encoder(example) for example in task.kv_examples(random.Random(0), 1, 4)[:2]]
+    batch = litm.padded(tokenizer, prompts, model.device)
+    spans = tuple(prompt.spans for prompt in prompts)
+    scores = sepformer.document_relevance(model, batch["input_ids"], batch["attention_mask"], spans)
+    order = sepformer.relevance_order(scores, "ends").tolist()
+    assert order != [list(range(4))] * 2  # the model moves some document
+    written = [encoder(prompt.example.reordered(row)) for prompt, row in zip(prompts, order, strict=True)]
+    condition = litm.Condition("reorder_documents", litm.PAPER["reorder_documents"])
+    expected = litm.generate(model, tokenizer, written, litm.Condition(litm.NONE), 6)
+    assert litm.generate(model, tokenizer, prompts, condition, 6) == expected
 
 
 def test_a_token_across_a_document_boundary_goes_to_the_later_document():

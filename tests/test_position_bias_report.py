@@ -21,3 +21,24 @@ def test_curves_summarise_per_slot_over_seeds():
     assert curve.mean_by_slot == pytest.approx([0.9, 0.4])
     assert curve.seed_means == pytest.approx([0.75, 0.55])
     assert curve.worst_over_best == pytest.approx(0.4 / 0.9)
+
+
+def test_a_curve_of_fewer_seeds_is_compared_on_its_own_seeds_and_says_so():
+    """The search's rows exist only for seeds where it found a channel: their change is against the baseline on those
+    seeds, and the table names them instead of a ± over one seed."""
+
+    def rows(mitigation, curves):
+        return [
+            dict(model="m", mitigation=mitigation, setting="-", num_pairs=2, slot=slot, seed=seed, accuracy=accuracy)
+            | {"status": "ok"}
+            for seed, curve in curves.items()
+            for slot, accuracy in zip((1, 2), curve, strict=True)
+        ]
+
+    curves = position_bias_report.curves(
+        rows("none", {0: (1.0, 0.6), 1: (0.2, 0.2)}) + rows("positional_scaling", {0: (1.0, 0.6)})
+    )
+    baseline = {"m": {0: 0.8, 1: 0.2}}
+    row = position_bias_report.table_row(curves[1], baseline, [0, 1])
+    assert row[3] == "**0.800** (seeds [0] of [0, 1])" and row[6] == "+0.000"
+    assert position_bias_report.table_row(curves[0], baseline, [0, 1])[3].startswith("**0.500** ± ")
