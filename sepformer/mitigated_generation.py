@@ -36,6 +36,8 @@ class MitigationGenerationMixin:
         reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
         begins the returned sequences."""
         reordering = kwargs.pop("reorder_documents", None)
+        if reordering is not None:
+            check_combinable(kwargs)  # the options generation runs with (they do not reach the scoring passes)
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         generation_config = args[0] if args else kwargs.get("generation_config")
         check_no_options_in(generation_config, "the generation_config given to generate")
@@ -189,7 +191,6 @@ def reorder_generate_prompt(model, options, prompt, inputs, kwargs: dict, genera
             f"reorder_documents moves the prompt's documents, but past_key_values already holds {held} of the prompt "
             "in its old order: generate without past_key_values (or with an empty cache)."
         )
-    check_combinable(kwargs)  # the options generation runs with (they do not reach the scoring passes)
     if prompt is None:
         raise ValueError("reorder_documents moves the prompt's token ids: give the prompt as input_ids.")
     forward_kwargs = {}  # for the scoring passes only: given scores run none
