@@ -78,6 +78,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MITIGATIONS = (NONE, *OPTION_CLASSES)
 SCALING = "positional_scaling"
 REORDER = "reorder_documents"
+# How answers are scored and conditions run, in the digest of the rows `--resume` reads back: 2 scores QA on the first
+# line and writes reordered prompts anew. Raise it with any change of either.
+EVALUATION = 2
 
 
 @dataclass(frozen=True)
@@ -281,8 +284,10 @@ def model_digest(model) -> str:
 def finished_path(prompts: list[Prompt], condition: Condition, args) -> Path:
     """Where one condition's rows on `prompts` are kept once run (`--output-dir`/finished/): named by a digest of what
     they depend on (the weights, how they run, the prompts, the condition; the batch size too, which the seconds per
-    prompt do), so that `--resume` reads back only the very same work (greedy decoding is deterministic)."""
-    work = [args.model, args.model_digest, args.dtype, str(args.device), args.batch_size, args.max_new_tokens]
+    prompt do; and `EVALUATION`, the version of how answers are scored and conditions run), so that `--resume` reads
+    back only the very same work (greedy decoding is deterministic)."""
+    work = [EVALUATION, args.model, args.model_digest, args.dtype, str(args.device), args.batch_size]
+    work += [args.max_new_tokens]
     work += [args.keys, args.prompt_read, args.num_documents, args.seed]  # written in the rows
     work += [condition.mitigation, condition.choice, describe(condition.settings)]
     work += [(list(prompt.input_ids), prompt.spans, prompt.example.slot, prompt.example.answers) for prompt in prompts]

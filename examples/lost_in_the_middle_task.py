@@ -52,6 +52,10 @@ class Example:
     def reordered(self, order: list[int]) -> "Example":
         """The prompt with the contents in `order` (entry `j`: the document now at place `j`), each written at its new
         place, as the paper writes a prompt in any order; `slot` stays where the gold was given."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(
+                f"an example of layout {self.layout!r} cannot be written in another order: {list(LAYOUTS)}"
+            )
         contents = tuple(self.contents[j] for j in order)
         return dataclasses.replace(self, documents=LAYOUTS[self.layout](contents), contents=contents)
 

@@ -412,30 +412,40 @@ def test_reordered_examples_are_the_papers_prompts_in_the_new_order():
     assert qa.contents == tuple(task.qa_examples(QA_RECORDS[:1], 3)[0].contents[j] for j in (1, 2, 0))
 
 
-def test_the_reordering_condition_generates_on_the_prompts_written_in_the_model_s_order(llama_dir):
-    """`reorder_documents` in the experiment: the order of `sepformer.document_relevance` and `relevance_order`, the
-    prompts written anew in that order and run without a mitigation."""
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_the_reordering_condition_generates_on_the_prompts_written_in_the_model_s_order(llama_dir, rounds, monkeypatch):
+    """`reorder_documents` in the experiment: the order of `sepformer.document_relevance` and `relevance_order` (a
+    round before the last by "last", each on the prompts the one before wrote), the prompts written anew in that order
+    and run without a mitigation: the ids that reach `generate` are those of the rewritten prompts."""
     args = litm.parse_args(["--model", llama_dir, "--mitigations", "reorder_documents"])
     tokenizer, model = litm.load_tokenizer(args), litm.load_model(args)
     encoder = task.Encoder(tokenizer)
-    prompts = [encoder(example) for example in task.kv_examples(random.Random(0), 1, 4)[:2]]
-    batch = litm.padded(tokenizer, prompts, model.device)
-    spans = tuple(prompt.spans for prompt in prompts)
-    scores = sepformer.document_relevance(model, batch["input_ids"], batch["attention_mask"], spans)
-    order = sepformer.relevance_order(scores, "ends").tolist()
-    assert order != [list(range(4))] * 2  # the model moves some document
-    written = [encoder(prompt.example.reordered(row)) for prompt, row in zip(prompts, order, strict=True)]
-    condition = litm.Condition("reorder_documents", litm.PAPER["reorder_documents"])
-    expected = litm.generate(model, tokenizer, written, litm.Condition(litm.NONE), 6)
-    assert litm.generate(model, tokenizer, prompts, condition, 6) == expected
+    prompts = written = [encoder(example) for example in task.kv_examples(random.Random(0), 1, 4)[:2]]
+    for strategy in ("last", "ends")[-rounds:]:
+        batch = litm.padded(tokenizer, written, model.device)
+        spans = tuple(prompt.spans for prompt in written)
+        order = sepformer.relevance_order(
+            sepformer.document_relevance(model, batch["input_ids"], batch["attention_mask"], spans), strategy
+        ).tolist()
+        assert order != [list(range(4))] * 2  # the model moves some document
+        written = [encoder(prompt.example.reordered(row)) for prompt, row in zip(written, order, strict=True)]
+    fed, generate = [], model.generate
+    monkeypatch.setattr(
+        model, "generate", lambda input_ids, **kwargs: fed.append(input_ids) or generate(input_ids, **kwargs)
+    )
+    condition = litm.Condition("reorder_documents", {**litm.PAPER["reorder_documents"], "rounds": rounds})
+    litm.generate(model, tokenizer, prompts, condition, 2)
+    assert torch.equal(fed[-1], litm.padded(tokenizer, written, model.device)["input_ids"])
 
 
-def test_a_token_across_a_document_boundary_goes_to_the_later_document():
-    tokenizer = SepFormerTokenizer()
+@pytest.mark.parametrize("tokenizer", ["sepformer bytes", "bpe"])
+def test_a_token_across_a_document_boundary_goes_to_the_later_document(tokenizer):
+    tokenizer = SepFormerTokenizer() if tokenizer.startswith("sepformer") else bpe_tokenizer()
     tokenizer.add_tokens(["d!e"])  # one token across the boundary between the documents "cd" and "!ef"
-    encoder = task.Encoder(tokenizer)
+    encoder = task.Encoder(tokenizer, chat=False)
     prompt = encoder(task.Example("ab", ("cd", "!ef", "gh"), "?", ("x",), 0))
-    assert [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans] == ["c", "d!ef", "gh"]
+    documents = [tokenizer.decode(prompt.input_ids[start:end]) for start, end in prompt.spans]
+    assert documents[0].endswith("c") and documents[1] == "d!ef" and documents[2].endswith("gh")
     with pytest.raises(ValueError, match=re.escape("document 1 of 'abcd!ef?' has no token of its own")):
         encoder(task.Example("ab", ("cd", "!", "ef"), "?", ("x",), 0))
 
