@@ -721,6 +721,10 @@ def test_a_run_stopped_part_way_resumes_with_what_it_finished(llama_dir, tmp_pat
     calls.clear()
     run(llama_dir, tmp_path / "stopped", *flags, "--resume", "--seed", "1")  # another seed: other prompts, run anew
     assert len(calls) == total
+    monkeypatch.setattr(litm, "EVALUATION", litm.EVALUATION + 1)  # answers scored otherwise: nothing read back
+    calls.clear()
+    run(llama_dir, tmp_path / "stopped", *flags, "--resume")
+    assert len(calls) == total
     copy = shutil.copytree(llama_dir, tmp_path / "model")
     run(str(copy), tmp_path / "copied", *flags)
     calls.clear()
