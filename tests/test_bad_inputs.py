@@ -301,6 +301,13 @@ def test_perplexity_refuses_logits_and_losses_that_are_no_numbers():
     assert perplexity().compute(predictions=[np.zeros((3, 4), dtype=int)], references=[np.arange(3)])[
         "perplexity"
     ] == pytest.approx(4.0)  # integer logits and arrays are numbers
+    # tensors are read by their dtype: bfloat16 (no NumPy dtype) is a number, a bool tensor is not
+    with pytest.raises(ValueError, match=r"the logits of example 0 are bools"):
+        perplexity().compute(predictions=[torch.ones(3, 4, dtype=torch.bool)], references=[[0, 1, 2]])
+    with pytest.raises(ValueError, match=r"the losses of example 0 are bools"):
+        perplexity("losses").compute(predictions=[np.ones(2, dtype=bool)])
+    logits = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int64)]
+    assert perplexity().compute(predictions=logits, references=[[0, 1, 2], [3, 0]])["perplexity"] == pytest.approx(4.0)
 
 
 def test_perplexity_accepts_a_custom_ignore_index_and_refuses_the_default_then():

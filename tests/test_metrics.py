@@ -1,5 +1,6 @@
 """The `evaluate` metric scripts of `sepformer/metrics/`: loaded offline by path, checked by hand."""
 
+import doctest
 import math
 
 import evaluate
@@ -57,6 +58,30 @@ def test_accuracy_by_position_strings_and_batches(accuracy_by_position):
     result = accuracy_by_position.compute()
     assert result["accuracy_by_position"] == {0: 1.0, 1: 0.5}
     assert result["count_by_position"] == {0: 1, 1: 2}
+
+
+def test_accuracy_by_position_strings_are_compared_as_strings_even_when_they_read_as_numbers(accuracy_by_position):
+    # "03" and " 3" are other strings than "3", not the number 3 (evaluate casts them where int64 comes first)
+    result = accuracy_by_position.compute(predictions=["3", "03", " 3"], references=["3", "3", "3"], positions=[0] * 3)
+    assert result["accuracy"] == pytest.approx(1 / 3)
+    result = accuracy_by_position.compute(predictions=["3", "abc"], references=["3", "abd"], positions=[0, 1])
+    assert result["accuracy_by_position"] == {0: 1.0, 1: 0.0}
+    accuracy_by_position.add_batch(predictions=["7"], references=["7"], positions=[0])
+    accuracy_by_position.add_batch(predictions=["Paris"], references=["paris"], positions=[1])
+    assert accuracy_by_position.compute()["accuracy_by_position"] == {0: 1.0, 1: 0.0}
+
+
+@pytest.mark.parametrize("name", METRICS)
+def test_the_examples_in_the_metrics_descriptions_give_what_they_say(name):
+    """The example each metric shows its users (in `inputs_description`) run as a doctest."""
+    description = evaluate.load(metric_path(name)).inputs_description
+    test = doctest.DocTestParser().get_doctest(
+        description, {"evaluate": evaluate, "math": math, "metric_path": metric_path}, name, None, 0
+    )
+    assert test.examples
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
 
 
 def test_perplexity_from_losses():

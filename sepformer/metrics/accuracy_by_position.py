@@ -46,11 +46,12 @@ class AccuracyByPosition(evaluate.Metric):
             description=_DESCRIPTION,
             citation="",
             inputs_description=_KWARGS_DESCRIPTION,
-            # evaluate picks the first feature set the first example fits: token ids, token-id sequences, strings
+            # evaluate picks the first feature set the first example fits; strings first, since "3" fits int64 too
+            # (cast to 3) and an int or a list fits no string (evaluate refuses to cast one to a string)
             features=[
+                _features(datasets.Value("string")),
                 _features(datasets.Value("int64")),
                 _features(datasets.Sequence(datasets.Value("int64"))),
-                _features(datasets.Value("string")),
             ],
         )
 

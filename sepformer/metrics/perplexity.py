@@ -21,11 +21,15 @@ _KWARGS_DESCRIPTION = """
 Configuration "logits" (default):
     predictions: per example, the logits (n, vocab) of its n positions.
     references: per example, n label ids; `ignore_index` (default -100) marks the positions not scored.
+    Examples may differ in length: give each without its padding (`logits[mask.bool()]`, `labels[mask.bool()]`). A
+    left-padded row given whole scores its first real token from a padding position's logits, even with -100 on the
+    padding's labels.
     shift (compute keyword, default True): as a causal LM's loss, logits[i] predicts references[i + 1]; False when
         references are already aligned with the logits.
 Configuration "losses":
     predictions: per example, the negative log-likelihoods (nats, >= 0) of its scored tokens; neither references,
-        shift nor ignore_index (they belong to "logits").
+        shift nor ignore_index (they belong to "logits"). The one to use with a large vocabulary: evaluate stores
+        every logit it is given (seconds per ten million), and `cross_entropy(..., reduction="none")` gives these.
 Refused with a ValueError naming the example, the position and what is allowed: a label that is no integer (a float,
 bool or string, which evaluate would cast), or neither a token id of the logits' vocabulary (0..vocab-1) nor
 ignore_index, logits or losses that are no numbers (bools, strings), logits whose shape does not match the labels or
@@ -40,8 +44,8 @@ Returns:
     perplexities: per example, exp of its mean loss (nan for an example with no scored token, inf as above).
 Example:
     >>> metric = evaluate.load(metric_path("perplexity"), "losses")
-    >>> metric.compute(predictions=[[math.log(2), math.log(2)], [math.log(8)]])["perplexity"]  # exp(mean) = 4
-    3.9999999999999996
+    >>> metric.compute(predictions=[[math.log(2), math.log(2)], [math.log(8)]])["perplexity"]  # exp(5 ln 2 / 3)
+    3.1748021039363983
 """
 
 
@@ -176,12 +180,25 @@ def _check_labels(index: int, labels) -> None:
 def _check_numbers(name: str, index: int, numbers) -> None:
     """Example `index`'s logits or losses are numbers: evaluate would read True as 1 and "1" as 1.0."""
     try:
-        kind = np.asarray(numbers.tolist() if hasattr(numbers, "tolist") else numbers).dtype.kind
+        kind = _number_kind(numbers)
     except ValueError:  # rows of different widths: `_logits_array` says so
         return
     if kind not in "iuf":
         found = {"b": "bools", "U": "strings"}.get(kind, "values that are no numbers")
         raise ValueError(f"perplexity: the {name} of example {index} are {found}: they must be numbers (int or float).")
+
+
+def _number_kind(numbers) -> str:
+    """NumPy's kind of the values ("f", "i", "b", ...): of an array or a tensor by its dtype (a vocabulary's logits made
+    into Python floats would cost seconds and gigabytes), of anything else by NumPy's reading of it."""
+    dtype = getattr(numbers, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        return dtype.kind
+    if hasattr(dtype, "is_floating_point"):  # a torch tensor, whose dtypes NumPy does not all have (bfloat16)
+        return (
+            "f" if dtype.is_floating_point else "c" if dtype.is_complex else "b" if str(dtype) == "torch.bool" else "i"
+        )
+    return np.asarray(numbers).dtype.kind
 
 
 def _checked_losses(index: int, row) -> np.ndarray:
