@@ -50,6 +50,11 @@ class PositionalSearchResult:
     candidates: tuple[ScalingCandidate, ...]  # every candidate, in the order evaluated
 
     @property
+    def improves(self) -> bool:
+        """Whether the best candidate's loss is below the unscaled model's: the search returns a scaling in any case."""
+        return self.best.loss < self.base.loss
+
+    @property
     def option(self) -> PositionalScaling:
         """The best setting as SepFormer's `positional_scaling` option (one recomputed prompt row, as in generation)."""
         return PositionalScaling(factor=self.best.factor, channels=self.best.channels, layers=self.best.layers)
@@ -168,7 +173,10 @@ def checked_batch(
                 f"batch {index}: {name} contains {outside[0].item()}, outside the vocabulary 0..{vocab_size - 1}"
                 + (" (-100 where no loss is taken)." if name == "labels" else ".")
             )
-    gold = torch.as_tensor(batch["gold_position"]).flatten().tolist()
+    try:
+        gold = torch.as_tensor(batch["gold_position"]).flatten().tolist()
+    except (TypeError, ValueError, RuntimeError):
+        gold = [batch["gold_position"]]  # not numbers: refused below with the value
     fractional = [position for position in gold if isinstance(position, bool) or not isinstance(position, int)]
     if fractional:
         raise ValueError(
@@ -180,7 +188,18 @@ def checked_batch(
     labelled = labels[:, 1:] != -100
     if not labelled.any(-1).all():
         raise ValueError(f"batch {index}: every example needs at least one labelled token after its first.")
-    return input_ids, labels, batch.get("attention_mask"), gold, answer_rows(labels, index)
+    mask = batch.get("attention_mask")
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor)
+        or mask.shape != input_ids.shape
+        or not bool(((mask == 0) | (mask == 1)).all())
+    ):
+        found = f"of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__}"
+        raise ValueError(
+            f"batch {index}: attention_mask is {found}: a tensor of 0 (padding) and 1 of input_ids' shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    return input_ids, labels, mask, gold, answer_rows(labels, index)
 
 
 def answer_rows(labels: torch.Tensor, index: int) -> int:
@@ -260,7 +279,8 @@ def search_positional_scaling(
         evaluated(model, batches, channels, layers, factor)
         for channels, factor in itertools.product(channel_sets, factors)
     )
-    return PositionalSearchResult(min(candidates, key=lambda scored: scored.loss), base, candidates)
+    best = min(candidates, key=lambda scored: math.inf if math.isnan(scored.loss) else scored.loss)  # NaN: never best
+    return PositionalSearchResult(best, base, candidates)
 
 
 def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip):
@@ -269,6 +289,8 @@ def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip
     batches = list(batches)
     if not batches:
         raise ValueError("search_positional_scaling needs at least one validation batch.")
+    if isinstance(factors, str) or not isinstance(factors, Iterable):
+        raise ValueError(f"factors={factors!r} must be a sequence of numbers < 1, e.g. (0.5, 0.0).")
     factors = tuple(factors)
     bad = [
         factor
@@ -301,19 +323,28 @@ def checked_arguments(model, batches, factors, layers, channel_sets, top_k, skip
     return batches, tuple(float(factor) for factor in factors), layers, filter_options  # floats: numpy's too
 
 
+def is_channel_set(channels, width: int) -> bool:
+    """A non-empty tuple of distinct integer channels (not bools) in `0..width-1`."""
+    return (
+        isinstance(channels, tuple)
+        and len(channels) > 0
+        and len(set(channels)) == len(channels)
+        and all(isinstance(c, Integral) and not isinstance(c, bool) and 0 <= c < width for c in channels)
+    )
+
+
 def candidate_channel_sets(model, first_batch, layers, channel_sets, filter_options) -> list[tuple[int, ...]]:
     """`channel_sets` checked, or the candidates `search_positional_scaling` describes."""
     if channel_sets is not None:
-        channel_sets = [tuple(channels) for channels in channel_sets]
         width = model.config.hidden_size
-        bad = [
-            channels
-            for channels in channel_sets
-            if not channels or not all(isinstance(c, Integral) and 0 <= c < width for c in channels)
-        ]
+        if isinstance(channel_sets, str) or not isinstance(channel_sets, Iterable):
+            raise ValueError(f"channel_sets={channel_sets!r} must be a list of channel sets, e.g. [(3,), (3, 5)].")
+        channel_sets = [tuple(channels) if isinstance(channels, Iterable) else channels for channels in channel_sets]
+        bad = [channels for channels in channel_sets if not is_channel_set(channels, width)]
         if not channel_sets or bad:
             raise ValueError(
-                f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad or 'no set'}."
+                f"channel_sets must be a list of non-empty sets of distinct channels in 0..{width - 1} (e.g. "
+                f"[(3,), (3, 5)]); got {bad or 'no set'}."
             )
         return [tuple(int(channel) for channel in channels) for channels in channel_sets]
     if model_positions(model).knows_position_channels:

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sepformer import PositionalScaling, add_mitigations
+from sepformer import PositionalScaling, add_mitigations, positional_search
 from sepformer.decoder_attention import query_key_inputs_rewritten
 from sepformer.positional_search import (
     NoPositionalChannelError,
@@ -80,7 +80,7 @@ def test_the_search_finds_the_planted_positional_channel_and_reports_every_candi
     assert len(sets) == 15 and (PLANTED,) in sets and tuple(range(8)) in sets
     assert {candidate.factor for candidate in result.candidates} == {0.5, 0.0, -0.5, -1.0}
     assert result.best.channels == (PLANTED,) and result.best.factor in (0.5, 0.0, -0.5)
-    assert result.best.loss < result.base.loss - 0.1
+    assert result.best.loss < result.base.loss - 0.1 and result.improves
     assert result.option == PositionalScaling(result.best.factor, channels=(PLANTED,), layers=(0,))
     for candidate in result.candidates:
         assert sorted(candidate.position_losses) == list(range(11))
@@ -98,6 +98,21 @@ def test_the_search_finds_the_planted_positional_channel_and_reports_every_candi
             ]
         )
     assert result.base.loss == pytest.approx(per_example.view(2, 11).mean().item(), rel=1e-5)
+
+
+def test_a_candidate_of_nan_loss_is_never_the_best_and_improves_compares_with_the_unscaled_model(monkeypatch):
+    """`min` keeps a NaN first (nothing compares below it): the search skips it, and `improves` says whether the best
+    beats the unscaled model, since a scaling is returned in any case."""
+    losses = iter([2.0, math.nan, 3.0, 2.5])  # the base, then the candidates in order
+
+    def scored(model, batches, channels, layers, factor):
+        return positional_search.ScalingCandidate(tuple(channels), tuple(layers), factor, next(losses), {})
+
+    monkeypatch.setattr(positional_search, "evaluated", scored)
+    result = search_positional_scaling(
+        planted_model(), retrieval_batches(batches=1), factors=(0.5,), channel_sets=[(0,), (1,), (2,)]
+    )
+    assert result.best.channels == (2,) and result.best.loss == 2.5 and not result.improves
 
 
 # -------------------------------------------------------------------------- scaling on HF models (add_mitigations)
@@ -310,7 +325,7 @@ def test_bad_inputs_are_refused_with_a_clear_error():
         search_positional_scaling(model, batches, factors=(0.5, 1.0))
     width = model.config.hidden_size
     for channel_sets, bad in (([], "no set"), ([(0,), ()], "[()]"), ([(0, width)], f"[(0, {width})]")):
-        message = f"channel_sets must be non-empty sets of channels in 0..{width - 1}; got {bad}"
+        message = f"sets of distinct channels in 0..{width - 1} (e.g. [(3,), (3, 5)]); got {bad}"
         with pytest.raises(ValueError, match=re.escape(message)):
             search_positional_scaling(model, batches, channel_sets=channel_sets)
     numpy_typed = search_positional_scaling(model, batches, factors=(np.float32(0.5),), channel_sets=[(np.int64(5),)])
@@ -385,6 +400,22 @@ def test_every_argument_and_batch_is_checked_before_the_first_forward_pass():
             r"batch 0: input_ids contains 259, outside the vocabulary 0..258\.",
         ),
         ({}, [dict(good, input_ids=good["input_ids"].tolist())], r"batch 0: input_ids must be a torch tensor"),
+        ({"factors": 0.5}, [good], r"factors=0.5 must be a sequence of numbers < 1"),
+        ({"channel_sets": [(3,), (5, 5)]}, [good], r"distinct channels in 0..31 .*; got \[\(5, 5\)\]"),
+        ({"channel_sets": [(True,)]}, [good], r"distinct channels in 0..31 .*; got \[\(True,\)\]"),
+        ({"channel_sets": [3, 5]}, [good], r"distinct channels in 0..31 .*; got \[3, 5\]"),
+        ({"channel_sets": 3}, [good], r"channel_sets=3 must be a list of channel sets"),
+        (
+            {},
+            [dict(good, attention_mask=torch.ones(11, 5, dtype=torch.long))],
+            r"batch 0: attention_mask is of shape \(11, 5\): a tensor of 0 \(padding\) and 1 of input_ids' shape",
+        ),
+        (
+            {},
+            [dict(good, attention_mask=torch.full_like(good["input_ids"], 2))],
+            r"batch 0: attention_mask is of shape .*: a tensor of 0 \(padding\) and 1",
+        ),
+        ({}, [dict(good, gold_position=["a"] * 11)], r"batch 0: gold_position \['a', .* is no integer"),
     ]
     for kwargs, batches, message in cases:
         error = TypeError if "torch tensor" in message else ValueError
