@@ -47,7 +47,7 @@ from experiment_common import (
     world_size,
 )
 from experiment_common import train as train_with_trainer
-from extrapolation_conditions import NATIVE, Contender, add_model_arguments, check_models, contenders
+from extrapolation_conditions import Contender, add_model_arguments, check_models, contenders
 from extrapolation_report import markdown_table, read_csv, write_report
 from extrapolation_task import MULTIPLIERS, add_text_arguments, batch_order, check_text_flags, token_data
 from tqdm.auto import tqdm
@@ -125,7 +125,6 @@ def evaluate(model, contender: Contender, stream: torch.Tensor, args) -> list[di
     rows = []
     cells = [(method, args.block_size * m) for method in contender.methods for m in MULTIPLIERS]
     for method, length in tqdm(cells, desc=f"  evaluate {contender.name}", leave=False, dynamic_ncols=True):
-        kwargs = {} if method == NATIVE else {"position_extrapolation": method}
         scored = len(stream) - len(stream) // length  # the first token of each window has no prediction
         row = dict(
             model=contender.name,
@@ -135,14 +134,12 @@ def evaluate(model, contender: Contender, stream: torch.Tensor, args) -> list[di
             bits_per_byte=float("nan"),
             bits_per_byte_beyond_L=float("nan"),
         )
-        if contender.max_length is not None and length > contender.max_length:
-            row["status"] = f"cannot run: its position table has {contender.max_length} rows (n_positions = L)"
-        else:
-            try:
+        try:
+            with contender.reading(model, method, length, args.block_size) as kwargs:
                 total, beyond = bits_per_byte(model, stream, length, args, **kwargs)
-                row.update(bits_per_byte=total, bits_per_byte_beyond_L=beyond, status="ok")
-            except (ValueError, IndexError, RuntimeError) as error:  # e.g. a learned table asked for a row it lacks
-                row["status"] = f"cannot run: {type(error).__name__}: {first_line(error)}"
+            row.update(bits_per_byte=total, bits_per_byte_beyond_L=beyond, status="ok")
+        except (ValueError, IndexError, RuntimeError) as error:  # e.g. a learned table asked for a row it lacks
+            row["status"] = f"cannot run: {type(error).__name__}: {first_line(error)}"
         rows.append(row)
     return rows
 

@@ -1,14 +1,22 @@
 """The extrapolation experiment's contenders: SepFormer's positional maps and extrapolation methods, GPT-2, Llama
-(rotary) and Bloom (ALiBi), all of one shape (`experiment_common.model_config`), and the flags that choose them."""
+(rotary) and Bloom (ALiBi), all of one shape (`experiment_common.model_config`), and the flags that choose them.
 
+The controls: SepFormer's rules past a learned table applied to GPT-2's additive table (`wpe`), and its `interpolate`
+to Llama's rotary (linear position interpolation), so that what separating position does is measured against the
+same rule on a model that adds its positions to the tokens."""
+
+import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from cli_arguments import Distinct, positive_int
 from experiment_common import build_model, chosen
 from extrapolation_task import MULTIPLIERS
+from torch import nn
 
 import sepformer
+from sepformer.positional_maps import EXTRAPOLATIONS, compress_positions, interpolate_rows
 
 NATIVE = "-"  # the method column of models that have no extrapolation method to choose
 PEER_TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
@@ -22,12 +30,62 @@ class Contender:
     config: dict = field(default_factory=dict)
     family: str = "sepformer"
     methods: tuple[str, ...] = (NATIVE,)
-    max_length: int | None = None  # longer inputs are not even tried (GPT-2: an index error, a device assert on GPU)
     last_position_target: bool = True  # False: position L-1 has no target, as when training on blocks of L tokens
 
     def build(self, args, vocab_size: int) -> torch.nn.Module:
         shape = vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.block_size
         return build_model(self.family, *shape, **self.config)
+
+    @contextlib.contextmanager
+    def reading(self, model, method: str, length: int, train_length: int):
+        """The model set to read windows of `length` tokens by `method`; yields the forward's keywords. A SepFormer
+        takes the method per call; a peer's positions are swapped for the evaluation (`peer_positions`)."""
+        if method == NATIVE:
+            yield {}
+        elif self.family == "sepformer":
+            yield {"position_extrapolation": method}
+        else:
+            with peer_positions(model, self.family, method, length, train_length):
+                yield {}
+
+
+@contextlib.contextmanager
+def peer_positions(model, family: str, method: str, length: int, train_length: int):
+    """For windows of `length` tokens, SepFormer's rule `method` past the training length `L` on a peer's positions:
+    GPT-2's table `wpe` of `L` rows extended as a SepFormer's learned table is (`interpolate`: every window read at
+    `i · (L-1)/(n-1)`, between rows; the others: rows `L..n-1` made by the method); Llama's rotary under `interpolate`
+    reads those compressed positions (transformers' linear rope scaling, factor `(n-1)/(L-1)`). Restored after."""
+    if length <= train_length:
+        yield
+        return
+    if family == "gpt2" and method in (*EXTRAPOLATIONS, "interpolate"):
+        table = model.transformer.wpe.weight.detach()  # (L, d)
+        positions = torch.arange(length, device=table.device)
+        if method == "interpolate":
+            rows = interpolate_rows(table, compress_positions(positions, train_length, length))
+        else:
+            extrapolation = sepformer.PositionExtrapolation(method)
+            rows = torch.cat((table, EXTRAPOLATIONS[method](table, positions[train_length:], extrapolation)))
+        trained, model.transformer.wpe = model.transformer.wpe, nn.Embedding.from_pretrained(rows)  # (n, d)
+        try:
+            yield
+        finally:
+            model.transformer.wpe = trained
+    elif family == "llama" and method == "interpolate":
+        config = copy.deepcopy(model.config)
+        factor = (length - 1) / (train_length - 1)
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": factor}
+        trained = model.model.rotary_emb
+        model.model.rotary_emb = type(trained)(config).to(model.device)
+        try:
+            yield
+        finally:
+            model.model.rotary_emb = trained
+    else:
+        raise ValueError(
+            f"its positions stop at L = {train_length} (a table of L rows, n_positions = L), and {method!r} reads none "
+            "past them"
+        )
 
 
 def add_model_arguments(parser) -> None:
@@ -81,13 +139,16 @@ def contenders(args) -> list[Contender]:
             per_sequence | randomized_spline,
         ),
         Contender("SepFormer d_pos=0", dict(position_size=0)),
+        # The controls: the learned table's rules on an additive table, interpolation on rotary.
         Contender(
             "GPT-2 (learned, additive)",
             PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
             "gpt2",
-            max_length=args.block_size,
+            methods=args.methods,
         ),
-        Contender("Llama (rotary)", PEER_TOKENS, "llama"),
+        Contender(
+            "Llama (rotary)", PEER_TOKENS, "llama", methods=(NATIVE, *[m for m in args.methods if m == "interpolate"])
+        ),
         Contender("Bloom (ALiBi)", PEER_TOKENS, "bloom"),
     ]
     return chosen(every, args.models, lambda word, c: word.lower() in c.name.lower(), ", ".join(c.name for c in every))

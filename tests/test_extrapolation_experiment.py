@@ -33,8 +33,8 @@ MODELS = {
     "SepFormer sinusoidal, randomized positions, range per sequence (8L)": ("-",),
     "SepFormer B-spline (n=32), randomized positions, range per sequence (8L)": ("-",),
     "SepFormer d_pos=0": ("-",),
-    "GPT-2 (learned, additive)": ("-",),
-    "Llama (rotary)": ("-",),
+    "GPT-2 (learned, additive)": tuple(sepformer.EXTRAPOLATION_METHODS),
+    "Llama (rotary)": ("-", "interpolate"),
     "Bloom (ALiBi)": ("-",),
 }
 
@@ -69,7 +69,7 @@ def test_models_that_cannot_run_are_reported_not_skipped(run):
     stdout, rows, _ = run
     for row in rows:
         beyond = int(row["length"]) > int(row["train_length"])
-        cannot = (row["model"].startswith("GPT-2") or row["method"] == "none") and beyond
+        cannot = row["method"] == "none" and beyond
         if cannot:
             assert row["status"].startswith("cannot run"), row
             assert math.isnan(float(row["bits_per_byte"]))
@@ -77,7 +77,7 @@ def test_models_that_cannot_run_are_reported_not_skipped(run):
             assert row["status"] == "ok", row
             assert 0 < float(row["bits_per_byte"]) < 12, row
     assert "cannot run: ValueError: position" in stdout  # SepFormer's own error, naming the position
-    assert "cannot run: its position table has 16 rows (n_positions = L)" in stdout  # GPT-2
+    assert "cannot run: ValueError: its positions stop at L = 16 (a table of L rows, n_positions = L)" in stdout
 
 
 @pytest.mark.slow
@@ -214,6 +214,53 @@ def test_bits_per_byte_is_the_model_loss():
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), windows[:, 1:], reduction="none")
     assert total == pytest.approx(loss.item() / math.log(2), rel=1e-5)
     assert beyond == pytest.approx(nll[:, args.block_size - 1 :].mean().item() / math.log(2), rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["clamp", "sinusoidal", "fourier", "interpolate"])
+def test_gpt2_reads_past_its_table_by_the_rule_of_a_sepformer_table_of_the_same_rows(method):
+    """The control: GPT-2's additive table extended by a rule equals a SepFormer's learned table of the same rows
+    extended by it (`LearnedPositions`, the rows the SepFormer contenders read), added to the token embeddings."""
+    args = extrapolation.parse_args(["--tiny"])
+    torch.manual_seed(0)
+    gpt2 = extrapolation_conditions.Contender("GPT-2", extrapolation_conditions.PEER_TOKENS, "gpt2").build(args, 259)
+    gpt2.eval()
+    length, train_length = 64, args.block_size
+    table = sepformer.SepFormerConfig(hidden_size=64, position_size=32, max_position_embeddings=train_length)
+    learned = sepformer.positional_maps.LearnedPositions(table)
+    learned.weight.data.copy_(gpt2.transformer.wpe.weight)
+    ids = torch.randint(0, 256, (2, length))
+    positions = torch.arange(length).expand(2, -1)
+    with torch.no_grad():
+        rows = learned(positions, sepformer.PositionExtrapolation(method))  # (2, n, d)
+        # GPT-2 at position 0 everywhere, with the rows less row 0 added to the token embeddings
+        embeds = gpt2.transformer.wte(ids) + rows - gpt2.transformer.wpe.weight[0]
+        expected = gpt2(inputs_embeds=embeds, position_ids=torch.zeros_like(ids)).logits
+        with extrapolation_conditions.Contender("GPT-2", family="gpt2").reading(gpt2, method, length, train_length):
+            logits = gpt2(ids).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert gpt2.transformer.wpe.weight.shape[0] == train_length  # restored
+
+
+def test_llama_interpolate_reads_rotary_at_the_compressed_positions():
+    """Linear position interpolation on Llama: its rotary at each window's positions `i · (L-1)/(n-1)`, the positions
+    a SepFormer's `interpolate` reads its table at."""
+    args = extrapolation.parse_args(["--tiny"])
+    torch.manual_seed(0)
+    llama = extrapolation_conditions.Contender("Llama", family="llama").build(args, 259).eval()
+    length, train_length = 64, args.block_size
+    compressed = torch.arange(length) * (train_length - 1) / (length - 1)
+    hidden, ids = torch.zeros(1, length, args.hidden_size), torch.randint(0, 256, (1, length))
+    expected = llama.model.rotary_emb(hidden, compressed[None])  # the default rotary at fractional positions
+    with extrapolation_conditions.Contender("Llama", family="llama").reading(
+        llama, "interpolate", length, train_length
+    ):
+        cos, sin = llama.model.rotary_emb(hidden, torch.arange(length)[None])
+        with torch.no_grad():
+            interpolated = llama(ids).logits
+    torch.testing.assert_close((cos, sin), expected, atol=1e-6, rtol=1e-5)
+    assert llama.model.rotary_emb.rope_type == "default"  # restored
+    with torch.no_grad():
+        assert not torch.allclose(llama(ids).logits, interpolated)  # the trained rotary is back
 
 
 def no_data(*args, **kwargs):
