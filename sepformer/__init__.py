@@ -22,6 +22,7 @@ from .mitigation_options import (
 )
 from .modeling_sepformer import SepFormerForCausalLM, SepFormerModel, SepFormerPreTrainedModel
 from .positional_options import EXTRAPOLATION_METHODS, PositionExtrapolation
+from .positional_search import search_positional_scaling
 from .reordering import ReorderDocuments, document_relevance, relevance_order, reorder_documents, reorder_prompt
 from .tokenization_sepformer import SepFormerTokenizer
 
@@ -55,4 +56,5 @@ __all__ = [
     "relevance_order",
     "reorder_documents",
     "reorder_prompt",
+    "search_positional_scaling",
 ]

@@ -81,6 +81,23 @@ def test_position_bias_example_runs():
     exec(compile(block("python", "StableMask("), "README.md position bias", "exec"), {})
 
 
+def test_methods_outside_generate_example_runs():
+    """The block continuing the position-bias one: reordering, relevance and the positional search by themselves."""
+    namespace = {}
+    exec(compile(block("python", "StableMask("), "README.md position bias", "exec"), namespace)
+    exec(compile(block("python", "search_positional_scaling("), "README.md outside generate", "exec"), namespace)
+    ids, order = namespace["ids"], namespace["order"]
+    assert ids.shape == namespace["batch"]["input_ids"].shape and sorted(order[0].tolist()) == [0, 1]
+    assert namespace["result"].candidates and isinstance(namespace["result"].improves, bool)
+
+
+def test_metrics_example_runs(capsys):
+    exec(compile(block("python", "metric_path("), "README.md metrics", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert float(printed[0]) == pytest.approx(8.0)
+    assert "'accuracy_by_position': {0: 1.0, 1: 0.0, 2: 1.0}" in printed[1]
+
+
 def test_any_decoder_example_runs():
     exec(compile(block("python", "add_mitigations("), "README.md any decoder", "exec"), {})
 
