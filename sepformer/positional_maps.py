@@ -194,6 +194,8 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         length = self.num_embeddings
         if high < length:
             return super().forward(position_ids)
+        if extrapolation.method == "clamp":  # the last row, at any position: no rows to make up to the highest
+            return super().forward(position_ids.clamp(max=length - 1))
         rows = self.rows_past_table(high + 1, extrapolation, store)  # rows L, L+1, ...
         if low >= length:  # every position past the table (cached decoding past L): no copy of the table
             return nn.functional.embedding(position_ids - length, rows)
@@ -428,12 +430,10 @@ check_registries()
 
 
 def call_extrapolation(config, value, continuing: bool) -> PositionExtrapolation:
-    """The call's `position_extrapolation` (the config's when `None`), checked against the model."""
-    if value is None:
-        extrapolation = config.default_extrapolation()
-    else:
-        extrapolation = PositionExtrapolation.parse(value)
-        config.check_extrapolation(extrapolation)
+    """The call's `position_extrapolation` (the config's when `None`), checked against the model: the config's too,
+    which an assignment to a live config may have changed without the checks of its construction."""
+    extrapolation = config.default_extrapolation() if value is None else PositionExtrapolation.parse(value)
+    config.check_extrapolation(extrapolation)
     if extrapolation.method == "interpolate" and extrapolation.length is None and continuing:
         # The cached keys were made with the scale of an earlier length: only positions inside the table, where
         # the scale is 1, can continue them exactly.

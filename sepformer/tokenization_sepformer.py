@@ -24,6 +24,15 @@ class SepFormerTokenizer(PreTrainedTokenizer):
     model_input_names = ["input_ids", "attention_mask"]
 
     def __init__(self, pad_token="<pad>", bos_token="<s>", eos_token="</s>", **kwargs):
+        """The three special tokens (ids 256, 257, 258) may be renamed (a string or an `AddedToken`), not removed: the
+        model's vocabulary holds their ids."""
+        names = {"pad_token": pad_token, "bos_token": bos_token, "eos_token": eos_token}
+        missing = [f"{name}={token!r}" for name, token in names.items() if not isinstance(token, str | AddedToken)]
+        if missing:
+            raise ValueError(
+                f"SepFormerTokenizer {', '.join(missing)}: ids 256 (pad), 257 (bos) and 258 (eos) are always in the "
+                "vocabulary; give each a name (a string or an AddedToken), or leave the defaults."
+            )
         special = [
             AddedToken(token, special=True) if isinstance(token, str) else token
             for token in (pad_token, bos_token, eos_token)

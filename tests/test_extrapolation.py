@@ -42,6 +42,28 @@ def test_clamp_repeats_the_last_row():
     torch.testing.assert_close(rows(model, [15, 16, 40], "clamp"), weight[[15, 15, 15]])
 
 
+def test_clamp_reads_a_position_far_past_the_table_without_making_the_rows_up_to_it():
+    """Rows up to position 10^9 would take 34 GB: clamp reads the last row wherever the position is."""
+    model = model_with_table()
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    far = model(ids, position_ids=torch.tensor([[0, 10**9, 10**9 + 1]]), position_extrapolation="clamp").logits
+    near = model(ids, position_ids=torch.tensor([[0, L - 1, L - 1]]), position_extrapolation="clamp").logits
+    torch.testing.assert_close(far, near, atol=0, rtol=0)
+
+
+def test_a_method_assigned_to_a_live_config_is_checked_at_the_next_call():
+    """The config's own method is checked as a call's is: an assignment skips the checks of the config's
+    construction."""
+    model = tiny_model(max_position_embeddings=L, positional_map="sinusoidal")
+    model.config.position_extrapolation = "fourier"
+    with pytest.raises(ValueError, match="position_extrapolation='fourier' needs a learned positional table"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+    model = model_with_table()
+    model.config.position_extrapolation = {"method": "interpolate", "length": 10}
+    with pytest.raises(ValueError, match="interpolate length=10 must exceed the table's 16 rows"):
+        model(torch.zeros(1, 12, dtype=torch.long))
+
+
 def test_sinusoidal_is_the_std_matched_sinusoid():
     model = model_with_table()
     weight = model.model.embed_positions.weight

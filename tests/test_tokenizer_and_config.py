@@ -44,6 +44,14 @@ def test_ids_are_utf8_bytes_and_specials_follow():
     assert tokenizer.decode([104, 105, 258]) == "hi</s>"
 
 
+def test_the_special_tokens_may_be_renamed_not_removed():
+    renamed = SepFormerTokenizer(bos_token="<bos>")
+    assert renamed.bos_token_id == 257 and renamed.decode([257]) == "<bos>"
+    for name in ("pad_token", "bos_token", "eos_token"):
+        with pytest.raises(ValueError, match=f"SepFormerTokenizer {name}=None: ids 256 \\(pad\\), 257 \\(bos\\)"):
+            SepFormerTokenizer(**{name: None})
+
+
 def test_invalid_utf8_from_a_model_decodes_to_replacement_characters():
     assert SepFormerTokenizer().decode([0xFF, 104, 0xC3]) == "\ufffdh\ufffd"
 
