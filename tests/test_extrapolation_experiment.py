@@ -23,6 +23,7 @@ from experiment_common import write_csv  # noqa: E402
 
 MODELS = {
     "SepFormer learned": tuple(sepformer.EXTRAPOLATION_METHODS),
+    "SepFormer learned, 1.25x wide (the peers' parameters)": tuple(sepformer.EXTRAPOLATION_METHODS),
     "SepFormer learned, last row untrained": ("clamp",),
     "SepFormer learned, random offsets (8L table)": ("-",),
     "SepFormer learned, randomized positions (8L table)": ("-",),
@@ -239,6 +240,17 @@ def test_gpt2_reads_past_its_table_by_the_rule_of_a_sepformer_table_of_the_same_
             logits = gpt2(ids).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     assert gpt2.transformer.wpe.weight.shape[0] == train_length  # restored
+
+
+def test_the_wide_sepformer_has_as_many_parameters_as_the_peers():
+    """At the default preset the parameter-matched SepFormer is within 5% of every peer's count; the plain one has
+    about 30% fewer."""
+    args = extrapolation.parse_args([])
+    built = {c.name: c.build(args, 259).num_parameters() for c in extrapolation_conditions.contenders(args)}
+    peers = [built[name] for name in ("GPT-2 (learned, additive)", "Llama (rotary)", "Bloom (ALiBi)")]
+    wide = built["SepFormer learned, 1.25x wide (the peers' parameters)"]
+    assert all(abs(wide - peer) / peer < 0.05 for peer in peers), (wide, peers)
+    assert built["SepFormer learned"] < 0.75 * min(peers)
 
 
 def test_llama_interpolate_reads_rotary_at_the_compressed_positions():
