@@ -161,6 +161,7 @@ def condition_rows(model, contender: Contender, seed: int, vocab, evaluation: di
     for pairs, data in evaluation.items():
         spans = task.document_spans(pairs)
         kept = conditions.mitigation_conditions(spans, vocab)
+        kept += conditions.every_layer_conditions(spans, vocab, args.num_layers)
         if pairs == args.num_pairs and "positional_scaling" in args.mitigations:
             kept += conditions.searched_scaling(model, validation)
         kept += conditions.calibration_without_dummy_passes(data["input_ids"], spans, vocab)

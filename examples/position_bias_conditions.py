@@ -81,6 +81,19 @@ def mitigation_conditions(spans, vocab: Vocabulary) -> list[Condition]:
     )
 
 
+def every_layer_conditions(spans, vocab: Vocabulary, num_layers: int) -> list[Condition]:
+    """MS-PoE and calibration in every layer: their papers' defaults leave out the first layers (MS-PoE the first
+    `min(2, n // 2)`, calibration the first half), which in a two-layer model is the layer where the bias sits."""
+    every = {"layers": tuple(range(num_layers))}
+    conditions = [
+        keyword("ms_poe", f"r_max={r}, every layer", lambda b, r=r: {"r_min": 1.2, "r_max": r, **every})
+        for r in (1.5, 1.8, 2.4)
+    ]
+    return conditions + calibrated(
+        spans, "dummy passes, every layer", {"dummy_document": vocab.dummy_document, **every}
+    )
+
+
 def calibrated(spans, estimate: str, option: dict, details: str | Callable = "") -> list[Condition]:
     """Attention calibration of each document at each temperature, `bias(k)` estimated as `option` says."""
     return [

@@ -246,3 +246,16 @@ def test_a_mitigation_that_fails_past_the_models_checks_stops_the_run(monkeypatc
                 str(tmp_path),
             ]
         )
+
+
+def test_the_every_layer_settings_give_ms_poe_and_calibration_every_layer(monkeypatch):
+    """Their papers' default layers leave out the first ones, where a two-layer model's bias sits."""
+    seen = []
+    monkeypatch.setattr(position_bias_conditions, "plain_logits", lambda model, ids, **options: seen.append(options))
+    args = position_bias.parse_args(["--tiny"])
+    vocab = task.Vocabulary(args.num_keys, args.num_values)
+    for condition in position_bias_conditions.every_layer_conditions(task.document_spans(4), vocab, 3):
+        assert condition.setting.endswith("every layer")
+        condition.logits(None, torch.zeros(2, 6, dtype=torch.long))
+    assert [next(iter(options)) for options in seen] == ["ms_poe"] * 3 + ["attention_calibration"] * 3
+    assert all(next(iter(options.values()))["layers"] == (0, 1, 2) for options in seen)

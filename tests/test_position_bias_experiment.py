@@ -57,7 +57,8 @@ REFUSED = {
     "positional_scaling on LlamaForCausalLM needs channels",
     ("Llama (rotary)", "attention_calibration"): "bias_estimate='positional' reads the positional block, but Llama",
     ("Llama (rotary)", "reorder"): "by='position_free' zeroes SepFormer's positional block",
-    ("GPT-2 (learned absolute)", "ms_poe"): "r_max=1.5; r_max=1.8; r_max=2.4: refused: ms_poe rescales the rotary "
+    ("GPT-2 (learned absolute)", "ms_poe"): "r_max=2.4; r_max=1.5, every layer; r_max=1.8, every layer; "
+    "r_max=2.4, every layer: refused: ms_poe rescales the rotary "
     "positions of each head, but GPT2LMHeadModel",
     ("GPT-2 (learned absolute)", "attention_buckets"): "attention_buckets reads positions with other rotary bases or "
     "scales, but GPT2LMHeadModel",
@@ -93,7 +94,7 @@ def test_every_slot_of_every_setting_has_a_row(run):
             if r["model"] == model and r["mitigation"] == "attention_calibration"
         }
         positional = [setting for setting in calibrations if ", positional bias(k)" in setting]
-        assert len(calibrations) == 3 + len(positional) and len(positional) == 3 * (model == "SepFormer"), model
+        assert len(calibrations) == 6 + len(positional) and len(positional) == 3 * (model == "SepFormer"), model
         assert all(calibrations[s].startswith("bias(k) vs the dummy passes': Pearson r ") for s in positional)
 
 
@@ -112,7 +113,12 @@ def test_each_setting_has_a_row_on_every_model_that_runs_it_and_the_run_says_why
             dummy_passes = {s for s in settings[(sepformer, mitigation)] if "positional" not in s}
             assert dummy_passes <= settings[(model, mitigation)], (model, mitigation)
     llama = "Llama (rotary)"
-    assert settings[(llama, "ms_poe")] == settings[(sepformer, "ms_poe")] == {"r_max=1.5", "r_max=1.8", "r_max=2.4"}
+    ratios = {f"r_max={r}{where}" for r in (1.5, 1.8, 2.4) for where in ("", ", every layer")}
+    assert settings[(llama, "ms_poe")] == settings[(sepformer, "ms_poe")] == ratios
+    calibrations = {
+        f"temperature={t}, dummy passes{where}" for t in (5e-5, 1e-3, 1e-2) for where in ("", ", every layer")
+    }
+    assert {s for s in settings[(llama, "attention_calibration")] if "dummy" in s} == calibrations
     scales = {"scales=[1.0, 0.9, 0.8]", "scales=[1.0, 0.75, 0.5]"}
     bases = {"bases=[10000, 17500, 25000]", "bases=[10000, 13000, 16000, 19000, 22000, 25000, 28000]"}
     assert settings[(llama, "attention_buckets")] == scales | bases
