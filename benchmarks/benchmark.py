@@ -31,13 +31,16 @@ latencies and memory a ratio below 1 means SepFormer is cheaper.
   cache appends (`GrowingLayer`);
 - on CUDA, every timer is read after `torch.cuda.synchronize()` (kernels run asynchronously);
 - peak memory: each model in a fresh subprocess (the three run side by side; memory does not depend on timing). glibc
-  is told to serve every allocation above 64 KiB with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
-  resident set; before each measurement the kernel's resident high-water mark is reset (`/proc/self/clear_refs`), and
+  is told to map allocations above 64 KiB with mmap (`MALLOC_MMAP_THRESHOLD_`) and, before each measurement, to give
+  its freed heap back (`malloc_trim`: it would serve a request from free chunks before mapping new pages), so freed
+  tensors leave the resident set; then the kernel's resident high-water mark is reset (`/proc/self/clear_refs`), and
   the reported number is `VmHWM - VmRSS` at the start: the peak extra resident memory the call needed (activations,
   KV cache, gradients, temporaries; not the weights or optimiser state, which exist before); on CUDA, the same
   difference read from torch's allocator, `torch.cuda.max_memory_allocated() - memory_allocated()` at the start,
   after `reset_peak_memory_stats()` before each measurement;
-- FLOPs per token: `torch.utils.flop_counter` on one forward pass (`count_params_flops.forward_flops_per_token`);
+- FLOPs per token: `torch.utils.flop_counter` on one forward pass (`count_params_flops.forward_flops_per_token`),
+  attention on torch's math backend (its two matmuls over every query-key pair: the counter has no formula for the
+  CPU's fused kernel);
 - mitigations: `generate` with each position-bias mitigation on (`MITIGATIONS`); the overhead row is tokens/s with /
   without, the two timed back to back in each repetition, in turn first (machine drift over a repetition is larger
   than the overheads; attention calibration's four dummy passes per row at prefill are inside the timed call). The

@@ -1,6 +1,7 @@
 """Peak extra memory of each model's workloads, measured in fresh subprocesses (`benchmark.py --memory-worker`): the
 resident set's high-water mark on the CPU, torch's allocator on CUDA (see `benchmark.py`'s docstring)."""
 
+import ctypes
 import dataclasses
 import gc
 import json
@@ -28,8 +29,11 @@ def read_status(field: str) -> int:
 
 
 def peak_extra_memory(fn: Callable[[], object]) -> int:
-    """Peak resident memory above the level at the call, in bytes (see the module docstring)."""
+    """Peak resident memory above the level at the call, in bytes (see the module docstring). Freed heap memory is
+    given back first (`malloc_trim`): glibc serves an allocation from its free chunks before it maps new pages, so a
+    call after another would reuse its memory without raising the high-water mark."""
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # resets VmHWM to the current VmRSS
     start = read_status("VmRSS")

@@ -1,7 +1,9 @@
 """Parameters and forward FLOPs per token: SepFormer against GPT-2 of the same width, depth, heads and vocabulary.
 
 FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` on one forward pass of `--seq-len` tokens (matmuls
-and attention; training is about 3x this), so both models are measured by the same counter.
+and attention; training is about 3x this), so both models are measured by the same counter. Attention runs on
+torch's math backend while counted: the counter has no formula for the CPU's fused attention kernel (it would count
+0), and on every device attention is then its two matmuls over every query-key pair, masked ones included.
 
     python benchmarks/count_params_flops.py --hidden-size 128 --layers 4 --heads 4 --seq-len 256
 """
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -22,7 +25,7 @@ from cli_arguments import int_at_least, positive_int  # noqa: E402
 
 def forward_flops_per_token(model, seq_len: int) -> float:
     ids = torch.randint(0, 256, (1, seq_len), device=model.device)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(ids)
     return counter.get_total_flops() / seq_len
 

@@ -217,3 +217,16 @@ def test_the_memory_workers_shape_travels_as_json():
     for shape in (benchmark.TINY, benchmark.FULL):
         assert benchmark.shape_json(json.dumps(dataclasses.asdict(shape))) == shape
     assert benchmark.model_names("GPT-2,Llama") == ["GPT-2", "Llama"]
+
+
+def test_forward_flops_count_attention_as_its_two_matmuls():
+    """GPT-2's forward FLOPs per token written out: per layer `24 d²` (c_attn, c_proj, the 4d MLP) and `4 n d` for
+    attention (q·k and the weighted values over all `n` keys), then `2 d V` for the head. The CPU's fused attention
+    kernel has no formula in torch's counter: counted as is, attention would be 0."""
+    from count_params_flops import forward_flops_per_token
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d, layers, n, vocab = 32, 2, 16, 259
+    config = GPT2Config(vocab_size=vocab, n_embd=d, n_layer=layers, n_head=4, n_positions=n, attn_implementation="sdpa")
+    per_token = forward_flops_per_token(GPT2LMHeadModel(config).eval(), n)
+    assert per_token == layers * (24 * d * d + 4 * n * d) + 2 * d * vocab

@@ -183,8 +183,9 @@ def test_gemma_sliding_window_layers_keep_their_window_under_every_mask_option(r
             config.sliding_window = window
 
 
-def test_the_real_model_benchmark_runs_and_reports_every_ratio(tmp_path, real):
-    """`benchmarks/real_model_generation.py` at a smoke size: every option's row and ratio, with its target."""
+def test_the_real_model_benchmark_runs_and_reports_every_ratio(tmp_path, real, monkeypatch):
+    """`benchmarks/real_model_generation.py` at a smoke size: every option's row and ratio, with its target; each
+    ratio's two variants a measurement of their own, so that they run back to back (`repetition_order`)."""
     model_name = real[0]
     if "gemma" in model_name:
         pytest.skip("the benchmark's default model is SmolLM2")
@@ -193,7 +194,13 @@ def test_the_real_model_benchmark_runs_and_reports_every_ratio(tmp_path, real):
 
     folder = ROOT / "outputs" / "real_models" / model_name
     arguments = ["--model", str(folder), "--reps", "1", "--new-tokens", "2", "--batches", "2", "--num-documents", "3"]
+    measured, run_interleaved = [], bench.run_interleaved
+    monkeypatch.setattr(
+        bench, "run_interleaved", lambda ms, *args, **kw: (measured.extend(ms), run_interleaved(ms, *args, **kw))
+    )
     rows = bench.main([*arguments, "--output-dir", str(tmp_path)])
+    assert len(measured) == 1 + len(bench.OPTIONS)
+    assert all(len(m.runners) == 2 and m.ratios == (tuple(m.runners),) for m in measured)
     ratios = {row["variant"]: row["median"] for row in rows if row["unit"] == "ratio"}
     assert set(ratios) == {"add_mitigations / plain", *(f"{name} / add_mitigations" for name in bench.OPTIONS)}
     assert all(value > 0 for value in ratios.values())
