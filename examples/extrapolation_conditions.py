@@ -16,7 +16,7 @@ from extrapolation_task import MULTIPLIERS
 from torch import nn
 
 import sepformer
-from sepformer.positional_maps import EXTRAPOLATIONS, compress_positions, interpolate_rows
+from sepformer.positional_maps import EXTRAPOLATIONS, compress_positions, interpolate_rows, randomized_positions
 
 NATIVE = "-"  # the method column of models that have no extrapolation method to choose
 PEER_TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
@@ -32,11 +32,18 @@ class Contender:
     methods: tuple[str, ...] = (NATIVE,)
     last_position_target: bool = True  # False: position L-1 has no target, as when training on blocks of L tokens
     width: float = 1.0  # d_model as a multiple of --hidden-size (rounded to a multiple of the heads)
+    # GPT-2 trained on randomized positions from [0, 8L) as a SepFormer is: "fixed" or "per_sequence" (the range)
+    randomized_range: str | None = None
 
     def build(self, args, vocab_size: int) -> torch.nn.Module:
         hidden_size = args.num_heads * max(1, round(args.hidden_size * self.width / args.num_heads))
-        shape = vocab_size, hidden_size, args.num_layers, args.num_heads, args.block_size
-        return build_model(self.family, *shape, **self.config)
+        length = args.block_size * (MULTIPLIERS[-1] if self.randomized_range else 1)  # a table of 8L rows
+        model = build_model(
+            self.family, vocab_size, hidden_size, args.num_layers, args.num_heads, length, **self.config
+        )
+        if self.randomized_range:
+            randomize_training_positions(model, length, self.randomized_range == "per_sequence")
+        return model
 
     @contextlib.contextmanager
     def reading(self, model, method: str, length: int, train_length: int):
@@ -49,6 +56,21 @@ class Contender:
         else:
             with peer_positions(model, self.family, method, length, train_length):
                 yield {}
+
+
+def randomize_training_positions(model, position_range: int, per_sequence_range: bool) -> None:
+    """GPT-2's positions in training drawn as a SepFormer's `randomized_positions` draws them (`[0, position_range)`,
+    sorted, distinct; each sequence's own range with `per_sequence_range`), through a forward pre-hook on its
+    `transformer`; in eval it reads `0..n-1`."""
+
+    def draw(module, args, kwargs):
+        if module.training:
+            ids = args[0] if args else kwargs["input_ids"]  # (b, n)
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            kwargs["position_ids"] = randomized_positions(positions, ids.shape[1], position_range, per_sequence_range)
+        return args, kwargs
+
+    model.transformer.register_forward_pre_hook(draw, with_kwargs=True)
 
 
 @contextlib.contextmanager
@@ -150,6 +172,19 @@ def contenders(args) -> list[Contender]:
             PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
             "gpt2",
             methods=args.methods,
+        ),
+        # The control of randomized positions: the same training on an additive table.
+        Contender(
+            "GPT-2, randomized positions (8L table)",
+            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            "gpt2",
+            randomized_range="fixed",
+        ),
+        Contender(
+            "GPT-2, randomized positions, range per sequence (8L table)",
+            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            "gpt2",
+            randomized_range="per_sequence",
         ),
         Contender(
             "Llama (rotary)", PEER_TOKENS, "llama", methods=(NATIVE, *[m for m in args.methods if m == "interpolate"])

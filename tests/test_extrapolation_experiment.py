@@ -35,6 +35,8 @@ MODELS = {
     "SepFormer B-spline (n=32), randomized positions, range per sequence (8L)": ("-",),
     "SepFormer d_pos=0": ("-",),
     "GPT-2 (learned, additive)": tuple(sepformer.EXTRAPOLATION_METHODS),
+    "GPT-2, randomized positions (8L table)": ("-",),
+    "GPT-2, randomized positions, range per sequence (8L table)": ("-",),
     "Llama (rotary)": ("-", "interpolate"),
     "Bloom (ALiBi)": ("-",),
 }
@@ -251,6 +253,26 @@ def test_the_wide_sepformer_has_as_many_parameters_as_the_peers():
     wide = built["SepFormer learned, 1.25x wide (the peers' parameters)"]
     assert all(abs(wide - peer) / peer < 0.05 for peer in peers), (wide, peers)
     assert built["SepFormer learned"] < 0.75 * min(peers)
+
+
+@pytest.mark.parametrize("randomized_range", ["fixed", "per_sequence"])
+def test_gpt2_trains_on_randomized_positions_as_sepformer_draws_them(randomized_range):
+    """The control of randomized positions: in training GPT-2's table (8L rows) is read at sorted distinct positions
+    drawn from [0, 8L), other ones for each sequence; in eval at 0..n-1."""
+    args = extrapolation.parse_args(["--tiny"])
+    contender = extrapolation_conditions.Contender("GPT-2", family="gpt2", randomized_range=randomized_range)
+    model = contender.build(args, 259)
+    assert model.transformer.wpe.num_embeddings == 8 * args.block_size
+    read = []
+    model.transformer.wpe.register_forward_hook(lambda module, inputs, output: read.append(inputs[0]))
+    ids = torch.randint(0, 256, (64, args.block_size))
+    model.train()(ids)
+    positions = read[-1].expand(64, -1)
+    assert (positions.diff(dim=-1) > 0).all() and positions.max() < 8 * args.block_size
+    assert len({tuple(row) for row in positions.tolist()}) > 1 and (positions[:, -1] > args.block_size).any()
+    with torch.no_grad():
+        model.eval()(ids)
+    torch.testing.assert_close(read[-1].expand(64, -1), torch.arange(args.block_size).expand(64, -1))
 
 
 def test_llama_interpolate_reads_rotary_at_the_compressed_positions():
