@@ -16,7 +16,13 @@ from extrapolation_task import MULTIPLIERS
 from torch import nn
 
 import sepformer
-from sepformer.positional_maps import EXTRAPOLATIONS, compress_positions, interpolate_rows, randomized_positions
+from sepformer.positional_maps import (
+    EXTRAPOLATIONS,
+    compress_positions,
+    interpolate_rows,
+    randomized_positions,
+    sinusoid,
+)
 
 NATIVE = "-"  # the method column of models that have no extrapolation method to choose
 PEER_TOKENS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, tie_word_embeddings=False)
@@ -34,6 +40,7 @@ class Contender:
     width: float = 1.0  # d_model as a multiple of --hidden-size (rounded to a multiple of the heads)
     # GPT-2 trained on randomized positions from [0, 8L) as a SepFormer is: "fixed" or "per_sequence" (the range)
     randomized_range: str | None = None
+    sinusoidal: bool = False  # GPT-2 with the fixed sinusoid as its table (added to the tokens), not learned rows
 
     def build(self, args, vocab_size: int) -> torch.nn.Module:
         hidden_size = args.num_heads * max(1, round(args.hidden_size * self.width / args.num_heads))
@@ -43,6 +50,10 @@ class Contender:
         )
         if self.randomized_range:
             randomize_training_positions(model, length, self.randomized_range == "per_sequence")
+        if self.sinusoidal:  # "Attention Is All You Need"'s positions, over the whole width
+            table = model.transformer.wpe
+            table.weight.data.copy_(sinusoid(torch.arange(length), hidden_size))
+            table.weight.requires_grad_(False)
         return model
 
     @contextlib.contextmanager
@@ -153,6 +164,7 @@ def contenders(args) -> list[Contender]:
             dict(position_table_size=longest, random_position_offsets=True),
         ),
         Contender("SepFormer learned, randomized positions (8L table)", randomized),
+        Contender("SepFormer learned, randomized positions, range per sequence (8L table)", randomized | per_sequence),
         Contender("SepFormer sinusoidal", sinusoid),
         Contender("SepFormer sinusoidal, randomized positions (8L)", sinusoid | randomized),
         Contender(f"SepFormer B-spline (n={args.spline_control_points})", spline),
@@ -185,6 +197,13 @@ def contenders(args) -> list[Contender]:
             PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
             "gpt2",
             randomized_range="per_sequence",
+        ),
+        Contender(
+            "GPT-2 sinusoidal (fixed, added), randomized positions, range per sequence (8L)",
+            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            "gpt2",
+            randomized_range="per_sequence",
+            sinusoidal=True,
         ),
         Contender(
             "Llama (rotary)", PEER_TOKENS, "llama", methods=(NATIVE, *[m for m in args.methods if m == "interpolate"])

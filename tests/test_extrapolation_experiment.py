@@ -27,6 +27,7 @@ MODELS = {
     "SepFormer learned, last row untrained": ("clamp",),
     "SepFormer learned, random offsets (8L table)": ("-",),
     "SepFormer learned, randomized positions (8L table)": ("-",),
+    "SepFormer learned, randomized positions, range per sequence (8L table)": ("-",),
     "SepFormer sinusoidal": ("-",),
     "SepFormer sinusoidal, randomized positions (8L)": ("-",),
     "SepFormer B-spline (n=16)": ("-",),
@@ -37,6 +38,7 @@ MODELS = {
     "GPT-2 (learned, additive)": tuple(sepformer.EXTRAPOLATION_METHODS),
     "GPT-2, randomized positions (8L table)": ("-",),
     "GPT-2, randomized positions, range per sequence (8L table)": ("-",),
+    "GPT-2 sinusoidal (fixed, added), randomized positions, range per sequence (8L)": ("-",),
     "Llama (rotary)": ("-", "interpolate"),
     "Bloom (ALiBi)": ("-",),
 }
@@ -273,6 +275,18 @@ def test_gpt2_trains_on_randomized_positions_as_sepformer_draws_them(randomized_
     with torch.no_grad():
         model.eval()(ids)
     torch.testing.assert_close(read[-1].expand(64, -1), torch.arange(args.block_size).expand(64, -1))
+
+
+def test_the_sinusoidal_gpt2_adds_the_fixed_sinusoid_and_does_not_train_it():
+    args = extrapolation.parse_args(["--tiny"])
+    contender = extrapolation_conditions.Contender("GPT-2", family="gpt2", randomized_range="fixed", sinusoidal=True)
+    model = contender.build(args, 259)
+    length, width = 8 * args.block_size, args.hidden_size
+    table = model.transformer.wpe.weight
+    assert not table.requires_grad and table.shape == (length, width)
+    i, k = torch.arange(length)[:, None].float(), torch.arange(0, width, 2).float()
+    torch.testing.assert_close(table[:, 0::2], torch.sin(i / 10000 ** (k / width)))
+    torch.testing.assert_close(table[:, 1::2], torch.cos(i / 10000 ** (k / width)))
 
 
 def test_llama_interpolate_reads_rotary_at_the_compressed_positions():
