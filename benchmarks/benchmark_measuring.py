@@ -40,6 +40,12 @@ class Measurement:
     target: str = ""
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def overhead(cls, key: str, label: str, runners: dict, ratios: tuple, section: str, target: str = ""):
+        """Generation throughputs (tokens/s) whose `ratios` pair each variant with one other (with and without an
+        option): `repetition_order` runs each pair back to back."""
+        return cls(key, label, "tokens/s", True, runners, ratios, section, target)
+
 
 def run_interleaved(measurements: list[Measurement], reps: int, log) -> None:
     """Warm up every runner once, then `reps` repetitions; in each, every measurement runs every variant in turn

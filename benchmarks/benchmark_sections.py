@@ -178,16 +178,7 @@ def mitigation_overheads(models: dict, mitigated: dict, shape: Shape, seed: int,
             for names, variants in pairs.items()
             for name, (model, options) in zip(names, variants, strict=True)
         }
-        return Measurement(
-            key=key,
-            label=label,
-            unit="tokens/s",
-            higher_is_better=True,
-            runners=runners,
-            ratios=tuple(pairs),
-            section="mitigations",
-            target=target,
-        )
+        return Measurement.overhead(key, label, runners, tuple(pairs), "mitigations", target)
 
     plain = {(MITIGATED_LLAMA, "Llama"): ((mitigated[MITIGATED_LLAMA], {}), (models["Llama"], {}))}
     label = f"Llama generation after add_mitigations, no option, batch {batch}"

@@ -73,16 +73,7 @@ def measurements(plain, mitigated, tokenizer, batch: int, args) -> list[Measurem
 
     def pair(key: str, runners: dict) -> Measurement:
         """A ratio's two variants, with first: a measurement of their own, so they run back to back."""
-        (variant, base) = runners
-        return Measurement(
-            key=key,
-            label=label,
-            unit="tokens/s",
-            higher_is_better=True,
-            runners=runners,
-            ratios=((variant, base),),
-            section="real model",
-        )
+        return Measurement.overhead(key, label, runners, (tuple(runners),), "real model")
 
     measured = [pair(f"real_generate_b{batch}", {MITIGATED: runner(mitigated), PLAIN: runner(plain)})]
     for name, settings in OPTIONS.items():

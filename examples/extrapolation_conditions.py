@@ -178,29 +178,38 @@ def contenders(args) -> list[Contender]:
             per_sequence | randomized_spline,
         ),
         Contender("SepFormer d_pos=0", dict(position_size=0)),
-        # The controls: the learned table's rules on an additive table, interpolation on rotary.
+        *peer_contenders(args),
+    ]
+    return chosen(every, args.models, lambda word, c: word.lower() in c.name.lower(), ", ".join(c.name for c in every))
+
+
+def peer_contenders(args) -> list[Contender]:
+    """GPT-2, Llama and Bloom, and the controls: SepFormer's rules past a learned table on GPT-2's additive table, its
+    randomized positions and a fixed sinusoid on GPT-2, interpolation on Llama's rotary."""
+    gpt2 = PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return [
         Contender(
             "GPT-2 (learned, additive)",
-            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            gpt2,
             "gpt2",
             methods=args.methods,
         ),
         # The control of randomized positions: the same training on an additive table.
         Contender(
             "GPT-2, randomized positions (8L table)",
-            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            gpt2,
             "gpt2",
             randomized_range="fixed",
         ),
         Contender(
             "GPT-2, randomized positions, range per sequence (8L table)",
-            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            gpt2,
             "gpt2",
             randomized_range="per_sequence",
         ),
         Contender(
             "GPT-2 sinusoidal (fixed, added), randomized positions, range per sequence (8L)",
-            PEER_TOKENS | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            gpt2,
             "gpt2",
             randomized_range="per_sequence",
             sinusoidal=True,
@@ -210,7 +219,6 @@ def contenders(args) -> list[Contender]:
         ),
         Contender("Bloom (ALiBi)", PEER_TOKENS, "bloom"),
     ]
-    return chosen(every, args.models, lambda word, c: word.lower() in c.name.lower(), ", ".join(c.name for c in every))
 
 
 def check_models(args, vocab_size: int) -> None:
