@@ -40,7 +40,9 @@ class Contender:
     width: float = 1.0  # d_model as a multiple of --hidden-size (rounded to a multiple of the heads)
     # GPT-2 trained on randomized positions from [0, 8L) as a SepFormer is: "fixed" or "per_sequence" (the range)
     randomized_range: str | None = None
-    sinusoidal: bool = False  # GPT-2 with the fixed sinusoid as its table (added to the tokens), not learned rows
+    # GPT-2 with the fixed sinusoid as its table (added to the tokens), not learned rows, scaled to this per-coordinate
+    # standard deviation (the sinusoid's own is 1/√2; GPT-2's token embeddings start at 0.02)
+    sinusoid_std: float | None = None
 
     def build(self, args, vocab_size: int) -> torch.nn.Module:
         hidden_size = args.num_heads * max(1, round(args.hidden_size * self.width / args.num_heads))
@@ -50,9 +52,9 @@ class Contender:
         )
         if self.randomized_range:
             randomize_training_positions(model, length, self.randomized_range == "per_sequence")
-        if self.sinusoidal:  # "Attention Is All You Need"'s positions, over the whole width
+        if self.sinusoid_std is not None:  # "Attention Is All You Need"'s positions, over the whole width
             table = model.transformer.wpe
-            table.weight.data.copy_(sinusoid(torch.arange(length), hidden_size))
+            table.weight.data.copy_(sinusoid(torch.arange(length), hidden_size) * self.sinusoid_std * 2**0.5)
             table.weight.requires_grad_(False)
         return model
 
@@ -72,13 +74,16 @@ class Contender:
 def randomize_training_positions(model, position_range: int, per_sequence_range: bool) -> None:
     """GPT-2's positions in training drawn as a SepFormer's `randomized_positions` draws them (`[0, position_range)`,
     sorted, distinct; each sequence's own range with `per_sequence_range`), through a forward pre-hook on its
-    `transformer`; in eval it reads `0..n-1`."""
+    `transformer`; in eval it reads `0..n-1`. With the positions goes a full attention mask: without a mask or a cache,
+    transformers reads positions that do not count up by one as packed sequences and masks across them."""
 
     def draw(module, args, kwargs):
         if module.training:
             ids = args[0] if args else kwargs["input_ids"]  # (b, n)
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
             kwargs["position_ids"] = randomized_positions(positions, ids.shape[1], position_range, per_sequence_range)
+            if kwargs.get("attention_mask") is None:
+                kwargs["attention_mask"] = torch.ones_like(ids)
         return args, kwargs
 
     model.transformer.register_forward_pre_hook(draw, with_kwargs=True)
@@ -207,12 +212,15 @@ def peer_contenders(args) -> list[Contender]:
             "gpt2",
             randomized_range="per_sequence",
         ),
-        Contender(
-            "GPT-2 sinusoidal (fixed, added), randomized positions, range per sequence (8L)",
-            gpt2,
-            "gpt2",
-            randomized_range="per_sequence",
-            sinusoidal=True,
+        *(
+            Contender(
+                f"GPT-2 sinusoidal (fixed, added{scale}), randomized positions, range per sequence (8L)",
+                gpt2,
+                "gpt2",
+                randomized_range="per_sequence",
+                sinusoid_std=std,
+            )
+            for scale, std in (("", 2**-0.5), (", at the tokens' std 0.02", 0.02))
         ),
         Contender(
             "Llama (rotary)", PEER_TOKENS, "llama", methods=(NATIVE, *[m for m in args.methods if m == "interpolate"])

@@ -228,8 +228,8 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
         _, high = position_range(positions)
         needed = math.ceil(high) + 1
-        if needed <= self.num_embeddings:
-            return interpolate_rows(self.weight, positions)
+        if needed <= self.num_embeddings or extrapolation.method == "clamp":  # clamp: the last row past the table
+            return interpolate_rows(self.weight, positions.clamp(max=self.num_embeddings - 1))
         rows = self.rows_past_table(needed, extrapolation, store)
         return interpolate_rows(torch.cat((self.weight, rows)), positions)
 

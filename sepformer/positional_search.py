@@ -51,8 +51,11 @@ class PositionalSearchResult:
 
     @property
     def improves(self) -> bool:
-        """Whether the best candidate's loss is below the unscaled model's: the search returns a scaling in any case."""
-        return self.best.loss < self.base.loss
+        """Whether the best candidate's loss is below the unscaled model's (or finite where the unscaled model's is
+        NaN): the search returns a scaling in any case."""
+        if math.isnan(self.best.loss):
+            return False
+        return math.isnan(self.base.loss) or self.best.loss < self.base.loss
 
     @property
     def option(self) -> PositionalScaling:
@@ -328,8 +331,8 @@ def is_channel_set(channels, width: int) -> bool:
     return (
         isinstance(channels, tuple)
         and len(channels) > 0
-        and len(set(channels)) == len(channels)
         and all(isinstance(c, Integral) and not isinstance(c, bool) and 0 <= c < width for c in channels)
+        and len(set(channels)) == len(channels)
     )
 
 

@@ -49,6 +49,10 @@ def test_clamp_reads_a_position_far_past_the_table_without_making_the_rows_up_to
     far = model(ids, position_ids=torch.tensor([[0, 10**9, 10**9 + 1]]), position_extrapolation="clamp").logits
     near = model(ids, position_ids=torch.tensor([[0, L - 1, L - 1]]), position_extrapolation="clamp").logits
     torch.testing.assert_close(far, near, atol=0, rtol=0)
+    table = model.model.embed_positions  # fractional positions (MS-PoE's m / r) too
+    far_rows = table(torch.tensor([[L - 1.5, 1e9 + 0.5]]), PositionExtrapolation("clamp"))
+    weight = table.weight.detach()
+    torch.testing.assert_close(far_rows[0], torch.stack(((weight[L - 2] + weight[L - 1]) / 2, weight[L - 1])))
 
 
 def test_a_method_assigned_to_a_live_config_is_checked_at_the_next_call():

@@ -39,6 +39,7 @@ MODELS = {
     "GPT-2, randomized positions (8L table)": ("-",),
     "GPT-2, randomized positions, range per sequence (8L table)": ("-",),
     "GPT-2 sinusoidal (fixed, added), randomized positions, range per sequence (8L)": ("-",),
+    "GPT-2 sinusoidal (fixed, added, at the tokens' std 0.02), randomized positions, range per sequence (8L)": ("-",),
     "Llama (rotary)": ("-", "interpolate"),
     "Bloom (ALiBi)": ("-",),
 }
@@ -262,7 +263,8 @@ def test_gpt2_trains_on_randomized_positions_as_sepformer_draws_them(randomized_
     """The control of randomized positions: in training GPT-2's table (8L rows) is read at sorted distinct positions
     drawn from [0, 8L), other ones for each sequence; in eval at 0..n-1."""
     args = extrapolation.parse_args(["--tiny"])
-    contender = extrapolation_conditions.Contender("GPT-2", family="gpt2", randomized_range=randomized_range)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    contender = extrapolation_conditions.Contender("GPT-2", no_dropout, "gpt2", randomized_range=randomized_range)
     model = contender.build(args, 259)
     assert model.transformer.wpe.num_embeddings == 8 * args.block_size
     read = []
@@ -275,11 +277,20 @@ def test_gpt2_trains_on_randomized_positions_as_sepformer_draws_them(randomized_
     with torch.no_grad():
         model.eval()(ids)
     torch.testing.assert_close(read[-1].expand(64, -1), torch.arange(args.block_size).expand(64, -1))
+    # causal attention over the drawn positions, with or without a cache (without one, and without a mask,
+    # transformers would read them as packed sequences): the model given those positions and a full mask by hand
+    model.train()
+    hooked = model(ids[:2], use_cache=False).logits
+    model.eval()  # the hook off (and dropout): the same positions given by hand
+    by_hand = model(ids[:2], position_ids=read[-1], attention_mask=torch.ones_like(ids[:2]), use_cache=False).logits
+    torch.testing.assert_close(hooked, by_hand)
 
 
 def test_the_sinusoidal_gpt2_adds_the_fixed_sinusoid_and_does_not_train_it():
     args = extrapolation.parse_args(["--tiny"])
-    contender = extrapolation_conditions.Contender("GPT-2", family="gpt2", randomized_range="fixed", sinusoidal=True)
+    contender = extrapolation_conditions.Contender(
+        "GPT-2", family="gpt2", randomized_range="fixed", sinusoid_std=2**-0.5
+    )
     model = contender.build(args, 259)
     length, width = 8 * args.block_size, args.hidden_size
     table = model.transformer.wpe.weight

@@ -113,6 +113,10 @@ def test_a_candidate_of_nan_loss_is_never_the_best_and_improves_compares_with_th
         planted_model(), retrieval_batches(batches=1), factors=(0.5,), channel_sets=[(0,), (1,), (2,)]
     )
     assert result.best.channels == (2,) and result.best.loss == 2.5 and not result.improves
+    unscaled_nan = positional_search.ScalingCandidate((), (), 1.0, math.nan, {})
+    assert positional_search.PositionalSearchResult(result.best, unscaled_nan, result.candidates).improves
+    every_nan = positional_search.ScalingCandidate((0,), (), 0.5, math.nan, {})
+    assert not positional_search.PositionalSearchResult(every_nan, unscaled_nan, (every_nan,)).improves
 
 
 # -------------------------------------------------------------------------- scaling on HF models (add_mitigations)
@@ -405,6 +409,7 @@ def test_every_argument_and_batch_is_checked_before_the_first_forward_pass():
         ({"channel_sets": [(True,)]}, [good], r"distinct channels in 0..31 .*; got \[\(True,\)\]"),
         ({"channel_sets": [3, 5]}, [good], r"distinct channels in 0..31 .*; got \[3, 5\]"),
         ({"channel_sets": 3}, [good], r"channel_sets=3 must be a list of channel sets"),
+        ({"channel_sets": [[[3]]]}, [good], r"distinct channels in 0..31 .*; got \[\(\[3\],\)\]"),
         (
             {},
             [dict(good, attention_mask=torch.ones(11, 5, dtype=torch.long))],
