@@ -247,8 +247,8 @@ def extrapolation_step_measurement(sepformer_model, shape: Shape, seed: int, rou
 
     Each step is what `generate` runs per token: a forward of one token with the KV cache, the position and the 2D
     attention mask, logits of that token only; the time of `generate`'s own per-token work is left out. A first pass,
-    not timed, makes what a generation makes once (the fused layers, the rows past the table); its cost is in the
-    whole-`generate` row.
+    not timed, warms up the kernels; each pass's first step makes its cache's fused layers and rows past the table
+    (once per generation, as `generate` does: one sample of each pass, which the median leaves out).
     """
     length = shape.extrapolation_length
     variants = {"within L": (with_table(sepformer_model, length + shape.new_tokens), {})}

@@ -58,7 +58,7 @@ from sepformer import SepFormerTokenizer
 DEFAULT = dict(block_size=32, hidden_size=64, num_layers=2, num_heads=4, batch_size=16, max_steps=1000)
 DEFAULT.update(learning_rate=3e-3, eval_tokens=8192, max_bytes=1_000_000, seeds=[0, 1, 2])
 PRESETS = {
-    "default": DEFAULT,  # three seeds of fifteen models: about 12 minutes on 2 idle CPU cores (21 CPU-minutes)
+    "default": DEFAULT,  # three seeds of twenty models: about 25 minutes on 2 CPU cores (three one-thread processes)
     "quick": DEFAULT | dict(max_steps=400, eval_tokens=4096, seeds=[0]),  # about 2 CPU-minutes
     # seconds: checks the plumbing, learns nothing (the test and CI run this)
     "tiny": DEFAULT
