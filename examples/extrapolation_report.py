@@ -132,7 +132,7 @@ def plot(rows: list[dict], args, path: Path) -> None:
     plt = pyplot()
     keys, cells = summarise(rows, args)
     lengths = [args.block_size * m for m in MULTIPLIERS]
-    figure, axes = plt.subplots(figsize=(11, 5.5))
+    figure, axes = plt.subplots(figsize=(11, max(5.5, 1.2 + 0.18 * len(keys))))  # tall enough for every legend line
     colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers tell apart rows that share one
     for index, (model, method) in enumerate(keys):
         points = [(n, *cells[model, method, n][:2]) for n in lengths if cells[model, method, n][2] is None]
