@@ -68,7 +68,9 @@ def curves(rows: list[dict]) -> list[Curve]:
 
 def table_row(curve: Curve, baseline: dict, seeds: list[int]) -> list[str]:
     """The curve's mean ± 95% over seeds (`seeds`: the run's; a curve of fewer names them), worst slot, worst/best,
-    change against `baseline` (no mitigation: model -> seed -> mean) on the curve's seeds, slots."""
+    change against `baseline` (no mitigation: model -> seed -> mean) on the curve's seeds, ± the 95% interval of the
+    paired per-seed changes (which the seeds' spread of each mean overstates: a seed's prompts and model are shared),
+    slots."""
     if curve.status != "ok":
         return [curve.model, curve.mitigation, curve.setting, curve.status] + [""] * (curve.num_pairs + 3)
     means, seed_means = curve.mean_by_slot, curve.seed_means
@@ -77,6 +79,7 @@ def table_row(curve: Curve, baseline: dict, seeds: list[int]) -> list[str]:
     base = baseline.get(curve.model, {})
     changes = [own - base[seed] for seed, own in zip(curve.per_seed, seed_means, strict=True) if seed in base]
     delta = "" if curve.mitigation == NONE else f"{statistics.fmean(changes) if changes else float('nan'):+.3f}"
+    delta += f" ± {interval95(changes):.3f}" if delta and len(changes) > 1 else ""
     mine = sorted(curve.per_seed)
     spread = f"± {interval95(seed_means):.3f}" if mine == seeds else f"(seeds {mine} of {seeds})"
     summary = [f"**{mean:.3f}** {spread}", f"{means[worst]:.2f} (slot {worst + 1})"]
@@ -128,7 +131,7 @@ def markdown_table(rows: list[dict], args) -> str:
         f"answer in the first or last {args.end_slots} slots with probability {args.gold_at_ends:g} and anywhere "
         f"otherwise, {args.max_steps} steps of {args.batch_size}; {args.eval_per_slot} test prompts per gold slot; "
         + (over_seeds if len(seeds) > 1 else f"seed {seeds[0]}. ")
-        + "Δ mean: against the same model with no mitigation."
+        + "Δ mean: against the same model with no mitigation, ± the 95% interval of the paired per-seed changes."
         + (in2 if IN2 in args.mitigations else "")
     )
     return "\n".join(lines)

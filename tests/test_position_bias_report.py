@@ -1,5 +1,7 @@
 """`examples/position_bias_report.py`: accuracy by slot summarised over seeds."""
 
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,3 +44,20 @@ def test_a_curve_of_fewer_seeds_is_compared_on_its_own_seeds_and_says_so():
     row = position_bias_report.table_row(curves[1], baseline, [0, 1])
     assert row[3] == "**0.800** (seeds [0] of [0, 1])" and row[6] == "+0.000"
     assert position_bias_report.table_row(curves[0], baseline, [0, 1])[3].startswith("**0.500** ± ")
+
+
+def test_the_change_against_no_mitigation_has_the_interval_of_the_paired_per_seed_changes():
+    """Seeds far apart (0.9 and 0.3) and a method that adds 0.10 and 0.12: the change is +0.110 ± the t interval of
+    (0.10, 0.12), not of the means' spread."""
+
+    def rows(mitigation, curves):
+        return [
+            dict(model="m", mitigation=mitigation, setting="-", num_pairs=1, slot=1, seed=seed, accuracy=accuracy)
+            | {"status": "ok"}
+            for seed, accuracy in curves.items()
+        ]
+
+    curves = position_bias_report.curves(rows("none", {0: 0.9, 1: 0.3}) + rows("x", {0: 1.0, 1: 0.42}))
+    row = position_bias_report.table_row(curves[1], {"m": {0: 0.9, 1: 0.3}}, [0, 1])
+    half_width = 12.706 * statistics.stdev([0.10, 0.12]) / math.sqrt(2)
+    assert row[6] == f"+0.110 ± {half_width:.3f}"
