@@ -74,7 +74,7 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
 
         def __setattr__(self, name, value):
             if name in fields:
-                value = plain_numbers(value)
+                value = plain_numbers(as_field_value(value))
                 current = self.__dict__.get(name)
                 if name == "positional_map" and isinstance(current, dict) and current["map"] == value:
                     value = current  # the same map again keeps its parameters, as when they were fields of their own
@@ -89,6 +89,13 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
         return cls
 
     return decorate
+
+
+def as_field_value(value):
+    """An option's dataclass (`PositionExtrapolation`, a positional map's, `StableMask`) given to the field that holds
+    it, as the field keeps it: its name or the dict of its parameters, which the config saves as JSON."""
+    as_config_value = getattr(value, "as_config_value", None)
+    return as_config_value() if callable(as_config_value) else value
 
 
 def plain_numbers(value):

@@ -83,16 +83,18 @@ class SepFormerConfig(PreTrainedConfig):
       their block), `hidden_act` (any name of `ACT2FN`).
     - positions: `max_position_embeddings` (`L`, the training length), `positional_map` (`"learned"`, `"sinusoidal"`,
       `"bspline"`, or `{"map": "bspline", "control_points": 8}`), `position_extrapolation` (how a learned table
-      answers positions past its rows: a method or `{"method": "fourier", "components": 16}`; overridable per call;
-      older configs' `fourier_components`, `interpolation_length` and `spline_*` fields read and set the parameters),
+      answers positions past its rows: a method, `{"method": "fourier", "components": 16}` or a `PositionExtrapolation`;
+      overridable per call; older configs' `fourier_components`, `interpolation_length` and `spline_*` fields read and
+      set the parameters),
       `position_table_size` (`M >= L` positions a map is trained on; `None`: `L`; larger needs one of the next two),
       `random_position_offsets` (random shifts in training, learned table), `randomized_positions` and
       `randomized_range` (sorted random positions from `[0, M)` in training, `"fixed"` or `"per_sequence"` ranges),
       `rotary_dim` and `rope_theta` (rotary on the first `rotary_dim` dimensions of every head; 0 is off).
     - the rest: `norm_type` (`"rmsnorm"` or `"layernorm"`, one norm per block), `norm_eps`, `lm_head_input`
-      (`"semantic"` or `"all"`), dropouts, biases, `initializer_range`, `stable_mask` (StableMask's fields as a dict,
-      on in training and inference), `fuse_decoding_projections` (decoding steps on weights laid out for them, kept on
-      the KV cache), and token ids inside the vocabulary (`eos_token_id` may be a list, and -1 for "never stop").
+      (`"semantic"` or `"all"`), dropouts, biases, `initializer_range`, `stable_mask` (a `StableMask` or its fields as
+      a dict, on in training and inference), `fuse_decoding_projections` (decoding steps on weights laid out for them,
+      kept on the KV cache), and token ids inside the vocabulary (`eos_token_id` may be a list, and -1 for "never
+      stop").
     """
 
     model_type = "sepformer"

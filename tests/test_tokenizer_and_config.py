@@ -9,8 +9,16 @@ import pytest
 import torch
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sepformer import SepFormerConfig, SepFormerForCausalLM, SepFormerTokenizer, prepare_for_hub
+from sepformer import (
+    PositionExtrapolation,
+    SepFormerConfig,
+    SepFormerForCausalLM,
+    SepFormerTokenizer,
+    StableMask,
+    prepare_for_hub,
+)
 from sepformer.configuration_sepformer import LEGACY_FIELDS
+from sepformer.positional_options import BSplineMap, SinusoidalMap
 
 SMALL = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
 
@@ -153,6 +161,24 @@ def test_config_round_trips_through_json(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = SepFormerConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
+
+
+def test_the_option_dataclasses_are_taken_by_the_fields_that_hold_them_and_saved_as_their_names_or_dicts(tmp_path):
+    given = dict(position_extrapolation=PositionExtrapolation("fourier", components=8), stable_mask=StableMask(0.1))
+    kept = dict(
+        position_extrapolation={"method": "fourier", "components": 8}, stable_mask={"gamma": 0.1, "columns": None}
+    )
+    config = SepFormerConfig(**given)
+    assert {name: getattr(config, name) for name in kept} == kept
+    config.save_pretrained(tmp_path)
+    assert {name: getattr(SepFormerConfig.from_pretrained(tmp_path), name) for name in kept} == kept
+    spline = SepFormerConfig(positional_map=BSplineMap(control_points=8))
+    assert spline.positional_map == {"map": "bspline", "control_points": 8}
+    learned = SepFormerConfig()
+    learned.position_extrapolation = PositionExtrapolation("clamp")
+    assert learned.position_extrapolation == "clamp"
+    with pytest.raises(ValueError, match="position_extrapolation='clamp' needs a learned positional table"):
+        SepFormerConfig(positional_map=SinusoidalMap(), position_extrapolation=PositionExtrapolation("clamp"))
 
 
 DERIVED = ("position_size", "position_table_size", "position_intermediate_size", "semantic_intermediate_size")
