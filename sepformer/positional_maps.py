@@ -96,6 +96,9 @@ EXTRAPOLATIONS = {
 }
 
 
+MAX_ROWS_VALUES = 2**24  # rows past a learned table made and kept for a generation: at most 64 MB in float32
+
+
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
     """(lowest, highest) position as Python numbers, from one reduction; a negative position is an error."""
     low, high = (value.item() for value in torch.aminmax(positions))
@@ -196,6 +199,8 @@ class LearnedPositions(nn.Embedding, PositionalMap):
             return super().forward(position_ids)
         if extrapolation.method == "clamp":  # the last row, at any position: no rows to make up to the highest
             return super().forward(position_ids.clamp(max=length - 1))
+        if self.too_many_rows(high + 1, extrapolation):  # the method's rows at the call's positions only
+            return self.traceable(position_ids, extrapolation)
         rows = self.rows_past_table(high + 1, extrapolation, store)  # rows L, L+1, ...
         if low >= length:  # every position past the table (cached decoding past L): no copy of the table
             return nn.functional.embedding(position_ids - length, rows)
@@ -230,8 +235,17 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         needed = math.ceil(high) + 1
         if needed <= self.num_embeddings or extrapolation.method == "clamp":  # clamp: the last row past the table
             return interpolate_rows(self.weight, positions.clamp(max=self.num_embeddings - 1))
+        if self.too_many_rows(needed, extrapolation):
+            return self.traceable(positions, extrapolation)
         rows = self.rows_past_table(needed, extrapolation, store)
         return interpolate_rows(torch.cat((self.weight, rows)), positions)
+
+    def too_many_rows(self, needed: int, extrapolation: PositionExtrapolation) -> bool:
+        """Whether the rows `rows_past_table` would make and keep for a position `needed - 1` take more than
+        `MAX_ROWS_VALUES` values (a position far past the table: 34 GB of rows up to position 10^9 at `d_pos = 8`).
+        A call then computes the method's rows at its own positions only, and keeps none."""
+        rows = capacity_for(needed, self.num_embeddings) - self.num_embeddings
+        return extrapolation.method in EXTRAPOLATIONS and rows * self.embedding_dim > MAX_ROWS_VALUES
 
     def rows_past_table(self, needed: int, extrapolation: PositionExtrapolation, store: dict | None) -> torch.Tensor:
         """Extrapolated rows `L, L+1, ...`, at least up to row `needed - 1`.
@@ -261,9 +275,10 @@ class LearnedPositions(nn.Embedding, PositionalMap):
             return EXTRAPOLATIONS[extrapolation.method](self.weight, positions, extrapolation)  # dtype
 
     def traceable(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
-        """The same rows without data-dependent branches (under `torch.compile`): every method is evaluated at every
-        position and selected where the position is past the table; fractional positions lie between the rows at their
-        floor and the next. `none` indexes the table as it is; `interpolate` compresses each row as eagerly."""
+        """The same rows without data-dependent branches (under `torch.compile`, and far past the table): every method
+        is evaluated at every position and selected where the position is past the table; fractional positions lie
+        between the rows at their floor and the next. `none` indexes the table as it is; `interpolate` compresses each
+        row as eagerly."""
         length, method = self.num_embeddings, extrapolation.method
         fractional = position_ids.is_floating_point()  # table coordinates already (MS-PoE's `p(m / r)`)
         if fractional and method not in EXTRAPOLATIONS:  # `none`, `interpolate`: between the table's rows

@@ -14,7 +14,7 @@ from sepformer import (
     SepFormerConfig,
     SepFormerForCausalLM,
 )
-from sepformer.positional_maps import compress_positions, fourier_rows
+from sepformer.positional_maps import compress_positions, fourier_rows, sinusoid
 
 L = 16
 METHODS = [m for m in EXTRAPOLATION_METHODS if m != "none"]
@@ -53,6 +53,24 @@ def test_clamp_reads_a_position_far_past_the_table_without_making_the_rows_up_to
     far_rows = table(torch.tensor([[L - 1.5, 1e9 + 0.5]]), PositionExtrapolation("clamp"))
     weight = table.weight.detach()
     torch.testing.assert_close(far_rows[0], torch.stack(((weight[L - 2] + weight[L - 1]) / 2, weight[L - 1])))
+
+
+@pytest.mark.parametrize("method", ["sinusoidal", "fourier"])
+def test_a_method_reads_a_position_far_past_the_table_at_that_position_without_making_the_rows_up_to_it(method):
+    """Rows up to position 10^9 would take 34 GB: far past the table the method's rows are made at the positions
+    read, integer and fractional, and the table's rows read as they are."""
+    table = model_with_table().model.embed_positions
+    weight, extrapolation = table.weight.detach(), PositionExtrapolation(method)
+    if method == "sinusoidal":
+        formula = lambda positions: weight.std() * sinusoid(positions, weight.shape[1])  # noqa: E731
+    else:
+        formula = lambda positions: fourier_rows(weight, positions, extrapolation.components)  # noqa: E731
+    far = torch.tensor([L - 1, 10**9, 10**9 + 1, 2**40])
+    got = table(far[None], extrapolation)[0].detach()
+    torch.testing.assert_close(got, torch.cat((weight[L - 1 :], formula(far[1:]))))
+    halves = table(torch.tensor([[L - 1.5, 1e9 + 0.5]], dtype=torch.float64), extrapolation)[0].detach()
+    expected_far = (formula(torch.tensor([10**9])) + formula(torch.tensor([10**9 + 1]))) / 2
+    torch.testing.assert_close(halves, torch.cat(((weight[L - 2 : L - 1] + weight[L - 1 :]) / 2, expected_far)))
 
 
 def test_a_method_assigned_to_a_live_config_is_checked_at_the_next_call():
