@@ -10,7 +10,7 @@ from typing import Literal, get_args, get_origin
 from huggingface_hub.dataclasses import as_validated_field
 from transformers import GenerationConfig
 
-from .mitigation_options import plain_number
+from .mitigation_options import StableMask, plain_number
 from .positional_options import (
     EXTRAPOLATION_PARAMETERS,
     MAP_PARAMETERS,
@@ -58,6 +58,13 @@ OPTION_FIELDS = {
     "positional_map": ("map", PositionalMapOptions.parse, MAP_PARAMETERS),
 }
 
+# The fields that take an option's dataclass, and its class.
+OPTION_CLASSES = {
+    "positional_map": PositionalMapOptions,
+    "position_extrapolation": PositionExtrapolation,
+    "stable_mask": StableMask,
+}
+
 
 class UnreadValueError(ValueError):
     """A value the config's settings would never read: refused, but only warned about in a saved config."""
@@ -74,7 +81,7 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
 
         def __setattr__(self, name, value):
             if name in fields:
-                value = plain_numbers(as_field_value(value))
+                value = plain_numbers(as_field_value(name, value))
                 current = self.__dict__.get(name)
                 if name == "positional_map" and isinstance(current, dict) and current["map"] == value:
                     value = current  # the same map again keeps its parameters, as when they were fields of their own
@@ -91,11 +98,10 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
     return decorate
 
 
-def as_field_value(value):
-    """An option's dataclass (`PositionExtrapolation`, a positional map's, `StableMask`) given to the field that holds
-    it, as the field keeps it: its name or the dict of its parameters, which the config saves as JSON."""
-    as_config_value = getattr(value, "as_config_value", None)
-    return as_config_value() if callable(as_config_value) else value
+def as_field_value(name: str, value):
+    """An option's dataclass given to the field that holds it (`OPTION_CLASSES`), as the field keeps it: its name or
+    the dict of its parameters, which the config saves as JSON. Another field's dataclass is left to be refused."""
+    return value.as_config_value() if isinstance(value, OPTION_CLASSES.get(name, ())) else value
 
 
 def plain_numbers(value):

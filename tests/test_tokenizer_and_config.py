@@ -179,6 +179,8 @@ def test_the_option_dataclasses_are_taken_by_the_fields_that_hold_them_and_saved
     assert learned.position_extrapolation == "clamp"
     with pytest.raises(ValueError, match="position_extrapolation='clamp' needs a learned positional table"):
         SepFormerConfig(positional_map=SinusoidalMap(), position_extrapolation=PositionExtrapolation("clamp"))
+    with pytest.raises(TypeError, match="position_extrapolation=SinusoidalMap.. is not allowed"):
+        SepFormerConfig(position_extrapolation=SinusoidalMap())  # a map's, though 'sinusoidal' is also a method
 
 
 DERIVED = ("position_size", "position_table_size", "position_intermediate_size", "semantic_intermediate_size")
