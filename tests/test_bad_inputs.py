@@ -103,14 +103,6 @@ def test_a_value_of_the_wrong_type_is_a_type_error(field, value, message):
         setattr(config, field, value)
 
 
-def test_a_stable_mask_object_in_the_config_says_to_pass_its_fields():
-    from sepformer import StableMask
-
-    message = r"stable_mask=StableMask\(.*\) is not allowed: .*expected dict, got StableMask"
-    with pytest.raises(TypeError, match=message):
-        SepFormerConfig(**SMALL, stable_mask=StableMask(0.1))
-
-
 BAD_VALUES = [
     ({"position_extrapolation": "fourier", "fourier_components": -1}, r"fourier components=-1 must be a positive int"),
     ({"position_extrapolation": {"method": "interpolate", "length": 0}}, r"interpolate length=0 must be None or a pos"),
