@@ -437,20 +437,17 @@ def find_rotary(model: nn.Module) -> tuple[nn.Module | None, tuple[str, ...] | N
     layer types (Gemma 3), then those types by layer; `None` without, or with several, which the mitigations that
     read it refuse."""
     layer_types = tuple(getattr(model.config, "layer_types", None) or ())
+    per_type = [f"{kind}_inv_freq" for kind in layer_types]
 
-    def tables(module: nn.Module) -> str | None:
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-            return "one"
-        per_type = layer_types and all(
-            isinstance(getattr(module, f"{kind}_inv_freq", None), torch.Tensor) for kind in layer_types
-        )
-        return "per type" if per_type else None
+    def has(module: nn.Module, *names: str) -> bool:
+        return all(isinstance(getattr(module, name, None), torch.Tensor) for name in names)
 
-    rotaries = [(module, kind) for module in model.modules() if (kind := tables(module)) is not None]
+    rotaries = [
+        module for module in model.modules() if has(module, "inv_freq") or (per_type and has(module, *per_type))
+    ]
     if len(rotaries) != 1:
         return None, None
-    module, kind = rotaries[0]
-    return module, (layer_types if kind == "per type" else None)
+    return rotaries[0], (None if has(rotaries[0], "inv_freq") else layer_types)
 
 
 def check_servable(model) -> None:
