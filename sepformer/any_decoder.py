@@ -63,10 +63,8 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whos
 
 
 def rotates_half(modeling_module: str) -> bool:
-    """Whether the model file `modeling_module`'s `apply_rotary_pos_emb` rotates in the rotate-half layout (the first
-    and second halves of the rotated dimensions paired, as Llama, Qwen2 and Mistral do), the one MS-PoE's further turn
-    uses: checked on one vector when `add_mitigations` describes the model, since some models (Cohere, GPT-J) pair
-    neighbouring dimensions instead."""
+    """Whether the model file `modeling_module`'s `apply_rotary_pos_emb` pairs the first and second halves of the
+    rotated dimensions (Llama, Qwen2, Mistral), as MS-PoE's further turn does; Cohere and GPT-J pair neighbours."""
     apply = getattr(sys.modules.get(modeling_module), "apply_rotary_pos_emb", None)
     if apply is None:
         return False
@@ -136,9 +134,7 @@ class DecoderPositions(ModelPositions):
             )
 
     def check_query_key_inputs(self, option: str, rewritten: str) -> None:
-        """Refuse also a call traced whole by `torch.compile(fullgraph=True)`: the projections read the rewritten
-        input through hooks registered for the call, which the trace cannot register (without `fullgraph`, the layers
-        with hooks break the graph and run eagerly)."""
+        """Refuse also a traced call: the projections read the rewritten input through hooks registered for it."""
         super().check_query_key_inputs(option, rewritten)
         refuse_under_compile(
             f"{option} makes the query and key projections of {self.model_name} read {rewritten} "
@@ -181,9 +177,8 @@ class DecoderPositions(ModelPositions):
         return options.bases, None
 
     def rotary_at_base(self, base: float | RowBases, positions: torch.Tensor, dtype: torch.dtype, cache):
-        """What the model's rotary returns at `positions` with `rope_theta=base` (cos, sin (b or 1, seq, head_dim); or
-        one complex tensor, as DeepSeek-V2's and Llama 4's): a rotary of the model's class, built from its config with
-        that base, kept for the generation; `base` one float, or one per row."""
+        """What a rotary of the model's class built with `rope_theta=base` (one float, or one per row; kept for the
+        generation) returns at `positions`: cos, sin (b or 1, seq, head_dim), or one complex tensor (DeepSeek-V2)."""
 
         def build(base: float) -> nn.Module:
             config = copy.deepcopy(self.rotary.config)
@@ -209,7 +204,6 @@ class AttentionProbe:
     inputs of each module and the queries and keys its attention function receives."""
 
     def __init__(self):
-        self.layers: list[int | None] = []
         self.modules: list[nn.Module] = []
         self.score_keywords: set[str] = set()
         self.inputs: dict[nn.Module, tuple] = {}  # module -> (its input, position embeddings): `before_attention`
@@ -239,7 +233,6 @@ def mitigated_attention(
     (`mitigation_projection`: the module's input and projections, where the plan rewrites them, `decoder_attention`)."""
     function = eager_function(type(module)) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
     if isinstance(mitigation_plan, AttentionProbe):
-        mitigation_plan.layers.append(getattr(module, "layer_idx", None))
         mitigation_plan.modules.append(module)
         mitigation_plan.score_keywords |= {name for name in SCORE_TERMS if kwargs.get(name) is not None}
         mitigation_plan.queries_keys[module] = query, key
@@ -276,14 +269,16 @@ class MitigatedDecoder(MitigationGenerationMixin):
     decoder_positions: DecoderPositions
 
     def forward(self, *args, **kwargs):
-        """The model's `forward`; the option keywords (`sepformer.mitigations`), or `mitigation_plan` (mitigations
-        already resolved, for passes a mitigation runs itself), switch the mitigations on for the call."""
+        """The model's `forward`; the option keywords, or `mitigation_plan` (mitigations already resolved, for passes
+        a mitigation runs itself), switch the mitigations on for the call."""
         plan = kwargs.pop("mitigation_plan", None)
         options = call_options(kwargs, plan)
         inputs = forward_inputs(self, args, kwargs)
         cache = inputs.get("past_key_values")
         kept = plan_kept_for(cache, self.config, options) if plan is None else None  # checked when it was resolved
-        if plan is None and kept is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
+        # a cache that holds what a prefill with options fixed: a call continuing it is checked against them
+        prefill_state = isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
+        if plan is None and kept is None and not parse_options(self.config, options) and not prefill_state:
             return super().forward(*args, **kwargs)
         if kept is not None:
             plan = kept_plan(self.call_context(inputs), kept)
@@ -360,10 +355,9 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if self.decoder_positions.positions_problem is None or moved:
             inputs["position_ids"] = reading.read_positions  # counted from each row's first real token (left padding)
         if reading.rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
-            tables = self.decoder_positions.rotary_at_base(
+            inputs["mitigation_position_embeddings"] = self.decoder_positions.rotary_at_base(
                 reading.rotary_base, reading.read_positions, self.dtype, cache
             )
-            inputs["mitigation_position_embeddings"] = tables
         return inputs
 
     def masks_with(self, and_mask_function, padding_mask, cache, position_ids, batch, new_tokens):
@@ -396,9 +390,8 @@ class MitigatedDecoder(MitigationGenerationMixin):
                 f"masks already built per layer type ({sorted(attention_mask)}), as generate does with a static "
                 f"cache on {type(self).__name__}: use the default dynamic cache."
             )
-        for name, value in options.items():
-            restricts_mask = MITIGATIONS[name].mask_function is not Mitigation.mask_function
-            if unknown and restricts_mask and value not in (None, False):
+        for name in options:
+            if unknown and name in active and MITIGATIONS[name].mask_function is not Mitigation.mask_function:
                 raise ValueError(
                     f"{name} restricts the causal mask, but {type(self).__name__} has layer types {sorted(unknown)}, "
                     f"whose masks are not transformers' causal or sliding-window ones."
@@ -411,11 +404,6 @@ def call_tokens(inputs: dict) -> torch.Tensor:
 
 
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
-def holds_prefill_state(cache) -> bool:
-    """Whether `cache` holds what a prefill with options fixed: a call continuing it is checked against them."""
-    return isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
 
 
 @functools.cache
@@ -449,20 +437,17 @@ def find_rotary(model: nn.Module) -> tuple[nn.Module | None, tuple[str, ...] | N
     layer types (Gemma 3), then those types by layer; `None` without, or with several, which the mitigations that
     read it refuse."""
     layer_types = tuple(getattr(model.config, "layer_types", None) or ())
+    per_type = [f"{kind}_inv_freq" for kind in layer_types]
 
-    def tables(module: nn.Module) -> str | None:
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-            return "one"
-        per_type = layer_types and all(
-            isinstance(getattr(module, f"{kind}_inv_freq", None), torch.Tensor) for kind in layer_types
-        )
-        return "per type" if per_type else None
+    def has(module: nn.Module, *names: str) -> bool:
+        return all(isinstance(getattr(module, name, None), torch.Tensor) for name in names)
 
-    rotaries = [(module, kind) for module in model.modules() if (kind := tables(module)) is not None]
+    rotaries = [
+        module for module in model.modules() if has(module, "inv_freq") or (per_type and has(module, *per_type))
+    ]
     if len(rotaries) != 1:
         return None, None
-    module, kind = rotaries[0]
-    return module, (layer_types if kind == "per type" else None)
+    return rotaries[0], (None if has(rotaries[0], "inv_freq") else layer_types)
 
 
 def check_servable(model) -> None:
@@ -528,13 +513,14 @@ def probe_attention(model) -> AttentionProbe:
         counted = torch.arange(ids.shape[1], device=model.device)[None]
         probe.counted_from_zero = forward(input_ids=ids, use_cache=False, position_ids=counted).logits
     layers = model.config.num_hidden_layers
-    reached = sorted(layer for layer in probe.layers if layer is not None)
-    if None in probe.layers or reached != list(range(layers)):
+    reached = [getattr(module, "layer_idx", None) for module in probe.modules]
+    numbered = sorted(layer for layer in reached if layer is not None)
+    if None in reached or numbered != list(range(layers)):
         raise ValueError(
             f"add_mitigations needs every attention layer of {type(model).__name__} to call transformers' attention "
             f"registry (ALL_ATTENTION_FUNCTIONS.get_interface) with forward's keywords, from a module with its "
-            f"layer_idx: of layers 0..{layers - 1}, the registered attention was reached by {reached}"
-            + (" and by modules without layer_idx" if None in probe.layers else "")
+            f"layer_idx: of layers 0..{layers - 1}, the registered attention was reached by {numbered}"
+            + (" and by modules without layer_idx" if None in reached else "")
             + "."
         )
     return probe
@@ -548,20 +534,18 @@ def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
     problems = [
         query_key_layout_problem(module, *probe.inputs[module], *probe.queries_keys[module]) for module in probe.modules
     ]
-    problem = next((problem for problem in problems if problem is not None), None)
     rotary, layer_types = find_rotary(model)
-    positions_problem = None
-    if not torch.allclose(probe.logits, probe.counted_from_zero, rtol=1e-4, atol=1e-5):
-        positions_problem = (
-            f"{type(model).__name__} counts its own positions otherwise (its logits change when given positions "
-            "0, 1, 2, ...: e.g. RoBERTa's start after the padding index)"
-        )
-    keywords = frozenset(probe.score_keywords)
+    counts_from_zero = torch.allclose(probe.logits, probe.counted_from_zero, rtol=1e-4, atol=1e-5)
     return DecoderPositions(
         model_name=type(model).__name__,
-        query_key_problem=problem,
-        score_keywords=keywords,
-        positions_problem=positions_problem,
+        query_key_problem=next(filter(None, problems), None),
+        score_keywords=frozenset(probe.score_keywords),
+        positions_problem=None
+        if counts_from_zero
+        else (
+            f"{type(model).__name__} counts its own positions otherwise (its logits change when given positions "
+            "0, 1, 2, ...: e.g. RoBERTa's start after the padding index)"
+        ),
         rotary=rotary,
         layer_types=layer_types,
         rotates_half=rotates_half(type(model).__module__),

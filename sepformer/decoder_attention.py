@@ -1,20 +1,7 @@
-"""What `add_mitigations` reaches inside a Hugging Face attention module besides its attention function: the module's
-input (the layer's normed hidden states), its query and key projections, and the position embeddings it rotates with.
-
-Through forward hooks that `add_mitigations` registers on each attention module, which do nothing without a
-`mitigation_plan` among the call's keywords; with one they
-
-- give the module the rotary tables of a mitigation's rotary base (Attention Buckets: `mitigation_position_embeddings`
-  in place of the layer's `position_embeddings`), so that the module rotates, and caches, its keys at that base;
-- where a mitigation rewrites the inputs of the queries and keys (positional scaling), make the module's projections
-  read the rewritten inputs for this call only (the cache then holds the keys made from them), and hand the attention
-  function a `DecoderProjection` of the module's input, to attend with other readings of it.
-
-Two layouts of the projections: Llama-like (`q_proj`, `k_proj`, then query and key norms where the module has them, per
-head or on the whole projection, and rotary from its file's `apply_rotary_pos_emb` on the first dimensions of each
-head) and GPT-2's fused `c_attn` (`[q ‖ k ‖ v]`, no rotary). `add_mitigations` checks on its probe that this
-reprojection gives the module's own queries and keys; a module it does not (GPT-BigCode's multi-query `c_attn`,
-norms after the rotary) is refused by name by the mitigations that reproject.
+"""What `add_mitigations` reaches inside a Hugging Face attention module besides its attention function, through
+forward hooks that do nothing without a `mitigation_plan`: the rotary tables of a bucket's base, and the inputs of the
+query and key projections (Llama-like `q_proj`/`k_proj` or GPT-2's fused `c_attn`). docs/design.md, "On any Hugging
+Face decoder", "Inside the attention module".
 """
 
 import contextlib
@@ -47,8 +34,7 @@ def rotary_function(attention: nn.Module):
 
 def query_key_layout_problem(attention: nn.Module, attention_input, position_embeddings, query, key) -> str | None:
     """Why the query and key inputs of `attention` cannot be rewritten and reprojected, or `None` when they can: the
-    module's `query` and `key` (as its attention function received them, from `attention_input` and
-    `position_embeddings`) must be what `project_query_key` makes of that input."""
+    `query` and `key` its attention function received must be what `project_query_key` makes of its input."""
     name = type(attention).__name__
     if is_llama_like(attention) and rotary_function(attention) is None and position_embeddings is not None:
         return f"the file of {name} has no apply_rotary_pos_emb to rotate queries and keys with"
@@ -56,18 +42,17 @@ def query_key_layout_problem(attention: nn.Module, attention_input, position_emb
         return f"{name} has neither q_proj and k_proj nor GPT-2's c_attn"
     try:
         ours = project_query_key(attention, attention_input, attention_input, position_embeddings)
-    except Exception as error:  # noqa: BLE001 - a layout this reprojection does not know, reported below
-        ours = error
-    theirs = (query, key)
-    if isinstance(ours, Exception) or any(
-        mine.shape != their.shape or not torch.allclose(mine, their, rtol=1e-3, atol=1e-4 * (1 + their.abs().max()))
-        for mine, their in zip(ours, theirs, strict=True)
+    except Exception:  # noqa: BLE001 - a layout this reprojection does not know, reported below
+        ours = None
+    if ours is not None and all(
+        mine.shape == their.shape and torch.allclose(mine, their, rtol=1e-3, atol=1e-4 * (1 + their.abs().max()))
+        for mine, their in zip(ours, (query, key), strict=True)
     ):
-        return (
-            f"{name} makes its queries and keys otherwise than its projections (q_proj/k_proj or GPT-2's c_attn), "
-            "per-head or whole q/k norms and rotary on the first dimensions of each head compute them from its input"
-        )
-    return None
+        return None
+    return (
+        f"{name} makes its queries and keys otherwise than its projections (q_proj/k_proj or GPT-2's c_attn), "
+        "per-head or whole q/k norms and rotary on the first dimensions of each head compute them from its input"
+    )
 
 
 def project_query_key(attention: nn.Module, query_input, key_input, position_embeddings):
@@ -85,12 +70,12 @@ def projected(attention: nn.Module, hidden: torch.Tensor, side: int) -> torch.Te
     normed as it norms them, not rotated."""
     if is_llama_like(attention):
         states = (attention.q_proj, attention.k_proj)[side].forward(hidden)
-        norms = query_key_norms(attention)
-        norm = None if norms is None else norms[side]
+        norm = (query_key_norms(attention) or (None, None))[side]
     else:
         split = attention.split_size
         states, norm = attention.c_attn.forward(hidden)[..., side * split : (side + 1) * split], None
-    per_head = norm is not None and normed_per_head(norm, attention.head_dim)
+    weight = getattr(norm, "weight", None)  # a norm without weight, or one of head_dim, is applied per head
+    per_head = norm is not None and (not isinstance(weight, torch.Tensor) or weight.shape[-1] == attention.head_dim)
     if norm is not None and not per_head:  # OLMo-2: the whole projection
         states = norm(states)
     states = states.view(*hidden.shape[:-1], -1, attention.head_dim)  # (b, seq, heads, head_dim)
@@ -114,11 +99,6 @@ def query_key_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
         if all(isinstance(norm, nn.Module) for norm in norms):
             return norms
     return None
-
-
-def normed_per_head(norm: nn.Module, head_dim: int) -> bool:
-    weight = getattr(norm, "weight", None)
-    return not isinstance(weight, torch.Tensor) or weight.shape[-1] == head_dim
 
 
 @contextlib.contextmanager
@@ -155,9 +135,8 @@ def query_key_inputs_rewritten(attention: nn.Module, rewrite: Rewrite):
 
 @dataclass(frozen=True, eq=False)
 class DecoderProjection:
-    """A Hugging Face attention module's input and how the module turns it into queries and keys: the
-    `QueryKeyProjection` of `add_mitigations`, given to the attention wrappers of layers whose query and key inputs a
-    mitigation rewrites. Holds the rewriting of the module's projections for the module's call (`rewriting`)."""
+    """The `QueryKeyProjection` of a Hugging Face attention module: its input and how it makes queries and keys of it,
+    with the rewriting of its projections for the module's call."""
 
     attention: nn.Module
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
@@ -165,9 +144,8 @@ class DecoderProjection:
     rewriting: contextlib.ExitStack
 
     def project_keys(self, key_input: torch.Tensor) -> torch.Tensor:
-        """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them, no query projected (the keys
-        stand in for them in the rotary function, which rotates both alike). The projection's `forward` is called
-        directly: its hooks, the rewriting among them, do not run."""
+        """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them, without the rewriting (the
+        keys stand in for the queries in the rotary function, which rotates both alike)."""
         key = projected(self.attention, key_input, KEY)
         return rotated(self.attention, key, key, self.position_embeddings)[1]
 
@@ -175,8 +153,7 @@ class DecoderProjection:
 def before_attention(module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of each attention module `add_mitigations` serves: with a `mitigation_plan`, the rotary tables
     of the plan's base and, where the plan rewrites the layer's query and key inputs, their rewriting."""
-    names = (*MITIGATIONS, "reorder_documents")
-    options = [name for name in names if kwargs.get(name) not in (None, False)] if kwargs.keys() & set(names) else []
+    options = [name for name in (*MITIGATIONS, "reorder_documents") if kwargs.get(name) not in (None, False)]
     if options:  # the causal LM's forward takes them off: given to the base model or to forward, they would be ignored
         raise TypeError(
             f"{options} reached {type(module).__name__} as keywords it ignores: give the mitigations to the causal "
@@ -190,8 +167,7 @@ def before_attention(module: nn.Module, args: tuple, kwargs: dict):
     bucket_rotary = kwargs.get("mitigation_position_embeddings")
     if bucket_rotary is None and not hooks.input_hooks:  # the module's call as it is
         return None
-    kwargs = dict(kwargs)
-    kwargs.pop("mitigation_position_embeddings", None)
+    kwargs = {name: value for name, value in kwargs.items() if name != "mitigation_position_embeddings"}
     if bucket_rotary is not None:
         if "position_embeddings" not in kwargs:
             raise ValueError(

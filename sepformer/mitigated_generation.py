@@ -27,10 +27,8 @@ class MitigationGenerationMixin:
         its token ids, `None` where it is given as `inputs_embeds` (among `kwargs`)."""
 
     def generate(self, inputs=None, *args, **kwargs):
-        """`GenerationMixin.generate`, after `check_generate_inputs`. A `SepFormerCache` it continues drops what an
-        earlier generation made from the weights (`SepFormerCache.start_generation`).
-
-        Its decoding steps resolve the mitigation options once (`mitigations.KeptPlan`).
+        """`GenerationMixin.generate`, after `check_generate_inputs`, its decoding steps resolving the options once. A
+        `SepFormerCache` it continues drops what an earlier generation made from the weights.
 
         `reorder_documents` (a `ReorderDocuments` or the dict of its fields, *optional*): the prompt's documents are
         reordered by relevance first (`sepformer.reordering`), and generation runs on the reordered prompt, which
@@ -71,10 +69,8 @@ class MitigationGenerationMixin:
 
 
 def check_assistance(model, generation_config, kwargs: dict) -> None:
-    """Refuse, before any work, assisted decoding (an assistant model, prompt lookup, multi-token prediction: the
-    generation mode transformers' `GenerationConfig.get_generation_mode` names, on the settings `generate` merges)
-    with options that act on the prompt's last token (`check_assisted_decoding`), or with options an assistant not
-    served would be given."""
+    """Refuse, before any work, assisted decoding (the generation mode transformers names on the settings `generate`
+    merges) with options that act on the prompt's last token, or with options an assistant not served would be given."""
     merged = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     merged.update(**model.generation_config.to_dict(), defaults_only=True)  # merged as `generate` merges them
     merged.update(**kwargs)  # the generation settings among the keywords
@@ -133,12 +129,10 @@ def generation_setting(model, generation_config, kwargs: dict, name: str):
 
 
 def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: dict) -> None:
-    """Refuse, before the first step, a generation whose last fed position (the last new token is returned, not fed:
-    from `max_new_tokens`, else `max_length`) the learned table of `model` (a `SepFormerForCausalLM`) cannot read: past
-    its rows with `position_extrapolation='none'`, or past the `interpolate` length of a cached decoding step. The call
-    feeding that position would fail with the same error. `prompt`: (b, seq) ids or (b, seq, d) embeddings. Options
-    that move the positions read (`read_positions`: parallel context windows, bucket scales) are left to the steps,
-    which check the positions they read."""
+    """Refuse, before the first step, a generation whose last fed position (the last new token is returned, not fed)
+    the learned table of `model` (a `SepFormerForCausalLM`) cannot read (`check_position_readable`), as the call
+    feeding it would. `prompt`: (b, seq) ids or (b, seq, d) embeddings. Options that move the positions read are left
+    to the steps, which check the positions they read."""
     if any(MITIGATIONS[name].moves_positions(options) for name, options in parse_options(model.config, kwargs).items()):
         return
     setting = functools.partial(generation_setting, model, generation_config, kwargs)
@@ -148,9 +142,9 @@ def check_last_position(model, prompt: torch.Tensor, generation_config, kwargs: 
         return
     mask = kwargs.get("attention_mask")
     longest = int(mask.sum(-1).max()) if mask is not None and mask.dim() == 2 else length  # a row's real tokens
-    decoding = final_length - length >= 2  # a step feeds a new token; otherwise only the prompt is fed, at prefill
     last_fed = longest - 1 + max(final_length - length - 1, 0)
-    continuing = decoding and setting("use_cache") is not False
+    # a step feeds a new token (otherwise only the prompt is fed, at prefill), continuing the cache
+    continuing = final_length - length >= 2 and setting("use_cache") is not False
     check_position_readable(model, last_fed, kwargs.get("position_extrapolation"), continuing)
 
 
@@ -198,6 +192,4 @@ def reorder_generate_prompt(model, options, prompt, inputs, kwargs: dict, genera
         forward_kwargs["position_extrapolation"] = kwargs["position_extrapolation"]
     mask = generation_padding(model, prompt, generation_config, kwargs)
     reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
-    if inputs is not None:
-        return reordered, kwargs
-    return None, {**kwargs, "input_ids": reordered}
+    return (reordered, kwargs) if inputs is not None else (None, {**kwargs, "input_ids": reordered})
