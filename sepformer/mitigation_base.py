@@ -56,11 +56,8 @@ def replaced(instance, **changes):
     same: several times faster, for what is started at every decoding step. A class with `__post_init__` or slots, or
     a change of a field `__init__` does not take, goes through `dataclasses.replace`."""
     cls, fields = type(instance), instance.__dataclass_fields__
-    if (
-        hasattr(cls, "__post_init__")
-        or hasattr(cls, "__slots__")
-        or not all(name in fields and fields[name].init for name in changes)
-    ):
+    plain = not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+    if not plain or not all(name in fields and fields[name].init for name in changes):
         return dataclasses.replace(instance, **changes)
     copy = object.__new__(cls)
     copy.__dict__.update(vars(instance), **changes)
