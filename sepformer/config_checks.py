@@ -133,7 +133,6 @@ def check_field(cls, name, value, annotation) -> None:
 
 
 def _derived_size(name: str, meaning: str, resolve) -> property:
-
     def get(self):
         value = self.__dict__.get(name)
         return resolve(self) if value is None else value

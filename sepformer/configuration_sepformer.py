@@ -238,10 +238,6 @@ class SepFormerConfig(PreTrainedConfig):
             f"position_intermediate_size={self.position_intermediate_size} is not used: position_size=0 has no "
             "positional block and no positional MLP; leave it None.",
         )
-        require(
-            self.semantic_intermediate_size >= 1,
-            f"semantic_intermediate_size={self.semantic_intermediate_size} must be a positive integer.",
-        )
         # with position_size=0 the whole vector is the semantic block: the head reads the same either way
         require(
             not self.tie_word_embeddings or self.lm_head_input == "semantic" or d_pos == 0,

@@ -1,32 +1,12 @@
 """The extension point of the position-bias mitigations: a `Mitigation` and the hooks the attention layers call.
 
 A mitigation is resolved once per call against the model (`resolve`), started once per run of the layers with the
-positions that run computes (`start`), and then acts only through its per-layer hooks, those its `uses` names (by
-default, the ones its class overrides):
-
-| hook                 | slot                                                                  | used by            |
-|----------------------|-----------------------------------------------------------------------|--------------------|
-| `query_key_inputs`   | the attention input (after the norm) that `q_proj` and `k_proj` read  | positional scaling,|
-|                      |                                                                       | calibration's      |
-|                      |                                                                       | positional bias(k) |
-| `decoding_input_scale` | that rewrite as one factor on channels, for the fused decoding      | positional scaling |
-|                      | projections (`None`: the layer runs its modules with the hook)        |                    |
-| `position_query_key` | how positions enter the projected queries and keys (default: rotary)  | MS-PoE             |
-| `wrap_attention`     | the attention function (eager, sdpa, ...) of the layer                | StableMask, calib., |
-|                      |                                                                       | positional scaling,|
-|                      |                                                                       | MS-PoE (decoders)  |
-
-and, once per run of the layers, model-level hooks:
-
-| hook                 | slot                                                                  | used by            |
-|----------------------|-----------------------------------------------------------------------|--------------------|
-| `read_positions`     | the positions where the positional map and rotary are read            | PCW, buckets       |
-| `position_bases`     | the bases of rotary and of the sinusoidal map                         | buckets            |
-| `mask_function`      | an and-mask on the causal mask: which keys each query may attend      | PCW                |
-
-A mitigation whose options `wraps_causal_lm` replaces the whole causal-LM forward (`run_causal_lm`): Attention Buckets.
-
-`sepformer.mitigations` registers the mitigations and holds the rules on which of them can be combined.
+positions that run computes (`start`), and then acts only through the hooks its `uses` names (by default, the ones its
+class overrides): per layer `query_key_inputs`, `decoding_input_scale`, `position_query_key` and `wrap_attention`;
+once per run of the layers `read_positions`, `position_bases` and `mask_function`; and, where its options
+`wraps_causal_lm`, the whole causal-LM forward (`run_causal_lm`). docs/design.md, "Extension points", tabulates what
+each hook rewrites and which mitigations use it. `sepformer.mitigations` registers the mitigations and holds the rules
+on which of them can be combined.
 """
 
 import dataclasses
@@ -73,15 +53,11 @@ SCORE_TERMS = {
 
 def replaced(instance, **changes):
     """`dataclasses.replace(instance, **changes)` for a frozen dataclass, made without `__init__` where that gives the
-    same (several times faster: a mitigation or run started at every decoding step is its checked self plus per-run
-    tensors); a class that derives fields in `__post_init__` or keeps slots, or a change of a field `__init__` does not
-    take (or of none), goes through `dataclasses.replace`, which runs `__init__` or refuses."""
+    same: several times faster, for what is started at every decoding step. A class with `__post_init__` or slots, or
+    a change of a field `__init__` does not take, goes through `dataclasses.replace`."""
     cls, fields = type(instance), instance.__dataclass_fields__
-    if (
-        hasattr(cls, "__post_init__")
-        or hasattr(cls, "__slots__")
-        or not all(name in fields and fields[name].init for name in changes)
-    ):
+    plain = not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+    if not plain or not all(name in fields and fields[name].init for name in changes):
         return dataclasses.replace(instance, **changes)
     copy = object.__new__(cls)
     copy.__dict__.update(vars(instance), **changes)
@@ -89,8 +65,7 @@ def replaced(instance, **changes):
 
 
 def refuse_under_compile(what: str) -> None:
-    """Refuse, in a call `torch.compile` traces, what a trace cannot do (`what`). A `fullgraph=True` compile then fails
-    with this message in its error; without `fullgraph`, the frame breaks the graph and runs eagerly, as it should."""
+    """Refuse `what` in a call `torch.compile` traces: without `fullgraph=True`, the frame then runs eagerly."""
     if torch.compiler.is_compiling():
         raise ValueError(
             f"{what}, which torch.compile cannot trace: compile without fullgraph=True (those layers then run "
@@ -101,8 +76,8 @@ def refuse_under_compile(what: str) -> None:
 @dataclass(frozen=True, eq=False)
 class RowBases:
     """One base per row of the batch (Attention Buckets' copies of the rows): row `r` reads positions with
-    `values[bucket[r]]`. The values are plain floats, known when the plan is resolved, so that a model that builds a
-    rotary per base (a Hugging Face decoder's) finds them without reading the device at every step."""
+    `values[bucket[r]]`. The values are plain floats, so a model that builds a rotary per base (a Hugging Face
+    decoder's) finds them without reading the device at every step."""
 
     values: tuple[float, ...]
     bucket: torch.Tensor  # (b,) each row's index into `values`
@@ -121,10 +96,8 @@ def base_tensor(base: float | RowBases | None) -> float | torch.Tensor | None:
 @dataclass(frozen=True, eq=False)
 class ModelPositions:
     """What the mitigations ask a model about its attention and positions, the same questions for every model, so that
-    each method is written once: a SepFormer's answers are these defaults (its scores are q·k and the mask, its queries
-    and keys read the layer's input and reach a position hook before the cache, its positions count from 0, its
-    positions live in its rotary and its positional block); a Hugging Face decoder's come from a probe run
-    (`any_decoder.DecoderPositions`)."""
+    each method is written once: a SepFormer's answers are these defaults; a Hugging Face decoder's come from a probe
+    run (`any_decoder.DecoderPositions`)."""
 
     model_name: str  # the causal LM's class name, for errors
     query_key_problem: str | None = None  # why the attention's query and key inputs cannot be rewritten, if so
@@ -146,7 +119,7 @@ class ModelPositions:
 
     @classmethod
     def of_sepformer(cls, base_model: nn.Module) -> "ModelPositions":
-        """A SepFormer's answers (its `SepFormerModel`'s): the defaults, with its rotary and positional map."""
+        """A `SepFormerModel`'s answers: the defaults, with its rotary and positional map."""
         return cls("SepFormerModel", rotary=base_model.rotary_emb, positional_map=base_model.embed_positions)
 
     def inverse_frequencies(self) -> dict[str | None, torch.Tensor]:
@@ -165,8 +138,8 @@ class ModelPositions:
         return "this model has position_size=0"
 
     def positional_channels(self, config) -> tuple[int, ...]:
-        """The channels of the attention input that hold the positions and nothing else: SepFormer's positional block
-        `[0, d_pos)`, known by construction; positional scaling's default."""
+        """The channels of the attention input that hold only positions (positional scaling's default): SepFormer's
+        positional block `[0, d_pos)`."""
         if self.positional_map is None:
             raise ValueError(
                 f"positional_scaling scales the positional block by default, but {self.no_positional_block}: give "
@@ -176,7 +149,7 @@ class ModelPositions:
 
     def bucket_bases(self, options, config) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """`(rotary bases, sinusoidal map bases)` of the Attention Buckets (`None`: the model's own), refused where the
-        model has no base to change, or no positions to scale."""
+        model has no base to change or no positions to scale."""
         if options.bases is None:
             if options.scales is not None and self.rotary is None and self.positional_map is None:
                 raise ValueError(
@@ -228,10 +201,9 @@ class ModelPositions:
 
 
 def continues(past_key_values: Cache | None) -> bool:
-    """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill).
-
-    A compiled graph cannot branch on a static cache's length (a tensor): compiled, a call with such a cache continues
-    it, as in `generate`, which compiles its decoding steps and runs the prefill eagerly."""
+    """Whether a call continues `past_key_values` (a decoding step) rather than starting it (a prefill). A compiled
+    graph cannot branch on a static cache's length (a tensor): compiled, it continues, as in `generate`, which compiles
+    only the decoding steps."""
     if past_key_values is None:
         return False
     length = past_key_values.get_seq_length()
@@ -260,25 +232,18 @@ class CallContext:
 
     @classmethod
     def of(cls, model: nn.Module, tokens: torch.Tensor, **fields) -> "CallContext":
-        """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...)), with the model's positions
-        (`decoder_positions`)."""
+        """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...))."""
         batch, new_tokens = tokens.shape[:2]
-        cache = fields["cache"]
-        sepformer_cache = cache if isinstance(cache, SepFormerCache) else None
+        cache = fields["cache"] if isinstance(fields["cache"], SepFormerCache) else None
+        positions = model.decoder_positions
         return cls(
-            model=model,
-            batch=batch,
-            new_tokens=new_tokens,
-            positions=model.decoder_positions,
-            sepformer_cache=sepformer_cache,
-            **fields,
+            model=model, batch=batch, new_tokens=new_tokens, positions=positions, sepformer_cache=cache, **fields
         )
 
 
 def model_positions(model: nn.Module) -> ModelPositions | None:
-    """The `ModelPositions` of a causal LM that takes the mitigations: its `decoder_positions` (a SepFormer's; the
-    probe's, on a decoder `add_mitigations` served), or a SepFormer's from another copy of this package (a Hub
-    checkpoint's custom code), which may have none; None for a model that takes none."""
+    """The `ModelPositions` of a causal LM that takes the mitigations (its `decoder_positions`; a SepFormer from
+    another copy of this package, a Hub checkpoint's custom code, may have none), or None."""
     positions = getattr(model, "decoder_positions", None)
     if positions is None and getattr(getattr(model, "config", None), "model_type", None) == "sepformer":
         return ModelPositions.of_sepformer(model.model)
@@ -287,8 +252,7 @@ def model_positions(model: nn.Module) -> ModelPositions | None:
 
 @dataclass(frozen=True, eq=False)
 class LayerCall:
-    """One call of a SepFormer decoder layer: what the steps of its attention read besides the states they transform,
-    made once by the layer and handed on whole (as a Llama layer hands on its keywords)."""
+    """One call of a SepFormer decoder layer: what the steps of its attention read besides the states they transform."""
 
     residual: torch.Tensor  # (b, seq, d_model): the layer's input, before its norm
     attention_mask: torch.Tensor | None  # as the attention function gets it
@@ -299,39 +263,32 @@ class LayerCall:
 
 @dataclass(frozen=True, eq=False)
 class QueryKeyProjection:
-    """A layer's attention input and how the layer turns it into queries and keys, given to the attention wrappers of
-    layers whose `query_key_inputs` a hook rewrites: a wrapper may then attend with other readings of the same input
-    than the ones the layer projected (positional scaling's base rows, calibration's dummy keys)."""
+    """A layer's attention input and how the layer turns it into queries and keys, for the attention wrappers of a
+    layer whose `query_key_inputs` a hook rewrites (positional scaling's base rows, calibration's dummy keys)."""
 
     attention: nn.Module  # the SepFormerAttention
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
     layer_call: LayerCall
 
     def project_keys(self, key_input: torch.Tensor) -> torch.Tensor:
-        """(b, seq, d_model) -> (b, H, seq, head_dim) keys, positions applied as the layer does: no query is projected,
-        the keys stand in for them (positions act on both alike; a position hook's head ranks were fixed by the layer's
-        own call)."""
+        """(b, seq, d_model) -> (b, H, seq, head_dim) keys, positions applied as the layer does (the keys stand in for
+        the queries: a position hook's head ranks were fixed by the layer's own call)."""
         key = self.attention.by_head(self.attention.k_proj(key_input))
         return self.attention.apply_positions(key, key, self.layer_call)[1]
 
 
 @dataclass(frozen=True, eq=False)
 class Mitigation:
-    """One mitigation of one call: its options, the layers it acts in, and whatever it fixed for the call.
-
-    Subclasses are frozen dataclasses: `start` returns a copy holding the tensors of one run of the layers.
-    """
+    """One mitigation of one call: its options, the layers it acts in, and whatever it fixed for the call. Subclasses
+    are frozen dataclasses: `start` returns a copy holding the tensors of one run of the layers."""
 
     options: MitigationOptions
     layers: frozenset[int]
     options_class: ClassVar[type[MitigationOptions]]
     prefill_requirement: ClassVar[str] = ""  # the error when a state fixed at prefill is missing
-    # Whether `wrap_attention` turns the queries and keys it is given (MS-PoE's further rotation on a Hugging Face
-    # decoder). Such a wrapper is its layer's outermost, so that the others read the turned queries and keys, as they
-    # read SepFormer's (whose positions a `position_query_key` hook applies before any wrapper); and it takes the
-    # cache's grouped-query keys and values as they are, (b, H_kv, kv, d), handing the function it wraps one of each
-    # per query head: it keeps its own turned keys and expanded values, so expanding every cached one first would be a
-    # wasted copy at every step.
+    # Whether `wrap_attention` turns the queries and keys it is given (MS-PoE on a Hugging Face decoder). Such a
+    # wrapper is its layer's outermost, so the others read the turned queries and keys; it takes the cache's
+    # grouped-query keys and values as they are and expands them itself (expanding them first would be a wasted copy).
     turns_queries_keys: ClassVar[bool] = False
     # Whether `wrap_attention` reads grouped-query keys and values (b, H_kv, kv, d) as the cache holds them, query head
     # `h` against key-value head `h // (H / H_kv)`: where every wrapper of a layer does, none is expanded.
@@ -345,16 +302,14 @@ class Mitigation:
 
     @classmethod
     def fixes_state_at_prefill(cls, options: MitigationOptions) -> bool:
-        """Whether these options fix, at prefill, state that decoding steps reuse: the mitigation keeps it on the
-        `SepFormerCache`, as a `MitigationState` in `cache.mitigation_state[options.name]`. By default, those of a
-        mitigation with a `prefill_requirement`."""
+        """Whether these options fix, at prefill, state that decoding steps reuse (kept in
+        `cache.mitigation_state[options.name]`). By default, those of a mitigation with a `prefill_requirement`."""
         return bool(cls.prefill_requirement)
 
     @classmethod
     def check_continuation(cls, cache, options: MitigationOptions | None) -> None:
-        """Refuse (a `ValueError`) a call that continues `cache`, a `SepFormerCache` holding tokens, with `options` for
-        this mitigation (`None`: off) when the state on the cache cannot be continued so; called before any work.
-        The options of a state fixed at prefill are checked without it (`fixes_state_at_prefill`)."""
+        """Refuse (a `ValueError`) continuing `cache`, a `SepFormerCache` holding tokens, with `options` for this
+        mitigation (`None`: off), where its state cannot be continued so; called before any work."""
 
     @classmethod
     def acts_on_last_rows(cls, options: MitigationOptions) -> bool:
@@ -380,16 +335,14 @@ class Mitigation:
     def query_key_inputs(
         self, layer_idx: int, query_input: torch.Tensor, key_input: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, seq, d_model) inputs of `q_proj` and `k_proj`; values always read the layer's own normed input. The
-        keys projected from `key_input` are the ones written to the cache. A layer with such a hook gives its attention
-        wrappers a `QueryKeyProjection`."""
+        """(b, seq, d_model) inputs of `q_proj` and `k_proj` (values read the layer's own normed input); the keys
+        projected from `key_input` are written to the cache."""
         return query_input, key_input
 
     def decoding_input_scale(self, layer_idx: int) -> InputScale | None:
-        """`(channels, factor)` when this call's `query_key_inputs` only multiplies those channels of every token's
-        query and key inputs by `factor`: the layer's fused decoding projections then carry the factor in the columns of
-        `W_Q` and `W_K`, and `query_key_inputs` is not called. `None` (the default): the layer runs its modules
-        with the hook."""
+        """`(channels, factor)` when `query_key_inputs` only multiplies those channels of every token's query and key
+        inputs by `factor`: the fused decoding projections then carry the factor, and the hook is not called. `None`:
+        the layer runs its modules with the hook."""
         return None
 
     def position_query_key(
@@ -434,9 +387,8 @@ class Mitigation:
 
     @classmethod
     def run_causal_lm(cls, options: MitigationOptions, model, inputs: dict, options_of_call: dict):
-        """The causal LM's output for `inputs` (the keywords of its forward) with these options; `options_of_call`
-        are the call's mitigation keywords (parsed where on), these options included. Only called when
-        `wraps_causal_lm`."""
+        """The causal LM's output for `inputs` (the keywords of its forward) with these options, where they
+        `wraps_causal_lm`; `options_of_call`: the call's mitigation keywords (parsed where on), these included."""
         raise NotImplementedError
 
     def replace(self, **changes) -> "Mitigation":
@@ -449,10 +401,8 @@ class Mitigation:
 
 
 def last_logits(model, rows: int) -> dict:
-    """`{"logits_to_keep": rows}` where the causal LM's `forward` takes it, `{}` otherwise: the head then runs on the
-    last `rows` positions only (on a large vocabulary, most of a forward's cost). Read from its class's `forward`: the
-    instance's may be a compiled wrapper (`model.forward = torch.compile(model.forward)`), whose signature a trace
-    cannot read."""
+    """`{"logits_to_keep": rows}` where the causal LM's `forward` takes it, `{}` otherwise. Read from its class's
+    `forward`: the instance's may be a compiled wrapper, whose signature a trace cannot read."""
     return {"logits_to_keep": rows} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
 
 
@@ -476,10 +426,9 @@ def last_row_scores(
     scores = scores.view(batch, heads, kv).float() * scaling
     if attention_mask is None:
         return scores, torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
-    if attention_mask.dtype == torch.bool:
-        valid = attention_mask[:, :, -1, :kv]
-    else:
-        valid = attention_mask[:, :, -1, :kv] > torch.finfo(attention_mask.dtype).min / 2
+    valid = attention_mask[:, :, -1, :kv]
+    if valid.dtype != torch.bool:
+        valid = valid > torch.finfo(valid.dtype).min / 2
     return scores.masked_fill(~valid, float("-inf")), valid
 
 
@@ -515,10 +464,9 @@ class LayerHooks:
 
     def attend(self, function: AttentionFunction, module, query, key, value, attention_mask, projection, **kwargs):
         """`function(module, query, key, value, attention_mask, **kwargs)` wrapped by the layer's attention wrappers,
-        innermost first: the one seam where the hooks run, for SepFormer's attention and for the attention a Hugging
-        Face decoder looks up (`any_decoder`). `projection`: the layer's `QueryKeyProjection` where an input hook runs.
-        The wrappers act per query head: grouped-query keys and values (b, H_kv, kv, d) are expanded first (but where
-        the outermost wrapper turns the keys and expands both itself), unless every wrapper reads them grouped."""
+        innermost first, for SepFormer's attention and a Hugging Face decoder's. The wrappers act per query head:
+        grouped-query keys and values are expanded first (by the outermost wrapper where it turns the keys), unless
+        every wrapper reads them grouped."""
         if self.attention_wrappers:
             groups = query.shape[1] // key.shape[1]
             grouped = all(mitigation.reads_grouped_keys for mitigation in self.attention_wrappers)
@@ -533,9 +481,8 @@ class LayerHooks:
 
 
 class ExpandedHeads:
-    """An attention module seen with one key-value head per query head: grouped-query keys and values are expanded
-    (a mitigation acts per query head; by the outermost wrapper where it turns the keys), so the wrapped function must
-    not repeat them again."""
+    """An attention module seen with one key-value head per query head, its keys and values already expanded: the
+    wrapped function must not repeat them again."""
 
     num_key_value_groups = 1
 
@@ -560,35 +507,27 @@ class MitigationPlan:
     def of(cls, mitigations: tuple[Mitigation, ...], num_layers: int) -> "MitigationPlan":
         """The plan of `mitigations`: layers with the same mitigations share one `LayerHooks`."""
         by_members: dict[tuple[bool, ...], LayerHooks] = {}
-
-        def hooks(layer: int) -> LayerHooks:
+        layers = []
+        for layer in range(num_layers):
             members = tuple(layer in mitigation.layers for mitigation in mitigations)
             if members not in by_members:
-                by_members[members] = layer_hooks(layer)
-            return by_members[members]
-
-        def layer_hooks(layer: int) -> LayerHooks:
-            here = [mitigation for mitigation in mitigations if layer in mitigation.layers]
-            position_hooks = [mitigation for mitigation in here if mitigation.uses("position_query_key")]
-            if len(position_hooks) > 1:
-                names = " and ".join(hook.options.name for hook in position_hooks)
-                raise ValueError(
-                    f"{names} both rewrite how positions enter the queries and keys of layer {layer}: give them "
-                    "disjoint `layers`."
-                )
-            return LayerHooks(
-                input_hooks=tuple(mitigation for mitigation in here if mitigation.uses("query_key_inputs")),
-                position_hook=position_hooks[0] if position_hooks else None,
-                # innermost first; a wrapper that turns the queries and keys outermost
-                attention_wrappers=tuple(
-                    sorted(
-                        (mitigation for mitigation in here if mitigation.uses("wrap_attention")),
-                        key=lambda mitigation: mitigation.turns_queries_keys,
+                here = [mitigation for mitigation, member in zip(mitigations, members, strict=True) if member]
+                position_hooks = [mitigation for mitigation in here if mitigation.uses("position_query_key")]
+                if len(position_hooks) > 1:
+                    names = " and ".join(hook.options.name for hook in position_hooks)
+                    raise ValueError(
+                        f"{names} both rewrite how positions enter the queries and keys of layer {layer}: give them "
+                        "disjoint `layers`."
                     )
-                ),
-            )
-
-        return cls(mitigations, tuple(hooks(layer) for layer in range(num_layers)))
+                wrappers = [mitigation for mitigation in here if mitigation.uses("wrap_attention")]
+                by_members[members] = LayerHooks(
+                    tuple(mitigation for mitigation in here if mitigation.uses("query_key_inputs")),
+                    position_hooks[0] if position_hooks else None,
+                    # innermost first; a wrapper that turns the queries and keys outermost
+                    tuple(sorted(wrappers, key=lambda mitigation: mitigation.turns_queries_keys)),
+                )
+            layers.append(by_members[members])
+        return cls(mitigations, tuple(layers))
 
     def start(self, run: "LayerRun") -> "MitigationPlan":
         """The plan for one run of the layers: each mitigation with its per-run tensors, in the same layers' hooks."""
@@ -619,14 +558,10 @@ class MitigationPlan:
 
 @dataclass(frozen=True, eq=False)
 class LayerRun:
-    """One run of the layers, as its plan reads it before they run, the same for SepFormer
-    (`SepFormerModel.layer_inputs`) and for a Hugging Face decoder (`MitigatedDecoder.with_plan`): the padding mask
-    the plan's and-mask was made from, that and-mask over `kv_length` keys, where positions are read, and the bases
-    they are read with (`None`: the model's own). Started (`start`), it is what each mitigation computes its per-run
-    tensors from, once for every layer.
-
-    A position-dependent rule (StableMask's `τ`, rotary angles, which tokens to skip) reads `position_ids`; only what
-    reads the positional map reads `table_positions`."""
+    """One run of the layers as its plan reads it before they run, for SepFormer and a Hugging Face decoder alike;
+    started (`start`), what each mitigation computes its per-run tensors from. A position-dependent rule (StableMask's
+    `τ`, rotary angles, which tokens to skip) reads `position_ids`; only what reads the positional map reads
+    `table_positions`."""
 
     plan: MitigationPlan | None
     position_ids: torch.LongTensor  # (b or 1, seq): the tokens' own positions (the caller's, or from each row's first)
@@ -654,25 +589,14 @@ class LayerRun:
             return cls(plan, position_ids, cache, padding_mask, device, read_positions=position_ids)
         kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
         rotary_base, map_base = plan.position_bases()
-        return cls(
-            plan,
-            position_ids,
-            cache,
-            padding_mask,
-            device,
-            read_positions=plan.read_positions(position_ids),
-            kv_length=kv_length,
-            mask_function=plan.mask_function(padding_mask, kv_length, device),
-            rotary_base=rotary_base,
-            map_base=map_base,
-        )
+        read = plan.read_positions(position_ids)
+        mask = plan.mask_function(padding_mask, kv_length, device)
+        return cls(plan, position_ids, cache, padding_mask, device, read, kv_length, mask, rotary_base, map_base)
 
     def start(self, dtype: torch.dtype, table_positions=None, position_rows=None) -> MitigationPlan | None:
         """The plan started on this run (`None` without one): `table_positions` where a positional map was read (the
         read positions when `None`) and `position_rows` its rows."""
         if self.plan is None:
             return None
-        table_positions = self.read_positions if table_positions is None else table_positions
-        return self.plan.start(
-            replaced(self, dtype=dtype, table_positions=table_positions, position_rows=position_rows)
-        )
+        positions = self.read_positions if table_positions is None else table_positions
+        return self.plan.start(replaced(self, dtype=dtype, table_positions=positions, position_rows=position_rows))

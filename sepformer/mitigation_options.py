@@ -24,9 +24,8 @@ BUCKET_BOUNDS = (
 
 def plain_number(value) -> int | float | None:
     """`value` as a plain Python `int` or `float` if it is a real number of any numeric type (Python's, NumPy's, a
-    `Fraction`, a 0-d array or tensor), else `None` (bools, NumPy's and torch's too, strings, sequences, complex
-    numbers). The one check of every number that an option or a config field takes: what it keeps is plain, so a
-    config saves as JSON."""
+    `Fraction`, a 0-d array or tensor), else `None` (bools of any kind, strings, sequences, complex numbers): what an
+    option or a config field keeps is plain, so a config saves as JSON."""
     if getattr(value, "shape", None) == () and hasattr(value, "item"):  # NumPy scalars, 0-d arrays and tensors
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -95,16 +94,6 @@ def as_positive_numbers(name: str, field: str, value, **bounds) -> tuple[float, 
     return tuple(float(check_number(name, field[:-1], item, **{"low": 0.0, **bounds})) for item in items)
 
 
-def as_int_pairs(value) -> tuple[tuple[int, int], ...] | None:
-    """`value` as a tuple of (int, int) pairs if it is a non-empty sequence of pairs of integers (one row's spans), else
-    `None`."""
-    try:
-        pairs = tuple(tuple(plain_integer(bound) for bound in pair) for pair in value)
-    except TypeError:
-        return None
-    return pairs if pairs and all(len(pair) == 2 and None not in pair for pair in pairs) else None
-
-
 def as_spans(name: str, field: str, spans) -> tuple[tuple[tuple[int, int], ...], ...]:
     """`name`'s `field`: per batch row, non-overlapping `(start, end)` integer spans, the same number (>= 1) in every
     row."""
@@ -113,8 +102,12 @@ def as_spans(name: str, field: str, spans) -> tuple[tuple[tuple[int, int], ...],
     except TypeError:
         rows = None
     if rows is None or not all(len(span) == 2 for row in rows for span in row):
-        one_row = as_int_pairs(spans)
-        hint = f": for a batch of one row, {field}=[{one_row!r}]" if one_row else ""
+        try:  # one row's spans, given without the batch's list: a hint
+            pairs = tuple(tuple(plain_integer(bound) for bound in pair) for pair in spans)
+        except TypeError:
+            pairs = ()
+        one_row = pairs and all(len(pair) == 2 and None not in pair for pair in pairs)
+        hint = f": for a batch of one row, {field}=[{pairs!r}]" if one_row else ""
         raise ValueError(f"{name} {field}={spans!r} must be, per batch row, a sequence of (start, end){hint}.")
     for row_index, row in enumerate(rows):
         for span in row:

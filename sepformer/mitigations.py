@@ -71,21 +71,16 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     `default_options(config)` (StableMask's is the config's); `False` switches it off for the call."""
     parsed = {}
     for name, mitigation in MITIGATIONS.items():
-        value = options.get(name)
-        if value is None:
-            value = mitigation.default_options(config)
-        if value is False:
-            continue
-        value = mitigation.options_class.parse(value)
-        if value is not None:
+        value = given_option(config, options, name)[0]
+        if value is not False and (value := mitigation.options_class.parse(value)) is not None:
             parsed[name] = value
     return parsed
 
 
 def causal_lm_wrapper(options: dict, cache) -> tuple[type[Mitigation], MitigationOptions, dict] | None:
     """The call's mitigation whose options replace the whole forward of the causal LM (several attention buckets),
-    with its parsed options and the call's (each parsed, or as given where off), or `None`. A cache that holds tokens
-    is first checked by every mitigation's continuation rule (`check_continuation`)."""
+    with its parsed options and the call's (each parsed, or as given where off), or `None`; a cache that holds tokens
+    is checked by every mitigation's `check_continuation` on the way."""
     wrappers, parsed = [], {}
     for name, mitigation in MITIGATIONS.items():
         value = None if options.get(name) in (None, False) else mitigation.options_class.parse(options[name])
@@ -127,12 +122,11 @@ def check_assisted_decoding(config, options: dict) -> None:
 
 def check_prefill_state(name: str, options: MitigationOptions, call: CallContext) -> None:
     """Options that fix state at prefill need a cache that keeps it, and the same options all through a cache."""
-    cache = call.cache
     if call.sepformer_cache is None:
         raise ValueError(
             f"{name} keeps what it fixes at prefill on the cache, so it needs a cache that grows with the tokens and "
             f"carries that state (a SepFormerCache: what forward and generate make by default); got "
-            f"{type(cache).__name__}{' (a static cache)' if cache.is_compileable else ''}."
+            f"{type(call.cache).__name__}{' (a static cache)' if call.cache.is_compileable else ''}."
         )
     fixed = call.sepformer_cache.prefill_options
     if not call.continuing:
@@ -164,10 +158,9 @@ GENERATION_PLANS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("
 @dataclass(frozen=True, eq=False)
 class KeptPlan:
     """The plan a decoding step of a `generate` call resolved, kept for the steps after it: a step on the same cache
-    that gives the same options in the same form reuses it, and parses no option and runs no check. Resolving reads
-    only the options, the model and the form of the call (its batch, token count, kind of mask, extrapolation, and
-    whether it trains or records gradients), which such steps share; what changes from step to step (positions, the
-    cache's length) is read when the plan starts a run, and a step's own work runs in `Mitigation.prepare`."""
+    that gives the same options in the same form (`call_form`) reuses it, and parses no option and runs no check.
+    Resolving reads only what such steps share; what changes from step to step is read when the plan starts a run,
+    and a step's own work runs in `Mitigation.prepare`."""
 
     cache: SepFormerCache
     options: dict  # by name: each option as given (or the model's default), resolved into `plan`
@@ -177,8 +170,8 @@ class KeptPlan:
 
 @contextlib.contextmanager
 def kept_for_generation():
-    """The scope of one `generate` call: its decoding steps keep their plan (`KeptPlan`), dropped when it ends (so
-    nothing holds the cache or the model after it, and a cache copied or saved carries no plan)."""
+    """The scope of one `generate` call: its decoding steps keep their plan (`KeptPlan`), dropped when it ends, so
+    nothing holds the cache or the model after it."""
     token = GENERATION_PLANS.set({})
     try:
         yield
@@ -271,16 +264,14 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
         call = dataclasses.replace(call, sepformer_cache=SepFormerCache())
     check_combination({name: value.layer_set(num_layers) for name, value in parsed.items()})
     check_last_rows_are_prompt(call, parsed)
-    for name, value in parsed.items():
-        if MITIGATIONS[name].fixes_state_at_prefill(value):
-            check_prefill_state(name, value, call)
+    fixing = {name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)}
+    for name, value in fixing.items():
+        check_prefill_state(name, value, call)
     resolved = tuple(MITIGATIONS[name].resolve(value, call) for name, value in parsed.items())
     plan = MitigationPlan.of(resolved, num_layers)  # every check done: now the work
     prepare(call, plan)
     if not call.continuing and call.sepformer_cache is not None:
-        call.sepformer_cache.prefill_options = {
-            name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)
-        }
+        call.sepformer_cache.prefill_options = fixing
     keep_plan(call, options, plan)
     return plan
 

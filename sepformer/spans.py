@@ -13,11 +13,8 @@ def positions_from_mask(padding_mask: torch.Tensor) -> torch.LongTensor:
 def default_position_ids(
     inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values
 ) -> torch.LongTensor:
-    """Absolute positions of the new tokens, counted from each row's first real token.
-
-    With a 2D padding mask (covering past and new tokens) a left-padded row gets the same positions as the row alone;
-    padding slots get 0. Without one, positions continue from the cache.
-    """
+    """Absolute positions of the new tokens, counted from each row's first real token (padding slots get 0) where a 2D
+    padding mask covers past and new tokens; without one, continuing from the cache."""
     seq_len = inputs_embeds.shape[1]
     if attention_mask is not None and attention_mask.dim() == 2:
         return positions_from_mask(attention_mask).clamp(min=0)[:, -seq_len:]
@@ -98,8 +95,7 @@ def default_dummy_token(config) -> int | None:
     """The token the default dummy document repeats: `pad_token_id`, or where the config has none (Llama 3, Mistral and
     most configs built in code) the first `eos_token_id`; `None` when that token is not in the vocabulary. Both mark
     where text is absent, so a run of them is a document with no content."""
-    eos = config.eos_token_id
-    token = config.pad_token_id
+    token, eos = config.pad_token_id, config.eos_token_id
     if token is None:
         token = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
     return token if isinstance(token, int) and 0 <= token < config.vocab_size else None
@@ -155,8 +151,7 @@ def check_default_positions(call, acting: str) -> None:
     padding = call.attention_mask is None or call.attention_mask.dim() == 2  # a 4D mask's padding is not read
     default = key_positions(call.attention_mask if padding else None, call.new_tokens, call.position_ids.device)
     position_ids, default = torch.broadcast_tensors(call.position_ids, default)  # default: -1 on padding
-    real = default >= 0
-    differs = ((position_ids != default) & real).any(-1)
+    differs = ((position_ids != default) & (default >= 0)).any(-1)
     if differs.any():
         row = int(differs.nonzero()[0])
         fix = (
