@@ -47,12 +47,11 @@ def in2_dataset(
 
     The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, `"text"` by default, or the
     path of a text file read as one document) is tokenized without special tokens and each document cut into segments of
-    `segment_length` tokens (a shorter tail is dropped); every example holds as many distinct segments as fit. The
-    question quotes `span_length` tokens of each of `segments_per_question` gold segments, each span occurring once in
-    the context; the answer is the `answer_length` tokens that follow each span (`question="precedes"`: precede it),
-    in the order of the context. `labels` are the input ids on the answer and its eos, -100 elsewhere. Metadata:
-    `gold_slots` (in context order), `answer_positions` (each answer piece's index in the context's input ids),
-    `answer_start` (the first answer token), `num_segments` (`n`). Deterministic for a given `seed`.
+    `segment_length` tokens (a shorter tail is dropped). The question quotes `span_length` tokens of each of
+    `segments_per_question` gold segments; the answer is the `answer_length` tokens that follow each span
+    (`question="precedes"`: precede it). `labels` are -100 but on the answer and its eos. Metadata: `gold_slots`,
+    `answer_positions` (each answer piece's index in the input ids), `answer_start`, `num_segments` (`n`).
+    Deterministic for a given `seed`.
     """
     counts = checked_counts(locals())  # every argument, by name
     context_length, segment_length, num_examples, per_question, span_length, answer_length, seed = counts
@@ -67,7 +66,17 @@ def in2_dataset(
         )
         prompt = [*bos, *context, sep, *quoted(rng, words, spans), sep]
         answer = [token for piece in answers for token in piece] + [tokenizer.eos_token_id]
-        rows.append(example_row(prompt, answer, slots, [len(bos) + position for position in positions], num_segments))
+        rows.append(
+            {
+                "input_ids": prompt + answer,
+                "attention_mask": [1] * (len(prompt) + len(answer)),
+                "labels": [-100] * len(prompt) + answer,  # the loss is on the answer only
+                "gold_slots": slots,
+                "answer_positions": [len(bos) + position for position in positions],
+                "answer_start": len(prompt),
+                "num_segments": num_segments,
+            }
+        )
     import datasets  # here, not at the top: `import sepformer` would take half a second longer
 
     return datasets.Dataset.from_list(rows)
@@ -192,7 +201,7 @@ def context_segments(
             f"{context_length} holds {num_segments} distinct ones: give more text, shorter segments or a shorter "
             "context_length."
         )
-    return np.array(rows, dtype=np.int64).reshape(len(rows), segment_length), num_segments
+    return np.array(rows, dtype=np.int64), num_segments
 
 
 def gold_slots(rng: np.random.Generator, num_examples: int, num_segments: int, per_question: int):
@@ -241,19 +250,6 @@ def quoted(rng: np.random.Generator, words: list[list[int]], spans: list[list[in
     for rank, piece in enumerate(rng.permutation(len(spans))):
         question += ([] if rank == 0 else between) + spans[piece]
     return question + closing
-
-
-def example_row(prompt: list[int], answer: list[int], slots, answer_positions, num_segments: int) -> dict:
-    """An example's columns: the loss is on the answer only (see `in2_dataset`)."""
-    return {
-        "input_ids": prompt + answer,
-        "attention_mask": [1] * (len(prompt) + len(answer)),
-        "labels": [-100] * len(prompt) + answer,
-        "gold_slots": slots,
-        "answer_positions": answer_positions,
-        "answer_start": len(prompt),
-        "num_segments": num_segments,
-    }
 
 
 def occurrences(ids: np.ndarray, span: np.ndarray) -> int:

@@ -1,13 +1,7 @@
 """The search of positional-dimension scaling (arXiv 2406.02536, Alg. 1): which channels to scale, and by how much.
-
-`search_positional_scaling(model, batches)` evaluates every candidate (channel set, factor) on a validation set whose
-examples each have a gold position, and returns the one with the lowest loss averaged over gold positions:
-
-    argmin_{c, s < 1}  mean_p [ mean over the examples with gold position p of L(x, y; F(θ, h_c, s)) ]
-
-Each candidate is the model's `positional_scaling` option (a SepFormer's own, or that of a Hugging Face decoder given
-`sepformer.add_mitigations`); the candidates and the loss: docs/design.md, "The search".
-"""
+`search_positional_scaling(model, batches)` evaluates every candidate (channel set, factor) as the model's
+`positional_scaling` option and returns the one with the lowest validation loss averaged over gold positions; the
+candidates and the loss: docs/design.md, "The search"."""
 
 import contextlib
 import itertools
@@ -53,9 +47,7 @@ class PositionalSearchResult:
     def improves(self) -> bool:
         """Whether the best candidate's loss is below the unscaled model's (or finite where the unscaled model's is
         NaN): the search returns a scaling in any case."""
-        if math.isnan(self.best.loss):
-            return False
-        return math.isnan(self.base.loss) or self.best.loss < self.base.loss
+        return not math.isnan(self.best.loss) and (math.isnan(self.base.loss) or self.best.loss < self.base.loss)
 
     @property
     def option(self) -> PositionalScaling:
