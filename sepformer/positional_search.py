@@ -227,9 +227,8 @@ def evaluated(model: nn.Module, batches: Sequence[tuple], channels, layers, fact
         targets = labels[:, 1 - rows :]  # what rows n - rows .. n - 2 predict: every labelled token
         token_losses = nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
-        )  # (b, rows - 1)
-        labelled = (targets != -100).float()
-        for loss, gold in zip(((token_losses * labelled).sum(-1) / labelled.sum(-1)).tolist(), golds, strict=True):
+        )  # (b, rows - 1), 0 where no loss is taken
+        for loss, gold in zip((token_losses.sum(-1) / (targets != -100).sum(-1)).tolist(), golds, strict=True):
             by_position.setdefault(gold, []).append(loss)
     position_losses = {gold: sum(values) / len(values) for gold, values in sorted(by_position.items())}
     mean = sum(position_losses.values()) / len(position_losses)

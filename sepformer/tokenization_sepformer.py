@@ -6,7 +6,6 @@ from transformers.tokenization_python import AddedToken, PreTrainedTokenizer, Tr
 from transformers.utils import to_py_obj
 
 NUM_BYTES = 256
-DECODE_KEYWORDS = ("skip_special_tokens", "clean_up_tokenization_spaces")
 
 
 class SepFormerTokenizer(PreTrainedTokenizer):
@@ -106,7 +105,7 @@ class SepFormerTokenizer(PreTrainedTokenizer):
         if kwargs:  # transformers passes them on and ignores them
             raise TypeError(
                 f"decode got unknown keyword arguments {sorted(kwargs)}: SepFormerTokenizer.decode takes "
-                f"{' and '.join(DECODE_KEYWORDS)}."
+                "skip_special_tokens and clean_up_tokenization_spaces."
             )
         cleanup = clean_up_tokenization_spaces
         return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=cleanup)
