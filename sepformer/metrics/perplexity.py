@@ -178,27 +178,24 @@ def _check_labels(index: int, labels) -> None:
 
 
 def _check_numbers(name: str, index: int, numbers) -> None:
-    """Example `index`'s logits or losses are numbers: evaluate would read True as 1 and "1" as 1.0."""
-    try:
-        kind = _number_kind(numbers)
-    except ValueError:  # rows of different widths: `_logits_array` says so
-        return
+    """Example `index`'s logits or losses are numbers: evaluate would read True as 1 and "1" as 1.0. NumPy's kind of
+    the values is read from an array's or a tensor's dtype (a vocabulary's logits made into Python floats would cost
+    seconds and gigabytes), of anything else from NumPy's reading of it."""
+    dtype = getattr(numbers, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        kind = dtype.kind
+    elif hasattr(dtype, "is_floating_point"):  # a torch tensor, whose dtypes NumPy does not all have (bfloat16)
+        kind = (
+            "f" if dtype.is_floating_point else "c" if dtype.is_complex else "b" if str(dtype) == "torch.bool" else "i"
+        )
+    else:
+        try:
+            kind = np.asarray(numbers).dtype.kind
+        except ValueError:  # rows of different widths: `_logits_array` says so
+            return
     if kind not in "iuf":
         found = {"b": "bools", "U": "strings"}.get(kind, "values that are no numbers")
         raise ValueError(f"perplexity: the {name} of example {index} are {found}: they must be numbers (int or float).")
-
-
-def _number_kind(numbers) -> str:
-    """NumPy's kind of the values ("f", "i", "b", ...): of an array or a tensor by its dtype (a vocabulary's logits made
-    into Python floats would cost seconds and gigabytes), of anything else by NumPy's reading of it."""
-    dtype = getattr(numbers, "dtype", None)
-    if isinstance(dtype, np.dtype):
-        return dtype.kind
-    if hasattr(dtype, "is_floating_point"):  # a torch tensor, whose dtypes NumPy does not all have (bfloat16)
-        return (
-            "f" if dtype.is_floating_point else "c" if dtype.is_complex else "b" if str(dtype) == "torch.bool" else "i"
-        )
-    return np.asarray(numbers).dtype.kind
 
 
 def _checked_losses(index: int, row) -> np.ndarray:
