@@ -254,11 +254,10 @@ def search_positional_scaling(
             are left-padded and the answers of a batch have one length.
         factors: the grid of `s` (the paper's by default); each must be < 1 (1 is the base model, reported apart).
         layers: the scaled layers; `None` is the middle ones (`PositionalScaling`'s default).
-        channel_sets: the candidate channel sets; `None` is SepFormer's positional channels (each, aligned groups, the
-            block), or, for another model, each channel `positional_channel_candidates` keeps (at most `top_k`,
-            ignoring the first `skip` positions: 8 and 0 when `None`) and all of them together, the curves read on the
-            first batch (which must then be unpadded), averaged over its examples and the scaled layers. `top_k` and
-            `skip` are refused where no filter runs (given `channel_sets`, or a SepFormer).
+        channel_sets: the candidate channel sets; `None` is SepFormer's positional channels, or for another model
+            each channel the paper's filter keeps on the first batch (which must then be unpadded) and all of them
+            together (docs/design.md, "The search"). `top_k` (8) and `skip` (0) tune that filter (see
+            `positional_channel_candidates`) and are refused where none runs (given `channel_sets`, or a SepFormer).
 
     Returns the best candidate, the base model's losses and the table of every candidate. Raises
     `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and there is no candidate. Every argument

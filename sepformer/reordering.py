@@ -181,14 +181,12 @@ def check_prompt(name: str, input_ids, attention_mask, spans) -> list[int]:
             f"{name} needs input_ids as a 2-D tensor of token ids (batch, sequence); got "
             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}."
         )
-    if attention_mask is not None and (
-        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-    ):
-        raise ValueError(
-            f"{name} needs attention_mask None or a 2-D padding mask of input_ids' shape {tuple(input_ids.shape)}; "
-            f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
-        )
     if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} needs attention_mask None or a 2-D padding mask of input_ids' shape {tuple(input_ids.shape)}; "
+                f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
+            )
         check_mask_values(attention_mask, f"{name} ")
     lengths = prompt_lengths(attention_mask, *input_ids.shape)
     check_spans(name, spans, len(input_ids), lengths)
