@@ -222,12 +222,11 @@ def draw_example(
     """A context of `num_segments` distinct segments and, in each gold slot, a span found once in the context and
     its answer: the context's ids, each answer piece's position in it, the spans and the answer pieces."""
     segment_length = segments.shape[1]
-    window = span_length + answer_length
+    room = segment_length - span_length - answer_length + 1  # the places of a span and its answer in a segment
     for _ in range(MAX_TRIES):
-        chosen = segments[rng.choice(len(segments), num_segments, replace=False)]
-        context = chosen.reshape(-1)
+        context = segments[rng.choice(len(segments), num_segments, replace=False)].reshape(-1)
         for _ in range(MAX_TRIES):
-            starts = [slot * segment_length + int(rng.integers(segment_length - window + 1)) for slot in slots]
+            starts = [slot * segment_length + int(rng.integers(room)) for slot in slots]
             span_starts = [start + (answer_length if question == "precedes" else 0) for start in starts]
             if all(occurrences(context, context[start : start + span_length]) == 1 for start in span_starts):
                 break
