@@ -180,8 +180,7 @@ def checked_batch(
         )
     if len(gold) != input_ids.shape[0]:
         raise ValueError(f"batch {index}: {len(gold)} gold positions for {input_ids.shape[0]} examples.")
-    labelled = labels[:, 1:] != -100
-    if not labelled.any(-1).all():
+    if not (labels[:, 1:] != -100).any(-1).all():
         raise ValueError(f"batch {index}: every example needs at least one labelled token after its first.")
     mask = batch.get("attention_mask")
     if mask is not None and (
