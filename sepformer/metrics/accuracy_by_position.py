@@ -84,13 +84,12 @@ class AccuracyByPosition(evaluate.Metric):
                 raise ValueError(f"accuracy_by_position {name}={column!r} must be a list: one entry per example.")
         columns = {name: [_plain(value) for value in column] for name, column in columns.items()}
         predictions, references, positions = columns.values()
-        lengths = {name: len(column) for name, column in columns.items()}
-        if len(set(lengths.values())) != 1:
+        if len({len(column) for column in columns.values()}) != 1:
             raise ValueError(
-                f"accuracy_by_position got {', '.join(f'{n} {name}' for name, n in lengths.items())}: one of each "
-                "per example."
+                f"accuracy_by_position got {', '.join(f'{len(column)} {name}' for name, column in columns.items())}: "
+                "one of each per example."
             )
-        if lengths["predictions"] == 0:
+        if not predictions:
             raise ValueError("accuracy_by_position got no examples: predictions, references and positions are empty.")
         kind = _feature_kind(self.selected_feature_format)  # of the examples added before, if any
         for index, (prediction, reference, position) in enumerate(zip(predictions, references, positions, strict=True)):
