@@ -205,8 +205,8 @@ def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     that goes to place `j`, as `relevance_order` gives it). Returns `(input_ids, spans)`: the new ids (same shape,
     same padding: `attention_mask` still describes them) and, per row, the documents' new spans in place order.
 
-    The tokens between two documents keep their order, the `i`-th gap following the document in place `i`; tokens
-    before the first document and after the last, and the padding, do not move (docs/design.md, "Reordering documents").
+    The tokens between two documents keep their order, the `i`-th gap following the document in place `i`; the tokens
+    before and after the documents and the padding do not move. Spans count from the row's first real token.
     """
     spans = as_spans("reorder_prompt", "spans", spans)
     check_prompt("reorder_prompt", input_ids, attention_mask, spans)
