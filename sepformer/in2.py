@@ -47,11 +47,12 @@ def in2_dataset(
 
     The source (a list of strings, a `datasets.Dataset` whose `text_column` holds the text, `"text"` by default, or the
     path of a text file read as one document) is tokenized without special tokens and each document cut into segments of
-    `segment_length` tokens (a shorter tail is dropped). The question quotes `span_length` tokens of each of
-    `segments_per_question` gold segments; the answer is the `answer_length` tokens that follow each span
-    (`question="precedes"`: precede it). `labels` are -100 but on the answer and its eos. Metadata: `gold_slots`,
-    `answer_positions` (each answer piece's index in the input ids), `answer_start`, `num_segments` (`n`).
-    Deterministic for a given `seed`.
+    `segment_length` tokens (a shorter tail is dropped); every example holds as many distinct segments as fit. The
+    question quotes `span_length` tokens of each of `segments_per_question` gold segments, each span occurring once in
+    the context; the answer is the `answer_length` tokens that follow each span (`question="precedes"`: precede it),
+    in the order of the context. `labels` are the input ids on the answer and its eos, -100 elsewhere. Metadata:
+    `gold_slots` (in context order), `answer_positions` (each answer piece's index in the context's input ids),
+    `answer_start` (the first answer token), `num_segments` (`n`). Deterministic for a given `seed`.
     """
     counts = checked_counts(locals())  # every argument, by name
     context_length, segment_length, num_examples, per_question, span_length, answer_length, seed = counts
