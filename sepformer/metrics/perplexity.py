@@ -94,7 +94,7 @@ class Perplexity(evaluate.Metric):
                 "perplexity needs references with the predictions: per example, the n labels of its (n, vocab) "
                 "logits (ignore_index for positions not scored)."
             )
-        if self.config_name != "losses" and _sized(predictions) and _sized(references):
+        if self.config_name != "losses" and hasattr(predictions, "__len__") and hasattr(references, "__len__"):
             if len(predictions) != len(references):
                 raise ValueError(
                     f"perplexity got {len(predictions)} predictions and {len(references)} references: one list of "
@@ -103,7 +103,7 @@ class Perplexity(evaluate.Metric):
             for index, labels in enumerate(references):
                 _check_labels(index, labels)
         # evaluate casts what it is given to the features ("1" to 1.0, True to 1): check the raw values first
-        if _sized(predictions):
+        if hasattr(predictions, "__len__"):
             for index, numbers in enumerate(predictions):
                 _check_numbers("losses" if self.config_name == "losses" else "logits", index, numbers)
 
@@ -160,14 +160,10 @@ def _exp(loss: float) -> float:
     return math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
 
 
-def _sized(value) -> bool:
-    return value is not None and hasattr(value, "__len__")
-
-
 def _check_labels(index: int, labels) -> None:
     """Example `index`'s labels are integers: evaluate casts True and "1" to 1, and refuses 1.2 without saying where."""
     labels = labels.tolist() if hasattr(labels, "tolist") else labels
-    if isinstance(labels, str) or not _sized(labels):
+    if isinstance(labels, str) or not hasattr(labels, "__len__"):
         raise ValueError(f"perplexity: the labels of example {index} are {labels!r}: give each example a list.")
     for position, label in enumerate(labels):
         if isinstance(label, bool | np.bool_) or not isinstance(label, int | np.integer):
