@@ -67,7 +67,17 @@ def in2_dataset(
         )
         prompt = [*bos, *context, sep, *quoted(rng, words, spans), sep]
         answer = [token for piece in answers for token in piece] + [tokenizer.eos_token_id]
-        rows.append(example_row(prompt, answer, slots, [len(bos) + position for position in positions], num_segments))
+        rows.append(
+            {
+                "input_ids": prompt + answer,
+                "attention_mask": [1] * (len(prompt) + len(answer)),
+                "labels": [-100] * len(prompt) + answer,  # the loss is on the answer only
+                "gold_slots": slots,
+                "answer_positions": [len(bos) + position for position in positions],
+                "answer_start": len(prompt),
+                "num_segments": num_segments,
+            }
+        )
     import datasets  # here, not at the top: `import sepformer` would take half a second longer
 
     return datasets.Dataset.from_list(rows)
@@ -192,7 +202,7 @@ def context_segments(
             f"{context_length} holds {num_segments} distinct ones: give more text, shorter segments or a shorter "
             "context_length."
         )
-    return np.array(rows, dtype=np.int64).reshape(len(rows), segment_length), num_segments
+    return np.array(rows, dtype=np.int64), num_segments
 
 
 def gold_slots(rng: np.random.Generator, num_examples: int, num_segments: int, per_question: int):
@@ -213,12 +223,11 @@ def draw_example(
     """A context of `num_segments` distinct segments and, in each gold slot, a span found once in the context and
     its answer: the context's ids, each answer piece's position in it, the spans and the answer pieces."""
     segment_length = segments.shape[1]
-    window = span_length + answer_length
+    room = segment_length - span_length - answer_length + 1  # the places of a span and its answer in a segment
     for _ in range(MAX_TRIES):
-        chosen = segments[rng.choice(len(segments), num_segments, replace=False)]
-        context = chosen.reshape(-1)
+        context = segments[rng.choice(len(segments), num_segments, replace=False)].reshape(-1)
         for _ in range(MAX_TRIES):
-            starts = [slot * segment_length + int(rng.integers(segment_length - window + 1)) for slot in slots]
+            starts = [slot * segment_length + int(rng.integers(room)) for slot in slots]
             span_starts = [start + (answer_length if question == "precedes" else 0) for start in starts]
             if all(occurrences(context, context[start : start + span_length]) == 1 for start in span_starts):
                 break
@@ -241,19 +250,6 @@ def quoted(rng: np.random.Generator, words: list[list[int]], spans: list[list[in
     for rank, piece in enumerate(rng.permutation(len(spans))):
         question += ([] if rank == 0 else between) + spans[piece]
     return question + closing
-
-
-def example_row(prompt: list[int], answer: list[int], slots, answer_positions, num_segments: int) -> dict:
-    """An example's columns: the loss is on the answer only (see `in2_dataset`)."""
-    return {
-        "input_ids": prompt + answer,
-        "attention_mask": [1] * (len(prompt) + len(answer)),
-        "labels": [-100] * len(prompt) + answer,
-        "gold_slots": slots,
-        "answer_positions": answer_positions,
-        "answer_start": len(prompt),
-        "num_segments": num_segments,
-    }
 
 
 def occurrences(ids: np.ndarray, span: np.ndarray) -> int:

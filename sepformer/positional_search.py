@@ -1,13 +1,7 @@
 """The search of positional-dimension scaling (arXiv 2406.02536, Alg. 1): which channels to scale, and by how much.
-
-`search_positional_scaling(model, batches)` evaluates every candidate (channel set, factor) on a validation set whose
-examples each have a gold position, and returns the one with the lowest loss averaged over gold positions:
-
-    argmin_{c, s < 1}  mean_p [ mean over the examples with gold position p of L(x, y; F(θ, h_c, s)) ]
-
-Each candidate is the model's `positional_scaling` option (a SepFormer's own, or that of a Hugging Face decoder given
-`sepformer.add_mitigations`); the candidates and the loss: docs/design.md, "The search".
-"""
+`search_positional_scaling(model, batches)` evaluates every candidate (channel set, factor) as the model's
+`positional_scaling` option and returns the one with the lowest validation loss averaged over gold positions; the
+candidates and the loss: docs/design.md, "The search"."""
 
 import contextlib
 import itertools
@@ -53,9 +47,7 @@ class PositionalSearchResult:
     def improves(self) -> bool:
         """Whether the best candidate's loss is below the unscaled model's (or finite where the unscaled model's is
         NaN): the search returns a scaling in any case."""
-        if math.isnan(self.best.loss):
-            return False
-        return math.isnan(self.base.loss) or self.best.loss < self.base.loss
+        return not math.isnan(self.best.loss) and (math.isnan(self.base.loss) or self.best.loss < self.base.loss)
 
     @property
     def option(self) -> PositionalScaling:
@@ -188,8 +180,7 @@ def checked_batch(
         )
     if len(gold) != input_ids.shape[0]:
         raise ValueError(f"batch {index}: {len(gold)} gold positions for {input_ids.shape[0]} examples.")
-    labelled = labels[:, 1:] != -100
-    if not labelled.any(-1).all():
+    if not (labels[:, 1:] != -100).any(-1).all():
         raise ValueError(f"batch {index}: every example needs at least one labelled token after its first.")
     mask = batch.get("attention_mask")
     if mask is not None and (
@@ -235,9 +226,8 @@ def evaluated(model: nn.Module, batches: Sequence[tuple], channels, layers, fact
         targets = labels[:, 1 - rows :]  # what rows n - rows .. n - 2 predict: every labelled token
         token_losses = nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
-        )  # (b, rows - 1)
-        labelled = (targets != -100).float()
-        for loss, gold in zip(((token_losses * labelled).sum(-1) / labelled.sum(-1)).tolist(), golds, strict=True):
+        )  # (b, rows - 1), 0 where no loss is taken
+        for loss, gold in zip((token_losses.sum(-1) / (targets != -100).sum(-1)).tolist(), golds, strict=True):
             by_position.setdefault(gold, []).append(loss)
     position_losses = {gold: sum(values) / len(values) for gold, values in sorted(by_position.items())}
     mean = sum(position_losses.values()) / len(position_losses)
@@ -263,11 +253,10 @@ def search_positional_scaling(
             are left-padded and the answers of a batch have one length.
         factors: the grid of `s` (the paper's by default); each must be < 1 (1 is the base model, reported apart).
         layers: the scaled layers; `None` is the middle ones (`PositionalScaling`'s default).
-        channel_sets: the candidate channel sets; `None` is SepFormer's positional channels (each, aligned groups, the
-            block), or, for another model, each channel `positional_channel_candidates` keeps (at most `top_k`,
-            ignoring the first `skip` positions: 8 and 0 when `None`) and all of them together, the curves read on the
-            first batch (which must then be unpadded), averaged over its examples and the scaled layers. `top_k` and
-            `skip` are refused where no filter runs (given `channel_sets`, or a SepFormer).
+        channel_sets: the candidate channel sets; `None` is SepFormer's positional channels, or for another model
+            each channel the paper's filter keeps on the first batch (which must then be unpadded) and all of them
+            together (docs/design.md, "The search"). `top_k` (8) and `skip` (0) tune that filter (see
+            `positional_channel_candidates`) and are refused where none runs (given `channel_sets`, or a SepFormer).
 
     Returns the best candidate, the base model's losses and the table of every candidate. Raises
     `NoPositionalChannelError` (a `ValueError`) when `channel_sets` is `None` and there is no candidate. Every argument

@@ -132,8 +132,7 @@ def relevance_order(scores, strategy: str = "ends") -> torch.LongTensor:
     `j` is the (old) index of the document that goes to place `j`.
 
     - `"ends"`: the most relevant first, the second last, the third second, the fourth second to last, ...: the least
-      relevant end up in the middle. (LangChain's `LongContextReorder` gives this order's mirror image, best last,
-      when `K` is even.)
+      relevant end up in the middle.
     - `"last"`: ascending, the most relevant last (closest to the question).
     - `"first"`: descending, the most relevant first.
 
@@ -182,14 +181,12 @@ def check_prompt(name: str, input_ids, attention_mask, spans) -> list[int]:
             f"{name} needs input_ids as a 2-D tensor of token ids (batch, sequence); got "
             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}."
         )
-    if attention_mask is not None and (
-        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-    ):
-        raise ValueError(
-            f"{name} needs attention_mask None or a 2-D padding mask of input_ids' shape {tuple(input_ids.shape)}; "
-            f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
-        )
     if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} needs attention_mask None or a 2-D padding mask of input_ids' shape {tuple(input_ids.shape)}; "
+                f"got {tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}."
+            )
         check_mask_values(attention_mask, f"{name} ")
     lengths = prompt_lengths(attention_mask, *input_ids.shape)
     check_spans(name, spans, len(input_ids), lengths)
@@ -208,10 +205,8 @@ def reorder_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     that goes to place `j`, as `relevance_order` gives it). Returns `(input_ids, spans)`: the new ids (same shape,
     same padding: `attention_mask` still describes them) and, per row, the documents' new spans in place order.
 
-    Rule: the documents' block runs from the first document's start to the last one's end; the tokens between two
-    documents (separators) keep their order, the `i`-th gap following the document in place `i`. Documents of other
-    lengths shift the gaps' positions; with equal lengths, every gap stays where it was. Tokens before and after the
-    block do not move. Spans count from the row's first real token (padding, left or right, is never moved).
+    The tokens between two documents keep their order, the `i`-th gap following the document in place `i`; the tokens
+    before and after the documents and the padding do not move. Spans count from the row's first real token.
     """
     spans = as_spans("reorder_prompt", "spans", spans)
     check_prompt("reorder_prompt", input_ids, attention_mask, spans)
@@ -222,24 +217,19 @@ def move_documents(input_ids, attention_mask, spans, order: list[list[int]]):
     """`reorder_prompt` on checked inputs."""
     reordered, new_spans = input_ids.clone(), []
     for row, (row_spans, row_order) in enumerate(zip(spans, order, strict=True)):
-        columns = (
-            attention_mask[row].nonzero().flatten()
-            if attention_mask is not None
-            else torch.arange(input_ids.shape[1], device=input_ids.device)
-        )
+        columns = slice(None) if attention_mask is None else attention_mask[row].nonzero().flatten()
         tokens = input_ids[row, columns]
         by_start = sorted(row_spans)
-        gaps = [tokens[end:start] for (_, end), (start, _) in zip(by_start, by_start[1:], strict=False)]
+        # what follows each place: the gaps between the documents in their old order, then the rest of the prompt
+        after = [
+            tokens[end:start] for (_, end), (start, _) in zip(by_start, [*by_start[1:], (None, None)], strict=True)
+        ]
         pieces, placed, cursor = [tokens[: by_start[0][0]]], [], by_start[0][0]
-        for place, document in enumerate(row_order):
+        for document, gap in zip(row_order, after, strict=True):
             start, end = row_spans[document]
-            pieces.append(tokens[start:end])
+            pieces += [tokens[start:end], gap]
             placed.append((cursor, cursor + end - start))
-            cursor += end - start
-            if place < len(gaps):
-                pieces.append(gaps[place])
-                cursor += len(gaps[place])
-        pieces.append(tokens[by_start[-1][1] :])
+            cursor += end - start + len(gap)
         reordered[row, columns] = torch.cat(pieces)
         new_spans.append(tuple(placed))
     return reordered, tuple(new_spans)
@@ -385,19 +375,16 @@ def document_relevance(
 ) -> torch.Tensor:
     """(b, K) the relevance of each row's documents (`spans`, counted from the row's first real token).
 
-    `by`: scores given by the caller ((b, K), returned as float64), or read from any Hugging Face causal LM
-    (`output_attentions`, in eager attention for the scoring passes, whatever the model runs otherwise), with `a_l(x)`
-    the last prompt token's attention on token `x` averaged over the heads and the chosen `layers` (default all):
+    `by`: scores given by the caller ((b, K), returned as float64), or read from any Hugging Face causal LM, with
+    `a(x)` the last prompt token's attention on token `x` averaged over the heads and the chosen `layers` (default all):
 
-    - `"attention"`: `Attn(doc_k) = mean_{x in doc_k} a_l(x)`;
-    - `"calibrated"`: `Attn(doc_k) - bias(k)`, `bias(k)` the same mean on a dummy document put in document `k`'s
-      place (one extra sequence per document, as `attention_calibration`'s dummy passes: `dummy_document`, default
-      `pad_token_id` repeated);
+    - `"attention"`: `Attn(doc_k) = mean_{x in doc_k} a(x)`;
+    - `"calibrated"`: `Attn(doc_k) - bias(k)`, `bias(k)` the same mean on a dummy document (`dummy_document`, default
+      `pad_token_id` repeated) put in document `k`'s place;
     - `"position_free"` (SepFormer, positions in the positional block only): `Attn(doc_k)` with the positional block
-      of the attention input scaled to 0 for the last query and every key, in every layer (`positional_scaling` with
-      factor 0: the rows before the last are the base model's).
+      scaled to 0 in every layer.
 
-    `model_kwargs` go to every forward (e.g. SepFormer's `position_extrapolation`).
+    Details: docs/design.md, "Reordering documents". `model_kwargs` go to every forward (e.g. `position_extrapolation`).
     """
     options = ReorderDocuments(spans=spans, by=by, layers=layers, dummy_document=dummy_document)
     check_reordering(model, options, input_ids, attention_mask, model_kwargs)

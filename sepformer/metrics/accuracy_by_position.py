@@ -84,13 +84,12 @@ class AccuracyByPosition(evaluate.Metric):
                 raise ValueError(f"accuracy_by_position {name}={column!r} must be a list: one entry per example.")
         columns = {name: [_plain(value) for value in column] for name, column in columns.items()}
         predictions, references, positions = columns.values()
-        lengths = {name: len(column) for name, column in columns.items()}
-        if len(set(lengths.values())) != 1:
+        if len({len(column) for column in columns.values()}) != 1:
             raise ValueError(
-                f"accuracy_by_position got {', '.join(f'{n} {name}' for name, n in lengths.items())}: one of each "
-                "per example."
+                f"accuracy_by_position got {', '.join(f'{len(column)} {name}' for name, column in columns.items())}: "
+                "one of each per example."
             )
-        if lengths["predictions"] == 0:
+        if not predictions:
             raise ValueError("accuracy_by_position got no examples: predictions, references and positions are empty.")
         kind = _feature_kind(self.selected_feature_format)  # of the examples added before, if any
         for index, (prediction, reference, position) in enumerate(zip(predictions, references, positions, strict=True)):
@@ -124,9 +123,8 @@ class AccuracyByPosition(evaluate.Metric):
             hit = np.array_equal(np.asarray(prediction), np.asarray(reference))
             hits[int(position)] += int(hit)
             counts[int(position)] += 1
-        total = sum(counts.values())
         return {
-            "accuracy": sum(hits.values()) / total if total else float("nan"),
+            "accuracy": sum(hits.values()) / len(predictions),  # not 0: every input with no example is refused
             "accuracy_by_position": {p: hits[p] / counts[p] for p in sorted(counts)},
             "count_by_position": {p: counts[p] for p in sorted(counts)},
         }

@@ -94,7 +94,7 @@ class Perplexity(evaluate.Metric):
                 "perplexity needs references with the predictions: per example, the n labels of its (n, vocab) "
                 "logits (ignore_index for positions not scored)."
             )
-        if self.config_name != "losses" and _sized(predictions) and _sized(references):
+        if self.config_name != "losses" and hasattr(predictions, "__len__") and hasattr(references, "__len__"):
             if len(predictions) != len(references):
                 raise ValueError(
                     f"perplexity got {len(predictions)} predictions and {len(references)} references: one list of "
@@ -103,7 +103,7 @@ class Perplexity(evaluate.Metric):
             for index, labels in enumerate(references):
                 _check_labels(index, labels)
         # evaluate casts what it is given to the features ("1" to 1.0, True to 1): check the raw values first
-        if _sized(predictions):
+        if hasattr(predictions, "__len__"):
             for index, numbers in enumerate(predictions):
                 _check_numbers("losses" if self.config_name == "losses" else "logits", index, numbers)
 
@@ -160,14 +160,10 @@ def _exp(loss: float) -> float:
     return math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
 
 
-def _sized(value) -> bool:
-    return value is not None and hasattr(value, "__len__")
-
-
 def _check_labels(index: int, labels) -> None:
     """Example `index`'s labels are integers: evaluate casts True and "1" to 1, and refuses 1.2 without saying where."""
     labels = labels.tolist() if hasattr(labels, "tolist") else labels
-    if isinstance(labels, str) or not _sized(labels):
+    if isinstance(labels, str) or not hasattr(labels, "__len__"):
         raise ValueError(f"perplexity: the labels of example {index} are {labels!r}: give each example a list.")
     for position, label in enumerate(labels):
         if isinstance(label, bool | np.bool_) or not isinstance(label, int | np.integer):
@@ -178,27 +174,24 @@ def _check_labels(index: int, labels) -> None:
 
 
 def _check_numbers(name: str, index: int, numbers) -> None:
-    """Example `index`'s logits or losses are numbers: evaluate would read True as 1 and "1" as 1.0."""
-    try:
-        kind = _number_kind(numbers)
-    except ValueError:  # rows of different widths: `_logits_array` says so
-        return
+    """Example `index`'s logits or losses are numbers: evaluate would read True as 1 and "1" as 1.0. NumPy's kind of
+    the values is read from an array's or a tensor's dtype (a vocabulary's logits made into Python floats would cost
+    seconds and gigabytes), of anything else from NumPy's reading of it."""
+    dtype = getattr(numbers, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        kind = dtype.kind
+    elif hasattr(dtype, "is_floating_point"):  # a torch tensor, whose dtypes NumPy does not all have (bfloat16)
+        kind = (
+            "f" if dtype.is_floating_point else "c" if dtype.is_complex else "b" if str(dtype) == "torch.bool" else "i"
+        )
+    else:
+        try:
+            kind = np.asarray(numbers).dtype.kind
+        except ValueError:  # rows of different widths: `_logits_array` says so
+            return
     if kind not in "iuf":
         found = {"b": "bools", "U": "strings"}.get(kind, "values that are no numbers")
         raise ValueError(f"perplexity: the {name} of example {index} are {found}: they must be numbers (int or float).")
-
-
-def _number_kind(numbers) -> str:
-    """NumPy's kind of the values ("f", "i", "b", ...): of an array or a tensor by its dtype (a vocabulary's logits made
-    into Python floats would cost seconds and gigabytes), of anything else by NumPy's reading of it."""
-    dtype = getattr(numbers, "dtype", None)
-    if isinstance(dtype, np.dtype):
-        return dtype.kind
-    if hasattr(dtype, "is_floating_point"):  # a torch tensor, whose dtypes NumPy does not all have (bfloat16)
-        return (
-            "f" if dtype.is_floating_point else "c" if dtype.is_complex else "b" if str(dtype) == "torch.bool" else "i"
-        )
-    return np.asarray(numbers).dtype.kind
 
 
 def _checked_losses(index: int, row) -> np.ndarray:
