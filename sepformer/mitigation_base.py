@@ -589,9 +589,18 @@ class LayerRun:
             return cls(plan, position_ids, cache, padding_mask, device, read_positions=position_ids)
         kv_length = (cache.get_seq_length() if cache is not None else 0) + new_tokens
         rotary_base, map_base = plan.position_bases()
-        read = plan.read_positions(position_ids)
-        mask = plan.mask_function(padding_mask, kv_length, device)
-        return cls(plan, position_ids, cache, padding_mask, device, read, kv_length, mask, rotary_base, map_base)
+        return cls(
+            plan,
+            position_ids,
+            cache,
+            padding_mask,
+            device,
+            read_positions=plan.read_positions(position_ids),
+            kv_length=kv_length,
+            mask_function=plan.mask_function(padding_mask, kv_length, device),
+            rotary_base=rotary_base,
+            map_base=map_base,
+        )
 
     def start(self, dtype: torch.dtype, table_positions=None, position_rows=None) -> MitigationPlan | None:
         """The plan started on this run (`None` without one): `table_positions` where a positional map was read (the
