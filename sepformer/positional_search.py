@@ -133,7 +133,7 @@ def sepformer_channel_sets(position_size: int) -> list[tuple[int, ...]]:
     while size < position_size:
         sets += [tuple(range(start, start + size)) for start in range(0, position_size - size + 1, size)]
         size *= 2
-    return [*sets, tuple(range(position_size))]
+    return sets if position_size == 1 else [*sets, tuple(range(position_size))]  # one channel is the whole block
 
 
 # ----------------------------------------------------------------------------------------------------- the loss

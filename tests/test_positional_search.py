@@ -445,3 +445,15 @@ def test_the_filters_options_are_checked_and_refused_where_no_filter_runs():
     gpt2_batches = [{"input_ids": ids, "labels": labels, "gold_position": torch.arange(4)}]
     with pytest.raises(ValueError, match=r"skip=3 would be ignored"):
         search_positional_scaling(gpt2, gpt2_batches, channel_sets=[(0,)], skip=3)
+
+
+@pytest.mark.parametrize("position_size", [1, 2, 3, 6, 8, 32])
+def test_sepformer_candidates_are_each_channel_its_aligned_groups_and_the_block_each_once(position_size):
+    expected = {(channel,) for channel in range(position_size)} | {tuple(range(position_size))}
+    size = 2
+    while size < position_size:
+        expected |= {tuple(range(start, start + size)) for start in range(0, position_size - size + 1, size)}
+        size *= 2
+    sets = positional_search.sepformer_channel_sets(position_size)
+    assert len(sets) == len(set(sets)) and set(sets) == expected
+    assert position_size != 32 or len(sets) == 63  # 32 + 16 + 8 + 4 + 2 + 1
