@@ -29,7 +29,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make_norm
+from .blocks import BlockDiagonal, SepFormerMLP, block_diagonal, block_norm
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .decoding import fused_layer
@@ -139,8 +139,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
             SepFormerMLP(config, config.semantic_size, config.semantic_intermediate_size),
             config.position_size,
         )
-        self.input_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
-        self.post_attention_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
+        self.input_layernorm = block_norm(config)
+        self.post_attention_layernorm = block_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.config = config
         self.layer_idx = layer_idx
@@ -306,7 +306,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         self.layers = nn.ModuleList(
             [SepFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
+        self.norm = block_norm(config)
         self.rotary_emb = SepFormerRotaryEmbedding(config) if config.rotary_dim > 0 else None
         self.gradient_checkpointing = False
         self.post_init()
