@@ -139,18 +139,15 @@ class PositionalMap:
                 f"position_table_size={self.position_range} rows; train on shorter sequences."
             )
         if self.random_offsets:
-            return self.offset_positions(position_ids, batch, highest)
+            # Half the rows shifted by a random offset, so that every row of the table gets trained; the other half
+            # keep theirs: inference starts at 0, and with uniform offsets alone row 0 would be trained by one
+            # sequence in `position_table_size - seq` only.
+            offsets = torch.randint(0, self.position_range - highest, (batch, 1), device=position_ids.device)
+            keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
+            return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
         return randomized_positions(
             position_ids.expand(batch, -1), highest + 1, self.position_range, self.per_sequence_range
         )
-
-    def offset_positions(self, position_ids: torch.LongTensor, batch: int, highest: int) -> torch.LongTensor:
-        """Half the rows shifted by a random offset so that every row of the table gets trained. The other half keep
-        their positions: inference starts at 0, and with uniform offsets alone row 0 would be trained by one sequence
-        in `position_table_size - seq` only."""
-        offsets = torch.randint(0, self.position_range - highest, (batch, 1), device=position_ids.device)
-        keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
-        return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
 
 
 def randomized_positions(
