@@ -36,9 +36,8 @@ class GrowingLayer(DynamicLayer):
         return grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        length = self.get_seq_length()
         if (
-            length == 0
+            self.get_seq_length() == 0
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
             or not (fits_in_place(self.keys, key_states) and fits_in_place(self.values, value_states))
@@ -143,8 +142,8 @@ class SepFormerCache(DynamicCache):
         a prefill, which starts a new generation."""
         self.prefill_options: dict[str, Any] | None = None
         self.mitigation_state: dict[str, MitigationState] = {}
-        self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
-        self.row_copies = 1  # copies of each batch row the cache holds, side by side (several attention buckets)
+        self.derived: dict[Hashable, Any] = {}
+        self.row_copies = 1
 
     def start_generation(self) -> None:
         """Drop what an earlier generation made from the weights, which may have changed since (or be another model's),

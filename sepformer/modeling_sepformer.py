@@ -215,10 +215,9 @@ class SepFormerPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
-        the Hub code files first, the config after): a refused save writes nothing. It writes into a staging folder
-        beside `save_directory` and moves the files in once all are written, so a save that fails (a full disk, a
-        weights file that cannot be written) leaves the folder as it was; a push to the Hub, which uploads the folder
-        it saved to, saves in place."""
+        the Hub code files first, the config after): a refused save writes nothing. It saves into a staging folder
+        (`staged`), so a save that fails (a full disk, a weights file that cannot be written) leaves the folder as it
+        was; a push to the Hub, which uploads the folder it saved to, saves in place."""
         if os.path.isfile(save_directory):  # transformers logs an error and returns
             raise ValueError(
                 f"save_pretrained: {os.fspath(save_directory)!r} is a file; give a folder (made if absent)."
