@@ -1,5 +1,6 @@
 """SepFormer's block-diagonal modules: one module per subspace of `[x_pos ‖ x_sem]`, nothing crosses between them."""
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -61,10 +62,10 @@ def block_diagonal(
     return kind(position, make(config.semantic_size), config.position_size)
 
 
-def make_norm(config, width: int) -> nn.Module:
-    if config.norm_type == "rmsnorm":
-        return nn.RMSNorm(width, eps=config.norm_eps)
-    return nn.LayerNorm(width, eps=config.norm_eps)
+def block_norm(config) -> "BlockNorm":
+    """A `BlockNorm` of the config's `norm_type`, one RMSNorm or LayerNorm per block."""
+    norm = nn.RMSNorm if config.norm_type == "rmsnorm" else nn.LayerNorm
+    return block_diagonal(config, lambda width: norm(width, eps=config.norm_eps), BlockNorm)
 
 
 @cached_constant(maxsize=8)
@@ -94,21 +95,22 @@ class BlockNorm(BlockDiagonal):
         if torch.is_autocast_enabled(x.device.type):  # the matmuls below would run in half precision
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x)
-        averaging, eps, indicator = block_statistics(
-            self.position_size, x.shape[-1] - self.position_size, self.semantic.eps, x.device
-        )
-        h = x.float().reshape(-1, x.shape[-1])  # (rows, d): 2D matmuls, no reshapes around each
-        return rms_normed_rows(h, averaging, eps, self.block_weights(indicator)).view(x.shape).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])  # (rows, d): 2D matmuls, no reshapes around each
+        return self.normed_rows(x.shape[-1] - self.position_size, x.device)(rows).view(x.shape)
 
-    def block_weights(self, indicator: torch.Tensor) -> torch.Tensor:
-        """float32 `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere."""
-        return indicator * torch.cat((self.position.weight, self.semantic.weight)).float()
+    def normed_rows(self, semantic_size: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The RMS norm of rows (rows, d), its float32 constants made now (the decoding steps make it once): the
+        `block_statistics` and the `(2, d)` weights, row j block j's weight on its coordinates and 0 elsewhere."""
+        averaging, eps, indicator = block_statistics(self.position_size, semantic_size, self.semantic.eps, device)
+        weights = indicator * torch.cat((self.position.weight, self.semantic.weight)).float()
+        return functools.partial(rms_normed_rows, averaging=averaging, eps=eps, weights=weights)
 
 
-def rms_normed_rows(h: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """float32 rows (rows, d), each block RMS-normed and times its weights: `block_statistics` and `block_weights`."""
+def rms_normed_rows(rows: torch.Tensor, averaging: torch.Tensor, eps: torch.Tensor, weights: torch.Tensor):
+    """Rows (rows, d), each block RMS-normed in float32 and times its weights, back in their dtype."""
+    h = rows.float()
     inverse_rms = torch.addmm(eps, h * h, averaging).rsqrt_()  # (rows, 2): one per block
-    return h * (inverse_rms @ weights)
+    return (h * (inverse_rms @ weights)).to(rows.dtype)
 
 
 class SepFormerMLP(nn.Module):

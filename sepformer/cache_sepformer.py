@@ -8,19 +8,13 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose decoding steps write their keys and values in place, into buffers with room to grow.
+    """A `DynamicLayer` whose decoding steps write their keys and values in place, into buffers with room to grow
+    (docs/design.md, "Decoding steps"), where `DynamicLayer.update` concatenates the whole cache at every step.
 
-    `DynamicLayer.update` copies the whole cache at every decoding step (`torch.cat`): at a few hundred tokens that
-    copy costs about as much as a layer's matmuls. Here a prefill stores its states as `DynamicLayer` does; the first
-    decoding step copies the cache into buffers with room for `max(128, n / 8)` more tokens, and each later step
-    copies its new tokens only, the keys and values being the buffers' leading tokens; when the room runs out the cache
-    is copied into larger buffers. Any other assignment of the keys or values (`DynamicLayer`'s `crop`, beam
-    reordering, repeats, selection, offloading, `reset`, or a caller's) drops the buffers, and the next step makes them
-    anew, so a step never writes where a tensor handed out before can see it (a shallow copy of a layer shares its
-    buffers, as it shares `DynamicLayer`'s tensors); buffers made under `torch.inference_mode` are made again by a step
-    outside it, which may not write into them. With autograd on, under `torch.compile`, or for states whose
-    dtype, device or shape differ from the cache's, it concatenates as `DynamicLayer` does (which promotes a dtype and
-    refuses another batch).
+    A prefill stores its states as `DynamicLayer` does; a decoding step copies its new tokens only, the keys and values
+    being the buffers' leading tokens (`appended_in_place`). Any other assignment of the keys or values drops the
+    buffers, so a step never writes where a tensor handed out before can see it. With autograd on, under
+    `torch.compile`, or for states of another dtype, device or shape, it concatenates as `DynamicLayer` does.
     """
 
     key_buffer: torch.Tensor | None = None
@@ -42,9 +36,8 @@ class GrowingLayer(DynamicLayer):
         return grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        length = self.get_seq_length()
         if (
-            length == 0
+            self.get_seq_length() == 0
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
             or not (fits_in_place(self.keys, key_states) and fits_in_place(self.values, value_states))
@@ -116,17 +109,13 @@ class MitigationState:
 
 
 class SepFormerCache(DynamicCache):
-    """A `DynamicCache` that also holds the generation's mitigation state and fused decoding projections.
+    """A `DynamicCache` that also holds what a generation fixes at prefill and reuses at every decoding step.
 
     `forward` makes one when `use_cache=True` and no cache is given, and so does `generate`. The mitigations' state
-    follows the batch through `generate`'s batch operations (beam search reorders it, several return sequences repeat
-    it), so each beam or sequence keeps the state of the row it came from; a crop applies to it too, and a `reset` (or
-    a crop of every token) drops it, for the next call is a prefill.
-
-    A cache is one generation: what its decoding steps made from the weights (`derived`) is used until it is emptied,
-    or until a new `generate` call continues it (transformers' multi-turn recipe), which starts from the current weights
-    (`start_generation`). After the weights change (an optimiser step, a load, a `.data` write), calling `forward`
-    yourself, continue with a new cache or a `reset` one.
+    follows `generate`'s batch operations, so each beam or sequence keeps the state of the row it came from; a `reset`
+    (or a crop of every token) drops it, for the next call is a prefill. What the decoding steps make from the weights
+    (`derived`) is used until the cache is emptied or a new `generate` call continues it (`start_generation`); after
+    the weights change otherwise, continue with a new cache or a `reset` one (docs/design.md, "What is kept").
 
     Fields:
         prefill_options: the options that fixed state at prefill, by keyword; a continued call must give the same.
@@ -153,8 +142,8 @@ class SepFormerCache(DynamicCache):
         a prefill, which starts a new generation."""
         self.prefill_options: dict[str, Any] | None = None
         self.mitigation_state: dict[str, MitigationState] = {}
-        self.derived: dict[Hashable, Any] = {}  # an emptied cache starts a new generation
-        self.row_copies = 1  # copies of each batch row the cache holds, side by side (several attention buckets)
+        self.derived: dict[Hashable, Any] = {}
+        self.row_copies = 1
 
     def start_generation(self) -> None:
         """Drop what an earlier generation made from the weights, which may have changed since (or be another model's),

@@ -16,11 +16,8 @@ from .cache_sepformer import SepFormerCache
 def derived_store(cache) -> dict | None:
     """Where a call may keep tensors derived from the weights (rows of a positional map, weights laid out for the
     decoding steps): the `SepFormerCache` of its generation, outside autograd and `torch.compile`; `None` otherwise.
-
-    Nothing derived from the weights outlives the call that computed it, except on the cache of one generation, which
-    is dropped with it. Within a generation the weights do not change; across calls nothing is assumed: fused optimizers
-    and writes through `.data` change weights without moving their version counters or addresses, so no version or
-    address can tell whether a kept tensor is still current."""
+    Nothing else is kept: fused optimizers and writes through `.data` change weights without moving their version
+    counters or addresses, so nothing could tell whether a tensor kept across calls is still current."""
     if isinstance(cache, SepFormerCache) and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return cache.derived
     return None

@@ -29,7 +29,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .blocks import BlockDiagonal, BlockNorm, SepFormerMLP, block_diagonal, make_norm
+from .blocks import BlockDiagonal, SepFormerMLP, block_diagonal, block_norm
 from .cache_sepformer import SepFormerCache
 from .configuration_sepformer import SepFormerConfig
 from .decoding import fused_layer
@@ -84,21 +84,15 @@ class SepFormerAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`hidden_states`: the layer's normed input (b, seq, d_model); `layer_call`: the rest of the layer's call."""
         query_input, key_input = layer_call.hooks.query_key_inputs(self.layer_idx, hidden_states)
-        query_states, key_states = self.project_query_key(query_input, key_input)
+        query_states, key_states = self.by_head(self.q_proj(query_input)), self.by_head(self.k_proj(key_input))
         # Value heads may straddle the two blocks: attention mixes rows (tokens), never columns, so they stay apart.
-        value_states = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        value_states = self.by_head(self.v_proj(hidden_states))
         query_states, key_states = self.apply_positions(query_states, key_states, layer_call)
         attn_output, attn_weights = self.attend(
             query_states, key_states, value_states, hidden_states, layer_call, **kwargs
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()  # (b, seq, d_model)
         return self.o_proj(attn_output), attn_weights
-
-    def project_query_key(
-        self, query_input: torch.Tensor, key_input: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, seq, d_model) inputs -> (b, heads, seq, head_dim) queries and keys."""
-        return self.by_head(self.q_proj(query_input)), self.by_head(self.k_proj(key_input))
 
     def by_head(self, states: torch.Tensor) -> torch.Tensor:
         """(b, seq, heads · head_dim) -> (b, heads, seq, head_dim)."""
@@ -139,8 +133,8 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
             SepFormerMLP(config, config.semantic_size, config.semantic_intermediate_size),
             config.position_size,
         )
-        self.input_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
-        self.post_attention_layernorm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
+        self.input_layernorm = block_norm(config)
+        self.post_attention_layernorm = block_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.config = config
         self.layer_idx = layer_idx
@@ -221,10 +215,9 @@ class SepFormerPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, after the checks that would otherwise fail halfway (transformers writes
-        the Hub code files first, the config after): a refused save writes nothing. It writes into a staging folder
-        beside `save_directory` and moves the files in once all are written, so a save that fails (a full disk, a
-        weights file that cannot be written) leaves the folder as it was; a push to the Hub, which uploads the folder
-        it saved to, saves in place."""
+        the Hub code files first, the config after): a refused save writes nothing. It saves into a staging folder
+        (`staged`), so a save that fails (a full disk, a weights file that cannot be written) leaves the folder as it
+        was; a push to the Hub, which uploads the folder it saved to, saves in place."""
         if os.path.isfile(save_directory):  # transformers logs an error and returns
             raise ValueError(
                 f"save_pretrained: {os.fspath(save_directory)!r} is a file; give a folder (made if absent)."
@@ -306,7 +299,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
         self.layers = nn.ModuleList(
             [SepFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = block_diagonal(config, lambda width: make_norm(config, width), BlockNorm)
+        self.norm = block_norm(config)
         self.rotary_emb = SepFormerRotaryEmbedding(config) if config.rotary_dim > 0 else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -374,9 +367,7 @@ class SepFormerModel(SepFormerPreTrainedModel):
 
     @property
     def decoder_positions(self) -> ModelPositions:
-        """What the mitigations ask of its positions. Its attention scores are q·k and the mask, its queries and keys
-        read the layer's input, and its positions count from each row's first token: the plain answers, with its rotary
-        and positional map."""
+        """What the mitigations ask of its positions: the plain answers, with its rotary and positional map."""
         return ModelPositions.of_sepformer(self)
 
     def layer_inputs(
@@ -395,16 +386,16 @@ class SepFormerModel(SepFormerPreTrainedModel):
             position_ids=position_ids,  # the tokens' own: rewritten positions would read as packed sequences
             and_mask_function=reading.mask_function,
         )
-        table_positions, position_rows = self.position_rows(
-            reading.read_positions,
-            inputs_embeds,
-            extrapolation,
-            base_tensor(reading.map_base),
-            continuing,
-            past_key_values,
-        )
+        table_positions, position_rows = reading.read_positions, None
         hidden_states = inputs_embeds  # (b, seq, d_sem)
-        if position_rows is not None:  # [p(i) ‖ s(t)]
+        if self.embed_positions is not None:  # [p(i) ‖ s(t)]
+            if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
+                table_positions = self.embed_positions.training_positions(table_positions, inputs_embeds.shape[0])
+            map_base = base_tensor(reading.map_base)
+            map_reading = {} if map_base is None else {"base": map_base}
+            store = derived_store(past_key_values)
+            position_rows = self.embed_positions(table_positions, extrapolation, store=store, **map_reading)
+            position_rows = position_rows.to(inputs_embeds.dtype)  # (b or 1, seq, d_pos)
             hidden_states = torch.cat((position_rows.expand(inputs_embeds.shape[0], -1, -1), inputs_embeds), dim=-1)
         hidden_states = self.embed_dropout(hidden_states)
         position_embeddings = None
@@ -416,19 +407,6 @@ class SepFormerModel(SepFormerPreTrainedModel):
         return hidden_states, dict(
             attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=started
         )
-
-    def position_rows(self, read_positions, inputs_embeds, extrapolation, map_base, continuing, past_key_values):
-        """`(table_positions, p(table_positions))`: where the positional map is read, and its rows there
-        (b or 1, seq, d_pos); `None` for the rows without a positional block."""
-        if self.embed_positions is None:
-            return read_positions, None
-        table_positions = read_positions
-        if self.training and not continuing:  # drawn for whole sequences: a call continuing a cache reads its own
-            table_positions = self.embed_positions.training_positions(read_positions, inputs_embeds.shape[0])
-        map_reading = {} if map_base is None else {"base": map_base}
-        store = derived_store(past_key_values)
-        rows = self.embed_positions(table_positions, extrapolation, store=store, **map_reading)
-        return table_positions, rows.to(inputs_embeds.dtype)
 
     def embed_ids(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """`embed_tokens(input_ids)`, naming an id outside the vocabulary where the embedding refuses it (a CPU's

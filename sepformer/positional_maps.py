@@ -3,15 +3,8 @@
 Three maps: a learned table (`LearnedPositions`), the fixed sinusoid (`SinusoidalPositions`) and a B-spline with learned
 control points (`BSplinePositions`). Each map takes `position_ids` of shape (batch or 1, seq), integer or fractional,
 and returns rows of shape (batch or 1, seq, d_pos). Past the `L` rows of a learned table, rows come from an
-extrapolation method:
-
-| method        | `p(i)` for `i >= L`                                                                      |
-|---------------|------------------------------------------------------------------------------------------|
-| `none`        | a `ValueError` naming the position, `L` and the methods                                  |
-| `clamp`       | `p(L-1)`                                                                                 |
-| `sinusoidal`  | `σ · PE(i)`, `σ` the std of the table (discontinuous at `L`: a different map)            |
-| `fourier`     | the inverse DFT of the table's top-K coefficients per dimension, periodic with period L  |
-| `interpolate` | positions compressed into `[0, L-1]`: `i · (L-1)/(n-1)` for a sequence of `n > L` tokens  |
+extrapolation method (`none`, `clamp`, `sinusoidal`, `fourier`, `interpolate`): docs/design.md, section 3, gives each
+formula.
 """
 
 import dataclasses
@@ -85,8 +78,8 @@ def interpolate_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return torch.lerp(table[low], table[high], weight)
 
 
-# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows (the
-# module's docstring gives each formula), registered under their names in `positional_options.EXTRAPOLATION_METHODS`.
+# The methods that make rows past a learned table: `(table, positions >= L, extrapolation) -> (n, d_pos)` rows, each
+# registered under its name in `positional_options.EXTRAPOLATION_METHODS` (docs/design.md, section 3, the formulas).
 EXTRAPOLATIONS = {
     "clamp": lambda table, positions, extrapolation: table[-1:].expand(positions.shape[0], -1),
     "sinusoidal": lambda table, positions, extrapolation: (
@@ -96,7 +89,9 @@ EXTRAPOLATIONS = {
 }
 
 
-MAX_ROWS_VALUES = 2**24  # rows past a learned table made and kept for a generation: at most 64 MB in float32
+# Rows past a learned table made and kept for a generation: at most 64 MB in float32. A position far past the table
+# (34 GB of rows up to position 10^9 at `d_pos = 8`) reads the method's rows at the call's positions only.
+MAX_ROWS_VALUES = 2**24
 
 
 def position_range(positions: torch.Tensor) -> tuple[int | float, int | float]:
@@ -144,18 +139,15 @@ class PositionalMap:
                 f"position_table_size={self.position_range} rows; train on shorter sequences."
             )
         if self.random_offsets:
-            return self.offset_positions(position_ids, batch, highest)
+            # Half the rows shifted by a random offset, so that every row of the table gets trained; the other half
+            # keep theirs: inference starts at 0, and with uniform offsets alone row 0 would be trained by one
+            # sequence in `position_table_size - seq` only.
+            offsets = torch.randint(0, self.position_range - highest, (batch, 1), device=position_ids.device)
+            keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
+            return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
         return randomized_positions(
             position_ids.expand(batch, -1), highest + 1, self.position_range, self.per_sequence_range
         )
-
-    def offset_positions(self, position_ids: torch.LongTensor, batch: int, highest: int) -> torch.LongTensor:
-        """Half the rows shifted by a random offset so that every row of the table gets trained. The other half keep
-        their positions: inference starts at 0, and with uniform offsets alone row 0 would be trained by one sequence
-        in `position_table_size - seq` only."""
-        offsets = torch.randint(0, self.position_range - highest, (batch, 1), device=position_ids.device)
-        keep = torch.rand(batch, 1, device=position_ids.device) < 0.5
-        return position_ids + offsets.masked_fill(keep, 0)  # (b, seq)
 
 
 def randomized_positions(
@@ -184,27 +176,32 @@ class LearnedPositions(nn.Embedding, PositionalMap):
     def forward(
         self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation, store: dict | None = None
     ) -> torch.Tensor:
-        """`store`: where the generation keeps rows past the table between its steps (`derived_store`), or `None`."""
+        """`store`: where the generation keeps rows past the table between its steps (`derived_store`), or `None`.
+        Fractional positions (MS-PoE's `p(i / r)`) read linearly between rows."""
         if torch.compiler.is_compiling():
             return self.traceable(position_ids, extrapolation)
-        if position_ids.is_floating_point():
-            return self.fractional(position_ids, extrapolation, store)
-        if position_ids.numel() == 0:
+        fractional = position_ids.is_floating_point()
+        if position_ids.numel() == 0 and not fractional:
             return super().forward(position_ids)
         low, high = position_range(position_ids)
-        if extrapolation.method == "interpolate":
+        if extrapolation.method == "interpolate" and not fractional:
             return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))
-        length = self.num_embeddings
-        if high < length:
-            return super().forward(position_ids)
-        if extrapolation.method == "clamp":  # the last row, at any position: no rows to make up to the highest
-            return super().forward(position_ids.clamp(max=length - 1))
-        if self.too_many_rows(high + 1, extrapolation):  # the method's rows at the call's positions only
-            return self.traceable(position_ids, extrapolation)
-        rows = self.rows_past_table(high + 1, extrapolation, store)  # rows L, L+1, ...
-        if low >= length:  # every position past the table (cached decoding past L): no copy of the table
-            return nn.functional.embedding(position_ids - length, rows)
-        return nn.functional.embedding(position_ids, torch.cat((self.weight, rows)))  # (capacity, d_pos) table
+
+        def read(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return interpolate_rows(table, positions) if fractional else nn.functional.embedding(positions, table)
+
+        length, needed = self.num_embeddings, math.ceil(high) + 1
+        if needed > length and extrapolation.method == "clamp":  # the last row past the table: no rows to make
+            position_ids = position_ids.clamp(max=length - 1)
+        elif needed > length:
+            past_rows = capacity_for(needed, length) - length  # what `rows_past_table` would make and keep
+            if extrapolation.method in EXTRAPOLATIONS and past_rows * self.embedding_dim > MAX_ROWS_VALUES:
+                return self.traceable(position_ids, extrapolation)  # far past the table: the rows at these positions
+            rows = self.rows_past_table(needed, extrapolation, store)  # rows L, L+1, ...
+            if low >= length and not fractional:  # every position past the table (cached decoding past L): no copy
+                return nn.functional.embedding(position_ids - length, rows)
+            return read(torch.cat((self.weight, rows)), position_ids)  # (capacity, d_pos) table
+        return read(self.weight, position_ids)
 
     def table_coordinates(self, position_ids: torch.Tensor, extrapolation: PositionExtrapolation) -> torch.Tensor:
         """Where in the table each position is read: itself, except under `interpolate` past the table (compressed).
@@ -226,26 +223,6 @@ class LearnedPositions(nn.Embedding, PositionalMap):
             row_needed = torch.full_like(row_needed, extrapolation.length)
         compressed = compress_positions(position_ids, length, row_needed.clamp(min=2))
         return torch.where(row_needed > length, compressed, position_ids)  # identity for rows of at most L positions
-
-    def fractional(
-        self, positions: torch.Tensor, extrapolation: PositionExtrapolation, store: dict | None
-    ) -> torch.Tensor:
-        """Rows at fractional positions (MS-PoE's `p(i / r)`): linear interpolation between rows."""
-        _, high = position_range(positions)
-        needed = math.ceil(high) + 1
-        if needed <= self.num_embeddings or extrapolation.method == "clamp":  # clamp: the last row past the table
-            return interpolate_rows(self.weight, positions.clamp(max=self.num_embeddings - 1))
-        if self.too_many_rows(needed, extrapolation):
-            return self.traceable(positions, extrapolation)
-        rows = self.rows_past_table(needed, extrapolation, store)
-        return interpolate_rows(torch.cat((self.weight, rows)), positions)
-
-    def too_many_rows(self, needed: int, extrapolation: PositionExtrapolation) -> bool:
-        """Whether the rows `rows_past_table` would make and keep for a position `needed - 1` take more than
-        `MAX_ROWS_VALUES` values (a position far past the table: 34 GB of rows up to position 10^9 at `d_pos = 8`).
-        A call then computes the method's rows at its own positions only, and keeps none."""
-        rows = capacity_for(needed, self.num_embeddings) - self.num_embeddings
-        return extrapolation.method in EXTRAPOLATIONS and rows * self.embedding_dim > MAX_ROWS_VALUES
 
     def rows_past_table(self, needed: int, extrapolation: PositionExtrapolation, store: dict | None) -> torch.Tensor:
         """Extrapolated rows `L, L+1, ...`, at least up to row `needed - 1`.

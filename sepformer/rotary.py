@@ -39,10 +39,8 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch
 
 
 def apply_partial_rotary(q, k, cos, sin):
-    """Rotate the first `cos.shape[-1]` dimensions of each head of `q` and `k` (b, heads, seq, head_dim).
-
-    `cos`/`sin`: (b, seq, rotary_dim), shared by the heads, or (b, heads, seq, rotary_dim), one angle per head (MS-PoE).
-    """
+    """`rotate_partial` of `q` and `k` (b, heads, seq, head_dim); `cos`/`sin` (b, seq, rotary_dim), shared by the
+    heads, or (b, heads, seq, rotary_dim), one angle per head (MS-PoE)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     return rotate_partial(q, cos, sin), rotate_partial(k, cos, sin)
