@@ -181,8 +181,8 @@ class LearnedPositions(nn.Embedding, PositionalMap):
         if torch.compiler.is_compiling():
             return self.traceable(position_ids, extrapolation)
         fractional = position_ids.is_floating_point()
-        if position_ids.numel() == 0 and not fractional:
-            return super().forward(position_ids)
+        if position_ids.numel() == 0:
+            return super().forward(position_ids.long())
         low, high = position_range(position_ids)
         if extrapolation.method == "interpolate" and not fractional:
             return interpolate_rows(self.weight, self.table_coordinates(position_ids, extrapolation))

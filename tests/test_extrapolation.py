@@ -71,6 +71,8 @@ def test_a_method_reads_a_position_far_past_the_table_at_that_position_without_m
     halves = table(torch.tensor([[L - 1.5, 1e9 + 0.5]], dtype=torch.float64), extrapolation)[0].detach()
     expected_far = (formula(torch.tensor([10**9])) + formula(torch.tensor([10**9 + 1]))) / 2
     torch.testing.assert_close(halves, torch.cat(((weight[L - 2 : L - 1] + weight[L - 1 :]) / 2, expected_far)))
+    for no_positions in (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0)):  # integer and fractional: no rows
+        assert table(no_positions, extrapolation).shape == (1, 0, weight.shape[1])
 
 
 def test_a_method_assigned_to_a_live_config_is_checked_at_the_next_call():
