@@ -276,9 +276,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
         inputs = forward_inputs(self, args, kwargs)
         cache = inputs.get("past_key_values")
         kept = plan_kept_for(cache, self.config, options) if plan is None else None  # checked when it was resolved
-        # a cache that holds what a prefill with options fixed: a call continuing it is checked against them
-        prefill_state = isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
-        if plan is None and kept is None and not parse_options(self.config, options) and not prefill_state:
+        if plan is None and kept is None and not parse_options(self.config, options) and not holds_prefill_state(cache):
             return super().forward(*args, **kwargs)
         if kept is not None:
             plan = kept_plan(self.call_context(inputs), kept)
@@ -404,6 +402,11 @@ def call_tokens(inputs: dict) -> torch.Tensor:
 
 
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def holds_prefill_state(cache) -> bool:
+    """Whether `cache` holds what a prefill with options fixed: a call continuing it is checked against them."""
+    return isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
 
 
 @functools.cache

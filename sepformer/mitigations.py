@@ -71,7 +71,8 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     `default_options(config)` (StableMask's is the config's); `False` switches it off for the call."""
     parsed = {}
     for name, mitigation in MITIGATIONS.items():
-        value = given_option(config, options, name)[0]
+        value = options.get(name)
+        value = mitigation.default_options(config) if value is None else value
         if value is not False and (value := mitigation.options_class.parse(value)) is not None:
             parsed[name] = value
     return parsed
