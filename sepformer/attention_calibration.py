@@ -94,12 +94,11 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
 
 @dataclass(eq=False)
 class CalibrationState(MitigationState):
-    """What calibration keeps on the cache: per calibrated layer, the (b, H, K) `bias(k)` (the attention on a dummy
-    document at slot `k`), the (b, K, 2) document spans of each row, counted from its first real token, and the
-    prompt keys' documents (`KeyDocuments`' tensors, made at prefill: a decoding step's key lies in none)."""
+    """What calibration keeps on the cache from prefill: `bias(k)` and the prompt keys' documents (`KeyDocuments`'
+    tensors: a decoding step's key lies in none)."""
 
-    spans: torch.Tensor
-    bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    spans: torch.Tensor  # (b, K, 2), counted from each row's first real token
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)  # per calibrated layer, (b, H, K)
     membership: torch.Tensor | None = None  # (b, P, K)
     sizes: torch.Tensor | None = None  # (b, 1, K)
     outside: torch.Tensor | None = None  # (b, 1, P)

@@ -42,11 +42,8 @@ def by_head(by_rank: torch.Tensor, head_ranks: torch.Tensor) -> torch.Tensor:
 
 
 def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """MS-PoE's `S_P = (1/l) Σ_i 1(A_i >= 3 · mean(A))` per head.
-
-    `probs`: (b, H, kv) the last query's attention row; `valid`: (b, 1 or H, kv) the keys it may attend (padding
-    excluded), `l` their number. Returns (b, H).
-    """
+    """(b, H) MS-PoE's `S_P = (1/l) Σ_i 1(A_i >= 3 · mean(A))` of the last query's row `probs` (b, H, kv), over the
+    `l` keys it may attend, `valid` (b, 1 or H, kv)."""
     count = valid.sum(-1, dtype=probs.dtype)  # (b, 1 or H): l
     mean = (probs * valid).sum(-1) / count  # (b, H)
     return ((probs >= 3 * mean[..., None]) & valid).sum(-1, dtype=probs.dtype) / count
@@ -59,12 +56,9 @@ def head_ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 def head_ratios(option: MSPoE, scores: torch.Tensor) -> torch.Tensor:
-    """Each head's ratio from its score (b, H): the highest score gets `r_min`, ties broken by head index.
-
-    This is the paper's stated semantics, `r_h = r[rank(h)]`: the ratios are scattered through the *inverse* of the
-    sort permutation. The authors' code indexes with the sort permutation itself, which gives head `order[i]`'s ratio
-    to head `i`; the two agree only when the permutation is its own inverse.
-    """
+    """Each head's ratio from its score (b, H): the highest score gets `r_min`, ties broken by head index. This is the
+    paper's `r_h = r[rank(h)]`, through the *inverse* of the sort permutation; the authors' code indexes with the
+    permutation itself (docs/design.md, MS-PoE)."""
     return ms_poe_ratios(option, scores.shape[-1]).to(scores.device)[head_ranks(scores)]
 
 
@@ -159,9 +153,9 @@ class MSPoEState(MitigationState):
         self.rooms.pop((part, layer), None)
 
     def written_after(self, part: str, layer: int, seen: int, new: torch.Tensor) -> torch.Tensor | None:
-        """The layer's kept turned keys (`part` "keys") or expanded values ("values") of all `seen` keys, followed by
-        `new` (b, H, n, head_dim) written in place into their buffer's room, kept; `None` where they cannot be (none
-        kept of `seen` keys, autograd on, compiled, or another dtype or shape)."""
+        """The layer's kept `part` of all `seen` keys followed by `new` (b, H, n, head_dim), written in place into their
+        buffer's room and kept; `None` where they cannot be (none kept of `seen` keys, autograd on, compiled, or another
+        dtype or shape)."""
         kept = self.kept(part).get(layer)
         if (
             kept is None
@@ -275,9 +269,8 @@ class MSPoEMitigation(Mitigation):
         )
 
     def layer_ranks(self, attention, query, key, attention_mask, position_embeddings=None) -> torch.Tensor:
-        """(b or 1, H, 1, 1) ranks of one layer's heads: fixed, kept from prefill, or made now from the last query's
-        attention row with the base positions (a prefill: `query` and `key` rotated at `m`, or by
-        `position_embeddings`)."""
+        """(b or 1, H, 1, 1) ranks of one layer's heads: fixed, kept from prefill, or made now (a prefill) from the last
+        query's attention row with `query` and `key` rotated at `m` (by `position_embeddings` where given)."""
         if self.fixed_ranks is not None:
             return self.fixed_ranks
         ranks = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState).ranks
@@ -332,7 +325,7 @@ class MSPoEMitigation(Mitigation):
             return state.turned_keys[layer]
         earlier = self.per_query_head(earlier)  # the last (sliding window) or first (static slots) keys of `seen`
         positions = key_positions(self.padding_mask, total, earlier.device).clamp(min=0)  # padding is masked: any one
-        positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
+        positions = positions[:, self.seen - earlier.shape[2] : self.seen]
         ratios, inverse = rank_ratios(self.options, self.heads, earlier.device), self.positions.inverse_frequencies()
         turn = turned_by_ratios(positions, ratios, inverse[self.positions.table_of(layer)], earlier.dtype, rotated=True)
         return rotate_partial(earlier, *heads_turn(turn, ranks))
@@ -378,9 +371,8 @@ class MSPoEMitigation(Mitigation):
     def values_per_query_head(
         self, layer: int, value: torch.Tensor, new: int, state: MSPoEState | None
     ) -> torch.Tensor:
-        """`value` (b, H or H_kv, held, head_dim) as the cache hands it over, one per query head: where the cache holds
-        every key seen (the turned keys' case above), this call's `new` ones expanded after the earlier ones kept on
-        `state`, else all of them expanded."""
+        """`value` (b, H or H_kv, held, head_dim) one per query head: where the cache holds every key seen, this call's
+        `new` ones expanded after the earlier ones kept on `state`, else all of them expanded."""
         if value.shape[1] == self.heads:
             return value
         held, total = value.shape[2], self.seen + new
