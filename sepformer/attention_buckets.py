@@ -13,10 +13,8 @@ from .positional_options import EXTRAPOLATION_METHODS, LEARNED_TABLE_METHODS
 
 
 def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
-    """`Σ_b w_b · logits_b` with `w = softmax_b(max_v logits_b)`, per token; `logits` (B, b, seq, V) -> (b, seq, V).
-
-    The mixing of the authors' code: a bucket that is more confident of its best token weighs more.
-    """
+    """The authors' mixing, `Σ_b w_b · logits_b` with `w = softmax_b(max_v logits_b)` per token: (B, b, seq, V) ->
+    (b, seq, V)."""
     weights = logits.amax(-1, keepdim=True).softmax(0)  # (B, b, seq, 1)
     return (weights * logits).sum(0)
 
@@ -74,22 +72,19 @@ class AttentionBucketsMitigation(Mitigation):
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         if not self.moves_positions(self.options):
             return position_ids
+        # the scaled positions stay on a learned table that this call's extrapolation does not extend
         if self.table_rows is not None and position_ids.numel() and not torch.compiler.is_compiling():
-            self.check_inside_table(int(position_ids.max()))
+            rows, scale, highest = self.table_rows, max(self.options.scales), int(position_ids.max())
+            read = highest * scale
+            if math.ceil(read) >= rows:
+                extending = [method for method in EXTRAPOLATION_METHODS if method not in LEARNED_TABLE_METHODS]
+                raise ValueError(
+                    f"attention_buckets scale {scale:g} reads position {highest} at {read:g}, past the learned "
+                    f"positional table's {rows} rows, which position_extrapolation={self.extrapolation!r} does not "
+                    f"extend: give scales <= {(rows - 1) / highest:g} for positions up to {highest}, or an "
+                    f"extrapolation method that makes rows past the table ({', '.join(map(repr, extending))})."
+                )
         return position_ids * self.scale
-
-    def check_inside_table(self, highest: int) -> None:
-        """The scaled positions stay on the learned table, which this call's extrapolation does not extend."""
-        rows, scale = self.table_rows, max(self.options.scales)
-        read = highest * scale
-        if math.ceil(read) >= rows:
-            extending = [method for method in EXTRAPOLATION_METHODS if method not in LEARNED_TABLE_METHODS]
-            raise ValueError(
-                f"attention_buckets scale {scale:g} reads position {highest} at {read:g}, past the learned "
-                f"positional table's {rows} rows, which position_extrapolation={self.extrapolation!r} does not "
-                f"extend: give scales <= {(rows - 1) / highest:g} for positions up to {highest}, or an extrapolation "
-                f"method that makes rows past the table ({', '.join(map(repr, extending))})."
-            )
 
     def position_bases(self) -> tuple[float | RowBases | None, float | RowBases | None]:
         return (self.base, None) if self.which_base == "rotary" else (None, self.base)

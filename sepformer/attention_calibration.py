@@ -64,12 +64,8 @@ class KeyDocuments:
 
 
 def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Re-weight one attention row over `K` documents.
-
-    `probs` (b, H, kv) the row; `documents` each key's document (keys past its `membership` in none); `bias` (b, H, K)
-    the attention a dummy document gets at slot `k`. Every token of document `k` is scaled by `α_k / Attn(doc_k) · C`,
-    `α = softmax((Attn(doc) - bias) / t)`, `C` keeping the total attention on documents; other tokens are untouched, so
-    the row still sums to 1.
+    """Re-weight one attention row `probs` (b, H, kv) over `K` documents, with `bias` (b, H, K) the attention a dummy
+    document gets at slot `k` (docs/design.md, "Attention calibration"); keys past `documents.membership` lie in none.
     """
     prompt = documents.membership.shape[1]
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
@@ -84,13 +80,11 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
 
 
 def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, documents: KeyDocuments) -> torch.Tensor:
-    """`bias(k)` without dummy passes: the mean attention on document `k` if its keys alone were the dummy's.
+    """(b, H, K) `bias(k)` without dummy passes: the mean attention on document `k` if its keys alone were the dummy's.
 
-    `scores` (b, H, kv) the last query's logits, -inf where it may not attend; `dummy_scores` the same against the
-    dummy keys; `documents` each key's document. Swapping document `k`'s keys for the dummy's leaves every other logit
-    as it is, so with `E = exp(scores)` and `D = exp(dummy_scores)`:
-    `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_{j∉k} E_j + Σ_{j∈k} D_j)`, computed in log space (a peaked row neither
-    cancels nor overflows). Returns (b, H, K).
+    `scores` (b, H, kv) the last query's logits, -inf where it may not attend, `dummy_scores` the same against the dummy
+    keys: `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_{j∉k} E_j + Σ_{j∈k} D_j)` with `E`, `D` their exponentials
+    (docs/design.md), computed in log space so that a peaked row neither cancels nor overflows.
     """
     in_document = documents.membership.mT[:, None].bool()  # (b, 1, K, kv)
     dummy_on_k = dummy_scores[:, :, None].masked_fill(~in_document, float("-inf")).logsumexp(-1)  # (b, H, K)
@@ -100,12 +94,11 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
 
 @dataclass(eq=False)
 class CalibrationState(MitigationState):
-    """What calibration keeps on the cache: per calibrated layer, the (b, H, K) `bias(k)` (the attention on a dummy
-    document at slot `k`), the (b, K, 2) document spans of each row, counted from its first real token, and the
-    prompt keys' documents (`KeyDocuments`' tensors, made at prefill: a decoding step's key lies in none)."""
+    """What calibration keeps on the cache from prefill: `bias(k)` and the prompt keys' documents (`KeyDocuments`'
+    tensors: a decoding step's key lies in none)."""
 
-    spans: torch.Tensor
-    bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    spans: torch.Tensor  # (b, K, 2), counted from each row's first real token
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)  # per calibrated layer, (b, H, K)
     membership: torch.Tensor | None = None  # (b, P, K)
     sizes: torch.Tensor | None = None  # (b, 1, K)
     outside: torch.Tensor | None = None  # (b, 1, P)
@@ -280,10 +273,9 @@ class CalibrationMitigation(Mitigation):
 
 @dataclass(frozen=True, eq=False)
 class PositionalBiasCalibration(CalibrationMitigation):
-    """The prefill of calibration with `bias_estimate="positional"`: in each of its layers, `bias(k)` is measured on
-    the prompt's own pass, just before that layer's row is calibrated, then kept for the decoding steps. The dummy key
-    at position `j` is that of `[positional_j ‖ the documents' mean normed semantic block]` (not normed again: a mean
-    of unit-scale vectors is shorter than each); docs/design.md, "Measuring `bias(k)` without dummy passes"."""
+    """The prefill of calibration with `bias_estimate="positional"`: each layer measures `bias(k)` on the prompt's own
+    pass before calibrating its row (docs/design.md, "Measuring `bias(k)` without dummy passes"). The dummy key's
+    semantic block is the documents' mean normed one, not normed again: a mean of unit-scale vectors is shorter."""
 
     position_size: int = 0
     key_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, (b, seq, d_model): what k_proj read

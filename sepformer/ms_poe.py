@@ -34,19 +34,6 @@ def rank_ratios(option: MSPoE, num_heads: int, device: torch.device) -> torch.Te
     return ms_poe_ratios(option, num_heads).float().to(device)[:, None, None]
 
 
-def positional_query_key_weights(attention: nn.Module, store: dict | None) -> torch.Tensor:
-    """(H, d_pos, 2 · hd): head `h`'s `W_q[h, :, pos]ᵀ` and `W_k[h, :, pos]ᵀ` side by side, so that one batched matmul
-    gives both of a head's additions; made once per generation where there is a `store` (`derived_store`)."""
-    q_weight, k_weight = attention.q_proj.weight, attention.k_proj.weight
-    d_pos = attention.config.position_size
-    for_head = (-1, attention.head_dim, d_pos)  # W[:, :d_pos] (H·hd, d_pos) -> W[h, :, pos]
-
-    def make():
-        return torch.cat((q_weight[:, :d_pos].view(for_head), k_weight[:, :d_pos].view(for_head)), 1).mT.contiguous()
-
-    return kept_in(store, ("ms_poe weights", attention.layer_idx), make)
-
-
 def by_head(by_rank: torch.Tensor, head_ranks: torch.Tensor) -> torch.Tensor:
     """Each head's row of a table by rank: `by_rank` (H, b or 1, seq, x), `head_ranks` (H, b or 1, 1, 1) ->
     (H, b, seq, x)."""
@@ -55,11 +42,8 @@ def by_head(by_rank: torch.Tensor, head_ranks: torch.Tensor) -> torch.Tensor:
 
 
 def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """MS-PoE's `S_P = (1/l) Σ_i 1(A_i >= 3 · mean(A))` per head.
-
-    `probs`: (b, H, kv) the last query's attention row; `valid`: (b, 1 or H, kv) the keys it may attend (padding
-    excluded), `l` their number. Returns (b, H).
-    """
+    """(b, H) MS-PoE's `S_P = (1/l) Σ_i 1(A_i >= 3 · mean(A))` of the last query's row `probs` (b, H, kv), over the
+    `l` keys it may attend, `valid` (b, 1 or H, kv)."""
     count = valid.sum(-1, dtype=probs.dtype)  # (b, 1 or H): l
     mean = (probs * valid).sum(-1) / count  # (b, H)
     return ((probs >= 3 * mean[..., None]) & valid).sum(-1, dtype=probs.dtype) / count
@@ -67,18 +51,14 @@ def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
 
 def head_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each head's rank (0 = most position-aware) from its score (..., H), ties broken by head index."""
-    order = torch.sort(-scores, dim=-1, stable=True).indices  # heads, most position-aware first
-    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, ranks)  # the inverse permutation: ranks[order[i]] = i
+    order = torch.argsort(-scores, dim=-1, stable=True)  # heads, most position-aware first
+    return order.argsort(-1)  # the inverse permutation: ranks[order[i]] = i
 
 
 def head_ratios(option: MSPoE, scores: torch.Tensor) -> torch.Tensor:
-    """Each head's ratio from its score (b, H): the highest score gets `r_min`, ties broken by head index.
-
-    This is the paper's stated semantics, `r_h = r[rank(h)]`: the ratios are scattered through the *inverse* of the
-    sort permutation. The authors' code indexes with the sort permutation itself, which gives head `order[i]`'s ratio
-    to head `i`; the two agree only when the permutation is its own inverse.
-    """
+    """Each head's ratio from its score (b, H): the highest score gets `r_min`, ties broken by head index. This is the
+    paper's `r_h = r[rank(h)]`, through the *inverse* of the sort permutation; the authors' code indexes with the
+    permutation itself (docs/design.md, MS-PoE)."""
     return ms_poe_ratios(option, scores.shape[-1]).to(scores.device)[head_ranks(scores)]
 
 
@@ -88,8 +68,7 @@ def fixed_head_ranks(option: MSPoE, num_heads: int) -> torch.Tensor:
         raise ValueError(
             f"ms_poe head_order={option.head_order} must be a permutation of the {num_heads} heads 0..{num_heads - 1}."
         )
-    order = torch.tensor(option.head_order)
-    return torch.empty(num_heads, dtype=torch.long).scatter_(0, order, torch.arange(num_heads))
+    return torch.tensor(option.head_order).argsort()
 
 
 def ranking(options: MSPoE, call: CallContext) -> torch.Tensor | None:
@@ -132,23 +111,17 @@ def check_plain_projections(model: nn.Module, layers: frozenset[int]) -> None:
 
 @dataclass(eq=False)
 class MSPoEState(MitigationState):
-    """What MS-PoE keeps on the cache: per layer, the (b, H, 1, 1) head ranks from the prefill's last query (0 = most
-    position-aware); where the keys reach it rotated and cached (a Hugging Face decoder) also each layer's keys turned
-    to `m / r_h` (b, H, kv, head_dim), with the number of keys seen when they were turned and the options that turned
-    them, so that a decoding step turns its own keys only (after a crop, or a step without MS-PoE, the next step turns
-    them all anew); and, where the model groups its key-value heads and the turned keys are every key seen, its values
-    per query head (b, H, kv, head_dim), which a step would otherwise expand from the cache's whole.
+    """What MS-PoE keeps on the cache, by layer: the head ranks from prefill and, on a Hugging Face decoder, the keys
+    turned to `m / r_h` and the values per query head, so that a decoding step turns and expands its own only
+    (docs/design.md, "On any Hugging Face decoder"). Where they are every key seen, they lead buffers with room
+    (`rooms`) that a step without autograd writes into in place, as `GrowingLayer` does."""
 
-    Where they are every key seen (no sliding window), the turned keys and expanded values are the leading keys of
-    buffers with room for more (`rooms`): a step without autograd writes its own there in place, as the cache's
-    `GrowingLayer` does, rather than copying every earlier one into a new tensor."""
-
-    ranks: dict[int, torch.Tensor] = field(default_factory=dict)
-    turned_keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    turned_seen: dict[int, int] = field(default_factory=dict)
-    expanded_values: dict[int, torch.Tensor] = field(default_factory=dict)
+    ranks: dict[int, torch.Tensor] = field(default_factory=dict)  # (b, H, 1, 1), 0 = most position-aware
+    turned_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # (b, H, kv, head_dim)
+    turned_seen: dict[int, int] = field(default_factory=dict)  # the keys seen when they were turned
+    expanded_values: dict[int, torch.Tensor] = field(default_factory=dict)  # (b, H, kv, head_dim)
     rooms: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # by ("keys" or "values", layer)
-    turned_by: MSPoE | None = None
+    turned_by: MSPoE | None = None  # the options that turned them
 
     def forget_turned(self) -> None:
         """Drop every turned key and expanded value: the next step makes them anew."""
@@ -156,14 +129,13 @@ class MSPoEState(MitigationState):
             kept.clear()
 
     def map_rows(self, function) -> None:
-        """The kept tensors follow the rows; the rooms are dropped (as `GrowingLayer` drops its buffers), and the next
-        step makes new ones from the kept tensors."""
+        """The kept tensors follow the rows; the rooms are dropped (as `GrowingLayer` drops its buffers)."""
         self.rooms.clear()
         super().map_rows(function)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """The ranks stay (per row); the turned keys go, and the next step turns the keys left anew: steps without
-        MS-PoE after the crop could bring the cache back to as many keys as were turned, other ones."""
+        """The ranks stay (per row); the turned keys go: steps without MS-PoE after the crop could bring the cache back
+        to as many keys as were turned, other ones."""
         self.forget_turned()
 
     def kept(self, part: str) -> dict[int, torch.Tensor]:
@@ -181,9 +153,9 @@ class MSPoEState(MitigationState):
         self.rooms.pop((part, layer), None)
 
     def written_after(self, part: str, layer: int, seen: int, new: torch.Tensor) -> torch.Tensor | None:
-        """The layer's kept turned keys (`part` "keys") or expanded values ("values") of all `seen` keys, followed by
-        `new` (b, H, n, head_dim) written in place into their buffer's room, kept; `None` where they cannot be (none
-        kept of `seen` keys, autograd on, compiled, or another dtype or shape)."""
+        """The layer's kept `part` of all `seen` keys followed by `new` (b, H, n, head_dim), written in place into their
+        buffer's room and kept; `None` where they cannot be (none kept of `seen` keys, autograd on, compiled, or another
+        dtype or shape)."""
         kept = self.kept(part).get(layer)
         if (
             kept is None
@@ -216,17 +188,9 @@ def heads_turn(turn: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, t
 
 @dataclass(frozen=True, eq=False)
 class MSPoEMitigation(Mitigation):
-    """Head `h` of its layers reads positions `m / r_h`: its rotary (when the model has one) turns to `m / r_h`, and on
-    a SepFormer with a positional block the queries and keys get `W[h, :, pos] · (norm(x_pos + p(m / r_h) - p(m)) -
-    norm(x_pos))` added (docs/design.md, MS-PoE). The heads are ranked at prefill (or by `head_order`) and keep their
-    ratios while decoding.
-
-    Where the model's attention hands its queries and keys to a position hook (SepFormer: unrotated, before the cache),
-    they are rotated at `m / r_h` there and cached so. Otherwise (a Hugging Face decoder given `add_mitigations`) its
-    attention function receives them rotated at `m`, the cache's keys included (at their positions counted from each
-    row's first real token), and turns head `h`'s further, to `m / r_h`, before the layer's other wrappers read them.
-    Heads are query heads: grouped-query keys are expanded to one per query head as they are turned (the earlier ones
-    are kept turned on the cache)."""
+    """Head `h` of its layers reads positions `m / r_h` (docs/design.md, MS-PoE): on SepFormer in the position hook
+    (unrotated queries and keys, before the cache), on a Hugging Face decoder in its attention function, which turns
+    the keys rotated at `m` further, the cache's included. Heads are query heads: grouped-query keys are expanded."""
 
     options_class = MSPoE
     prefill_requirement = (
@@ -254,11 +218,9 @@ class MSPoEMitigation(Mitigation):
 
     @classmethod
     def fixes_state_at_prefill(cls, options: MSPoE) -> bool:
-        return options.head_order is None
-
-    @classmethod
-    def acts_on_last_rows(cls, options: MSPoE) -> bool:
         return options.head_order is None  # the heads are ranked from the prefill's last row
+
+    acts_on_last_rows = fixes_state_at_prefill
 
     @classmethod
     def resolve(cls, options: MSPoE, call: CallContext) -> "MSPoEMitigation":
@@ -307,9 +269,8 @@ class MSPoEMitigation(Mitigation):
         )
 
     def layer_ranks(self, attention, query, key, attention_mask, position_embeddings=None) -> torch.Tensor:
-        """(b or 1, H, 1, 1) ranks of one layer's heads: fixed, kept from prefill, or made now from the last query's
-        attention row with the base positions (a prefill: `query` and `key` rotated at `m`, or by
-        `position_embeddings`)."""
+        """(b or 1, H, 1, 1) ranks of one layer's heads: fixed, kept from prefill, or made now (a prefill) from the last
+        query's attention row with `query` and `key` rotated at `m` (by `position_embeddings` where given)."""
         if self.fixed_ranks is not None:
             return self.fixed_ranks
         ranks = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState).ranks
@@ -320,10 +281,6 @@ class MSPoEMitigation(Mitigation):
             scores, valid = last_row_scores(query, key, attention_mask, attention.scaling)
             ranks[attention.layer_idx] = head_ranks(position_awareness(scores.softmax(-1), valid))[..., None, None]
         return ranks[attention.layer_idx]
-
-    def head_turn(self, layer: int, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (b, H, seq, rotary_dim): each head's rows of the layer's `query_turn`, by its rank."""
-        return heads_turn(self.query_turn[self.positions.table_of(layer)], ranks)
 
     def position_query_key(self, attention, query, key, layer_call):
         ranks = self.layer_ranks(attention, query, key, layer_call.attention_mask, layer_call.position_embeddings)
@@ -336,12 +293,18 @@ class MSPoEMitigation(Mitigation):
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
             delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
             heads, batch, seq, d_pos = delta.shape
-            weights = positional_query_key_weights(attention, self.store)  # (H, d_pos, 2 · hd)
+
+            def make() -> torch.Tensor:  # (H, d_pos, 2 · hd): W_q[h, :, pos]ᵀ ‖ W_k[h, :, pos]ᵀ, for one bmm
+                q_k = (attention.q_proj.weight, attention.k_proj.weight)  # (H · hd, d_model) -> (H, hd, d_pos)
+                return torch.cat([w[:, :d_pos].view(-1, attention.head_dim, d_pos) for w in q_k], 1).mT.contiguous()
+
+            weights = kept_in(self.store, ("ms_poe weights", attention.layer_idx), make)  # once per generation
             deltas = torch.bmm(delta.view(heads, batch * seq, d_pos), weights)  # (H, b · seq, 2 · hd)
             query_delta, key_delta = deltas.view(heads, batch, seq, -1).transpose(0, 1).chunk(2, -1)  # (b, H, seq, hd)
             query, key = query + query_delta, key + key_delta
         if self.query_turn is not None:
-            query, key = apply_partial_rotary(query, key, *self.head_turn(attention.layer_idx, ranks))
+            turn = self.query_turn[self.positions.table_of(attention.layer_idx)]
+            query, key = apply_partial_rotary(query, key, *heads_turn(turn, ranks))
         return query, key
 
     def turned_state(self) -> MSPoEState | None:
@@ -362,7 +325,7 @@ class MSPoEMitigation(Mitigation):
             return state.turned_keys[layer]
         earlier = self.per_query_head(earlier)  # the last (sliding window) or first (static slots) keys of `seen`
         positions = key_positions(self.padding_mask, total, earlier.device).clamp(min=0)  # padding is masked: any one
-        positions = positions[:, : self.seen][:, self.seen - earlier.shape[2] :]
+        positions = positions[:, self.seen - earlier.shape[2] : self.seen]
         ratios, inverse = rank_ratios(self.options, self.heads, earlier.device), self.positions.inverse_frequencies()
         turn = turned_by_ratios(positions, ratios, inverse[self.positions.table_of(layer)], earlier.dtype, rotated=True)
         return rotate_partial(earlier, *heads_turn(turn, ranks))
@@ -408,9 +371,8 @@ class MSPoEMitigation(Mitigation):
     def values_per_query_head(
         self, layer: int, value: torch.Tensor, new: int, state: MSPoEState | None
     ) -> torch.Tensor:
-        """`value` (b, H or H_kv, held, head_dim) as the cache hands it over, one per query head: where the cache holds
-        every key seen (the turned keys' case above), this call's `new` ones expanded after the earlier ones kept on
-        `state`, else all of them expanded."""
+        """`value` (b, H or H_kv, held, head_dim) one per query head: where the cache holds every key seen, this call's
+        `new` ones expanded after the earlier ones kept on `state`, else all of them expanded."""
         if value.shape[1] == self.heads:
             return value
         held, total = value.shape[2], self.seen + new
@@ -433,7 +395,7 @@ class MSPoEMitigation(Mitigation):
     def wrap_attention(self, layer_idx: int, function, projection):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
-            cos, sin = self.head_turn(layer_idx, ranks)  # (b, H, seq, rotary_dim)
+            cos, sin = heads_turn(self.query_turn[self.positions.table_of(layer_idx)], ranks)  # (b, H, seq, rotary_dim)
             state = self.turned_state()  # where the turned keys and expanded values are kept, if anywhere
             query, key = self.turned_queries_keys(layer_idx, query, key, ranks, cos, sin, state)
             value = self.values_per_query_head(layer_idx, value, cos.shape[2], state)

@@ -4,25 +4,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_sepformer import MitigationState, SepFormerCache
+from .cache_sepformer import MitigationState
 from .mitigation_base import CallContext, Mitigation
 from .mitigation_options import ParallelContextWindows
 from .spans import check_default_positions, check_spans_in_prompt, key_documents, key_positions, prompt_lengths
 
 
-def window_ids(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(b, n) the window each token at `positions` (b or 1, n) lies in, -1 outside every window; `spans` (b, K, 2)."""
-    inside = key_documents(spans, positions)  # (b, n, K) one-hot
-    return torch.where(inside.any(-1), inside.argmax(-1), -1)
-
-
 def window_positions(spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """PCW's positions for tokens at `positions` (b or 1, n), counted from each row's first real token.
-
-    With windows `[s_k, e_k)` following one another, `P = s_1` (tokens before it keep their positions) and `n_max` the
-    longest window: a token of window `k` gets `P + (m - s_k)`, a token after the last window (the task, generated
-    tokens) `m - (e_K - s_1) + n_max`, so the task continues from `P + n_max`.
-    """
+    """PCW's positions for tokens at `positions` (b or 1, n), counted from each row's first real token: window `k`'s
+    restart at `s_1`, the task's continue after the longest window (docs/design.md, Parallel Context Windows)."""
     starts, ends = spans[..., 0], spans[..., 1]  # (b, K)
     inside = key_documents(spans, positions)  # (b, n, K)
     shift = torch.einsum("bnk,bk->bn", inside, (starts - starts[:, :1]).float()).long()
@@ -42,19 +32,6 @@ class WindowsState(MitigationState):
     a call continuing it after a crop back into a window is refused without reading the device."""
 
     columns: int
-
-
-def check_windows_held(cache: SepFormerCache) -> None:
-    """Refuse a call that continues `cache` where it holds fewer tokens than its prefill's windows (a cache cropped back
-    into one): its tokens would be read as task tokens after the windows."""
-    state = cache.mitigation_state.get(ParallelContextWindows.name)
-    held = cache.get_seq_length()
-    if isinstance(state, WindowsState) and held < state.columns:
-        raise ValueError(
-            f"parallel_context_windows reads a call continuing a cache as task tokens after the windows, but the "
-            f"cache holds {held} tokens, short of the {state.columns} that hold every row's windows (cropped back "
-            "into a window?): run the prompt again on an empty cache."
-        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,8 +54,14 @@ class ParallelContextWindowsMitigation(Mitigation):
         call.positions.check_positions(options.name)
         check_spans_in_prompt(options, call, "windows")
         check_default_positions(call, "parallel_context_windows places its windows and the task")
-        if call.continuing and call.sepformer_cache is not None:
-            check_windows_held(call.sepformer_cache)
+        if call.continuing and call.sepformer_cache is not None:  # not cropped back into a window
+            state, held = call.sepformer_cache.mitigation_state.get(options.name), call.sepformer_cache.get_seq_length()
+            if isinstance(state, WindowsState) and held < state.columns:
+                raise ValueError(
+                    f"parallel_context_windows reads a call continuing a cache as task tokens after the windows, but "
+                    f"the cache holds {held} tokens, short of the {state.columns} that hold every row's windows "
+                    "(cropped back into a window?): run the prompt again on an empty cache."
+                )
         layers = options.layer_set(call.model.config.num_hidden_layers)
         spans = torch.tensor(options.spans, device=call.model.device)
         return cls(options, layers, spans, call.continuing, task_shift(spans))
@@ -94,15 +77,16 @@ class ParallelContextWindowsMitigation(Mitigation):
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         # Every token of a later call is a task token: the windows lie in the prefill's prompt, as `mask_function`
-        # also assumes (a cache cropped back into a window is refused: `check_windows_held`).
+        # also assumes (a cache cropped back into a window is refused: `resolve`).
         if self.continuing:
             return position_ids - self.task_offset
         return window_positions(self.spans, position_ids)
 
     def mask_function(self, padding_mask: torch.Tensor | None, kv_length: int, device: torch.device):
-        if self.continuing:  # the windows lie in the prefill's prompt (checked there): later tokens are task tokens
+        if self.continuing:  # task tokens (`read_positions`)
             return None
-        windows = window_ids(self.spans, key_positions(padding_mask, kv_length, device))  # (b, kv)
+        inside = key_documents(self.spans, key_positions(padding_mask, kv_length, device))  # (b, kv, K) one-hot
+        windows = torch.where(inside.any(-1), inside.argmax(-1), -1)  # (b, kv) each key's window, -1 outside them
 
         def within_window(batch_idx, head_idx, q_idx, kv_idx):
             query_window, key_window = windows[batch_idx, q_idx], windows[batch_idx, kv_idx]

@@ -56,7 +56,15 @@ class PositionalScalingMitigation(Mitigation):
     def start(self, run: LayerRun) -> "PositionalScalingMitigation":
         factors = torch.ones(self.hidden_size, dtype=run.dtype, device=run.device)
         factors[list(self.channels)] = self.options.factor
-        input_scale = self.uniform_scale(run.position_ids)
+        # at a decoding step, (channels, s) when every new token is scaled, (channels, 1) when none is
+        input_scale = None
+        if self.continuing:
+            skip = self.options.skip_first
+            first, last = torch.stack(run.position_ids.aminmax()).tolist() if skip else (0, 0)
+            if first >= skip:
+                input_scale = self.channels, self.options.factor
+            elif last < skip:
+                input_scale = self.channels, 1.0
         if input_scale is not None and input_scale[1] == self.options.factor:  # a step whose every token is scaled
             return self.replace(key_factors=factors, query_factors=factors, input_scale=input_scale)
         skipped = (run.position_ids < self.options.skip_first)[..., None]  # (b or 1, seq, 1)
@@ -68,17 +76,6 @@ class PositionalScalingMitigation(Mitigation):
             )
             query_factors = torch.where(recomputed[:, None], key_factors, torch.ones_like(factors))
         return self.replace(key_factors=key_factors, query_factors=query_factors, input_scale=input_scale)
-
-    def uniform_scale(self, position_ids: torch.Tensor) -> InputScale | None:
-        """At a decoding step, `(channels, s)` when every new token is scaled, `(channels, 1)` when none is."""
-        if not self.continuing:
-            return None
-        if self.options.skip_first == 0:
-            return self.channels, self.options.factor
-        first, last = torch.stack(position_ids.aminmax()).tolist()
-        if first >= self.options.skip_first:
-            return self.channels, self.options.factor
-        return (self.channels, 1.0) if last < self.options.skip_first else None
 
     def decoding_input_scale(self, layer_idx):
         return self.input_scale

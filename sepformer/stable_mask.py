@@ -11,10 +11,8 @@ from .mitigation_options import StableMask
 
 
 def sink_logits(option: StableMask, position_ids: torch.Tensor, default_columns: int) -> torch.Tensor:
-    """`τ_t = -γt + log(1 - e^{-γ(N-t)}) - log(1 - e^{-γ})` at `t = position + 1`, `-∞` for `t >= N`.
-
-    Computed (in float64) at the run's positions only: `N` may be any size, so no table over its columns is built.
-    """
+    """`τ_t = -γt + log(1 - e^{-γ(N-t)}) - log(1 - e^{-γ})` at `t = position + 1`, `-∞` for `t >= N`, in float64 at
+    the run's positions only (`N` may be any size)."""
     columns = option.columns if option.columns is not None else default_columns
     t = position_ids.double() + 1
     remaining = (columns - t).clamp(min=0)
@@ -23,12 +21,9 @@ def sink_logits(option: StableMask, position_ids: torch.Tensor, default_columns:
 
 
 def sink_attention(interface, module, query, key, value, attention_mask, sink_logits, scaling, write_out, **kwargs):
-    """StableMask's sink form on any attention function that takes a boolean or additive mask (eager, sdpa): one extra
-    head dimension carries the sink, queries get `τ_t / scaling` there, real keys 0, and a sink key in front (1 there,
-    a zero value) scores exactly `τ_t` (docs/design.md, StableMask). `sink_logits` is (b or 1, 1, seq, 1); -inf (rows
-    past `N`) is clamped to a logit whose exponential is 0. `write_out`: a decoding row may be written out (the
-    scores are q·k and the mask alone, no sinks or soft-capping of the model's own).
-    """
+    """StableMask's sink form on an attention function that takes a boolean or additive mask (eager, sdpa): a sink key
+    in front scoring `τ_t` through one extra head dimension (docs/design.md, StableMask). `sink_logits` is (b or 1,
+    1, seq, 1). `write_out`: a decoding row may be written out (the scores are q·k and the mask alone)."""
     batch, heads, seq, dim = query.shape
     kv = key.shape[2]
     if seq == 1 and not module.training and write_out:
@@ -41,11 +36,9 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
         return torch.matmul(probs, value).transpose(1, 2), probs  # (b, 1, H, d); rows sum to less than 1
     tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype).expand(batch, heads, seq, 1)
     query = torch.cat((query, tau), -1)  # (b, H, seq, d + 1)
-    sink_key = key.new_zeros(batch, heads, kv + 1, dim + 1)  # (b, H, 1 + kv, d + 1): the sink first
+    sink_key = torch.nn.functional.pad(key, (0, 1, 1, 0))  # (b, H, 1 + kv, d + 1): the sink first
     sink_key[:, :, 0, dim] = 1
-    sink_key[:, :, 1:, :dim] = key
-    sink_value = value.new_zeros(batch, heads, kv + 1, value.shape[-1])
-    sink_value[:, :, 1:] = value
+    sink_value = torch.nn.functional.pad(value, (0, 0, 1, 0))  # a zero value for the sink
     if attention_mask is None and seq > 1:
         # sdpa's causal path (q_len == kv, no padding) aligns the causal mask top-left: a dummy query row in front
         # makes it see the sink alone, and row t + 1 the sink and keys 0..t, as it should.
