@@ -99,9 +99,18 @@ def checked_on_assignment(derived_sizes: dict, legacy_fields: dict):
 
 
 def as_field_value(name: str, value):
-    """An option's dataclass given to the field that holds it (`OPTION_CLASSES`), as the field keeps it: its name or
-    the dict of its parameters, which the config saves as JSON. Another field's dataclass is left to be refused."""
-    return value.as_config_value() if isinstance(value, OPTION_CLASSES.get(name, ())) else value
+    """An option's dataclass given to the field that holds it (`OPTION_CLASSES`), as the field keeps it: the dict of
+    every parameter it reads, at their defaults too (a dataclass sets them all, as such a dict does), which the config
+    saves as JSON. Another field's dataclass is left to be refused."""
+    if not isinstance(value, OPTION_CLASSES.get(name, ())):
+        return value
+    if name not in OPTION_FIELDS:  # stable_mask
+        return dataclasses.asdict(value)
+    key, _, parameters = OPTION_FIELDS[name]
+    return {
+        key: getattr(value, key),
+        **{parameter: getattr(value, parameter) for parameter in parameters[getattr(value, key)]},
+    }
 
 
 def plain_numbers(value):

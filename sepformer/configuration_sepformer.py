@@ -18,6 +18,7 @@ from .config_checks import (
     ConfigTypeError,
     UnreadValueError,
     allowed,
+    as_field_value,
     check_field,
     checked_on_assignment,
     derived_or,
@@ -48,10 +49,12 @@ LEGACY_FIELDS = {
 
 
 def refuse_both(old: str, value, values: dict) -> None:
-    """An older field and a dict in `values` (the config's or `from_pretrained`'s keywords) that both set it."""
+    """An older field and a dict or dataclass in `values` (the config's or `from_pretrained`'s keywords) that both set
+    it."""
     field, parameter = LEGACY_FIELDS[old]
-    if isinstance(values.get(field), dict) and parameter in values[field]:
-        raise ValueError(f"{old}={value!r} and {field}={values[field]!r} both set {parameter}.")
+    given = as_field_value(field, values.get(field))
+    if isinstance(given, dict) and parameter in given:
+        raise ValueError(f"{old}={value!r} and {field}={given!r} both set {parameter}.")
 
 
 def _stable_mask(value):
@@ -82,14 +85,14 @@ class SepFormerConfig(PreTrainedConfig):
       `num_attention_heads`, `position_intermediate_size` and `semantic_intermediate_size` (the two MLPs; `None`: 4x
       their block), `hidden_act` (any name of `ACT2FN`).
     - positions: `max_position_embeddings` (`L`, the training length), `positional_map` (`"learned"`, `"sinusoidal"`,
-      `"bspline"`, or `{"map": "bspline", "control_points": 8}`), `position_extrapolation` (how a learned table
-      answers positions past its rows: a method, `{"method": "fourier", "components": 16}` or a `PositionExtrapolation`;
-      overridable per call; older configs' `fourier_components`, `interpolation_length` and `spline_*` fields read and
-      set the parameters),
-      `position_table_size` (`M >= L` positions a map is trained on; `None`: `L`; larger needs one of the next two),
-      `random_position_offsets` (random shifts in training, learned table), `randomized_positions` and
-      `randomized_range` (sorted random positions from `[0, M)` in training, `"fixed"` or `"per_sequence"` ranges),
-      `rotary_dim` and `rope_theta` (rotary on the first `rotary_dim` dimensions of every head; 0 is off).
+      `"bspline"`, `{"map": "bspline", "control_points": 8}` or a map's dataclass), `position_extrapolation` (how a
+      learned table answers positions past its rows: a method, `{"method": "fourier", "components": 16}` or a
+      `PositionExtrapolation`; overridable per call; older configs' `fourier_components`, `interpolation_length` and
+      `spline_*` fields read and set the parameters), `position_table_size` (`M >= L` positions a map is trained on;
+      `None`: `L`; larger needs one of the next two), `random_position_offsets` (random shifts in training, learned
+      table), `randomized_positions` and `randomized_range` (sorted random positions from `[0, M)` in training,
+      `"fixed"` or `"per_sequence"` ranges), `rotary_dim` and `rope_theta` (rotary on the first `rotary_dim` dimensions
+      of every head; 0 is off).
     - the rest: `norm_type` (`"rmsnorm"` or `"layernorm"`, one norm per block), `norm_eps`, `lm_head_input`
       (`"semantic"` or `"all"`), dropouts, biases, `initializer_range`, `stable_mask` (a `StableMask` or its fields as
       a dict, on in training and inference), `fuse_decoding_projections` (decoding steps on weights laid out for them,

@@ -150,14 +150,12 @@ class DecoderProjection:
         return rotated(self.attention, key, key, self.position_embeddings)[1]
 
 
-OPTION_KEYWORDS = (*MITIGATIONS, "reorder_documents")
-
-
 def before_attention(module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of each attention module `add_mitigations` serves: with a `mitigation_plan`, the rotary tables
     of the plan's base and, where the plan rewrites the layer's query and key inputs, their rewriting."""
-    given = kwargs.keys() & OPTION_KEYWORDS  # one set operation per call: most calls bring none
-    options = [name for name in OPTION_KEYWORDS if name in given and kwargs[name] not in (None, False)] if given else []
+    names = (*MITIGATIONS, "reorder_documents")  # read at each call: mitigations registered later are refused too
+    given = kwargs.keys() & names  # one set operation per call: most calls bring none
+    options = [name for name in names if name in given and kwargs[name] not in (None, False)] if given else []
     if options:  # the causal LM's forward takes them off: given to the base model or to forward, they would be ignored
         raise TypeError(
             f"{options} reached {type(module).__name__} as keywords it ignores: give the mitigations to the causal "

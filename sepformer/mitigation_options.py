@@ -322,10 +322,6 @@ class StableMask(MitigationOptions):
     name: ClassVar[str] = "stable_mask"
     renamed: ClassVar[dict[str, str]] = {"length": "columns"}
 
-    def as_config_value(self) -> dict:
-        """The dict of its fields, as the config's `stable_mask` keeps it."""
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
 class MSPoE(MitigationOptions):

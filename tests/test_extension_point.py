@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import random_ids, tiny_llama, tiny_model
 
+from sepformer import SepFormerCache, add_mitigations
 from sepformer.cache_sepformer import MitigationState
 from sepformer.mitigation_base import Mitigation
 from sepformer.mitigation_options import MitigationOptions
@@ -135,6 +136,13 @@ def test_two_mitigations_rewriting_positions_in_one_layer_are_refused(value_gain
     register_mitigation(Shifted)
     with pytest.raises(ValueError, match="ms_poe and value_gain both rewrite how positions enter .* layer 1"):
         tiny_model()(torch.zeros(1, 4, dtype=torch.long), value_gain={"gain": 1.0}, ms_poe={"head_order": (0, 1, 2, 3)})
+
+
+def test_a_registered_option_given_to_a_decoder_s_base_model_is_refused_as_the_built_in_ones_are(value_gain):
+    model = add_mitigations(tiny_llama())
+    ids, cache = torch.zeros(1, 4, dtype=torch.long), SepFormerCache(config=model.config)
+    with pytest.raises(TypeError, match=r"\['value_gain'\] reached LlamaAttention as keywords it ignores"):
+        model.model(ids, past_key_values=cache, value_gain={"gain": 2.0})
 
 
 def test_an_unregistered_keyword_is_refused_again():

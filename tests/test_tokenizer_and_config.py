@@ -163,24 +163,39 @@ def test_config_round_trips_through_json(tmp_path):
     assert loaded.to_dict() == config.to_dict()
 
 
-def test_the_option_dataclasses_are_taken_by_the_fields_that_hold_them_and_saved_as_their_names_or_dicts(tmp_path):
-    given = dict(position_extrapolation=PositionExtrapolation("fourier", components=8), stable_mask=StableMask(0.1))
+def test_the_option_dataclasses_are_taken_by_the_fields_that_hold_them_and_kept_with_every_parameter(tmp_path):
+    """A dataclass sets every parameter it reads, at their defaults too, as the dict of all of them does."""
+    given = dict(position_extrapolation=PositionExtrapolation("fourier"), stable_mask=StableMask(0.1))
     kept = dict(
-        position_extrapolation={"method": "fourier", "components": 8}, stable_mask={"gamma": 0.1, "columns": None}
+        position_extrapolation={"method": "fourier", "components": 16}, stable_mask={"gamma": 0.1, "columns": None}
     )
     config = SepFormerConfig(**given)
     assert {name: getattr(config, name) for name in kept} == kept
     config.save_pretrained(tmp_path)
     assert {name: getattr(SepFormerConfig.from_pretrained(tmp_path), name) for name in kept} == kept
     spline = SepFormerConfig(positional_map=BSplineMap(control_points=8))
-    assert spline.positional_map == {"map": "bspline", "control_points": 8}
+    assert spline.positional_map == {"map": "bspline", "control_points": 8, "degree": 3, "extension": "clamp"}
+    spline.positional_map = BSplineMap()  # not "the same map again", which would keep 8 control points
+    assert spline.map_options() == BSplineMap()
     learned = SepFormerConfig()
     learned.position_extrapolation = PositionExtrapolation("clamp")
-    assert learned.position_extrapolation == "clamp"
+    assert learned.position_extrapolation == {"method": "clamp"}
     with pytest.raises(ValueError, match="position_extrapolation='clamp' needs a learned positional table"):
-        SepFormerConfig(positional_map=SinusoidalMap(), position_extrapolation=PositionExtrapolation("clamp"))
+        SepFormerConfig(positional_map=SinusoidalMap(), position_extrapolation="clamp")
     with pytest.raises(TypeError, match="position_extrapolation=SinusoidalMap.. is not allowed"):
         SepFormerConfig(position_extrapolation=SinusoidalMap())  # a map's, though 'sinusoidal' is also a method
+
+
+def test_an_older_field_and_an_option_dataclass_that_both_set_a_parameter_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="fourier_components=8 and position_extrapolation=.* both set components"):
+        SepFormerConfig(position_extrapolation=PositionExtrapolation("fourier"), fourier_components=8)
+    SepFormerConfig().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="interpolation_length=2000 and position_extrapolation=.* both set length"):
+        SepFormerConfig.from_pretrained(
+            tmp_path,
+            position_extrapolation=PositionExtrapolation("interpolate", length=1000),
+            interpolation_length=2000,
+        )
 
 
 DERIVED = ("position_size", "position_table_size", "position_intermediate_size", "semantic_intermediate_size")
