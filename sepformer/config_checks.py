@@ -52,18 +52,14 @@ DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation
 KEPT_GENERATION_KEYWORDS = (
     frozenset(name for name in vars(GenerationConfig()) if not name.startswith("_")) - DROPPED_GENERATION_KEYWORDS
 )
-# The fields that name a choice and its parameters: the choice's key in their dicts, their parser, the parameters.
+# The fields that name a choice and its parameters: the choice's key in their dicts, its dataclass (which parses them),
+# the parameters.
 OPTION_FIELDS = {
-    "position_extrapolation": ("method", PositionExtrapolation.parse, EXTRAPOLATION_PARAMETERS),
-    "positional_map": ("map", PositionalMapOptions.parse, MAP_PARAMETERS),
+    "position_extrapolation": ("method", PositionExtrapolation, EXTRAPOLATION_PARAMETERS),
+    "positional_map": ("map", PositionalMapOptions, MAP_PARAMETERS),
 }
-
 # The fields that take an option's dataclass, and its class.
-OPTION_CLASSES = {
-    "positional_map": PositionalMapOptions,
-    "position_extrapolation": PositionExtrapolation,
-    "stable_mask": StableMask,
-}
+OPTION_CLASSES = {**{field: options for field, (_, options, _) in OPTION_FIELDS.items()}, "stable_mask": StableMask}
 
 
 class UnreadValueError(ValueError):
@@ -156,7 +152,8 @@ def _legacy_field(old: str, field: str, parameter: str) -> property:
     """An older config's field, now a parameter in `field`'s dict: what `lm_eval --model_args` and
     `from_pretrained(..., interpolation_length=2048)` set, after the field. At its default a field the choice does not
     read is what every older config saved; another value is refused."""
-    key, parse, parameters = OPTION_FIELDS[field]
+    key, options_class, parameters = OPTION_FIELDS[field]
+    parse = options_class.parse
     reader, default = next((name, names[parameter]) for name, names in parameters.items() if parameter in names)
 
     def get(self):
