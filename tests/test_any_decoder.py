@@ -771,3 +771,17 @@ def test_ms_poe_cached_steps_of_a_long_generation_equal_the_full_pass():
             model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **fixed).logits for t in range(258, 262)
         ]
     torch.testing.assert_close(torch.cat(steps, 1), logits(model, ids, **fixed), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_first_called_plain_is_checked_once_a_prefill_with_an_option_fixed_state_on_it():
+    """Whether a cache holds a prefill's state is read at each call: a plain call on the empty cache first, then a
+    prefill with MS-PoE, then a call continuing it without MS-PoE, which is refused."""
+    model = mitigated("llama")
+    ids, cache = random_ids(1, 12), sepformer.SepFormerCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache, use_cache=True)
+        cache.reset()
+        model(ids[:, :11], past_key_values=cache, use_cache=True, ms_poe=MSPoE(1.2, 1.8))
+        assert cache.prefill_options
+        with pytest.raises(ValueError, match="this cache was prefilled with ms_poe"):
+            model(ids[:, 11:], past_key_values=cache, use_cache=True)
