@@ -28,7 +28,7 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_sepformer import SepFormerCache
-from .decoder_attention import query_key_layout_problem, release_rewritings, serve_attention
+from .decoder_attention import attention_modules_served, query_key_layout_problem, refuse_option_keywords
 from .kept import derived_store, kept_in
 from .mitigated_generation import MitigationGenerationMixin
 from .mitigation_base import (
@@ -83,6 +83,7 @@ class DecoderPositions(ModelPositions):
     found."""
 
     rotates_half: bool  # whether its modeling file's `apply_rotary_pos_emb` rotates in the rotate-half layout
+    attention_modules: tuple[nn.Module, ...]  # what the probe found calling the registered attention, by layer
     calls_position_hooks: bool = False
     knows_position_channels: bool = False
     extrapolates: bool = False
@@ -273,6 +274,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
         a mitigation runs itself), switch the mitigations on for the call."""
         plan = kwargs.pop("mitigation_plan", None)
         options = call_options(kwargs, plan)
+        refuse_option_keywords(self, kwargs)  # reorder_documents: generate's
         inputs = forward_inputs(self, args, kwargs)
         cache = inputs.get("past_key_values")
         kept = plan_kept_for(cache, self.config, options) if plan is None else None  # checked when it was resolved
@@ -303,11 +305,10 @@ class MitigatedDecoder(MitigationGenerationMixin):
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
             if plan is None:  # an empty cache that held a failed prefill's state, continued without options
                 return super().forward(**inputs)
-        try:
-            return super().forward(**self.with_plan(inputs, plan))
-        except BaseException:  # torch's `always_call` hooks run for `Exception` only: a KeyboardInterrupt too
-            release_rewritings(self)
-            raise
+        inputs, bucket_rotary = self.with_plan(inputs, plan)
+        modules = self.decoder_positions.attention_modules
+        with attention_modules_served(modules, inputs["mitigation_plan"], bucket_rotary):  # for this call only
+            return super().forward(**inputs)
 
     def __reduce_ex__(self, protocol):
         """Pickled (`torch.save(model)`, multiprocessing) as the model's class with the mixin made again on loading:
@@ -334,9 +335,10 @@ class MitigatedDecoder(MitigationGenerationMixin):
             position_ids=inputs.get("position_ids"),
         )
 
-    def with_plan(self, inputs: dict, plan) -> dict:
+    def with_plan(self, inputs: dict, plan) -> tuple[dict, tuple | None]:
         """The inputs of the model's own `forward` for one run with `plan`: the positions where the tokens are read,
-        the mask, and the plan started on them, which the attention function receives."""
+        the mask, and the plan started on them, which the attention function receives; and the rotary tables of the
+        plan's base where it has one (`rotary_at_base`), which the attention modules rotate with instead of theirs."""
         tokens, cache, mask = call_tokens(inputs), inputs.get("past_key_values"), inputs.get("attention_mask")
         position_ids = inputs.get("position_ids")
         if position_ids is None:
@@ -352,11 +354,10 @@ class MitigatedDecoder(MitigationGenerationMixin):
         inputs = {**inputs, "attention_mask": mask, "mitigation_plan": started}
         if self.decoder_positions.positions_problem is None or moved:
             inputs["position_ids"] = reading.read_positions  # counted from each row's first real token (left padding)
-        if reading.rotary_base is not None:  # the attention modules rotate with these tables (`decoder_attention`)
-            inputs["mitigation_position_embeddings"] = self.decoder_positions.rotary_at_base(
-                reading.rotary_base, reading.read_positions, self.dtype, cache
-            )
-        return inputs
+        if reading.rotary_base is None:
+            return inputs, None
+        positions = self.decoder_positions
+        return inputs, positions.rotary_at_base(reading.rotary_base, reading.read_positions, self.dtype, cache)
 
     def masks_with(self, and_mask_function, padding_mask, cache, position_ids, batch, new_tokens):
         """The model's causal masks (4D, in the form its attention takes) with `and_mask_function` applied: one for
@@ -552,14 +553,22 @@ def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:
         rotary=rotary,
         layer_types=layer_types,
         rotates_half=rotates_half(type(model).__module__),
+        attention_modules=tuple(probe.modules),
     )
+
+
+def refuse_options_given_to_base_model(base_model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the base model (the causal LM's child that holds the layers): the options given to it
+    rather than to the causal LM would be ignored."""
+    refuse_option_keywords(base_model, kwargs)
 
 
 def add_mitigations(model):
     """Give a Hugging Face causal LM SepFormer's position-bias mitigations, as keywords of `forward` and `generate`:
     `stable_mask`, `ms_poe`, `attention_calibration`, `parallel_context_windows`, `positional_scaling`,
     `attention_buckets` (and `reorder_documents` for `generate`), each its dataclass or the dict of its fields. Returns
-    `model` itself, its class replaced by a subclass of the same name, with forward hooks on its attention modules.
+    `model` itself, its class replaced by a subclass of the same name, and a forward pre-hook on its base model
+    (which refuses the options given there).
     A SepFormer, which takes every option itself, is returned as it is. Refuses (before changing anything) what is not
     a causal LM (a `TypeError`) and a model whose attention does not go through transformers' attention registry
     with the keywords of `forward`, naming what is missing.
@@ -592,8 +601,8 @@ def add_mitigations(model):
         raise
     if not isinstance(model, MitigatedDecoder):  # a second call wraps an implementation set since the first
         model.decoder_positions = described
-        for module in probe.modules:
-            serve_attention(module)
+        base_model = next(child for child in model.children() if probe.modules[0] in set(child.modules()))
+        base_model.register_forward_pre_hook(refuse_options_given_to_base_model, with_kwargs=True)
         model.__class__ = mitigated_class(type(model))
     return model
 

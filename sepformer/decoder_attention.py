@@ -1,7 +1,7 @@
 """What `add_mitigations` reaches inside a Hugging Face attention module besides its attention function, through
-forward hooks that do nothing without a `mitigation_plan`: the rotary tables of a bucket's base, and the inputs of the
-query and key projections (Llama-like `q_proj`/`k_proj` or GPT-2's fused `c_attn`). docs/design.md, "On any Hugging
-Face decoder", "Inside the attention module".
+forward hooks registered for a call with a `mitigation_plan` only: the rotary tables of a bucket's base, and the
+inputs of the query and key projections (Llama-like `q_proj`/`k_proj` or GPT-2's fused `c_attn`).
+docs/design.md, "On any Hugging Face decoder", "Inside the attention module".
 """
 
 import contextlib
@@ -135,13 +135,11 @@ def query_key_inputs_rewritten(attention: nn.Module, rewrite: Rewrite):
 
 @dataclass(frozen=True, eq=False)
 class DecoderProjection:
-    """The `QueryKeyProjection` of a Hugging Face attention module: its input and how it makes queries and keys of it,
-    with the rewriting of its projections for the module's call."""
+    """The `QueryKeyProjection` of a Hugging Face attention module: its input, and how it makes queries and keys."""
 
     attention: nn.Module
     attention_input: torch.Tensor  # (b, seq, d_model): the layer's normed input, as the values read it
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # the cos, sin the module rotates with
-    rewriting: contextlib.ExitStack
 
     def project_keys(self, key_input: torch.Tensor) -> torch.Tensor:
         """(b, seq, d_model) -> (b, H_kv, seq, head_dim) keys as the module makes them, without the rewriting (the
@@ -150,60 +148,56 @@ class DecoderProjection:
         return rotated(self.attention, key, key, self.position_embeddings)[1]
 
 
-def before_attention(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of each attention module `add_mitigations` serves: with a `mitigation_plan`, the rotary tables
-    of the plan's base and, where the plan rewrites the layer's query and key inputs, their rewriting."""
-    names = (*MITIGATIONS, "reorder_documents")  # read at each call: mitigations registered later are refused too
-    given = kwargs.keys() & names  # one set operation per call: most calls bring none
-    options = [name for name in names if name in given and kwargs[name] not in (None, False)] if given else []
-    if options:  # the causal LM's forward takes them off: given to the base model or to forward, they would be ignored
+def refuse_option_keywords(module: nn.Module, kwargs: dict) -> None:
+    """Refuse the option keywords reaching `module` (given to the base model, or `reorder_documents` to `forward`),
+    which would be ignored there: the causal LM's `forward` takes them off. `MITIGATIONS` is read at each call:
+    mitigations registered later are refused too."""
+    names = (*MITIGATIONS, "reorder_documents")
+    if not kwargs.keys() & names:  # most calls bring none
+        return
+    options = [name for name in names if kwargs.get(name) not in (None, False)]
+    if options:
         raise TypeError(
             f"{options} reached {type(module).__name__} as keywords it ignores: give the mitigations to the causal "
             "LM that add_mitigations served (its forward or generate), not to its base model; reorder_documents to "
             "generate only (or sepformer.reorder_documents)."
         )
-    plan = kwargs.get("mitigation_plan")
-    if not isinstance(plan, MitigationPlan):
+
+
+@contextlib.contextmanager
+def attention_modules_served(modules: tuple[nn.Module, ...], plan: MitigationPlan, bucket_rotary):
+    """For the causal LM's call with `plan`: a forward pre-hook with keywords on each attention module, where the plan
+    reaches inside them (`before_attention`). Hooks and rewritings are removed when the call ends, however it ends."""
+    if bucket_rotary is None and not any(mitigation.uses("query_key_inputs") for mitigation in plan.mitigations):
+        yield
+        return
+    with contextlib.ExitStack() as call:
+        hook = functools.partial(before_attention, call, plan, bucket_rotary)
+        for module in modules:
+            call.callback(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
+        yield
+
+
+def before_attention(
+    call: contextlib.ExitStack, plan: MitigationPlan, bucket_rotary, module, args: tuple, kwargs: dict
+):
+    """The rotary tables of the plan's base (`bucket_rotary`, the tables of a bucket's rotary) and, where the plan
+    rewrites the layer's query and key inputs, their rewriting, kept until the end of the `call`. Another call of the
+    module meanwhile (another thread's) is left as it is."""
+    if kwargs.get("mitigation_plan") is not plan:
         return None
     hooks = plan.layers[module.layer_idx]
-    bucket_rotary = kwargs.get("mitigation_position_embeddings")
-    if bucket_rotary is None and not hooks.input_hooks:  # the module's call as it is
-        return None
-    kwargs = {name: value for name, value in kwargs.items() if name != "mitigation_position_embeddings"}
     if bucket_rotary is not None:
         if "position_embeddings" not in kwargs:
             raise ValueError(
                 f"{type(module).__name__} is not given its rotary tables as the keyword position_embeddings: another "
                 "rotary base (attention_buckets) cannot be given to it."
             )
-        kwargs["position_embeddings"] = bucket_rotary
+        kwargs = {**kwargs, "position_embeddings": bucket_rotary}
     if hooks.input_hooks:
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"), contextlib.ExitStack())
         rewrite = functools.partial(hooks.query_key_inputs, module.layer_idx)
-        projection.rewriting.enter_context(query_key_inputs_rewritten(module, rewrite))
-        module.mitigation_rewriting = projection.rewriting  # closed after the module, or by `release_rewritings`
-        kwargs["mitigation_projection"] = projection
+        call.enter_context(query_key_inputs_rewritten(module, rewrite))
+        projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"))
+        kwargs = {**kwargs, "mitigation_projection": projection}
     return args, kwargs
-
-
-def after_attention(module: nn.Module, args: tuple, kwargs: dict, output):
-    """Forward hook (always called, errors included): the projections read their own input again."""
-    projection = kwargs.get("mitigation_projection")
-    if projection is not None:
-        projection.rewriting.close()
-        module.__dict__.pop("mitigation_rewriting", None)
-
-
-def release_rewritings(model: nn.Module) -> None:
-    """Close the rewritings a call left open: a `BaseException` that is not an `Exception` (KeyboardInterrupt) skips
-    `after_attention`, and the projections would read the rewritten input in later calls."""
-    for module in model.modules():
-        rewriting = module.__dict__.pop("mitigation_rewriting", None)
-        if rewriting is not None:
-            rewriting.close()
-
-
-def serve_attention(module: nn.Module) -> None:
-    module.register_forward_pre_hook(before_attention, with_kwargs=True)
-    module.register_forward_hook(after_attention, with_kwargs=True, always_call=True)

@@ -51,13 +51,22 @@ class MitigationGenerationMixin:
         with kept_for_generation():  # the decoding steps resolve the options once
             return super().generate(inputs, *args, **kwargs)
 
+    def generation_keeps_state(self, model_kwargs: dict) -> bool:
+        """Whether a generation with `model_kwargs` keeps state on its cache: the state of the options it runs with.
+        Without, the model generates with transformers' own default cache, as it did before `add_mitigations`."""
+        return bool(parse_options(self.config, model_kwargs))
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """`generate` makes a `DynamicCache` by default: make it a `SepFormerCache`, which also carries the
-        mitigation state and the fused decoding projections (transformers has no public hook for the cache class)."""
+        mitigation state and the fused decoding projections, where the generation keeps them (transformers has no
+        public hook for the cache class)."""
         given = model_kwargs.get("past_key_values")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         made = model_kwargs.get("past_key_values")
-        if given is None and type(made) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
+        default = (
+            given is None and type(made) is DynamicCache and generation_config.cache_implementation in (None, "dynamic")
+        )
+        if default and self.generation_keeps_state(model_kwargs):
             model_kwargs["past_key_values"] = SepFormerCache(config=self.config)
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):

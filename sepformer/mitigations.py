@@ -73,7 +73,7 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     for name, mitigation in MITIGATIONS.items():
         value = options.get(name)
         value = mitigation.default_options(config) if value is None else value
-        if value is not False and (value := mitigation.options_class.parse(value)) is not None:
+        if value is not None and value is not False and (value := mitigation.options_class.parse(value)) is not None:
             parsed[name] = value
     return parsed
 

@@ -510,6 +510,10 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         call_options(kwargs)  # taken out of the keywords the forward runs with
         return mitigation.run_causal_lm(options, self, {**inputs, **kwargs}, options_of_call)
 
+    def generation_keeps_state(self, model_kwargs: dict) -> bool:
+        """Always: the decoding steps' fused projections are kept on the cache too (`decoding.fused_layer`)."""
+        return True
+
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
         """The prompt and its padding mask (an empty or 1-D prompt fails deep inside `generate`), the last position it
         may reach (`check_last_position`) and the padding it feeds (`check_fed_token_ids`)."""

@@ -128,6 +128,80 @@ def test_without_options_the_model_computes_what_it_computed_before(name, attn):
     assert add_mitigations(model) is model
 
 
+def hooks_on(model) -> dict[str, int]:
+    """The forward hooks of every module but the base model (whose pre-hook refuses options given to it), by name."""
+    return {
+        name: len(module._forward_pre_hooks) + len(module._forward_hooks)
+        for name, module in model.named_modules()
+        if module is not model.base_model and (module._forward_pre_hooks or module._forward_hooks)
+    }
+
+
+def hooks_within_call(model, ids, stop: bool = False, **options) -> int:
+    """The forward hooks on the model's modules (`hooks_on`) while the call with `options` runs its head; `stop`: the
+    call raises there."""
+    seen = []
+
+    def count(module, args):
+        seen.append(sum(hooks_on(model).values()) - 1)  # but this one
+        if stop:
+            raise RuntimeError("stopped within the call")
+
+    watcher = model.lm_head.register_forward_pre_hook(count)
+    try:
+        logits(model, ids, **options)
+    finally:
+        watcher.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hooks_are_registered_for_a_call_that_reaches_inside_the_attention_modules_only(name):
+    """Without options a call runs the model's modules unhooked; positional scaling (the projections' inputs) and
+    bucket bases (the modules' rotary tables) hook the attention modules for their call, however it ends."""
+    model, ids = mitigated(name), random_ids(1, 10)
+    assert hooks_on(model) == {} and len(model.base_model._forward_pre_hooks) == 1
+    layers, projections = model.config.num_hidden_layers, 2 if name == "llama" else 1  # q_proj, k_proj; GPT-2's c_attn
+    scaling = sepformer.PositionalScaling(-1.0, channels=(0, 1, 2), layers=(0, 2))
+    assert hooks_within_call(model, ids, positional_scaling=scaling) == layers + 2 * projections
+    assert hooks_within_call(model, ids) == 0
+    assert hooks_within_call(model, ids, stable_mask=StableMask(0.5)) == 0
+    with pytest.raises(RuntimeError, match="stopped within the call"):
+        hooks_within_call(model, ids, stop=True, positional_scaling=scaling)
+    if name == "llama":
+        assert hooks_within_call(model, ids, attention_buckets=sepformer.AttentionBuckets(bases=(500.0,))) == layers
+    assert hooks_on(model) == {}
+
+
+def test_a_call_without_the_plan_is_left_as_it_is_while_another_call_hooks_the_modules():
+    """Another thread's call while one call with bucket bases has the attention modules hooked: its own rotary."""
+    model, ids = mitigated("llama"), random_ids(1, 10)
+    plain = logits(model, ids)
+    other_calls_plan = sepformer.mitigation_base.MitigationPlan((), ())
+    modules, tables = model.decoder_positions.attention_modules, (torch.zeros(1, 10, 8), torch.zeros(1, 10, 8))
+    with sepformer.decoder_attention.attention_modules_served(modules, other_calls_plan, tables):
+        assert hooks_on(model)
+        torch.testing.assert_close(logits(model, ids), plain, rtol=0, atol=0)
+        scaled = logits(model, ids, positional_scaling=sepformer.PositionalScaling(-1.0, channels=(0, 1, 2)))
+    torch.testing.assert_close(
+        logits(model, ids, positional_scaling=sepformer.PositionalScaling(-1.0, channels=(0, 1, 2))),
+        scaled,
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_generate_keeps_transformers_default_cache_without_options_and_a_sepformer_cache_with():
+    """A generation without options is the plain model's, its cache included; one with options keeps their state."""
+    model, ids = mitigated("llama"), random_ids(1, 8)
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert type(model.generate(ids, **settings).past_key_values) is DynamicCache
+    assert type(model.generate(ids, **settings, stable_mask=None, ms_poe=False).past_key_values) is DynamicCache
+    with_option = model.generate(ids, **settings, ms_poe=MSPoE(1.2, 1.8))
+    assert isinstance(with_option.past_key_values, sepformer.SepFormerCache)
+    assert with_option.past_key_values.prefill_options
+
+
 def test_an_implementation_set_after_add_mitigations_is_refused_until_wrapped_again():
     model = mitigated("llama")
     ids = random_ids(1, 8)
@@ -256,7 +330,7 @@ def test_options_given_where_they_would_be_ignored_are_refused():
     """The base model's forward and the causal LM's forward (reorder_documents) would pass them on unread."""
     model = mitigated("llama")
     ids, cache = random_ids(1, 6), sepformer.SepFormerCache(config=model.config)
-    with pytest.raises(TypeError, match=r"\['stable_mask'\] reached LlamaAttention as keywords it ignores"):
+    with pytest.raises(TypeError, match=r"\['stable_mask'\] reached LlamaModel as keywords it ignores"):
         model.model(ids, past_key_values=cache, stable_mask={"gamma": 0.5})
     with pytest.raises(TypeError, match=r"\['reorder_documents'\] reached .* to generate only"):
         model(ids, past_key_values=cache, reorder_documents={"spans": [SPANS]})

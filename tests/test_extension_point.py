@@ -141,7 +141,7 @@ def test_two_mitigations_rewriting_positions_in_one_layer_are_refused(value_gain
 def test_a_registered_option_given_to_a_decoder_s_base_model_is_refused_as_the_built_in_ones_are(value_gain):
     model = add_mitigations(tiny_llama())
     ids, cache = torch.zeros(1, 4, dtype=torch.long), SepFormerCache(config=model.config)
-    with pytest.raises(TypeError, match=r"\['value_gain'\] reached LlamaAttention as keywords it ignores"):
+    with pytest.raises(TypeError, match=r"\['value_gain'\] reached LlamaModel as keywords it ignores"):
         model.model(ids, past_key_values=cache, value_gain={"gain": 2.0})
 
 
