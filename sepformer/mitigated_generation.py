@@ -98,8 +98,15 @@ def check_assistance(model, generation_config, kwargs: dict) -> None:
 def check_prefill_in_one_call(model, prompt, generation_config, kwargs: dict) -> None:
     """Refuse, before any work, a chunked prefill (`prefill_chunk_size` shorter than the prompt, on an empty cache:
     `generate` feeds the prompt in several calls, the first one taken for the prefill) with options that read the
-    whole prompt there: its last token (`acts_on_last_rows`) or its documents' spans."""
+    whole prompt there: its last token (`acts_on_last_rows`) or its documents' spans; and a chunked prefill of a prompt
+    given as embeddings, which transformers cannot run."""
     chunk = generation_setting(model, generation_config, kwargs, "prefill_chunk_size")
+    if chunk is not None and prompt is None and kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            f"prefill_chunk_size={chunk}: generate's chunked prefill splits the prompt's token ids, and feeds a prompt "
+            "given as inputs_embeds whole with positions for none of its tokens (a plain transformers model fails on "
+            "it too): generate without prefill_chunk_size, or from input_ids."
+        )
     cache = kwargs.get("past_key_values")
     if chunk is None or prompt is None or prompt.shape[-1] <= chunk:
         return

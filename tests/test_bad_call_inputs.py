@@ -535,6 +535,25 @@ def test_a_chunked_prefill_is_refused_with_options_that_read_the_whole_prompt(ki
     assert torch.equal(*continued)
 
 
+@pytest.mark.parametrize("options", [{}, {"ms_poe": {}}])
+@pytest.mark.parametrize("kind", ["sepformer", "llama"])
+def test_a_chunked_prefill_of_a_prompt_given_as_embeddings_is_refused_before_any_work(kind, options):
+    """transformers' chunked prefill splits the prompt's token ids and feeds embeddings with positions for none of
+    their tokens (a plain Llama fails on it inside the rotary): refused by name, with options or without."""
+    model = tiny_model() if kind == "sepformer" else add_mitigations(tiny_llama())
+    embeds = model.get_input_embeddings()(IDS).detach()
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, **options)
+    for chunk in (5, 100):
+        message = rf"prefill_chunk_size={chunk}: generate's chunked prefill splits the prompt's token ids"
+        refused_before_any_work(
+            model,
+            ValueError,
+            message,
+            functools.partial(model.generate, inputs_embeds=embeds, prefill_chunk_size=chunk, **settings),
+        )
+    assert model.generate(inputs_embeds=embeds, **settings).shape == (2, 3)
+
+
 def test_the_last_position_of_a_prompt_given_as_embeddings_is_checked_before_the_first_step():
     model = tiny_model(max_position_embeddings=16)
     embeds = model.model.embed_tokens(IDS)
