@@ -418,11 +418,11 @@ def last_row_scores(
     """
     batch, heads, _, head_dim = query.shape
     key_heads, kv = key.shape[1:3]
-    # (b, H_kv, H / H_kv, d): the query heads each key-value head serves
-    last_query = query[:, :, -1:].reshape(batch, key_heads, heads // key_heads, head_dim)
-    # the query times the transposed keys, a view of the cache's: (b, H_kv, H / H_kv, kv). A matrix times one column
+    # (b · H_kv, H / H_kv, d): the query heads each key-value head serves
+    last_query = query[:, :, -1:].reshape(batch * key_heads, heads // key_heads, head_dim)
+    # the query times the transposed keys, a view of the cache's: (b · H_kv, H / H_kv, kv). A matrix times one column
     # (keys times the query) runs several times slower on CPUs.
-    scores = torch.matmul(last_query, key.transpose(-1, -2))
+    scores = torch.bmm(last_query, key.flatten(0, 1).mT)
     scores = scores.view(batch, heads, kv).float() * scaling
     if attention_mask is None:
         return scores, torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)

@@ -27,13 +27,15 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
     batch, heads, seq, dim = query.shape
     kv = key.shape[2]
     if seq == 1 and not module.training and write_out:
-        # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (b, H, 1, kv)
+        # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel;
+        # batch and heads are bmm's one batch dimension (a view of the cache's keys and values, as matmul makes it)
+        scores = torch.bmm(query.flatten(0, 1), key.flatten(0, 1).mT).view(batch, heads, 1, kv) * scaling
         if attention_mask is not None:
             mask = attention_mask[..., :kv]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         probs = torch.cat((scores, sink_logits.to(scores.dtype).expand(batch, heads, 1, 1)), -1).softmax(-1)[..., :kv]
-        return torch.matmul(probs, value).transpose(1, 2), probs  # (b, 1, H, d); rows sum to less than 1
+        output = torch.bmm(probs.flatten(0, 1), value.flatten(0, 1)).view(batch, heads, 1, -1)
+        return output.transpose(1, 2), probs  # (b, 1, H, d); rows sum to less than 1
     tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype).expand(batch, heads, seq, 1)
     query = torch.cat((query, tau), -1)  # (b, H, seq, d + 1)
     sink_key = torch.nn.functional.pad(key, (0, 1, 1, 0))  # (b, H, 1 + kv, d + 1): the sink first
