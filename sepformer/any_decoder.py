@@ -306,8 +306,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             if plan is None:  # an empty cache that held a failed prefill's state, continued without options
                 return super().forward(**inputs)
         inputs, bucket_rotary = self.with_plan(inputs, plan)
-        modules = self.decoder_positions.attention_modules
-        with attention_modules_served(modules, inputs["mitigation_plan"], bucket_rotary):  # for this call only
+        with attention_modules_served(self, inputs["mitigation_plan"], bucket_rotary):  # for this call only
             return super().forward(**inputs)
 
     def __reduce_ex__(self, protocol):

@@ -128,9 +128,13 @@ class AttentionBucketsMitigation(Mitigation):
         if cache is None and use_cache:
             cache = SepFormerCache(config=config)
         if cache is not None and not isinstance(cache, SepFormerCache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(
+                    f"{cls.prefill_requirement} This cache, a {type(cache).__name__}, was prefilled without it."
+                )
             raise ValueError(
                 "attention_buckets keeps a copy of every row per bucket on a SepFormerCache (what forward and "
-                f"generate make by default); got {type(cache).__name__}."
+                f"generate make with options); got {type(cache).__name__}."
             )
         labels = inputs.pop("labels")
         tokens = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")

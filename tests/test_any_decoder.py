@@ -1,6 +1,7 @@
 """`add_mitigations`: SepFormer's mitigations on Hugging Face decoders (Llama, Qwen2, Mistral with grouped-query
 attention, GPT-2), against the plain models and references written from the formulas."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -178,8 +179,8 @@ def test_a_call_without_the_plan_is_left_as_it_is_while_another_call_hooks_the_m
     model, ids = mitigated("llama"), random_ids(1, 10)
     plain = logits(model, ids)
     other_calls_plan = sepformer.mitigation_base.MitigationPlan((), ())
-    modules, tables = model.decoder_positions.attention_modules, (torch.zeros(1, 10, 8), torch.zeros(1, 10, 8))
-    with sepformer.decoder_attention.attention_modules_served(modules, other_calls_plan, tables):
+    tables = torch.zeros(1, 10, 8), torch.zeros(1, 10, 8)
+    with sepformer.decoder_attention.attention_modules_served(model, other_calls_plan, tables):
         assert hooks_on(model)
         torch.testing.assert_close(logits(model, ids), plain, rtol=0, atol=0)
         scaled = logits(model, ids, positional_scaling=sepformer.PositionalScaling(-1.0, channels=(0, 1, 2)))
@@ -200,6 +201,13 @@ def test_generate_keeps_transformers_default_cache_without_options_and_a_sepform
     with_option = model.generate(ids, **settings, ms_poe=MSPoE(1.2, 1.8))
     assert isinstance(with_option.past_key_values, sepformer.SepFormerCache)
     assert with_option.past_key_values.prefill_options
+    plain = model.generate(ids, **settings)  # continued with options that fix state at prefill: refused, saying why
+    for option, requirement in (
+        ({"ms_poe": MSPoE(1.2, 1.8)}, "ms_poe ranks the heads at prefill: it must be on from the first"),
+        ({"attention_buckets": sepformer.AttentionBuckets(scales=(0.5, 1.0))}, "attention_buckets reads positions"),
+    ):
+        with pytest.raises(ValueError, match=f"{requirement}.* This cache, a DynamicCache, was prefilled without it"):
+            model.generate(plain.sequences, past_key_values=copy.deepcopy(plain.past_key_values), **settings, **option)
 
 
 def test_an_implementation_set_after_add_mitigations_is_refused_until_wrapped_again():

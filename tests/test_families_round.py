@@ -180,6 +180,44 @@ def test_ranked_ms_poe_is_refused_under_gradient_checkpointing_and_a_fixed_order
     model(ids, labels=ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3))).loss.backward()
 
 
+def test_options_hooking_the_attention_modules_are_refused_under_gradient_checkpointing_and_the_others_train_alike():
+    """Positional scaling and bucket bases hook the attention modules for the call, and checkpointing runs the layers
+    again in backward, after it: refused by name before any layer runs. The other options' gradients with
+    checkpointing are the gradients without it."""
+    ids = random_ids(2, 10)
+    inside = {
+        "positional_scaling": PositionalScaling(-1.0, channels=(0, 1, 2)),
+        "attention_buckets bases": AttentionBuckets(bases=(500.0,)),
+    }
+    outside = {"stable_mask": StableMask(0.3), "attention_buckets": AttentionBuckets(scales=(0.5,))}
+
+    def gradients(checkpointing: bool, **option) -> list[torch.Tensor]:
+        model = mitigated("llama", "eager")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model(ids, labels=ids, use_cache=False, **option).loss.backward()
+        return [parameter.grad for parameter in model.parameters()]
+
+    checkpointed = mitigated("llama", "eager")
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    layer_calls = []
+    checkpointed.model.layers[0].register_forward_pre_hook(lambda *args: layer_calls.append(1))
+    for name, option in inside.items():
+        keyword = name.split()[0]
+        with pytest.raises(ValueError, match=f"{name} reach inside LlamaForCausalLM's attention modules .* gradient"):
+            checkpointed(ids, labels=ids, use_cache=False, **{keyword: option})
+        assert not layer_calls
+        gradients(False, **{keyword: option})  # trains without checkpointing
+    with torch.no_grad():  # no backward: the layers are not run again
+        checkpointed(ids, use_cache=False, positional_scaling=inside["positional_scaling"])
+    for name, option in outside.items():
+        pairs = zip(gradients(True, **{name: option}), gradients(False, **{name: option}), strict=True)
+        for with_checkpoints, without in pairs:
+            torch.testing.assert_close(with_checkpoints, without, rtol=1e-5, atol=1e-6)
+
+
 def test_windows_keep_mistrals_sliding_window():
     """One window over the prompt's start is the plain model: on Mistral with a window of 4, only with the window."""
     plain = plain_model("mistral", sliding_window=4)
@@ -251,8 +289,8 @@ def test_length_dependent_rope_is_refused_by_ms_poe_and_bucket_bases(rope_type):
 
 
 def test_an_interrupted_positional_scaling_call_leaves_the_projections_reading_their_own_input():
-    """torch runs `always_call` hooks for `Exception` only: a KeyboardInterrupt inside the forward (its traceback
-    kept, as a REPL keeps it) left q_proj and k_proj reading the scaled input in later plain calls."""
+    """A KeyboardInterrupt inside the forward (its traceback kept, as a REPL keeps it), which torch's `always_call`
+    hooks do not see, must not leave q_proj and k_proj reading the scaled input in later plain calls."""
     model, ids = mitigated("llama"), random_ids(1, 10)
     before = logits(model, ids)
 
