@@ -340,9 +340,9 @@ def test_options_given_where_they_would_be_ignored_are_refused():
     ids, cache = random_ids(1, 6), sepformer.SepFormerCache(config=model.config)
     with pytest.raises(TypeError, match=r"\['stable_mask'\] reached LlamaModel as keywords it ignores"):
         model.model(ids, past_key_values=cache, stable_mask={"gamma": 0.5})
-    with pytest.raises(TypeError, match=r"\['reorder_documents'\] reached .* to generate only"):
-        model(ids, past_key_values=cache, reorder_documents={"spans": [SPANS]})
-    assert cache.get_seq_length() == 0
+    with pytest.raises(TypeError, match=r"\['reorder_documents'\] reached LlamaForCausalLM .* to generate only"):
+        model(ids, past_key_values=cache, reorder_documents={"spans": [SPANS]}, ms_poe=MSPoE(1.2, 1.8))
+    assert cache.get_seq_length() == 0 and not cache.prefill_options  # refused before MS-PoE's prefill state is set
 
 
 # ------------------------------------------------------------------------------------------------------ StableMask
