@@ -168,18 +168,20 @@ def refuse_option_keywords(module: nn.Module, kwargs: dict) -> None:
 def attention_modules_served(model: nn.Module, plan: MitigationPlan, bucket_rotary):
     """For the causal LM's call with `plan`: a forward pre-hook with keywords on each attention module of `model`,
     where the plan reaches inside them (`before_attention`). Hooks and rewritings are removed when the call ends,
-    however it ends; so a call whose layers run again after it, in the backward of gradient checkpointing, is
-    refused."""
-    inside = [mitigation.options.name for mitigation in plan.mitigations if mitigation.uses("query_key_inputs")]
-    inside += ["attention_buckets bases"] if bucket_rotary is not None else []
-    if not inside:
+    however it ends. A training call under gradient checkpointing, whose backward runs the layers again after the
+    call, is refused."""
+    reaching_inside = [
+        mitigation.options.name for mitigation in plan.mitigations if mitigation.uses("query_key_inputs")
+    ]
+    reaching_inside += ["attention_buckets bases"] if bucket_rotary is not None else []
+    if not reaching_inside:
         yield
         return
     if model.training and torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False):
         raise ValueError(
-            f"{' and '.join(inside)} reach inside {type(model).__name__}'s attention modules through hooks registered "
-            "for the call, and gradient checkpointing runs each layer again during backward, after the call: train "
-            "without gradient checkpointing, or without them (a SepFormer serves them under checkpointing)."
+            f"{' and '.join(reaching_inside)} reach inside {type(model).__name__}'s attention modules through hooks "
+            "registered for the call, and gradient checkpointing runs each layer again during backward, after the "
+            "call: train without gradient checkpointing, or without them (a SepFormer serves them under checkpointing)."
         )
     with contextlib.ExitStack() as call:
         hook = functools.partial(before_attention, call, plan, bucket_rotary)
