@@ -129,9 +129,7 @@ class AttentionBucketsMitigation(Mitigation):
             cache = SepFormerCache(config=config)
         if cache is not None and not isinstance(cache, SepFormerCache):
             if cache.get_seq_length() > 0:
-                raise ValueError(
-                    f"{cls.prefill_requirement} This cache, a {type(cache).__name__}, was prefilled without it."
-                )
+                raise cls.prefilled_without(cache)
             raise ValueError(
                 "attention_buckets keeps a copy of every row per bucket on a SepFormerCache (what forward and "
                 f"generate make with options); got {type(cache).__name__}."

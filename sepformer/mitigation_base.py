@@ -307,6 +307,13 @@ class Mitigation:
         return bool(cls.prefill_requirement)
 
     @classmethod
+    def prefilled_without(cls, cache) -> ValueError:
+        """The error for continuing `cache`, of another class than `SepFormerCache`, which holds a prefill made without
+        this mitigation (e.g. a generation's without options, which keeps transformers' own cache)."""
+        kind = f"{type(cache).__name__}{' (a static cache)' if cache.is_compileable else ''}"
+        return ValueError(f"{cls.prefill_requirement} This cache, a {kind}, was prefilled without it.")
+
+    @classmethod
     def check_continuation(cls, cache, options: MitigationOptions | None) -> None:
         """Refuse (a `ValueError`) continuing `cache`, a `SepFormerCache` holding tokens, with `options` for this
         mitigation (`None`: off), where its state cannot be continued so; called before any work."""

@@ -124,12 +124,12 @@ def check_assisted_decoding(config, options: dict) -> None:
 def check_prefill_state(name: str, options: MitigationOptions, call: CallContext) -> None:
     """Options that fix state at prefill need a cache that keeps it, and the same options all through a cache."""
     if call.sepformer_cache is None:
-        kind = f"{type(call.cache).__name__}{' (a static cache)' if call.cache.is_compileable else ''}"
-        if call.continuing:  # e.g. the cache of a generation without options, which keeps transformers' own
-            raise ValueError(f"{MITIGATIONS[name].prefill_requirement} This cache, a {kind}, was prefilled without it.")
+        if call.continuing:
+            raise MITIGATIONS[name].prefilled_without(call.cache)
         raise ValueError(
             f"{name} keeps what it fixes at prefill on the cache, so it needs a cache that grows with the tokens and "
-            f"carries that state (a SepFormerCache: what forward and generate make with options); got {kind}."
+            f"carries that state (a SepFormerCache: what forward and generate make with options); got "
+            f"{type(call.cache).__name__}{' (a static cache)' if call.cache.is_compileable else ''}."
         )
     fixed = call.sepformer_cache.prefill_options
     if not call.continuing:
