@@ -7,6 +7,7 @@ docs/design.md, "On any Hugging Face decoder", "Inside the attention module".
 import contextlib
 import functools
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -167,36 +168,51 @@ def refuse_option_keywords(module: nn.Module, kwargs: dict) -> None:
 @contextlib.contextmanager
 def attention_modules_served(model: nn.Module, plan: MitigationPlan, bucket_rotary):
     """For the causal LM's call with `plan`: a forward pre-hook with keywords on each attention module of `model`,
-    where the plan reaches inside them (`before_attention`). Hooks and rewritings are removed when the call ends,
-    however it ends. A training call under gradient checkpointing, whose backward runs the layers again after the
-    call, is refused."""
-    reaching_inside = [
-        mitigation.options.name for mitigation in plan.mitigations if mitigation.uses("query_key_inputs")
-    ]
-    reaching_inside += ["attention_buckets bases"] if bucket_rotary is not None else []
-    if not reaching_inside:
+    where the plan reaches inside them (`before_attention`), and a forward hook that undoes each module call's rewriting
+    (`after_attention`). The call removes them however it ends; a training call under gradient checkpointing, whose
+    backward runs the layers again with the same plan, leaves them until the plan is freed with the autograd graph
+    (the hooks hold the plan weakly)."""
+    reaching_inside = any(mitigation.uses("query_key_inputs") for mitigation in plan.mitigations)
+    if not reaching_inside and bucket_rotary is None:
         yield
         return
-    if model.training and torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False):
-        raise ValueError(
-            f"{' and '.join(reaching_inside)} reach inside {type(model).__name__}'s attention modules through hooks "
-            "registered for the call, and gradient checkpointing runs each layer again during backward, after the "
-            "call: train without gradient checkpointing, or without them (a SepFormer serves them under checkpointing)."
-        )
-    with contextlib.ExitStack() as call:
-        hook = functools.partial(before_attention, call, plan, bucket_rotary)
-        for module in model.decoder_positions.attention_modules:
-            call.callback(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
+    rewritings: dict[nn.Module, contextlib.ExitStack] = {}  # per attention module, its running call's rewriting
+    before = functools.partial(before_attention, weakref.ref(plan), bucket_rotary, rewritings)  # the hooks hold no plan
+    after = functools.partial(after_attention, rewritings)
+    handles = []
+    for module in model.decoder_positions.attention_modules:
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, always_call=True))
+    checkpointed = model.training and torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)
+    try:
         yield
+    except BaseException:  # a KeyboardInterrupt too, which the forward hooks do not see
+        served_no_more(handles, rewritings)
+        raise
+    if checkpointed:  # backward runs the layers again with this plan: the hooks stay until the graph frees it
+        weakref.finalize(plan, served_no_more, handles, rewritings)
+    else:
+        served_no_more(handles, rewritings)
+
+
+def served_no_more(handles: list, rewritings: dict) -> None:
+    """Remove the hooks of `attention_modules_served` and any rewriting a module call left (one interrupted by a
+    `KeyboardInterrupt`, which the forward hooks do not see)."""
+    for handle in handles:
+        handle.remove()
+    for rewriting in rewritings.values():
+        rewriting.close()
+    rewritings.clear()
 
 
 def before_attention(
-    call: contextlib.ExitStack, plan: MitigationPlan, bucket_rotary, module, args: tuple, kwargs: dict
-):
+    plan_of_the_call: weakref.ref, bucket_rotary, rewritings: dict, module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
     """The rotary tables of the plan's base (`bucket_rotary`, the tables of a bucket's rotary) and, where the plan
-    rewrites the layer's query and key inputs, their rewriting, kept until the end of the `call`. Another call of the
-    module meanwhile (another thread's) is left as it is."""
-    if kwargs.get("mitigation_plan") is not plan:
+    rewrites the layer's query and key inputs, their rewriting for this module call. Another call of the module
+    meanwhile (another thread's) is left as it is."""
+    plan = plan_of_the_call()
+    if plan is None or kwargs.get("mitigation_plan") is not plan:
         return None
     hooks = plan.layers[module.layer_idx]
     if bucket_rotary is not None:
@@ -209,7 +225,15 @@ def before_attention(
     if hooks.input_hooks:
         hidden_states = args[0] if args else kwargs["hidden_states"]
         rewrite = functools.partial(hooks.query_key_inputs, module.layer_idx)
-        call.enter_context(query_key_inputs_rewritten(module, rewrite))
+        rewritings[module] = contextlib.ExitStack()
+        rewritings[module].enter_context(query_key_inputs_rewritten(module, rewrite))
         projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"))
         kwargs = {**kwargs, "mitigation_projection": projection}
     return args, kwargs
+
+
+def after_attention(rewritings: dict, module, args: tuple, output) -> None:
+    """Undo the rewriting of this module call, if it made one (whether the call returned or raised)."""
+    rewriting = rewritings.pop(module, None)
+    if rewriting is not None:
+        rewriting.close()

@@ -156,21 +156,33 @@ def hooks_within_call(model, ids, stop: bool = False, **options) -> int:
     return seen[0]
 
 
+def stopped_in_the_attention(module, args):
+    raise RuntimeError("stopped in an attention module")
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_hooks_are_registered_for_a_call_that_reaches_inside_the_attention_modules_only(name):
     """Without options a call runs the model's modules unhooked; positional scaling (the projections' inputs) and
-    bucket bases (the modules' rotary tables) hook the attention modules for their call, however it ends."""
+    bucket bases (the modules' rotary tables) hook the attention modules for their call, however it ends, and the
+    projections' rewriting lasts for each module call only."""
     model, ids = mitigated(name), random_ids(1, 10)
     assert hooks_on(model) == {} and len(model.base_model._forward_pre_hooks) == 1
-    layers, projections = model.config.num_hidden_layers, 2 if name == "llama" else 1  # q_proj, k_proj; GPT-2's c_attn
+    layers = model.config.num_hidden_layers
     scaling = sepformer.PositionalScaling(-1.0, channels=(0, 1, 2), layers=(0, 2))
-    assert hooks_within_call(model, ids, positional_scaling=scaling) == layers + 2 * projections
+    assert hooks_within_call(model, ids, positional_scaling=scaling) == 2 * layers  # before and after
     assert hooks_within_call(model, ids) == 0
     assert hooks_within_call(model, ids, stable_mask=StableMask(0.5)) == 0
     with pytest.raises(RuntimeError, match="stopped within the call"):
         hooks_within_call(model, ids, stop=True, positional_scaling=scaling)
+    attention = model.decoder_positions.attention_modules[0]  # its module call raises after the projections ran
+    output_projection = attention.o_proj if name == "llama" else attention.c_proj
+    raising = output_projection.register_forward_pre_hook(stopped_in_the_attention)
+    with pytest.raises(RuntimeError, match="stopped in an attention module"):
+        logits(model, ids, positional_scaling=scaling)
+    raising.remove()
+    assert hooks_on(model) == {}
     if name == "llama":
-        assert hooks_within_call(model, ids, attention_buckets=sepformer.AttentionBuckets(bases=(500.0,))) == layers
+        assert hooks_within_call(model, ids, attention_buckets=sepformer.AttentionBuckets(bases=(500.0,))) == 2 * layers
     assert hooks_on(model) == {}
 
 

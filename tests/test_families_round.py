@@ -180,39 +180,33 @@ def test_ranked_ms_poe_is_refused_under_gradient_checkpointing_and_a_fixed_order
     model(ids, labels=ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3))).loss.backward()
 
 
-def test_options_hooking_the_attention_modules_are_refused_under_gradient_checkpointing_and_the_others_train_alike():
-    """Positional scaling and bucket bases hook the attention modules for the call, and checkpointing runs the layers
-    again in backward, after it: refused by name before any layer runs. The other options' gradients with
-    checkpointing are the gradients without it."""
+def test_every_option_trains_alike_under_gradient_checkpointing():
+    """Checkpointing runs each layer again in backward, after the call: positional scaling and bucket bases, which hook
+    the attention modules, keep their hooks until the graph (holding the call's plan) is freed. Every option's
+    gradients with checkpointing are those without it, and no hook is left once the loss is gone."""
     ids = random_ids(2, 10)
-    inside = {
+    options = {
         "positional_scaling": PositionalScaling(-1.0, channels=(0, 1, 2)),
-        "attention_buckets bases": AttentionBuckets(bases=(500.0,)),
+        "attention_buckets": AttentionBuckets(bases=(500.0,)),
+        "stable_mask": StableMask(0.3),
     }
-    outside = {"stable_mask": StableMask(0.3), "attention_buckets": AttentionBuckets(scales=(0.5,))}
 
     def gradients(checkpointing: bool, **option) -> list[torch.Tensor]:
         model = mitigated("llama", "eager")
         if checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
-        model(ids, labels=ids, use_cache=False, **option).loss.backward()
+        attention_calls = []
+        counter = model.model.layers[0].self_attn.register_forward_hook(lambda *args: attention_calls.append(1))
+        loss = model(ids, labels=ids, use_cache=False, **option).loss
+        loss.backward()
+        assert len(attention_calls) == (2 if checkpointing else 1)  # run again in backward
+        counter.remove()
+        del loss
+        assert not any(module._forward_pre_hooks for module in model.decoder_positions.attention_modules)
         return [parameter.grad for parameter in model.parameters()]
 
-    checkpointed = mitigated("llama", "eager")
-    checkpointed.gradient_checkpointing_enable()
-    checkpointed.train()
-    layer_calls = []
-    checkpointed.model.layers[0].register_forward_pre_hook(lambda *args: layer_calls.append(1))
-    for name, option in inside.items():
-        keyword = name.split()[0]
-        with pytest.raises(ValueError, match=f"{name} reach inside LlamaForCausalLM's attention modules .* gradient"):
-            checkpointed(ids, labels=ids, use_cache=False, **{keyword: option})
-        assert not layer_calls
-        gradients(False, **{keyword: option})  # trains without checkpointing
-    with torch.no_grad():  # no backward: the layers are not run again
-        checkpointed(ids, use_cache=False, positional_scaling=inside["positional_scaling"])
-    for name, option in outside.items():
+    for name, option in options.items():
         pairs = zip(gradients(True, **{name: option}), gradients(False, **{name: option}), strict=True)
         for with_checkpoints, without in pairs:
             torch.testing.assert_close(with_checkpoints, without, rtol=1e-5, atol=1e-6)
