@@ -180,7 +180,8 @@ def test_ranked_ms_poe_is_refused_under_gradient_checkpointing_and_a_fixed_order
     model(ids, labels=ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3))).loss.backward()
 
 
-def test_every_option_trains_alike_under_gradient_checkpointing():
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_every_option_trains_alike_under_gradient_checkpointing(use_reentrant):
     """Checkpointing runs each layer again in backward, after the call: positional scaling and bucket bases, which hook
     the attention modules, keep their hooks until the graph (holding the call's plan) is freed. Every option's
     gradients with checkpointing are those without it, and no hook is left once the loss is gone."""
@@ -194,7 +195,7 @@ def test_every_option_trains_alike_under_gradient_checkpointing():
     def gradients(checkpointing: bool, **option) -> list[torch.Tensor]:
         model = mitigated("llama", "eager")
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         model.train()
         attention_calls = []
         counter = model.model.layers[0].self_attn.register_forward_hook(lambda *args: attention_calls.append(1))
