@@ -40,7 +40,6 @@ from .mitigation_base import (
     ModelPositions,
     RowBases,
     attention_implementation,
-    continues,
     refuse_under_compile,
 )
 from .mitigations import (
@@ -322,15 +321,12 @@ class MitigatedDecoder(MitigationGenerationMixin):
             register_wrapper(implementation.removeprefix(PREFIX))
 
     def call_context(self, inputs: dict) -> CallContext:
-        cache = inputs.get("past_key_values")
         return CallContext.of(
             self,
             call_tokens(inputs),
             input_ids=inputs.get("input_ids"),
             attention_mask=inputs.get("attention_mask"),
-            cache=cache,
-            extrapolation=None,
-            continuing=continues(cache),
+            cache=inputs.get("past_key_values"),
             position_ids=inputs.get("position_ids"),
         )
 
@@ -362,10 +358,9 @@ class MitigatedDecoder(MitigationGenerationMixin):
         """The model's causal masks (4D, in the form its attention takes) with `and_mask_function` applied: one for
         all layers, or one per layer type where the model has sliding-window layers beside full ones."""
         config = self.config
-        shape_of_inputs = torch.empty(batch, new_tokens, 0, dtype=self.dtype, device=position_ids.device)
         arguments = dict(
             config=config,
-            inputs_embeds=shape_of_inputs,
+            inputs_embeds=torch.empty(batch, new_tokens, 0, dtype=self.dtype, device=position_ids.device),  # its shape
             attention_mask=padding_mask,
             past_key_values=cache,
             position_ids=position_ids,

@@ -52,6 +52,7 @@ DROPPED_GENERATION_KEYWORDS = frozenset(GenerationConfig._get_default_generation
 KEPT_GENERATION_KEYWORDS = (
     frozenset(name for name in vars(GenerationConfig()) if not name.startswith("_")) - DROPPED_GENERATION_KEYWORDS
 )
+READ_KEYWORDS = TRANSFORMERS_KEYWORDS | KEPT_GENERATION_KEYWORDS  # what transformers reads from a config
 # The fields that name a choice and its parameters: the choice's key in their dicts, its dataclass (which parses them),
 # the parameters.
 OPTION_FIELDS = {
@@ -205,9 +206,7 @@ def refuse_unless_saved(error: Exception, saved: bool) -> None:
 def _ignored_keyword(key: str, value, fields: list[str]) -> str | None:
     """Why SepFormer would ignore the keyword `key`, or `None` for those transformers reads. `None` sets nothing
     (tools copy `rope_scaling=None` from other configs); extra special tokens are checked against the vocabulary."""
-    if value is None or key.startswith("_") or key.endswith("_token_id"):
-        return None
-    if key in TRANSFORMERS_KEYWORDS or key in KEPT_GENERATION_KEYWORDS:
+    if value is None or key.startswith("_") or key.endswith("_token_id") or key in READ_KEYWORDS:
         return None
     if key in DROPPED_GENERATION_KEYWORDS:
         return (

@@ -35,14 +35,16 @@ def rotary_function(attention: nn.Module):
 
 def query_key_layout_problem(attention: nn.Module, attention_input, position_embeddings, query, key) -> str | None:
     """Why the query and key inputs of `attention` cannot be rewritten and reprojected, or `None` when they can: the
-    `query` and `key` its attention function received must be what `project_query_key` makes of its input."""
+    `query` and `key` its attention function received must be what its projections and rotary make of its input
+    (their `forward` called directly: their hooks, the rewriting among them, do not run)."""
     name = type(attention).__name__
     if is_llama_like(attention) and rotary_function(attention) is None and position_embeddings is not None:
         return f"the file of {name} has no apply_rotary_pos_emb to rotate queries and keys with"
     if not (is_gpt2_like(attention) or is_llama_like(attention)):
         return f"{name} has neither q_proj and k_proj nor GPT-2's c_attn"
     try:
-        ours = project_query_key(attention, attention_input, attention_input, position_embeddings)
+        projections = (projected(attention, attention_input, side) for side in (QUERY, KEY))
+        ours = rotated(attention, *projections, position_embeddings)
     except Exception:  # noqa: BLE001 - a layout this reprojection does not know, reported below
         ours = None
     if ours is not None and all(
@@ -54,13 +56,6 @@ def query_key_layout_problem(attention: nn.Module, attention_input, position_emb
         f"{name} makes its queries and keys otherwise than its projections (q_proj/k_proj or GPT-2's c_attn), "
         "per-head or whole q/k norms and rotary on the first dimensions of each head compute them from its input"
     )
-
-
-def project_query_key(attention: nn.Module, query_input, key_input, position_embeddings):
-    """(b, seq, d_model) inputs -> (b, H, seq, head_dim) queries and (b, H_kv, seq, head_dim) keys as the module makes
-    them. The projections' `forward` is called directly: their hooks (the rewriting among them) do not run."""
-    query, key = projected(attention, query_input, QUERY), projected(attention, key_input, KEY)
-    return rotated(attention, query, key, position_embeddings)
 
 
 QUERY, KEY = 0, 1

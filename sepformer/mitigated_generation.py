@@ -10,7 +10,7 @@ from transformers.generation.configuration_utils import GenerationConfig, Genera
 
 from .cache_sepformer import SepFormerCache
 from .mitigation_options import SpanOptions
-from .mitigations import MITIGATIONS, check_assisted_decoding, kept_for_generation, parse_options
+from .mitigations import MITIGATIONS, kept_for_generation, parse_options
 from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
@@ -79,14 +79,24 @@ class MitigationGenerationMixin:
 
 def check_assistance(model, generation_config, kwargs: dict) -> None:
     """Refuse, before any work, assisted decoding (the generation mode transformers names on the settings `generate`
-    merges) with options that act on the prompt's last token, or with options an assistant not served would be given."""
+    merges) with options that act on the prompt's last token, or with options an assistant not served would be given.
+    Assisted decoding (an assistant model, prompt lookup) prefills the prompt with drafted tokens after it, then
+    verifies several drafted tokens per call: options that act on the prompt's last token would act on a drafted one,
+    and generate other tokens than plain decoding."""
     merged = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     merged.update(**model.generation_config.to_dict(), defaults_only=True)  # merged as `generate` merges them
     merged.update(**kwargs)  # the generation settings among the keywords
     assistant = kwargs.get("assistant_model")
     if merged.get_generation_mode(assistant) != GenerationMode.ASSISTED_GENERATION:
         return
-    check_assisted_decoding(model.config, kwargs)
+    parsed = parse_options(model.config, kwargs)
+    if acting := [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]:
+        raise ValueError(
+            f"{', '.join(acting)} acts on the prompt's last token, but assisted decoding (assistant_model, "
+            "prompt_lookup_num_tokens) prefills the prompt with drafted tokens after it: it would act on a drafted "
+            "token instead, and generate other tokens than plain decoding. Generate without assistance, or without "
+            f"{', '.join(acting)}."
+        )
     given = sorted(name for name in MITIGATIONS if kwargs.get(name) not in (None, False))
     if given and assistant is not None and not isinstance(assistant, MitigationGenerationMixin):
         raise ValueError(

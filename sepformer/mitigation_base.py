@@ -220,7 +220,7 @@ class CallContext:
     input_ids: torch.LongTensor | None
     attention_mask: torch.Tensor | None  # the caller's mask: 2D padding mask (batch, past + seq), 4D, or None
     cache: Cache | None
-    extrapolation: PositionExtrapolation | None  # SepFormer's reading past the table; None on other models
+    extrapolation: PositionExtrapolation | None = None  # SepFormer's reading past the table; None on other models
     batch: int
     new_tokens: int  # the call's tokens (its sequence length)
     continuing: bool  # the call continues a cache (a decoding step), rather than starting one (prefill)
@@ -232,12 +232,15 @@ class CallContext:
 
     @classmethod
     def of(cls, model: nn.Module, tokens: torch.Tensor, **fields) -> "CallContext":
-        """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...))."""
+        """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...)); it continues its cache if that holds
+        tokens (a cache made for the call holds none)."""
         batch, new_tokens = tokens.shape[:2]
-        cache = fields["cache"] if isinstance(fields["cache"], SepFormerCache) else None
-        positions = model.decoder_positions
+        cache = fields["cache"]
+        derived = dict(
+            batch=batch, new_tokens=new_tokens, positions=model.decoder_positions, continuing=continues(cache)
+        )
         return cls(
-            model=model, batch=batch, new_tokens=new_tokens, positions=positions, sepformer_cache=cache, **fields
+            model=model, sepformer_cache=cache if isinstance(cache, SepFormerCache) else None, **derived, **fields
         )
 
 

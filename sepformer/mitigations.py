@@ -71,10 +71,9 @@ def parse_options(config, options: dict) -> dict[str, MitigationOptions]:
     `default_options(config)` (StableMask's is the config's); `False` switches it off for the call."""
     parsed = {}
     for name, mitigation in MITIGATIONS.items():
-        value = options.get(name)
-        value = mitigation.default_options(config) if value is None else value
-        if value is not None and value is not False and (value := mitigation.options_class.parse(value)) is not None:
-            parsed[name] = value
+        value, _ = given_option(config, options, name)
+        if value is not None and value is not False:
+            parsed[name] = mitigation.options_class.parse(value)
     return parsed
 
 
@@ -104,21 +103,6 @@ def check_last_rows_are_prompt(call: CallContext, parsed: dict[str, MitigationOp
     if acting:
         reading = "acts on each row's last prompt token, which it takes from the prefill's last column"
         check_last_column_real(mask, f"{', '.join(acting)} {reading}")
-
-
-def check_assisted_decoding(config, options: dict) -> None:
-    """Assisted decoding (an assistant model, prompt lookup) prefills the prompt with drafted tokens after it, then
-    verifies several drafted tokens per call: options that act on the prompt's last token would act on a drafted one,
-    and generate other tokens than plain decoding. `options`: the keywords `generate` passes to the model."""
-    parsed = parse_options(config, options)
-    acting = [name for name, value in parsed.items() if MITIGATIONS[name].acts_on_last_rows(value)]
-    if acting:
-        raise ValueError(
-            f"{', '.join(acting)} acts on the prompt's last token, but assisted decoding (assistant_model, "
-            "prompt_lookup_num_tokens) prefills the prompt with drafted tokens after it: it would act on a drafted "
-            "token instead, and generate other tokens than plain decoding. Generate without assistance, or without "
-            f"{', '.join(acting)}."
-        )
 
 
 def check_prefill_state(name: str, options: MitigationOptions, call: CallContext) -> None:

@@ -351,7 +351,6 @@ class SepFormerModel(SepFormerPreTrainedModel):
                 attention_mask=attention_mask,
                 cache=past_key_values,
                 extrapolation=extrapolation,
-                continuing=continuing,
                 position_ids=position_ids,
             )
             kept = plan_kept_for(past_key_values, self.config, options)
