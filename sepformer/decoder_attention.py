@@ -164,9 +164,9 @@ def refuse_option_keywords(module: nn.Module, kwargs: dict) -> None:
 def attention_modules_served(model: nn.Module, plan: MitigationPlan, bucket_rotary):
     """For the causal LM's call with `plan`: a forward pre-hook with keywords on each attention module of `model`,
     where the plan reaches inside them (`before_attention`), and a forward hook that undoes each module call's rewriting
-    (`after_attention`). The call removes them however it ends; a training call under gradient checkpointing, whose
-    backward runs the layers again with the same plan, leaves them until the plan is freed with the autograd graph
-    (the hooks hold the plan weakly)."""
+    (`after_attention`). The call removes them however it ends; a call with autograd on leaves them until the plan is
+    freed (the hooks hold it weakly), with the graph where activation checkpointing runs the layers again in
+    backward."""
     reaching_inside = any(mitigation.uses("query_key_inputs") for mitigation in plan.mitigations)
     if not reaching_inside and bucket_rotary is None:
         yield
@@ -178,13 +178,14 @@ def attention_modules_served(model: nn.Module, plan: MitigationPlan, bucket_rota
     for module in model.decoder_positions.attention_modules:
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, always_call=True))
-    checkpointed = model.training and torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)
     try:
         yield
     except BaseException:  # a KeyboardInterrupt too, which the forward hooks do not see
         served_no_more(handles, rewritings)
         raise
-    if checkpointed:  # backward runs the layers again with this plan: the hooks stay until the graph frees it
+    if torch.is_grad_enabled():
+        # activation checkpointing (transformers' or torch's) runs the layers again in backward, with this plan: the
+        # hooks stay until the graph frees it (without checkpointing nothing holds it past the call)
         weakref.finalize(plan, served_no_more, handles, rewritings)
     else:
         served_no_more(handles, rewritings)
@@ -206,6 +207,7 @@ def before_attention(
     """The rotary tables of the plan's base (`bucket_rotary`, the tables of a bucket's rotary) and, where the plan
     rewrites the layer's query and key inputs, their rewriting for this module call. Another call of the module
     meanwhile (another thread's) is left as it is."""
+    after_attention(rewritings, module, args, None)  # a rewriting a KeyboardInterrupt left (in backward's re-run)
     plan = plan_of_the_call()
     if plan is None or kwargs.get("mitigation_plan") is not plan:
         return None

@@ -41,6 +41,13 @@ def attention_implementation(config) -> str:
     return WRAPPED_IMPLEMENTATIONS.get(name, name)
 
 
+def checkpoints_activations(model) -> bool:
+    """Whether transformers' activation checkpointing is on (`is_activation_checkpointing` from transformers 5.23, the
+    deprecated `is_gradient_checkpointing` before)."""
+    renamed = hasattr(type(model), "is_activation_checkpointing")
+    return bool(getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing", False))
+
+
 # Keywords of an attention call that change its scores beyond q·k and the mask, and what each adds.
 SCORE_TERMS = {
     "s_aux": "attention sinks",

@@ -14,6 +14,7 @@ from .mitigation_base import (
     Mitigation,
     ModelPositions,
     attention_implementation,
+    checkpoints_activations,
     last_row_scores,
     refuse_under_compile,
 )
@@ -82,7 +83,7 @@ def ranking(options: MSPoE, call: CallContext) -> torch.Tensor | None:
             "ms_poe ranks the heads from the last query's attention row, which flex_attention's block mask does "
             "not give: use attn_implementation 'eager' or 'sdpa', or a fixed head_order."
         )
-    if call.model.training and getattr(call.model, "is_gradient_checkpointing", False):
+    if call.model.training and checkpoints_activations(call.model):
         raise ValueError(
             "ms_poe ranks the heads once per forward and keeps the ranks, but gradient checkpointing runs each layer "
             "again in the backward pass, where the ranks are already kept and the layer saves other tensors: give a "

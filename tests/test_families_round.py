@@ -1,8 +1,10 @@
 """Model families where an option computed something else or failed inside transformers: each is now exact against a
 reference built from the model itself, or refused by name before any work."""
 
+import functools
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -175,16 +177,30 @@ def test_ranked_ms_poe_is_refused_under_gradient_checkpointing_and_a_fixed_order
     model.gradient_checkpointing_enable()
     model.train()
     ids = random_ids(2, 10)
-    with pytest.raises(ValueError, match="ms_poe ranks the heads once per forward.*gradient checkpointing"):
-        model(ids, labels=ids, ms_poe=MSPoE())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # read by its name now, not the deprecated one
+        with pytest.raises(ValueError, match="ms_poe ranks the heads once per forward.*gradient checkpointing"):
+            model(ids, labels=ids, ms_poe=MSPoE())
     model(ids, labels=ids, ms_poe=MSPoE(head_order=(0, 1, 2, 3))).loss.backward()
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False])
-def test_every_option_trains_alike_under_gradient_checkpointing(use_reentrant):
+def checkpointed(model, kind: str):
+    """`model` with activation checkpointing: transformers' (reentrant or not), or torch's around each layer's
+    `forward` (as FSDP's `checkpoint_wrapper`, which transformers does not know of)."""
+    if kind == "torch":
+        for layer in model.model.layers:
+            forward = layer.forward
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
+    return model
+
+
+@pytest.mark.parametrize("kind", ["reentrant", "non-reentrant", "torch"])
+def test_every_option_trains_alike_under_activation_checkpointing(kind):
     """Checkpointing runs each layer again in backward, after the call: positional scaling and bucket bases, which hook
     the attention modules, keep their hooks until the graph (holding the call's plan) is freed. Every option's
-    gradients with checkpointing are those without it, and no hook is left once the loss is gone."""
+    gradients with checkpointing are those without it, and no hook is left once the graph is gone."""
     ids = random_ids(2, 10)
     options = {
         "positional_scaling": PositionalScaling(-1.0, channels=(0, 1, 2)),
@@ -194,23 +210,42 @@ def test_every_option_trains_alike_under_gradient_checkpointing(use_reentrant):
 
     def gradients(checkpointing: bool, **option) -> list[torch.Tensor]:
         model = mitigated("llama", "eager")
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model = checkpointed(model, kind) if checkpointing else model
         model.train()
         attention_calls = []
         counter = model.model.layers[0].self_attn.register_forward_hook(lambda *args: attention_calls.append(1))
-        loss = model(ids, labels=ids, use_cache=False, **option).loss
-        loss.backward()
+        output = model(ids, use_cache=False, **option)
+        output.logits.logsumexp(-1).mean().backward()  # every row: positional scaling changes the last one only
         assert len(attention_calls) == (2 if checkpointing else 1)  # run again in backward
         counter.remove()
-        del loss
+        del output
         assert not any(module._forward_pre_hooks for module in model.decoder_positions.attention_modules)
         return [parameter.grad for parameter in model.parameters()]
 
+    plain = gradients(False)
     for name, option in options.items():
-        pairs = zip(gradients(True, **{name: option}), gradients(False, **{name: option}), strict=True)
-        for with_checkpoints, without in pairs:
-            torch.testing.assert_close(with_checkpoints, without, rtol=1e-5, atol=1e-6)
+        without = gradients(False, **{name: option})
+        assert max((a - b).abs().max() for a, b in zip(without, plain, strict=True)) > 1e-3  # the option matters
+        for with_checkpoints, expected in zip(gradients(True, **{name: option}), without, strict=True):
+            torch.testing.assert_close(with_checkpoints, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_interrupted_rerun_in_backward_leaves_the_projections_reading_their_own_input():
+    """A KeyboardInterrupt in an attention module while backward runs it again (checkpointing): the rewriting of its
+    projections is undone by the module's next call, which reads its own input."""
+    model, ids, other = mitigated("llama"), random_ids(1, 10), random_ids(2, 7, seed=3)
+    expected = greedy(model, other)
+    checkpointed(model, "reentrant").train()
+    output = model(ids, use_cache=False, positional_scaling=PositionalScaling(-1.0, channels=(0, 1, 2), layers=(1,)))
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(interrupt)  # inside the attention
+    with pytest.raises(KeyboardInterrupt):
+        output.logits.sum().backward()
+    handle.remove()
+    assert torch.equal(greedy(model.eval(), other), expected)  # the graph, and the call's hooks, still alive
 
 
 def test_windows_keep_mistrals_sliding_window():
