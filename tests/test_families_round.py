@@ -215,6 +215,9 @@ def test_every_option_trains_alike_under_activation_checkpointing(kind):
         attention_calls = []
         counter = model.model.layers[0].self_attn.register_forward_hook(lambda *args: attention_calls.append(1))
         output = model(ids, use_cache=False, **option)
+        hooked = any(module._forward_pre_hooks for module in model.decoder_positions.attention_modules)
+        # kept for backward's re-run under checkpointing only: without it nothing holds the plan past the call
+        assert hooked == (checkpointing and bool(option.keys() & {"positional_scaling", "attention_buckets"}))
         output.logits.logsumexp(-1).mean().backward()  # every row: positional scaling changes the last one only
         assert len(attention_calls) == (2 if checkpointing else 1)  # run again in backward
         counter.remove()
