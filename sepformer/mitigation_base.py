@@ -48,6 +48,11 @@ def checkpoints_activations(model) -> bool:
     return bool(getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing", False))
 
 
+def cache_kind(cache) -> str:
+    """The class of a cache a refusal names, and whether it is static."""
+    return f"{type(cache).__name__}{' (a static cache)' if cache.is_compileable else ''}"
+
+
 # Keywords of an attention call that change its scores beyond q·k and the mask, and what each adds.
 SCORE_TERMS = {
     "s_aux": "attention sinks",
@@ -320,8 +325,7 @@ class Mitigation:
     def prefilled_without(cls, cache) -> ValueError:
         """The error for continuing `cache`, of another class than `SepFormerCache`, which holds a prefill made without
         this mitigation (e.g. a generation's without options, which keeps transformers' own cache)."""
-        kind = f"{type(cache).__name__}{' (a static cache)' if cache.is_compileable else ''}"
-        return ValueError(f"{cls.prefill_requirement} This cache, a {kind}, was prefilled without it.")
+        return ValueError(f"{cls.prefill_requirement} This cache, a {cache_kind(cache)}, was prefilled without it.")
 
     @classmethod
     def check_continuation(cls, cache, options: MitigationOptions | None) -> None:

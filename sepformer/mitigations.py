@@ -26,7 +26,7 @@ import torch
 from .attention_buckets import AttentionBucketsMitigation
 from .attention_calibration import CalibrationMitigation, KeyDocuments, calibrate_row
 from .cache_sepformer import SepFormerCache
-from .mitigation_base import CallContext, Mitigation, MitigationPlan
+from .mitigation_base import CallContext, Mitigation, MitigationPlan, cache_kind
 from .mitigation_options import (
     AttentionBuckets,
     AttentionCalibration,
@@ -113,7 +113,7 @@ def check_prefill_state(name: str, options: MitigationOptions, call: CallContext
         raise ValueError(
             f"{name} keeps what it fixes at prefill on the cache, so it needs a cache that grows with the tokens and "
             f"carries that state (a SepFormerCache: what forward and generate make with options); got "
-            f"{type(call.cache).__name__}{' (a static cache)' if call.cache.is_compileable else ''}."
+            f"{cache_kind(call.cache)}."
         )
     fixed = call.sepformer_cache.prefill_options
     if not call.continuing:

@@ -239,12 +239,15 @@ def test_forward_and_generate_make_a_sepformer_cache():
 
 
 def test_state_needs_a_cache_that_keeps_it():
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     model = tiny_model()
     ids = torch.randint(0, 256, (1, 12))
-    with pytest.raises(ValueError, match="needs a cache that grows with the tokens and carries that state"):
+    with pytest.raises(ValueError, match=r"needs a cache that grows with the tokens and carries that state.* got Dyn"):
         model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, ms_poe=MSPoE())
+    static = StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match=r"carries that state .*; got StaticCache \(a static cache\)\.$"):
+        model(ids, past_key_values=static, use_cache=True, ms_poe=MSPoE())
     # a fixed head order keeps nothing: any cache will do
     model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, ms_poe=MSPoE(head_order=(0, 1, 2, 3)))
 
