@@ -15,6 +15,7 @@ from .mitigation_base import (
     QueryKeyProjection,
     attention_implementation,
     last_logits,
+    last_row_output,
     last_row_scores,
     refuse_under_compile,
 )
@@ -255,11 +256,7 @@ class CalibrationMitigation(Mitigation):
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs = last_row_scores(query, key, attention_mask, scaling)[0].softmax(-1)  # (b, H, kv)
             probs = calibrate_row(probs, self.documents.held(key.shape[2]), self.state.bias[layer_idx], temperature)
-            batch, heads, kv = probs.shape
-            key_heads, head_dim = value.shape[1], value.shape[-1]
-            # (b · H_kv, H / H_kv, kv) @ (b · H_kv, kv, d): each key-value head's values for the query heads it serves
-            last = torch.bmm(probs.to(value.dtype).view(batch * key_heads, heads // key_heads, kv), value.flatten(0, 1))
-            last = last.view(batch, 1, heads, head_dim)
+            last = last_row_output(probs, value)  # (b, 1, H, d)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 return last, probs[:, :, None].to(query.dtype) if self.returns_weights else None
             output, weights = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -97,36 +97,53 @@ def query_key_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return None
 
 
-@contextlib.contextmanager
-def query_key_inputs_rewritten(attention: nn.Module, rewrite: Rewrite):
-    """While active, the queries and keys of `attention` read `rewrite(x)` (query input, key input) of the input `x`
-    of its projections; values read `x`."""
+class Rewriting:
+    """The query and key inputs of one attention module call, `rewrite(x)` of its projections' input `x`, computed
+    once for both projections."""
+
+    def __init__(self, rewrite: Rewrite):
+        self.rewrite = rewrite
+        self.source: torch.Tensor | None = None
+        self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def of(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden is not self.source:
+            self.source, self.inputs = hidden, self.rewrite(hidden)
+        return self.inputs
+
+
+def projection_hooks(attention: nn.Module, rewritings: dict) -> list:
+    """Hooks on the query and key projections of `attention` (Llama-like `q_proj`/`k_proj`, or GPT-2's `c_attn`), which
+    read `rewritings[attention]`'s inputs while a module call has one there; values read the input itself."""
     if is_llama_like(attention):
-        handles = [
-            projection.register_forward_pre_hook(lambda module, args, index=index: (rewrite(args[0])[index], *args[1:]))
-            for index, projection in enumerate((attention.q_proj, attention.k_proj))
+
+        def rewritten_input(index: int, module, args):
+            rewriting = rewritings.get(attention)
+            return None if rewriting is None else (rewriting.of(args[0])[index], *args[1:])
+
+        projections = attention.q_proj, attention.k_proj
+        return [
+            projection.register_forward_pre_hook(functools.partial(rewritten_input, index))
+            for index, projection in enumerate(projections)
         ]
-    elif is_gpt2_like(attention):  # [q ‖ k ‖ v] in one projection
+    if is_gpt2_like(attention):  # [q ‖ k ‖ v] in one projection
         split = attention.split_size
 
-        def rewritten(module, args, output):
-            query_input, key_input = rewrite(args[0])
+        def rewritten_output(module, args, output):
+            rewriting = rewritings.get(attention)
+            if rewriting is None:
+                return None
+            query_input, key_input = rewriting.of(args[0])
             # `forward` called directly runs no hook: the query and key columns from their inputs
             query = module.forward(query_input)
             key = query if key_input is query_input else module.forward(key_input)
             return torch.cat((query[..., :split], key[..., split : 2 * split], output[..., 2 * split :]), -1)
 
-        handles = [attention.c_attn.register_forward_hook(rewritten)]
-    else:
-        raise ValueError(
-            f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn: its queries and keys cannot "
-            "read another input than its values."
-        )
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+        return [attention.c_attn.register_forward_hook(rewritten_output)]
+    raise ValueError(
+        f"{type(attention).__name__} has neither q_proj and k_proj nor GPT-2's c_attn: its queries and keys cannot "
+        "read another input than its values."
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,23 +179,29 @@ def refuse_option_keywords(module: nn.Module, kwargs: dict) -> None:
 
 @contextlib.contextmanager
 def attention_modules_served(model: nn.Module, plan: MitigationPlan, bucket_rotary):
-    """For the causal LM's call with `plan`: a forward pre-hook with keywords on each attention module of `model`,
-    where the plan reaches inside them (`before_attention`), and a forward hook that undoes each module call's rewriting
-    (`after_attention`). The call removes them however it ends; a call with autograd on leaves them until the plan is
-    freed (the hooks hold it weakly), with the graph where activation checkpointing runs the layers again in
-    backward."""
-    reaching_inside = any(mitigation.uses("query_key_inputs") for mitigation in plan.mitigations)
-    if not reaching_inside and bucket_rotary is None:
+    """For the causal LM's call with `plan`: on each attention module where the plan reaches inside, a forward
+    pre-hook with keywords (`before_attention`) and a forward hook that ends each module call's rewriting
+    (`after_attention`), with the hooks of its query and key projections where the plan rewrites their inputs. The
+    call removes them however it ends; a call with autograd on leaves them until the plan is freed (the hooks hold it
+    weakly), with the graph where activation checkpointing runs the layers again in backward."""
+    modules = [
+        module
+        for module in model.decoder_positions.attention_modules
+        if bucket_rotary is not None or plan.layers[module.layer_idx].input_hooks
+    ]
+    if not modules:
         yield
         return
-    rewritings: dict[nn.Module, contextlib.ExitStack] = {}  # per attention module, its running call's rewriting
+    rewritings: dict[nn.Module, Rewriting] = {}  # per attention module, its running call's rewriting
     before = functools.partial(before_attention, weakref.ref(plan), bucket_rotary, rewritings)  # the hooks hold no plan
     after = functools.partial(after_attention, rewritings)
     handles = []
-    for module in model.decoder_positions.attention_modules:
-        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(module.register_forward_hook(after, always_call=True))
     try:
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(after, always_call=True))
+            if plan.layers[module.layer_idx].input_hooks:
+                handles.extend(projection_hooks(module, rewritings))
         yield
     except BaseException:  # a KeyboardInterrupt too, which the forward hooks do not see
         served_no_more(handles, rewritings)
@@ -196,8 +219,6 @@ def served_no_more(handles: list, rewritings: dict) -> None:
     `KeyboardInterrupt`, which the forward hooks do not see)."""
     for handle in handles:
         handle.remove()
-    for rewriting in rewritings.values():
-        rewriting.close()
     rewritings.clear()
 
 
@@ -207,7 +228,7 @@ def before_attention(
     """The rotary tables of the plan's base (`bucket_rotary`, the tables of a bucket's rotary) and, where the plan
     rewrites the layer's query and key inputs, their rewriting for this module call. Another call of the module
     meanwhile (another thread's) is left as it is."""
-    after_attention(rewritings, module, args, None)  # a rewriting a KeyboardInterrupt left (in backward's re-run)
+    rewritings.pop(module, None)  # a rewriting a KeyboardInterrupt left (in backward's re-run)
     plan = plan_of_the_call()
     if plan is None or kwargs.get("mitigation_plan") is not plan:
         return None
@@ -221,16 +242,12 @@ def before_attention(
         kwargs = {**kwargs, "position_embeddings": bucket_rotary}
     if hooks.input_hooks:
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        rewrite = functools.partial(hooks.query_key_inputs, module.layer_idx)
-        rewritings[module] = contextlib.ExitStack()
-        rewritings[module].enter_context(query_key_inputs_rewritten(module, rewrite))
+        rewritings[module] = Rewriting(functools.partial(hooks.query_key_inputs, module.layer_idx))
         projection = DecoderProjection(module, hidden_states, kwargs.get("position_embeddings"))
         kwargs = {**kwargs, "mitigation_projection": projection}
     return args, kwargs
 
 
 def after_attention(rewritings: dict, module, args: tuple, output) -> None:
-    """Undo the rewriting of this module call, if it made one (whether the call returned or raised)."""
-    rewriting = rewritings.pop(module, None)
-    if rewriting is not None:
-        rewriting.close()
+    """End the rewriting of this module call, if it made one (whether the call returned or raised)."""
+    rewritings.pop(module, None)

@@ -453,6 +453,16 @@ def last_row_scores(
     return scores.masked_fill(~valid, float("-inf")), valid
 
 
+def last_row_output(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(b, 1, H, d): the attention output of one written-out row `probs` (b, H, kv) over `value` (b, H_kv, kv, d), the
+    cache's values as they are (grouped-query ones too)."""
+    batch, heads, kv = probs.shape
+    key_heads, head_dim = value.shape[1], value.shape[-1]
+    # (b · H_kv, H / H_kv, kv) @ (b · H_kv, kv, d): each key-value head's values for the query heads it serves
+    output = torch.bmm(probs.to(value.dtype).view(batch * key_heads, heads // key_heads, kv), value.flatten(0, 1))
+    return output.view(batch, 1, heads, head_dim)
+
+
 @dataclass(frozen=True, eq=False)
 class LayerHooks:
     """The hooks of one layer, in the order of the plan's mitigations; no hook is a no-op."""

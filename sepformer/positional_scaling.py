@@ -17,6 +17,7 @@ class PositionalScalingMitigation(Mitigation):
     each decoding step reading `f(h)`; values never scaled (docs/design.md, "Positional-dimension scaling")."""
 
     options_class = PositionalScaling
+    reads_grouped_keys = True  # its base rows run the attention function, which expands grouped keys itself
     prefill_requirement = (
         "positional_scaling puts scaled keys into the cache at prefill: it must be on from the first (prefill) call "
         "of a cached generation."

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .mitigation_base import AttentionFunction, CallContext, LayerRun, Mitigation, attention_implementation
+from .mitigation_base import (
+    AttentionFunction,
+    CallContext,
+    LayerRun,
+    Mitigation,
+    attention_implementation,
+    last_row_output,
+    last_row_scores,
+)
 from .mitigation_options import StableMask
 
 
@@ -27,18 +35,15 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
     batch, heads, seq, dim = query.shape
     kv = key.shape[2]
     if seq == 1 and not module.training and write_out:
-        # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel;
-        # batch and heads are bmm's one batch dimension (a view of the cache's keys and values, as matmul makes it)
-        scores = torch.bmm(query.flatten(0, 1), key.flatten(0, 1).mT).view(batch, heads, 1, kv) * scaling
-        if attention_mask is not None:
-            mask = attention_mask[..., :kv]
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        probs = torch.cat((scores, sink_logits.to(scores.dtype).expand(batch, heads, 1, 1)), -1).softmax(-1)[..., :kv]
-        output = torch.bmm(probs.flatten(0, 1), value.flatten(0, 1)).view(batch, heads, 1, -1)
-        return output.transpose(1, 2), probs  # (b, 1, H, d); rows sum to less than 1
+        # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel,
+        # against the cache's keys and values as they are
+        scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv), float32
+        sink = sink_logits[..., 0].expand(batch, heads, 1)
+        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :kv]  # rows sum to less than 1
+        return last_row_output(probs, value), probs[:, :, None].to(query.dtype)
     tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype).expand(batch, heads, seq, 1)
     query = torch.cat((query, tau), -1)  # (b, H, seq, d + 1)
-    sink_key = torch.nn.functional.pad(key, (0, 1, 1, 0))  # (b, H, 1 + kv, d + 1): the sink first
+    sink_key = torch.nn.functional.pad(key, (0, 1, 1, 0))  # (b, H_kv, 1 + kv, d + 1): the sink first
     sink_key[:, :, 0, dim] = 1
     sink_value = torch.nn.functional.pad(value, (0, 0, 1, 0))  # a zero value for the sink
     if attention_mask is None and seq > 1:
@@ -66,6 +71,7 @@ class StableMaskMitigation(Mitigation):
     do not move it), so cached decoding is the full forward pass."""
 
     options_class = StableMask
+    reads_grouped_keys = True  # the sink key and a written-out row read the cache's keys and values as they are
     columns: int = 0  # N: the option's, or the model's max_position_embeddings
     plain_scores: bool = True  # the attention's scores are q·k and the mask alone (a decoding row can be written out)
     sink_logits: torch.Tensor | None = None  # (b or 1, 1, seq, 1): τ of the run's new tokens

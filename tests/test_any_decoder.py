@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import logits, random_ids, tiny_model
 from test_stable_mask import dense_stable_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
@@ -163,13 +164,15 @@ def stopped_in_the_attention(module, args):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_hooks_are_registered_for_a_call_that_reaches_inside_the_attention_modules_only(name):
     """Without options a call runs the model's modules unhooked; positional scaling (the projections' inputs) and
-    bucket bases (the modules' rotary tables) hook the attention modules for their call, however it ends, and the
-    projections' rewriting lasts for each module call only."""
+    bucket bases (the modules' rotary tables) hook the attention modules they change for their call, however it ends.
+    """
     model, ids = mitigated(name), random_ids(1, 10)
     assert hooks_on(model) == {} and len(model.base_model._forward_pre_hooks) == 1
     layers = model.config.num_hidden_layers
     scaling = sepformer.PositionalScaling(-1.0, channels=(0, 1, 2), layers=(0, 2))
-    assert hooks_within_call(model, ids, positional_scaling=scaling) == 2 * layers  # before and after
+    projection_hooks = 2 if name == "llama" else 1  # q_proj and k_proj, or c_attn
+    # in the scaled layers: before and after each module call, and its projections' hooks
+    assert hooks_within_call(model, ids, positional_scaling=scaling) == 2 * (2 + projection_hooks)
     assert hooks_within_call(model, ids) == 0
     assert hooks_within_call(model, ids, stable_mask=StableMask(0.5)) == 0
     with pytest.raises(RuntimeError, match="stopped within the call"):
@@ -186,11 +189,50 @@ def test_hooks_are_registered_for_a_call_that_reaches_inside_the_attention_modul
     assert hooks_on(model) == {}
 
 
+class LargeOutputs(TorchDispatchMode):
+    """Records the aten calls that write an output of at least `elements` elements (views write none)."""
+
+    def __init__(self, elements: int):
+        super().__init__()
+        self.elements, self.calls = elements, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        if not func.is_view and isinstance(output, torch.Tensor) and output.numel() >= self.elements:
+            self.calls.append(func.overloadpacket.__name__)
+        return output
+
+
+@pytest.mark.parametrize("option", ["stable_mask", "positional_scaling", "attention_calibration"])
+def test_a_decoding_step_reads_grouped_query_keys_and_values_as_the_cache_holds_them(option):
+    """On a grouped-query decoder a decoding step with StableMask, positional scaling or calibration writes nothing
+    the size of the keys expanded to one head per query head (a copy of the cache per layer), as without options."""
+    options = {
+        "stable_mask": StableMask(0.3),
+        "positional_scaling": sepformer.PositionalScaling(-1.0, channels=(0, 1, 2)),
+        "attention_calibration": AttentionCalibration(spans=(SPANS,), temperature=0.05),
+    }
+    model, ids = mitigated("qwen2"), random_ids(1, 40)
+    config = model.config
+    expanded = ids.shape[1] * config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    assert config.num_key_value_heads < config.num_attention_heads
+
+    def large_outputs_of_a_step(**option) -> list[str]:
+        with torch.no_grad():
+            output = model(ids, use_cache=True, **option)
+            for _ in range(2):  # the second step writes into the buffers the first one made
+                with LargeOutputs(expanded) as recorded:
+                    output = model(ids[:, -1:], past_key_values=output.past_key_values, use_cache=True, **option)
+        return recorded.calls
+
+    assert large_outputs_of_a_step(**{option: options[option]}) == large_outputs_of_a_step() == []
+
+
 def test_a_call_without_the_plan_is_left_as_it_is_while_another_call_hooks_the_modules():
     """Another thread's call while one call with bucket bases has the attention modules hooked: its own rotary."""
     model, ids = mitigated("llama"), random_ids(1, 10)
     plain = logits(model, ids)
-    other_calls_plan = sepformer.mitigation_base.MitigationPlan((), ())
+    other_calls_plan = sepformer.mitigation_base.MitigationPlan.of((), model.config.num_hidden_layers)
     tables = torch.zeros(1, 10, 8), torch.zeros(1, 10, 8)
     with sepformer.decoder_attention.attention_modules_served(model, other_calls_plan, tables):
         assert hooks_on(model)

@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sepformer import PositionalScaling, add_mitigations, positional_search
-from sepformer.decoder_attention import query_key_inputs_rewritten
+from sepformer.decoder_attention import Rewriting, projection_hooks
 from sepformer.positional_search import (
     NoPositionalChannelError,
     attention_input_curves,
@@ -217,8 +217,13 @@ def test_gpt2_scaling_leaves_the_values_alone():
     scale[[4, 11]] = -0.5
     with torch.no_grad():
         plain, scaled = attention.c_attn(x), attention.c_attn(x * scale)
-        with query_key_inputs_rewritten(attention, lambda inputs: (inputs * scale,) * 2):
-            hooked = attention.c_attn(x)
+        rewritings = {}
+        handles = projection_hooks(attention, rewritings)
+        assert torch.equal(attention.c_attn(x), plain)  # no module call has a rewriting
+        rewritings[attention] = Rewriting(lambda inputs: (inputs * scale,) * 2)
+        hooked = attention.c_attn(x)
+        for handle in handles:
+            handle.remove()
     assert torch.equal(hooked[..., :64], scaled[..., :64])  # queries and keys
     assert torch.equal(hooked[..., 64:], plain[..., 64:])  # values
 
