@@ -118,7 +118,7 @@ class CalibrationProbe(Mitigation):
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         def probing(module, query, key, value, attention_mask, scaling, **kwargs):
             output = function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            probs = last_row_scores(query, key, attention_mask, scaling)[0].softmax(-1)  # (b, H, kv)
+            probs = last_row_scores(query, key, attention_mask, scaling).softmax(-1)  # (b, H, kv)
             probe = self.probe[:, None].to(probs.dtype)  # (b, 1, kv)
             self.probed[layer_idx] = (probs * probe).sum(-1) / probe.sum(-1)
             return output
@@ -254,7 +254,7 @@ class CalibrationMitigation(Mitigation):
         temperature = self.options.temperature
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
-            probs = last_row_scores(query, key, attention_mask, scaling)[0].softmax(-1)  # (b, H, kv)
+            probs = last_row_scores(query, key, attention_mask, scaling).softmax(-1)  # (b, H, kv)
             probs = calibrate_row(probs, self.documents.held(key.shape[2]), self.state.bias[layer_idx], temperature)
             last = last_row_output(probs, value)  # (b, 1, H, d)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
@@ -297,9 +297,9 @@ class PositionalBiasCalibration(CalibrationMitigation):
 
         def measured_then_calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             with torch.no_grad():  # a measurement, as the dummy passes are: no gradient, no graph kept on the cache
-                scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
+                scores = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv)
                 dummy_key = self.dummy_keys(layer_idx, projection)
-                dummy_scores, _ = last_row_scores(query, dummy_key, attention_mask, scaling)
+                dummy_scores = last_row_scores(query, dummy_key, attention_mask, scaling)
                 self.state.bias[layer_idx] = bias_from_positions(scores, dummy_scores, self.documents)
             return calibrated(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 

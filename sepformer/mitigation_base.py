@@ -429,9 +429,8 @@ def last_logits(model, rows: int) -> dict:
 
 def last_row_scores(
     query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last query's attention logits in float32, written out: scores (b, H, kv), -inf on the keys it may not
-    attend, and the keys it may attend (b, 1, kv).
+) -> torch.Tensor:
+    """The last query's attention logits in float32, written out: (b, H, kv), -inf on the keys it may not attend.
 
     `query` (b, H, seq, d), `key` (b, H_kv, kv, d) with H_kv dividing H (grouped-query keys, or one per query head);
     `attention_mask` as the attention functions get it (`None`, boolean with True = attend, or additive float), already
@@ -446,11 +445,11 @@ def last_row_scores(
     scores = torch.bmm(last_query, key.flatten(0, 1).mT)
     scores = scores.view(batch, heads, kv).float() * scaling
     if attention_mask is None:
-        return scores, torch.ones(scores.shape[0], 1, kv, dtype=torch.bool, device=scores.device)
+        return scores
     valid = attention_mask[:, :, -1, :kv]
     if valid.dtype != torch.bool:
         valid = valid > torch.finfo(valid.dtype).min / 2
-    return scores.masked_fill(~valid, float("-inf")), valid
+    return scores.masked_fill(~valid, float("-inf"))
 
 
 def last_row_output(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -279,7 +279,8 @@ class MSPoEMitigation(Mitigation):
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
             key = repeat_kv(key, query.shape[1] // key.shape[1])  # grouped-query keys: one per query head
-            scores, valid = last_row_scores(query, key, attention_mask, attention.scaling)
+            scores = last_row_scores(query, key, attention_mask, attention.scaling)
+            valid = scores > float("-inf")  # the keys the row may attend: q·k is finite
             ranks[attention.layer_idx] = head_ranks(position_awareness(scores.softmax(-1), valid))[..., None, None]
         return ranks[attention.layer_idx]
 

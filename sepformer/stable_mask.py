@@ -37,7 +37,7 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
     if seq == 1 and not module.training and write_out:
         # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel,
         # against the cache's keys and values as they are
-        scores, _ = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv), float32
+        scores = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv), float32
         sink = sink_logits[..., 0].expand(batch, heads, 1)
         probs = torch.cat((scores, sink), -1).softmax(-1)[..., :kv]  # rows sum to less than 1
         return last_row_output(probs, value), probs[:, :, None].to(query.dtype)

@@ -217,12 +217,12 @@ def test_a_decoding_step_reads_grouped_query_keys_and_values_as_the_cache_holds_
     expanded = ids.shape[1] * config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
     assert config.num_key_value_heads < config.num_attention_heads
 
-    def large_outputs_of_a_step(**option) -> list[str]:
+    def large_outputs_of_a_step(**given) -> list[str]:
         with torch.no_grad():
-            output = model(ids, use_cache=True, **option)
+            output = model(ids, use_cache=True, **given)
             for _ in range(2):  # the second step writes into the buffers the first one made
                 with LargeOutputs(expanded) as recorded:
-                    output = model(ids[:, -1:], past_key_values=output.past_key_values, use_cache=True, **option)
+                    output = model(ids[:, -1:], past_key_values=output.past_key_values, use_cache=True, **given)
         return recorded.calls
 
     assert large_outputs_of_a_step(**{option: options[option]}) == large_outputs_of_a_step() == []
