@@ -430,7 +430,9 @@ def last_logits(model, rows: int) -> dict:
 def last_row_scores(
     query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """The last query's attention logits in float32, written out: (b, H, kv), -inf on the keys it may not attend.
+    """The last query's attention logits in float32, written out: (b, H, kv), with the mask's last row applied as the
+    attention functions apply it (-inf where a boolean mask is False, an additive mask added: its minimum where the row
+    may not attend, and whatever bias it adds elsewhere).
 
     `query` (b, H, seq, d), `key` (b, H_kv, kv, d) with H_kv dividing H (grouped-query keys, or one per query head);
     `attention_mask` as the attention functions get it (`None`, boolean with True = attend, or additive float), already
@@ -446,10 +448,8 @@ def last_row_scores(
     scores = scores.view(batch, heads, kv).float() * scaling
     if attention_mask is None:
         return scores
-    valid = attention_mask[:, :, -1, :kv]
-    if valid.dtype != torch.bool:
-        valid = valid > torch.finfo(valid.dtype).min / 2
-    return scores.masked_fill(~valid, float("-inf"))
+    mask = attention_mask[:, :, -1, :kv]
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
 
 
 def last_row_output(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

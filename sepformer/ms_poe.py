@@ -50,6 +50,15 @@ def position_awareness(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     return ((probs >= 3 * mean[..., None]) & valid).sum(-1, dtype=probs.dtype) / count
 
 
+def last_row_keys(attention_mask: torch.Tensor | None, kv: int, device: torch.device) -> torch.Tensor:
+    """(b or 1, 1, kv): the keys the last query may attend, as the attention functions read `attention_mask` (`None`,
+    boolean with True = attend, or additive with its dtype's minimum where not)."""
+    if attention_mask is None:
+        return torch.ones(1, 1, kv, dtype=torch.bool, device=device)
+    valid = attention_mask[:, :, -1, :kv]
+    return valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
+
+
 def head_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each head's rank (0 = most position-aware) from its score (..., H), ties broken by head index."""
     order = torch.argsort(-scores, dim=-1, stable=True)  # heads, most position-aware first
@@ -279,9 +288,9 @@ class MSPoEMitigation(Mitigation):
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
             key = repeat_kv(key, query.shape[1] // key.shape[1])  # grouped-query keys: one per query head
-            scores = last_row_scores(query, key, attention_mask, attention.scaling)
-            valid = scores > float("-inf")  # the keys the row may attend: q·k is finite
-            ranks[attention.layer_idx] = head_ranks(position_awareness(scores.softmax(-1), valid))[..., None, None]
+            probs = last_row_scores(query, key, attention_mask, attention.scaling).softmax(-1)
+            valid = last_row_keys(attention_mask, key.shape[2], key.device)
+            ranks[attention.layer_idx] = head_ranks(position_awareness(probs, valid))[..., None, None]
         return ranks[attention.layer_idx]
 
     def position_query_key(self, attention, query, key, layer_call):

@@ -228,6 +228,24 @@ def test_a_decoding_step_reads_grouped_query_keys_and_values_as_the_cache_holds_
     assert large_outputs_of_a_step(**{option: options[option]}) == large_outputs_of_a_step() == []
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_stable_masks_decoding_row_adds_an_additive_masks_bias_as_the_attention_does(attn):
+    """A 4D additive mask with a finite bias on one key: a StableMask decoding step (its row written out) equals the
+    full pass (the attention function's), and the bias changes the logits."""
+    model, ids = mitigated("qwen2", attn), random_ids(1, 12)
+    bias = torch.full((1, 1, 12, 12), torch.finfo(torch.float32).min).triu(1)
+    bias[..., 3] -= 3.0  # a soft bias on key 3
+    option = dict(stable_mask=StableMask(0.3))
+    with torch.no_grad():
+        full = model(ids, attention_mask=bias, **option).logits[:, -1]
+        prefill = model(ids[:, :11], attention_mask=bias[:, :, :11, :11], use_cache=True, **option)
+        cache = prefill.past_key_values
+        step = model(ids[:, 11:], attention_mask=bias[:, :, 11:], past_key_values=cache, use_cache=True, **option)
+        unbiased = model(ids, **option).logits[:, -1]
+    torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-5, atol=1e-5)
+    assert (full - unbiased).abs().max() > 1e-2
+
+
 def test_a_call_without_the_plan_is_left_as_it_is_while_another_call_hooks_the_modules():
     """Another thread's call while one call with bucket bases has the attention modules hooked: its own rotary."""
     model, ids = mitigated("llama"), random_ids(1, 10)
