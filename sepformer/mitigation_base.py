@@ -438,14 +438,14 @@ def last_row_scores(
     `attention_mask` as the attention functions get it (`None`, boolean with True = attend, or additive float), already
     causal, so the last row's slice is all that matters.
     """
-    batch, heads, _, head_dim = query.shape
+    batch, heads, seq, head_dim = query.shape
     key_heads, kv = key.shape[1:3]
     # (b · H_kv, H / H_kv, d): the query heads each key-value head serves
-    last_query = query[:, :, -1:].reshape(batch * key_heads, heads // key_heads, head_dim)
+    last_query = (query if seq == 1 else query[:, :, -1:]).reshape(batch * key_heads, heads // key_heads, head_dim)
     # the query times the transposed keys, a view of the cache's: (b · H_kv, H / H_kv, kv). A matrix times one column
     # (keys times the query) runs several times slower on CPUs.
-    scores = torch.bmm(last_query, key.flatten(0, 1).mT)
-    scores = scores.view(batch, heads, kv).float() * scaling
+    scores = torch.bmm(last_query, key.flatten(0, 1).mT).view(batch, heads, kv)
+    scores = (scores if scores.dtype == torch.float32 else scores.float()) * scaling
     if attention_mask is None:
         return scores
     mask = attention_mask[:, :, -1, :kv]
@@ -458,7 +458,8 @@ def last_row_output(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     batch, heads, kv = probs.shape
     key_heads, head_dim = value.shape[1], value.shape[-1]
     # (b · H_kv, H / H_kv, kv) @ (b · H_kv, kv, d): each key-value head's values for the query heads it serves
-    output = torch.bmm(probs.to(value.dtype).view(batch * key_heads, heads // key_heads, kv), value.flatten(0, 1))
+    probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
+    output = torch.bmm(probs.view(batch * key_heads, heads // key_heads, kv), value.flatten(0, 1))
     return output.view(batch, 1, heads, head_dim)
 
 

@@ -38,9 +38,10 @@ def sink_attention(interface, module, query, key, value, attention_mask, sink_lo
         # decoding: one row, written out (a softmax over the scores and the sink) costs fewer calls than the kernel,
         # against the cache's keys and values as they are
         scores = last_row_scores(query, key, attention_mask, scaling)  # (b, H, kv), float32
-        sink = sink_logits[..., 0].expand(batch, heads, 1)
+        sink = sink_logits.view(-1, 1, 1).expand(batch, heads, 1)
         probs = torch.cat((scores, sink), -1).softmax(-1)[..., :kv]  # rows sum to less than 1
-        return last_row_output(probs, value), probs[:, :, None].to(query.dtype)
+        weights = probs.unsqueeze(2)  # (b, H, 1, kv)
+        return last_row_output(probs, value), weights if weights.dtype == query.dtype else weights.to(query.dtype)
     tau = (sink_logits.clamp(min=-1e3) / scaling).to(query.dtype).expand(batch, heads, seq, 1)
     query = torch.cat((query, tau), -1)  # (b, H, seq, d + 1)
     sink_key = torch.nn.functional.pad(key, (0, 1, 1, 0))  # (b, H_kv, 1 + kv, d + 1): the sink first
