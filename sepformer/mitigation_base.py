@@ -457,8 +457,8 @@ def last_row_output(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     cache's values as they are (grouped-query ones too)."""
     batch, heads, kv = probs.shape
     key_heads, head_dim = value.shape[1], value.shape[-1]
-    # (b · H_kv, H / H_kv, kv) @ (b · H_kv, kv, d): each key-value head's values for the query heads it serves
     probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
+    # (b · H_kv, H / H_kv, kv) @ (b · H_kv, kv, d): each key-value head's values for the query heads it serves
     output = torch.bmm(probs.view(batch * key_heads, heads // key_heads, kv), value.flatten(0, 1))
     return output.view(batch, 1, heads, head_dim)
 
