@@ -56,9 +56,8 @@ from .rotary import rotate_partial
 from .spans import default_position_ids
 
 PREFIX = "sepformer_mitigations_"
-
-
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
+MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 def rotates_half(modeling_module: str) -> bool:
@@ -93,11 +92,6 @@ class DecoderPositions(ModelPositions):
         return f"{self.model_name} ({kind})"
 
     @property
-    def rope_types(self) -> set[str]:
-        rope_type = getattr(self.rotary, "rope_type", "default")
-        return set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
-
-    @property
     def no_positional_block(self) -> str:
         return f"{self.description} has none (a SepFormer's)"
 
@@ -127,7 +121,9 @@ class DecoderPositions(ModelPositions):
                 f"ms_poe turns the first rotary dimensions of each head, but {self.model_name}'s latent attention "
                 "puts the rotary part of each head last ([nope ‖ rope], qk_rope_head_dim): MS-PoE is not served for it."
             )
-        if length_dependent := sorted(self.rope_types & set(LENGTH_DEPENDENT_ROPE)):
+        rope_type = getattr(self.rotary, "rope_type", "default")  # a dict of one per layer type, or one
+        rope_types = set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
+        if length_dependent := sorted(rope_types & set(LENGTH_DEPENDENT_ROPE)):
             raise ValueError(
                 f"ms_poe turns the rotary angles by the rotary's frequencies, but {self.model_name}'s rope_type "
                 f"{length_dependent[0]!r} changes them with the sequence length during the forward."
@@ -396,9 +392,6 @@ def call_tokens(inputs: dict) -> torch.Tensor:
     return inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
 
 
-MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
 def holds_prefill_state(cache) -> bool:
     """Whether `cache` holds what a prefill with options fixed: a call continuing it is checked against them."""
     return isinstance(cache, SepFormerCache) and bool(cache.prefill_options or cache.mitigation_state)
@@ -493,7 +486,7 @@ def probe_attention(model) -> AttentionProbe:
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an id, a list of ids (Llama 3's eos) or None
         value = getattr(config, name, None)
         special.update(value if isinstance(value, (list, tuple)) else [value])
-    ordinary = [token for token in range(config.vocab_size) if token not in special][:PROBE_TOKENS]
+    ordinary = [token for token in range(config.vocab_size) if token not in special][:4]
     ids = torch.tensor([ordinary], device=model.device)  # no padding (RoBERTa counts positions from it)
 
     def record_input(module, args, kwargs):
@@ -522,9 +515,6 @@ def probe_attention(model) -> AttentionProbe:
             + "."
         )
     return probe
-
-
-PROBE_TOKENS = 4
 
 
 def describe_decoder(model, probe: AttentionProbe) -> DecoderPositions:

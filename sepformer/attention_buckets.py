@@ -12,13 +12,6 @@ from .mitigation_options import AttentionBuckets, BucketRows, MitigationOptions
 from .positional_options import EXTRAPOLATION_METHODS, LEARNED_TABLE_METHODS
 
 
-def mix_by_confidence(logits: torch.Tensor) -> torch.Tensor:
-    """The authors' mixing, `Σ_b w_b · logits_b` with `w = softmax_b(max_v logits_b)` per token: (B, b, seq, V) ->
-    (b, seq, V)."""
-    weights = logits.amax(-1, keepdim=True).softmax(0)  # (B, b, seq, 1)
-    return (weights * logits).sum(0)
-
-
 @dataclass(frozen=True, eq=False)
 class AttentionBucketsMitigation(Mitigation):
     """The buckets' reading of positions: bucket `b` reads them at `m · scales[b]`, rotary with base `bases[b]` or the
@@ -98,7 +91,7 @@ class AttentionBucketsMitigation(Mitigation):
         """A cache whose rows have a copy per bucket continues only with the buckets of its prefill, and several
         buckets continue only such a cache."""
         fixed = (cache.prefill_options or {}).get(cls.options_class.name)
-        fixed = fixed.buckets if isinstance(fixed, BucketRows) else fixed
+        fixed = AttentionBuckets(fixed.bases, fixed.scales) if isinstance(fixed, BucketRows) else fixed
         copies = cache.row_copies > 1
         if isinstance(options, BucketRows) or (options == fixed and copies):
             return
@@ -146,8 +139,17 @@ class AttentionBucketsMitigation(Mitigation):
         }
         fixed = cache.prefill_options.get(options.name) if cache is not None and cache.get_seq_length() else None
         # the prefill's rows, or as many as the batch now has (the cache's batch operations change it)
-        as_rows = fixed if fixed is not None and fixed.rows == batch * copies else options.as_rows(batch * copies)
-        rows_of_options = options_for_copies(options_of_call, copies, cache.prefill_options if fixed else {})
+        as_rows = fixed
+        if fixed is None or fixed.rows != batch * copies:
+            as_rows = BucketRows(options.bases, options.scales, batch * copies)
+        # per-row options repeated for each copy, and where equal the object the prefill kept, so that the decoding
+        # steps keep their plan (matched by object)
+        kept, rows_of_options = cache.prefill_options if fixed else {}, {}
+        for name, value in options_of_call.items():
+            if isinstance(value, MitigationOptions):
+                value = value.repeat_rows(copies)
+                value = kept[name] if kept.get(name) == value else value
+            rows_of_options[name] = value
         output = model(
             **{**inputs, **rows, "past_key_values": cache, "use_cache": use_cache},
             **{**rows_of_options, options.name: as_rows},
@@ -155,21 +157,11 @@ class AttentionBucketsMitigation(Mitigation):
         if cache is not None:  # once the call has run: a refused prefill leaves the cache as it was
             cache.row_copies = copies
             cache.prefill_options[options.name] = as_rows  # the next step's, which keeps its plan
-        logits = mix_by_confidence(output.logits.unflatten(0, (batch, copies)).transpose(0, 1))
+        # the authors' mixing, `Σ_b w_b · logits_b` with `w = softmax_b(max_v logits_b)` per token
+        logits = output.logits.unflatten(0, (batch, copies)).transpose(0, 1)  # (B, b, seq, V)
+        logits = (logits.amax(-1, keepdim=True).softmax(0) * logits).sum(0)  # (b, seq, V)
         loss = None
         if labels is not None:
             loss_kwargs = {key: value for key, value in inputs.items() if key in model.loss_keywords}
             loss = model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
-
-
-def options_for_copies(options_of_call: dict, copies: int, kept: dict) -> dict:
-    """The call's options for `copies` copies of each row: per-row options repeated for each copy, and where equal the
-    object the prefill kept (`kept`), so that the decoding steps keep their plan (matched by object)."""
-    for_copies = {}
-    for name, value in options_of_call.items():
-        if isinstance(value, MitigationOptions):
-            value = value.repeat_rows(copies)
-            value = kept[name] if kept.get(name) == value else value
-        for_copies[name] = value
-    return for_copies

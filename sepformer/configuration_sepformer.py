@@ -175,7 +175,18 @@ class SepFormerConfig(PreTrainedConfig):
     def check_combinations(self) -> None:
         """Every check that involves more than one field; `save_pretrained` and a model's constructor need a pass."""
         self.validate_architecture()
-        self.check_token_ids()
+        # special token ids inside the vocabulary, or `eos_token_id` -1 ("never stop", as in transformers)
+        for name in [name for name in self.__dict__ if name.endswith("_token_id")]:
+            value = getattr(self, name)
+            never_stop = [-1] if name == "eos_token_id" else []
+            ids = value if isinstance(value, list) else [value]
+            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size and i not in never_stop]
+            require(
+                not bad,
+                f"{name}={value!r} is outside the vocabulary: token ids are 0..{self.vocab_size - 1} "
+                f"(vocab_size={self.vocab_size}){', or -1 for never stopping' if never_stop else ''}; use None "
+                "for no such token.",
+            )
 
     def with_sizes_fixed(self) -> "SepFormerConfig":
         """This config if its derived sizes are all set, else a copy with each set to its value now: a model's config
@@ -295,21 +306,7 @@ class SepFormerConfig(PreTrainedConfig):
 
     def validate_token_ids(self):
         """Not when the config is made (`@strict` runs every `validate_*` then, and transformers would only warn):
-        `check_token_ids` refuses them on saving."""
-
-    def check_token_ids(self):
-        """Special token ids inside the vocabulary, or `eos_token_id` -1 ("never stop", as in transformers)."""
-        for name in [name for name in self.__dict__ if name.endswith("_token_id")]:
-            value = getattr(self, name)
-            never_stop = [-1] if name == "eos_token_id" else []
-            ids = value if isinstance(value, list) else [value]
-            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < self.vocab_size and i not in never_stop]
-            require(
-                not bad,
-                f"{name}={value!r} is outside the vocabulary: token ids are 0..{self.vocab_size - 1} "
-                f"(vocab_size={self.vocab_size}){', or -1 for never stopping' if never_stop else ''}; use None "
-                "for no such token.",
-            )
+        `check_combinations` refuses them on saving."""
 
     def check_extrapolation(self, extrapolation: PositionExtrapolation) -> None:
         """An extrapolation method (the config's or a call's) is for a learned table, and `interpolate`'s length

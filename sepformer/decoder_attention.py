@@ -18,6 +18,7 @@ from .mitigation_base import MitigationPlan
 from .mitigations import MITIGATIONS
 
 Rewrite = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # input -> (query input, key input)
+QUERY, KEY = 0, 1  # `projected`'s sides
 
 
 def is_llama_like(attention: nn.Module) -> bool:
@@ -56,9 +57,6 @@ def query_key_layout_problem(attention: nn.Module, attention_input, position_emb
         f"{name} makes its queries and keys otherwise than its projections (q_proj/k_proj or GPT-2's c_attn), "
         "per-head or whole q/k norms and rotary on the first dimensions of each head compute them from its input"
     )
-
-
-QUERY, KEY = 0, 1
 
 
 def projected(attention: nn.Module, hidden: torch.Tensor, side: int) -> torch.Tensor:

@@ -4,12 +4,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .configuration_sepformer import SepFormerConfig
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_sepformer.SepFormerConfig",
-    "AutoModel": "modeling_sepformer.SepFormerModel",
-    "AutoModelForCausalLM": "modeling_sepformer.SepFormerForCausalLM",
-}
-
 
 def prepare_for_hub(model, tokenizer=None):
     """Mark `model` (and `tokenizer`) so `save_pretrained`/`push_to_hub` copy the code files and a full `auto_map`;
@@ -26,7 +20,11 @@ def prepare_for_hub(model, tokenizer=None):
     model._auto_class = "AutoModelForCausalLM" if hasattr(model, "lm_head") else "AutoModel"
     model.config._auto_class = "AutoConfig"
     # Each object only adds its own entry: write the whole map so a folder can be loaded through any Auto class.
-    model.config.auto_map = dict(AUTO_MAP)
+    model.config.auto_map = {
+        "AutoConfig": "configuration_sepformer.SepFormerConfig",
+        "AutoModel": "modeling_sepformer.SepFormerModel",
+        "AutoModelForCausalLM": "modeling_sepformer.SepFormerForCausalLM",
+    }
     if tokenizer is not None:
         tokenizer._auto_class = "AutoTokenizer"
     return model

@@ -143,10 +143,8 @@ def check_position_ids(position_ids: torch.Tensor, batch: int, seq: int, past: i
             f"position_ids must be integer positions of torch.int64 or torch.int32; got {position_ids.dtype}. "
             "(Fractional positions are the mitigations' own reading: ms_poe, attention_buckets' scales.)"
         )
-    if past == 0:
-        lowest = position_ids.min().item()
-        if lowest < 0:
-            raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
+    if past == 0 and (lowest := position_ids.min().item()) < 0:
+        raise ValueError(f"position_ids: position {lowest} is negative: positions start at 0.")
 
 
 def check_cache_batch(cache: Cache, batch: int) -> None:

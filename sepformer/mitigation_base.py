@@ -246,14 +246,11 @@ class CallContext:
     def of(cls, model: nn.Module, tokens: torch.Tensor, **fields) -> "CallContext":
         """The call of `model` on `tokens` (its ids or embeddings, (b, seq, ...)); it continues its cache if that holds
         tokens (a cache made for the call holds none)."""
-        batch, new_tokens = tokens.shape[:2]
         cache = fields["cache"]
-        derived = dict(
-            batch=batch, new_tokens=new_tokens, positions=model.decoder_positions, continuing=continues(cache)
-        )
-        return cls(
-            model=model, sepformer_cache=cache if isinstance(cache, SepFormerCache) else None, **derived, **fields
-        )
+        sepformer_cache = cache if isinstance(cache, SepFormerCache) else None
+        batch, new_tokens = tokens.shape[:2]
+        derived = dict(batch=batch, new_tokens=new_tokens, continuing=continues(cache), sepformer_cache=sepformer_cache)
+        return cls(model=model, positions=model.decoder_positions, **derived, **fields)
 
 
 def model_positions(model: nn.Module) -> ModelPositions | None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 INT64_MAX = 2**63 - 1
-MIN_TEMPERATURE = 1e-38  # calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, stay finite
+MIN_TEMPERATURE = 1e-38
+TEMPERATURE_BOUND = ": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it"
 # A bucket's float32 angles m · scale / min(base, 1) stay finite (<= 2**63 · 1e18 < 3.4e38) for every int64 position m.
 MIN_BUCKET_BASE, MAX_BUCKET_SCALE = 1e-9, 1e9
 BUCKET_BOUNDS = (
@@ -374,13 +375,7 @@ class AttentionCalibration(SpanOptions):
 
     spans: tuple[tuple[tuple[int, int], ...], ...] = checked(as_spans)
     temperature: float = checked(
-        with_bounds(
-            check_number,
-            low=MIN_TEMPERATURE,
-            strict=False,
-            why=": calibration's float32 logits (Attn(doc) - bias) / t, |Attn(doc) - bias| <= 1, overflow below it",
-        ),
-        default=5e-5,
+        with_bounds(check_number, low=MIN_TEMPERATURE, strict=False, why=TEMPERATURE_BOUND), default=5e-5
     )
     layers: tuple[int, ...] | None = checked(as_int_tuple, default=None)
     dummy_document: tuple[int, ...] | None = checked(with_bounds(as_int_tuple, empty=False), default=None)
@@ -465,23 +460,15 @@ class AttentionBuckets(MitigationOptions):
     def num_buckets(self) -> int:
         return len(self.bases if self.bases is not None else self.scales)
 
-    def as_rows(self, rows: int) -> "BucketRows":
-        """These buckets as copies of the rows of a batch, run in one forward: `rows` (b · B) rows, row `r` a copy of
-        batch row `r // B` reading positions as bucket `r % B`."""
-        return BucketRows(bases=self.bases, scales=self.scales, rows=rows)
-
 
 @dataclass(frozen=True)
 class BucketRows(AttentionBuckets):
-    """Several buckets as the rows of one batch, which the causal LM runs for them (`AttentionBuckets.as_rows`): of
-    `rows` rows, row `r` reads positions as bucket `r % B`. A batch made from them with each row repeated in place (the
-    dummy passes of calibration) keeps each copy's bucket. Equal to the same buckets over another number of rows."""
+    """Several buckets as the rows of one batch, which the causal LM runs for them: of `rows` rows (b · B), row `r` a
+    copy of batch row `r // B` reading positions as bucket `r % B`. A batch made from them with each row repeated in
+    place (the dummy passes of calibration) keeps each copy's bucket. Equal to the same buckets over another number of
+    rows."""
 
     rows: int = dataclasses.field(default=1, compare=False)
-
-    @property
-    def buckets(self) -> AttentionBuckets:
-        return AttentionBuckets(bases=self.bases, scales=self.scales)
 
 
 @dataclass(frozen=True)

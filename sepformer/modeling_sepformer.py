@@ -88,11 +88,9 @@ class SepFormerAttention(nn.Module):
         # Value heads may straddle the two blocks: attention mixes rows (tokens), never columns, so they stay apart.
         value_states = self.by_head(self.v_proj(hidden_states))
         query_states, key_states = self.apply_positions(query_states, key_states, layer_call)
-        attn_output, attn_weights = self.attend(
-            query_states, key_states, value_states, hidden_states, layer_call, **kwargs
-        )
+        attn_output, weights = self.attend(query_states, key_states, value_states, hidden_states, layer_call, **kwargs)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()  # (b, seq, d_model)
-        return self.o_proj(attn_output), attn_weights
+        return self.o_proj(attn_output), weights
 
     def by_head(self, states: torch.Tensor) -> torch.Tensor:
         """(b, seq, heads · head_dim) -> (b, heads, seq, head_dim)."""
@@ -126,13 +124,10 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SepFormerConfig, layer_idx: int):
         super().__init__()
         self.self_attn = self.attention_class(config, layer_idx)
-        self.mlp = BlockDiagonal(
-            SepFormerMLP(config, config.position_size, config.position_intermediate_size)
-            if config.position_size > 0
-            else None,
-            SepFormerMLP(config, config.semantic_size, config.semantic_intermediate_size),
-            config.position_size,
-        )
+        position = config.position_size
+        position_mlp = SepFormerMLP(config, position, config.position_intermediate_size) if position > 0 else None
+        semantic_mlp = SepFormerMLP(config, config.semantic_size, config.semantic_intermediate_size)
+        self.mlp = BlockDiagonal(position_mlp, semantic_mlp, position)
         self.input_layernorm = block_norm(config)
         self.post_attention_layernorm = block_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -184,10 +179,7 @@ class SepFormerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _can_record_outputs = {
-        "hidden_states": SepFormerDecoderLayer,
-        "attentions": SepFormerAttention,
-    }
+    _can_record_outputs = {"hidden_states": SepFormerDecoderLayer, "attentions": SepFormerAttention}
 
     def __init__(self, config: SepFormerConfig, *inputs, **kwargs):
         # Assignments are checked one field at a time (`config.num_attention_heads = 3` passes): check them together.
@@ -397,11 +389,8 @@ class SepFormerModel(SepFormerPreTrainedModel):
             position_rows = position_rows.to(inputs_embeds.dtype)  # (b or 1, seq, d_pos)
             hidden_states = torch.cat((position_rows.expand(inputs_embeds.shape[0], -1, -1), inputs_embeds), dim=-1)
         hidden_states = self.embed_dropout(hidden_states)
-        position_embeddings = None
-        if self.rotary_emb is not None:
-            position_embeddings = self.rotary_emb(
-                hidden_states, reading.read_positions, base_tensor(reading.rotary_base)
-            )
+        rotary_inputs = (hidden_states, reading.read_positions, base_tensor(reading.rotary_base))
+        position_embeddings = None if self.rotary_emb is None else self.rotary_emb(*rotary_inputs)
         started = reading.start(inputs_embeds.dtype, table_positions, position_rows)
         return hidden_states, dict(
             attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=started
@@ -482,13 +471,11 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         # An int keeps the last `logits_to_keep` positions (0: all), a tensor the positions it lists, as in Llama.
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, kept])
-
         loss = None
         if labels is not None:
             loss = self.loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs, **loss_kwargs
             )
-
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

@@ -48,9 +48,7 @@ def fourier_rows(table: torch.Tensor, positions: torch.Tensor, components: int) 
         keep = spectrum.abs().topk(components, dim=0).indices  # (K, d)
         spectrum = torch.zeros_like(spectrum).scatter(0, keep, spectrum.gather(0, keep))
     weights = torch.full((frequencies,), 2.0 / length, device=table.device)
-    weights[0] = 1.0 / length
-    if length % 2 == 0:
-        weights[-1] = 1.0 / length
+    weights[[0, -1] if length % 2 == 0 else [0]] = 1.0 / length
     k = torch.arange(frequencies, device=table.device, dtype=torch.float64)
     phase = 2 * math.pi * positions.double()[:, None] * k / length  # (n, L // 2 + 1)
     basis_real, basis_imag = phase.cos().float() * weights, phase.sin().float() * weights

@@ -72,9 +72,8 @@ class PositionalScalingMitigation(Mitigation):
         key_factors = torch.where(skipped, torch.ones_like(factors), factors)  # (b or 1, seq, d_model)
         query_factors = key_factors
         if not self.continuing:  # prefill: only the last rows' queries are scaled
-            recomputed = torch.arange(key_factors.shape[1], device=run.device) >= (
-                key_factors.shape[1] - self.options.last_recompute_tokens
-            )
+            seq = key_factors.shape[1]
+            recomputed = torch.arange(seq, device=run.device) >= seq - self.options.last_recompute_tokens
             query_factors = torch.where(recomputed[:, None], key_factors, torch.ones_like(factors))
         return self.replace(key_factors=key_factors, query_factors=query_factors, input_scale=input_scale)
 

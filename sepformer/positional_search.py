@@ -72,16 +72,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def attention_module(layer: nn.Module) -> nn.Module:
-    attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
-    if attention is None:
-        raise ValueError(f"{type(layer).__name__} has no self_attn or attn module to scale the input of.")
-    return attention
-
-
-# ------------------------------------------------------------------------------------------- candidate channels
-
-
 def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
     """(n, d_model) the attention input (after the pre-attention norm) averaged over the batch and over `layers`, at
     each position of `input_ids` (b, n) (unpadded rows of one length)."""
@@ -94,9 +84,11 @@ def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Se
 
     with contextlib.ExitStack() as hooks, torch.no_grad():
         for layer in layers:
-            hooks.enter_context(
-                attention_module(layer_modules[layer]).register_forward_pre_hook(capture, with_kwargs=True)
-            )
+            module = layer_modules[layer]
+            attention = getattr(module, "self_attn", None) or getattr(module, "attn", None)
+            if attention is None:
+                raise ValueError(f"{type(module).__name__} has no self_attn or attn module to scale the input of.")
+            hooks.enter_context(attention.register_forward_pre_hook(capture, with_kwargs=True))
         model(input_ids=input_ids, use_cache=False)
     return torch.stack(captured).mean(0)
 
@@ -134,9 +126,6 @@ def sepformer_channel_sets(position_size: int) -> list[tuple[int, ...]]:
         sets += [tuple(range(start, start + size)) for start in range(0, position_size - size + 1, size)]
         size *= 2
     return sets if position_size == 1 else [*sets, tuple(range(position_size))]  # one channel is the whole block
-
-
-# ----------------------------------------------------------------------------------------------------- the loss
 
 
 def checked_batch(

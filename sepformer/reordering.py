@@ -411,10 +411,4 @@ def reorder_documents(model, input_ids, attention_mask, options, **model_kwargs)
     return input_ids, spans, order
 
 
-__all__ = [
-    "ReorderDocuments",
-    "document_relevance",
-    "relevance_order",
-    "reorder_documents",
-    "reorder_prompt",
-]
+__all__ = ["ReorderDocuments", "document_relevance", "relevance_order", "reorder_documents", "reorder_prompt"]
