@@ -1,5 +1,5 @@
 """Instructions per cached decoding step, counted by valgrind's callgrind: the Llama given `add_mitigations` (the
-benchmark's shape, batch 1, one thread) without option and with each position-bias option.
+benchmark's shape, batch 1 unless `--batch`, one thread) without option and with each position-bias option.
 
 Unlike a timing, the count does not drift with the machine's load (on a shared 2-core CPU the same option's paired
 ratio moves by up to 0.1 from run to run), so an option's overhead at batch 1, mostly Python and small kernels on this
@@ -8,6 +8,7 @@ costs none.
 
     python benchmarks/count_instructions.py                                # every option (about 4 min + 1 min each)
     python benchmarks/count_instructions.py --options stable_mask positional_scaling
+    python benchmarks/count_instructions.py --batch 8 --options attention_calibration  # the matmuls count more here
 
 The script runs itself under `valgrind --tool=callgrind` and has callgrind dump its counts between generations
 (`callgrind_control --dump`): a variant's step is (instructions generating `5 × --tokens` new tokens - generating
@@ -37,6 +38,7 @@ def parse_arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--options", nargs="+", choices=measured_on(MITIGATED_LLAMA), default=None)
     parser.add_argument("--tokens", type=positive_int, default=8, help="new tokens of the shorter generation")
+    parser.add_argument("--batch", type=positive_int, default=1, help="prompts generated together")
     return parser.parse_args(argv)
 
 
@@ -53,7 +55,7 @@ def dump(label: str, folder: Path) -> None:
             raise RuntimeError(f"callgrind wrote no dump named {label!r} in 5 minutes")
 
 
-def count_under_callgrind(options: list[str], tokens: int, folder: Path) -> None:
+def count_under_callgrind(options: list[str], tokens: int, batch: int, folder: Path) -> None:
     """The generations whose counts the dumps hold, labelled `<variant>/<new tokens>`."""
     from benchmark_models import FULL, build, generate
 
@@ -61,11 +63,11 @@ def count_under_callgrind(options: list[str], tokens: int, folder: Path) -> None
 
     model = add_mitigations(build("Llama", FULL))
     for variant in (NO_OPTION, *options):
-        given = {} if variant == NO_OPTION else MITIGATIONS[variant](1, FULL.prompt)
-        generate(model, 1, FULL.prompt, 4, 0, **given)  # warm-up
+        given = {} if variant == NO_OPTION else MITIGATIONS[variant](batch, FULL.prompt)
+        generate(model, batch, FULL.prompt, 4, 0, **given)  # warm-up
         dump(f"{variant}/warm-up", folder)
         for new_tokens in (tokens, 5 * tokens):
-            generate(model, 1, FULL.prompt, new_tokens, 0, **given)
+            generate(model, batch, FULL.prompt, new_tokens, 0, **given)
             dump(f"{variant}/{new_tokens}", folder)
 
 
@@ -93,7 +95,7 @@ def main(argv=None) -> dict[str, float] | None:
     args = parse_arguments(argv)
     options = args.options or measured_on(MITIGATED_LLAMA)
     if DUMPS in os.environ:
-        return count_under_callgrind(options, args.tokens, Path(os.environ[DUMPS]))
+        return count_under_callgrind(options, args.tokens, args.batch, Path(os.environ[DUMPS]))
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
         raise SystemExit(f"{' and '.join(missing)} not found: this count runs under valgrind (apt install valgrind).")
@@ -103,7 +105,7 @@ def main(argv=None) -> dict[str, float] | None:
         environment = {**os.environ, DUMPS: folder, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         subprocess.run([*command, *argv], env=environment, check=True)
         steps = per_step(read_dumps(Path(folder)), [NO_OPTION, *options], args.tokens)
-    print("| Llama + add_mitigations, batch 1 | instructions per decoding step | vs no option |")
+    print(f"| Llama + add_mitigations, batch {args.batch} | instructions per decoding step | vs no option |")
     print("|---|---:|---:|")
     for variant, count in steps.items():
         print(f"| {variant} | {count / 1e6:.3f} M | {count / steps[NO_OPTION]:.3f} |")

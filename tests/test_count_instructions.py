@@ -44,3 +44,26 @@ def test_an_option_the_llama_is_not_measured_with_is_refused(capsys):
     with pytest.raises(SystemExit):
         count_instructions.main(["--options", "attention_calibration_positional"])
     assert "invalid choice: 'attention_calibration_positional'" in capsys.readouterr().err
+
+
+def test_the_counted_generations_have_the_batch_asked_for(monkeypatch, tmp_path):
+    import benchmark_models
+
+    calls = []
+    monkeypatch.setattr(benchmark_models, "build", lambda *args: object())
+    monkeypatch.setattr(count_instructions, "dump", lambda label, folder: calls.append(label))
+    monkeypatch.setattr("sepformer.add_mitigations", lambda model: model)
+    monkeypatch.setattr(
+        benchmark_models, "generate", lambda model, batch, prompt, new, seed, **given: calls.append((batch, given))
+    )
+    monkeypatch.setenv(count_instructions.DUMPS, str(tmp_path))
+    count_instructions.main(["--batch", "3", "--tokens", "2", "--options", "attention_calibration"])
+    generations = [call for call in calls if isinstance(call, tuple)]
+    assert [batch for batch, _ in generations] == [3] * 6  # a warm-up, then 2 and 10 tokens, for each variant
+    spans = generations[-1][1]["attention_calibration"].spans
+    assert len(spans) == 3  # the option's spans, one row per prompt
+    assert [call for call in calls if isinstance(call, str)][-3:] == [
+        "attention_calibration/warm-up",
+        "attention_calibration/2",
+        "attention_calibration/10",
+    ]
