@@ -58,6 +58,7 @@ from .spans import default_position_ids
 PREFIX = "sepformer_mitigations_"
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # transformers' rope types whose `inv_freq` follows the length
 MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+PROBE_TOKENS = 4  # what `add_mitigations`' probe runs through the model
 
 
 def rotates_half(modeling_module: str) -> bool:
@@ -486,7 +487,7 @@ def probe_attention(model) -> AttentionProbe:
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an id, a list of ids (Llama 3's eos) or None
         value = getattr(config, name, None)
         special.update(value if isinstance(value, (list, tuple)) else [value])
-    ordinary = [token for token in range(config.vocab_size) if token not in special][:4]
+    ordinary = [token for token in range(config.vocab_size) if token not in special][:PROBE_TOKENS]
     ids = torch.tensor([ordinary], device=model.device)  # no padding (RoBERTa counts positions from it)
 
     def record_input(module, args, kwargs):

@@ -91,7 +91,7 @@ class AttentionBucketsMitigation(Mitigation):
         """A cache whose rows have a copy per bucket continues only with the buckets of its prefill, and several
         buckets continue only such a cache."""
         fixed = (cache.prefill_options or {}).get(cls.options_class.name)
-        fixed = AttentionBuckets(fixed.bases, fixed.scales) if isinstance(fixed, BucketRows) else fixed
+        fixed = AttentionBuckets(bases=fixed.bases, scales=fixed.scales) if isinstance(fixed, BucketRows) else fixed
         copies = cache.row_copies > 1
         if isinstance(options, BucketRows) or (options == fixed and copies):
             return
@@ -141,10 +141,11 @@ class AttentionBucketsMitigation(Mitigation):
         # the prefill's rows, or as many as the batch now has (the cache's batch operations change it)
         as_rows = fixed
         if fixed is None or fixed.rows != batch * copies:
-            as_rows = BucketRows(options.bases, options.scales, batch * copies)
+            as_rows = BucketRows(bases=options.bases, scales=options.scales, rows=batch * copies)
         # per-row options repeated for each copy, and where equal the object the prefill kept, so that the decoding
         # steps keep their plan (matched by object)
-        kept, rows_of_options = cache.prefill_options if fixed else {}, {}
+        kept = cache.prefill_options if fixed else {}
+        rows_of_options = {}
         for name, value in options_of_call.items():
             if isinstance(value, MitigationOptions):
                 value = value.repeat_rows(copies)

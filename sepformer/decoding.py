@@ -144,9 +144,11 @@ def is_fusable(layer: nn.Module) -> bool:
     if not all_plain(containers):
         return False
     norm_kind, mlps = type(layer.input_layernorm.semantic), blocks_of(mlp)
-    parts = [(attention.q_proj, nn.Linear), (attention.k_proj, nn.Linear), *((block, SepFormerMLP) for block in mlps)]
+    parts = [(attention.q_proj, nn.Linear), (attention.k_proj, nn.Linear)]
     parts += [(block, nn.Linear) for projection in projections for block in blocks_of(projection)]
-    parts += [(block, norm_kind) for norm in norms for block in blocks_of(norm)]
+    parts += [(block, norm_kind) for norm in norms for block in blocks_of(norm)] + [
+        (block, SepFormerMLP) for block in mlps
+    ]
     if norm_kind not in (nn.RMSNorm, nn.LayerNorm) or not all_plain(parts):
         return False
     parts = [(linear, nn.Linear) for block in mlps for linear in (block.up_proj, block.down_proj)]

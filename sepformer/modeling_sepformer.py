@@ -124,10 +124,10 @@ class SepFormerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: SepFormerConfig, layer_idx: int):
         super().__init__()
         self.self_attn = self.attention_class(config, layer_idx)
-        position = config.position_size
-        position_mlp = SepFormerMLP(config, position, config.position_intermediate_size) if position > 0 else None
+        position_size = config.position_size
+        position_mlp = SepFormerMLP(config, position_size, config.position_intermediate_size) if position_size else None
         semantic_mlp = SepFormerMLP(config, config.semantic_size, config.semantic_intermediate_size)
-        self.mlp = BlockDiagonal(position_mlp, semantic_mlp, position)
+        self.mlp = BlockDiagonal(position_mlp, semantic_mlp, position_size)
         self.input_layernorm = block_norm(config)
         self.post_attention_layernorm = block_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -389,8 +389,10 @@ class SepFormerModel(SepFormerPreTrainedModel):
             position_rows = position_rows.to(inputs_embeds.dtype)  # (b or 1, seq, d_pos)
             hidden_states = torch.cat((position_rows.expand(inputs_embeds.shape[0], -1, -1), inputs_embeds), dim=-1)
         hidden_states = self.embed_dropout(hidden_states)
-        rotary_inputs = (hidden_states, reading.read_positions, base_tensor(reading.rotary_base))
-        position_embeddings = None if self.rotary_emb is None else self.rotary_emb(*rotary_inputs)
+        position_embeddings = None
+        if self.rotary_emb is not None:
+            rotary_base = base_tensor(reading.rotary_base)
+            position_embeddings = self.rotary_emb(hidden_states, reading.read_positions, rotary_base)
         started = reading.start(inputs_embeds.dtype, table_positions, position_rows)
         return hidden_states, dict(
             attention_mask=causal_mask, position_embeddings=position_embeddings, mitigation_plan=started

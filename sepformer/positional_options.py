@@ -41,6 +41,11 @@ def parameter(default, *, minimum: int = 1, choices: tuple = (), reader: str | N
     return checked(check, default, reader=reader, minimum=minimum, choices=choices)
 
 
+def map_parameter(default, **rules):
+    """A positional map's `parameter`: only ever a config's field, so a value of the wrong type is its `TypeError`."""
+    return parameter(default, wrong_type=ConfigTypeError, **rules)
+
+
 def parameter_defaults(options: type, reader: str | None = None) -> dict:
     """The parameters of the class `options` that `reader` reads (a map: all of its own), with their defaults."""
     return {option.name: option.default for option in fields(options) if option.metadata.get("reader", "") == reader}
@@ -56,7 +61,7 @@ def config_value(key: str, options, defaults: dict) -> str | dict:
 class PositionalMapOptions:
     """A positional map and its parameters, as `positional_map` names them (in the manner of transformers'
     `rope_parameters`): the map's name, or a dict `{"map": name, <its parameters>}`. Each map is a subclass registered
-    in `POSITIONAL_MAP_OPTIONS`, its parameters declared with `parameter`, its checks against the config in
+    in `POSITIONAL_MAP_OPTIONS`, its parameters declared with `map_parameter`, its checks against the config in
     `check`."""
 
     map: ClassVar[str]
@@ -111,10 +116,9 @@ class BSplineMap(PositionalMapOptions):
     point, `linear` continues the end's tangent."""
 
     map: ClassVar[str] = "bspline"
-    # only ever a config's field, so a value of the wrong type is its `TypeError`
-    control_points: int = parameter(16, minimum=2, wrong_type=ConfigTypeError)
-    degree: int = parameter(3, wrong_type=ConfigTypeError)
-    extension: str = parameter("clamp", choices=("clamp", "linear"), wrong_type=ConfigTypeError)
+    control_points: int = map_parameter(16, minimum=2)
+    degree: int = map_parameter(3)
+    extension: str = map_parameter("clamp", choices=("clamp", "linear"))
 
     def check(self, config) -> None:
         n, k, T = self.control_points, self.degree, config.position_table_size

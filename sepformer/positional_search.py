@@ -72,6 +72,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+# ------------------------------------------------------------------------------------------- candidate channels
+
+
 def attention_input_curves(model: nn.Module, input_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
     """(n, d_model) the attention input (after the pre-attention norm) averaged over the batch and over `layers`, at
     each position of `input_ids` (b, n) (unpadded rows of one length)."""
@@ -126,6 +129,9 @@ def sepformer_channel_sets(position_size: int) -> list[tuple[int, ...]]:
         sets += [tuple(range(start, start + size)) for start in range(0, position_size - size + 1, size)]
         size *= 2
     return sets if position_size == 1 else [*sets, tuple(range(position_size))]  # one channel is the whole block
+
+
+# ----------------------------------------------------------------------------------------------------- the loss
 
 
 def checked_batch(

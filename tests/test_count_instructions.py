@@ -67,3 +67,16 @@ def test_the_counted_generations_have_the_batch_asked_for(monkeypatch, tmp_path)
         "attention_calibration/2",
         "attention_calibration/10",
     ]
+
+
+def test_the_table_names_the_batch(monkeypatch, capsys):
+    monkeypatch.delenv(count_instructions.DUMPS, raising=False)
+    monkeypatch.setattr(count_instructions.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    runs = []
+    monkeypatch.setattr(count_instructions.subprocess, "run", lambda command, **kwargs: runs.append(command))
+    counts = {"no option/8": 1_000, "no option/40": 33_000, "stable_mask/8": 1_000, "stable_mask/40": 34_600}
+    monkeypatch.setattr(count_instructions, "read_dumps", lambda folder: counts)
+    steps = count_instructions.main(["--batch", "3", "--options", "stable_mask"])
+    assert steps == {"no option": 1_000.0, "stable_mask": 1_050.0}
+    assert runs[0][-4:] == ["--batch", "3", "--options", "stable_mask"]  # the run under valgrind counts the same
+    assert "| Llama + add_mitigations, batch 3 |" in capsys.readouterr().out
