@@ -8,7 +8,7 @@ costs none.
 
     python benchmarks/count_instructions.py                                # every option (about 4 min + 1 min each)
     python benchmarks/count_instructions.py --options stable_mask positional_scaling
-    python benchmarks/count_instructions.py --batch 8 --options stable_mask  # about 10 min + 10 min each
+    python benchmarks/count_instructions.py --batch 8 --options stable_mask  # about 15 min a variant
 
 The script runs itself under `valgrind --tool=callgrind` and has callgrind dump its counts between generations
 (`callgrind_control --dump`): a variant's step is (instructions generating `5 × --tokens` new tokens - generating
