@@ -3,23 +3,26 @@ the benchmark's shape, without option and with each position-bias option.
 
 The generation rows of `benchmark.py` time whole generations, prefill included, so an option's work at prefill
 (calibration's dummy passes: one more forward pass per document) weighs in them beside its work per step. Here each
-repetition times, without the option and with it (back to back, in turn first), a generation of 1 new token (the
-prefill and the first token) and one of `--tokens`: their difference over `--tokens - 1` is a decoding step. Medians
-of `--reps` repetitions; the ratios are no option's time over the option's (above 1: the option is faster).
+repetition times a generation of 1 new token (the prefill and the first token) without the option and with it, then
+one of `--tokens` new tokens without and with it (which of the two goes first alternates): a step is the difference
+of a variant's two generations over `--tokens - 1`. Each ratio (no option's time over the option's; above 1, the
+option is faster) is taken within a repetition, then its median [q1, q3] over `--reps` repetitions, as `benchmark.py`
+does: this machine drifts by 10-30% over a minute, and only what is timed close together compares.
 
     python benchmarks/prefill_and_steps.py --options attention_calibration --batch 8     # about a minute
-    python benchmarks/prefill_and_steps.py --batch 1 8                                   # every option, 6 min
+    python benchmarks/prefill_and_steps.py --batch 1 8                                   # every option, 7 min
     python benchmarks/prefill_and_steps.py --model SepFormer --batch 1 8
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from benchmark_measuring import quartiles, timed  # noqa: E402
 from benchmark_models import FULL, TINY, build, generate  # noqa: E402
 from benchmark_sections import MITIGATED_LLAMA, MITIGATIONS, measured_on  # noqa: E402
 from cli_arguments import int_at_least, positive_int  # noqa: E402
@@ -36,7 +39,8 @@ def parse_arguments(argv):
     parser.add_argument("--options", nargs="+", choices=list(MITIGATIONS), default=None, help="default: every one")
     parser.add_argument("--batch", nargs="+", type=positive_int, default=[1], help="prompts generated together")
     parser.add_argument("--tokens", type=int_at_least(2), default=256, help="new tokens of the longer generation")
-    parser.add_argument("--reps", type=positive_int, default=7)
+    parser.add_argument("--reps", type=positive_int, default=8, help="even: each variant first as often")
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke run)")
     args = parser.parse_args(argv)
     measured = measured_on(BASES[args.model])
@@ -47,49 +51,58 @@ def parse_arguments(argv):
 
 
 def seconds(model, batch: int, prompt: int, new_tokens: int, options: dict) -> float:
-    start = time.perf_counter()
-    generate(model, batch, prompt, new_tokens, 0, **options)
-    return time.perf_counter() - start
+    return timed(lambda: generate(model, batch, prompt, new_tokens, 0, **options))
 
 
-def prefill_and_step(model, options: dict, batch: int, prompt: int, tokens: int, reps: int) -> dict:
-    """The medians of (prefill and first token, one decoding step), in seconds, without the option and with it
-    (`options`), the two timed back to back in each repetition, in turn first (this machine drifts by 10-30% over a
-    minute: only what is timed close together compares)."""
-    variants = {NO_OPTION: {}, "option": options}
-    for given in variants.values():  # warm-up
+def paired_ratios(model, options: dict, batch: int, prompt: int, tokens: int, reps: int) -> list[dict]:
+    """Per repetition: the prefill and first token and the step, in seconds, of no option and of the option
+    (`options`), and the ratios none / option of the steps and of the whole `tokens`-token generations."""
+    variants = ({}, options)  # no option, the option
+    for given in variants:  # warm-up
         generate(model, batch, prompt, 2, 0, **given)
-    times = {name: ([], []) for name in variants}
+    repetitions = []
     for repetition in range(reps):
-        for name in list(variants)[:: 1 if repetition % 2 == 0 else -1]:
-            first = seconds(model, batch, prompt, 1, variants[name])
-            whole = seconds(model, batch, prompt, tokens, variants[name])
-            times[name][0].append(first)
-            times[name][1].append((whole - first) / (tokens - 1))
-    return {name: (statistics.median(prefills), statistics.median(steps)) for name, (prefills, steps) in times.items()}
+        order = (0, 1) if repetition % 2 == 0 else (1, 0)
+        first, whole = (
+            {index: seconds(model, batch, prompt, new, variants[index]) for index in order} for new in (1, tokens)
+        )
+        step = {index: (whole[index] - first[index]) / (tokens - 1) for index in order}
+        ratios = dict(steps=step[0] / step[1], whole=whole[0] / whole[1])
+        repetitions.append(dict(prefill=(first[0], first[1]), step=(step[0], step[1]), **ratios))
+    return repetitions
 
 
 def main(argv=None) -> list[dict]:
     args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else FULL
     model = build(args.model, shape)
     model = add_mitigations(model) if args.model == "Llama" else model
-    print(f"{BASES[args.model]}, prompt {shape.prompt}, {args.tokens} new tokens, medians of {args.reps} repetitions")
+    print(
+        f"{BASES[args.model]}, prompt {shape.prompt}, {args.tokens} new tokens, {torch.get_num_threads()} threads, "
+        f"medians [q1, q3] of {args.reps} repetitions"
+    )
     print("| option | batch | prefill and first token, none / option | decoding step, none / option | steps | whole |")
     print("|---|---:|---:|---:|---:|---:|")
     rows = []
     for batch in args.batch:
         for option in args.options:
             given = MITIGATIONS[option](batch, shape.prompt)
-            times = prefill_and_step(model, given, batch, shape.prompt, args.tokens, args.reps)
-            (none_prefill, none_step), (prefill, step) = times[NO_OPTION], times["option"]
-            whole = (none_prefill + (args.tokens - 1) * none_step) / (prefill + (args.tokens - 1) * step)
-            row = dict(option=option, batch=batch, prefill=(none_prefill, prefill), step=(none_step, step))
-            rows.append(row | dict(steps=none_step / step, whole=whole))
-            timings = (
-                f"{1000 * none_prefill:.1f} / {1000 * prefill:.1f} ms | {1000 * none_step:.2f} / {1000 * step:.2f} ms"
-            )
-            print(f"| {option} | {batch} | {timings} | {none_step / step:.3f} | {whole:.3f} |")
+            repetitions = paired_ratios(model, given, batch, shape.prompt, args.tokens, args.reps)
+            median = {
+                key: tuple(quartiles([repetition[key][side] for repetition in repetitions])[1] for side in (0, 1))
+                for key in ("prefill", "step")
+            }
+            spread = {key: quartiles([repetition[key] for repetition in repetitions]) for key in ("steps", "whole")}
+            rows.append(dict(option=option, batch=batch, **median, **spread))
+            (none_prefill, prefill), (none_step, step) = median["prefill"], median["step"]
+            cells = [
+                f"{1000 * none_prefill:.1f} / {1000 * prefill:.1f} ms",
+                f"{1000 * none_step:.2f} / {1000 * step:.2f} ms",
+            ]
+            cells += [f"{median:.3f} [{q1:.3f}, {q3:.3f}]" for q1, median, q3 in spread.values()]
+            print(f"| {option} | {batch} | {' | '.join(cells)} |")
     return rows
 
 
