@@ -15,6 +15,7 @@ does: this machine drifts by 10-30% over a minute, and only what is timed close 
 """
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from cli_arguments import int_at_least, positive_int  # noqa: E402
 
 from sepformer import add_mitigations  # noqa: E402
 
-NO_OPTION = "no option"
 BASES = {"Llama": MITIGATED_LLAMA, "SepFormer": "SepFormer"}  # --model: the variant of `measured_on`
 
 
@@ -90,18 +90,18 @@ def main(argv=None) -> list[dict]:
         for option in args.options:
             given = MITIGATIONS[option](batch, shape.prompt)
             repetitions = paired_ratios(model, given, batch, shape.prompt, args.tokens, args.reps)
-            median = {
-                key: tuple(quartiles([repetition[key][side] for repetition in repetitions])[1] for side in (0, 1))
+            times = {  # (no option's median, the option's) of each time
+                key: tuple(statistics.median(repetition[key][side] for repetition in repetitions) for side in (0, 1))
                 for key in ("prefill", "step")
             }
             spread = {key: quartiles([repetition[key] for repetition in repetitions]) for key in ("steps", "whole")}
-            rows.append(dict(option=option, batch=batch, **median, **spread))
-            (none_prefill, prefill), (none_step, step) = median["prefill"], median["step"]
+            rows.append(dict(option=option, batch=batch, **times, **spread))
+            (none_prefill, prefill), (none_step, step) = times["prefill"], times["step"]
             cells = [
                 f"{1000 * none_prefill:.1f} / {1000 * prefill:.1f} ms",
                 f"{1000 * none_step:.2f} / {1000 * step:.2f} ms",
             ]
-            cells += [f"{median:.3f} [{q1:.3f}, {q3:.3f}]" for q1, median, q3 in spread.values()]
+            cells += [f"{middle:.3f} [{q1:.3f}, {q3:.3f}]" for q1, middle, q3 in spread.values()]
             print(f"| {option} | {batch} | {' | '.join(cells)} |")
     return rows
 

@@ -57,3 +57,14 @@ def test_an_option_the_model_is_not_measured_with_is_refused(capsys):
     with pytest.raises(SystemExit):
         prefill_and_steps.main(["--options", "attention_calibration_positional"])
     assert "['attention_calibration_positional'] are not measured on Llama" in capsys.readouterr().err
+
+
+def test_sepformer_and_the_thread_count_are_taken_as_asked(monkeypatch, capsys):
+    threads = []
+    monkeypatch.setattr(prefill_and_steps.torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(prefill_and_steps.torch, "get_num_threads", lambda: threads[-1])
+    arguments = ["--tiny", "--model", "SepFormer", "--options", "attention_calibration_positional", "--threads", "1"]
+    (row,) = prefill_and_steps.main([*arguments, "--tokens", "3", "--reps", "1"])
+    assert threads == [1] and row["option"] == "attention_calibration_positional"  # an option of SepFormer only
+    prompt = prefill_and_steps.TINY.prompt
+    assert capsys.readouterr().out.startswith(f"SepFormer, prompt {prompt}, 3 new tokens, 1 threads")
