@@ -301,7 +301,7 @@ class MitigatedDecoder(MitigationGenerationMixin):
             plan = resolve_plan(self.call_context(inputs), options)  # refuses a cache continued without its options
             if plan is None:  # an empty cache that held a failed prefill's state, continued without options
                 return super().forward(**inputs)
-        inputs, bucket_rotary = self.with_plan(inputs, plan)
+        inputs, bucket_rotary = self.with_plan(inputs, plan, self.dtype if kept is None else kept.dtype)
         with attention_modules_served(self, inputs["mitigation_plan"], bucket_rotary):  # for this call only
             return super().forward(**inputs)
 
@@ -327,10 +327,11 @@ class MitigatedDecoder(MitigationGenerationMixin):
             position_ids=inputs.get("position_ids"),
         )
 
-    def with_plan(self, inputs: dict, plan) -> tuple[dict, tuple | None]:
+    def with_plan(self, inputs: dict, plan, dtype: torch.dtype) -> tuple[dict, tuple | None]:
         """The inputs of the model's own `forward` for one run with `plan`: the positions where the tokens are read,
-        the mask, and the plan started on them, which the attention function receives; and the rotary tables of the
-        plan's base where it has one (`rotary_at_base`), which the attention modules rotate with instead of theirs."""
+        the mask, and the plan started on them (with the model's `dtype`), which the attention function receives; and
+        the rotary tables of the plan's base where it has one (`rotary_at_base`), which the attention modules rotate
+        with instead of theirs."""
         tokens, cache, mask = call_tokens(inputs), inputs.get("past_key_values"), inputs.get("attention_mask")
         position_ids = inputs.get("position_ids")
         if position_ids is None:
@@ -341,23 +342,25 @@ class MitigatedDecoder(MitigationGenerationMixin):
         if mask is None and moved:  # without a mask, moved positions read as packing: no padding, said explicitly
             mask = torch.ones(batch, reading.kv_length, dtype=torch.long, device=tokens.device)
         if reading.mask_function is not None:
-            mask = self.masks_with(reading.mask_function, reading.padding_mask, cache, position_ids, batch, new_tokens)
-        started = reading.start(self.dtype)
+            mask = self.masks_with(
+                reading.mask_function, reading.padding_mask, cache, position_ids, (batch, new_tokens), dtype
+            )
+        started = reading.start(dtype)
         inputs = {**inputs, "attention_mask": mask, "mitigation_plan": started}
         if self.decoder_positions.positions_problem is None or moved:
             inputs["position_ids"] = reading.read_positions  # counted from each row's first real token (left padding)
         if reading.rotary_base is None:
             return inputs, None
         positions = self.decoder_positions
-        return inputs, positions.rotary_at_base(reading.rotary_base, reading.read_positions, self.dtype, cache)
+        return inputs, positions.rotary_at_base(reading.rotary_base, reading.read_positions, dtype, cache)
 
-    def masks_with(self, and_mask_function, padding_mask, cache, position_ids, batch, new_tokens):
+    def masks_with(self, and_mask_function, padding_mask, cache, position_ids, tokens: tuple[int, int], dtype):
         """The model's causal masks (4D, in the form its attention takes) with `and_mask_function` applied: one for
         all layers, or one per layer type where the model has sliding-window layers beside full ones."""
         config = self.config
         arguments = dict(
             config=config,
-            inputs_embeds=torch.empty(batch, new_tokens, 0, dtype=self.dtype, device=position_ids.device),  # its shape
+            inputs_embeds=torch.empty(*tokens, 0, dtype=dtype, device=position_ids.device),  # (b, seq): its shape
             attention_mask=padding_mask,
             past_key_values=cache,
             position_ids=position_ids,

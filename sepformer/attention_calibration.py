@@ -46,13 +46,6 @@ class KeyDocuments:
     def of(cls, membership: torch.Tensor) -> "KeyDocuments":
         return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None], membership.shape[1])
 
-    def upto(self, keys: int) -> "KeyDocuments":
-        """The documents of a run of `keys` keys: the prompt's, then none; after a crop into the prompt, those of the
-        keys left, with their sizes."""
-        if keys < self.membership.shape[1]:
-            return KeyDocuments.of(self.membership[:, :keys])
-        return self if keys == self.keys else dataclasses.replace(self, keys=keys)
-
     def held(self, keys: int) -> "KeyDocuments":
         """The documents of the last `keys` keys, those a sliding-window cache holds; `sizes` stay the whole
         documents': a token slid out of the window gets no attention, as in a pass over every key."""
@@ -74,8 +67,8 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
-    attended = mean > 0  # a document the row does not attend gets factor 0; dividing by 1 there keeps its gradient 0
-    factor = torch.where(attended, alpha * keep_total / torch.where(attended, mean, 1.0), 0.0)  # (b, H, K)
+    unattended = mean <= 0  # a document the row does not attend gets factor 0; dividing by 1 there keeps its gradient 0
+    factor = (alpha * keep_total / mean.masked_fill(unattended, 1.0)).masked_fill(unattended, 0.0)  # (b, H, K)
     row = row * (torch.bmm(factor, documents.membership.mT) + documents.outside)
     return row if prompt == probs.shape[-1] else torch.cat((row, probs[..., prompt:]), -1)
 
@@ -247,8 +240,10 @@ class CalibrationMitigation(Mitigation):
         if state.membership is None:  # the prefill: each prompt key's document, kept for the decoding steps
             documents = KeyDocuments.of(key_documents(state.spans, key_positions(run.padding_mask, kv, run.device)))
             state.membership, state.sizes, state.outside = documents.membership, documents.sizes, documents.outside
-        documents = KeyDocuments(state.membership, state.sizes, state.outside, keys=state.membership.shape[1])
-        return self.replace(documents=documents.upto(kv))
+        if kv < state.membership.shape[1]:  # after a crop into the prompt: the documents of the keys left
+            return self.replace(documents=KeyDocuments.of(state.membership[:, :kv]))
+        # the prompt's keys, then none (generated tokens)
+        return self.replace(documents=KeyDocuments(state.membership, state.sizes, state.outside, keys=kv))
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         temperature = self.options.temperature

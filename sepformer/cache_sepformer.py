@@ -43,29 +43,25 @@ class GrowingLayer(DynamicLayer):
             or not (fits_in_place(self.keys, key_states) and fits_in_place(self.values, value_states))
         ):
             return super().update(key_states, value_states, *args, **kwargs)
-        self.key_buffer, keys = appended_in_place(self.key_buffer, self.keys, key_states)
-        self.value_buffer, values = appended_in_place(self.value_buffer, self.values, value_states)
-        self.__dict__.update(keys=keys, values=values)  # past `__setattr__`: the buffers' leading tokens
-        return self.keys, self.values
+        key_buffer, keys = appended_in_place(self.key_buffer, self.keys, key_states)
+        value_buffer, values = appended_in_place(self.value_buffer, self.values, value_states)
+        # past `__setattr__`: the keys and values are the buffers' leading tokens
+        self.__dict__.update(key_buffer=key_buffer, value_buffer=value_buffer, keys=keys, values=values)
+        return keys, values
 
 
 def appended_in_place(buffer: torch.Tensor | None, held: torch.Tensor, new: torch.Tensor):
     """`(buffer, its leading tokens)`: `held` (b, heads, n, head_dim), the leading tokens of `buffer` where it is one,
     followed by `new` (b, heads, m, head_dim) written in place after them. A buffer that cannot take them (none, too
-    small, or not `writable` here) is replaced by one with room for `max(128, (n + m) / 8)` more tokens, `held` copied
-    in: the caller's states grow by copying their new tokens only."""
-    needed = held.shape[2] + new.shape[2]
-    if not writable(buffer) or buffer.shape[2] < needed:
+    small, or made under `torch.inference_mode` and written outside it, as `DynamicLayer` then makes new tensors) is
+    replaced by one with room for `max(128, (n + m) / 8)` more tokens, `held` copied in: the caller's states grow by
+    copying their new tokens only."""
+    seen, needed = held.shape[2], held.shape[2] + new.shape[2]
+    if buffer is None or buffer.shape[2] < needed or (buffer.is_inference() and not torch.is_inference_mode_enabled()):
         buffer = held.new_empty(*held.shape[:2], needed + max(128, needed // 8), held.shape[3])
-        buffer[:, :, : held.shape[2]] = held
-    buffer[:, :, held.shape[2] : needed] = new
+        buffer[:, :, :seen] = held
+    buffer[:, :, seen:needed] = new
     return buffer, buffer[:, :, :needed]
-
-
-def writable(buffer: torch.Tensor | None) -> bool:
-    """Whether this call may write into `buffer` in place: one made under `torch.inference_mode` only inside it (a
-    cache filled there and continued outside gets new buffers, as `DynamicLayer` makes new tensors)."""
-    return buffer is not None and (torch.is_inference_mode_enabled() or not buffer.is_inference())
 
 
 def fits_in_place(cached: torch.Tensor, states: torch.Tensor) -> bool:

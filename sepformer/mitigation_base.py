@@ -526,19 +526,25 @@ NO_HOOKS = LayerHooks()
 
 @dataclass(frozen=True, eq=False)
 class MitigationPlan:
-    """The mitigations of one call, and for each layer the hooks its attention calls."""
+    """The mitigations of one call, and for each layer the hooks its attention calls: layers with the same
+    mitigations share one `LayerHooks`, `shared[hooks_of_layer[layer]]`."""
 
     mitigations: tuple[Mitigation, ...]
-    layers: tuple[LayerHooks, ...]
+    shared: tuple[LayerHooks, ...]
+    hooks_of_layer: tuple[int, ...]
+    layers: tuple[LayerHooks, ...] = dataclasses.field(init=False)  # by layer
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(map(self.shared.__getitem__, self.hooks_of_layer)))
 
     @classmethod
     def of(cls, mitigations: tuple[Mitigation, ...], num_layers: int) -> "MitigationPlan":
-        """The plan of `mitigations`: layers with the same mitigations share one `LayerHooks`."""
-        by_members: dict[tuple[bool, ...], LayerHooks] = {}
-        layers = []
+        """The plan of `mitigations`."""
+        index_of: dict[tuple[bool, ...], int] = {}  # by which mitigations act in a layer
+        shared, hooks_of_layer = [], []
         for layer in range(num_layers):
             members = tuple(layer in mitigation.layers for mitigation in mitigations)
-            if members not in by_members:
+            if members not in index_of:
                 here = [mitigation for mitigation, member in zip(mitigations, members, strict=True) if member]
                 position_hooks = [mitigation for mitigation in here if mitigation.uses("position_query_key")]
                 if len(position_hooks) > 1:
@@ -548,21 +554,23 @@ class MitigationPlan:
                         "disjoint `layers`."
                     )
                 wrappers = [mitigation for mitigation in here if mitigation.uses("wrap_attention")]
-                by_members[members] = LayerHooks(
-                    tuple(mitigation for mitigation in here if mitigation.uses("query_key_inputs")),
-                    position_hooks[0] if position_hooks else None,
-                    # innermost first; a wrapper that turns the queries and keys outermost
-                    tuple(sorted(wrappers, key=lambda mitigation: mitigation.turns_queries_keys)),
+                index_of[members] = len(shared)
+                shared.append(
+                    LayerHooks(
+                        tuple(mitigation for mitigation in here if mitigation.uses("query_key_inputs")),
+                        position_hooks[0] if position_hooks else None,
+                        # innermost first; a wrapper that turns the queries and keys outermost
+                        tuple(sorted(wrappers, key=lambda mitigation: mitigation.turns_queries_keys)),
+                    )
                 )
-            layers.append(by_members[members])
-        return cls(mitigations, tuple(layers))
+            hooks_of_layer.append(index_of[members])
+        return cls(mitigations, tuple(shared), tuple(hooks_of_layer))
 
     def start(self, run: "LayerRun") -> "MitigationPlan":
         """The plan for one run of the layers: each mitigation with its per-run tensors, in the same layers' hooks."""
         started = {id(mitigation): mitigation.start(run) for mitigation in self.mitigations}
-        distinct = {id(hooks): hooks for hooks in self.layers}  # layers with the same mitigations share their hooks
-        layers = {key: hooks.started(started) for key, hooks in distinct.items()}
-        return MitigationPlan(tuple(started.values()), tuple(layers[id(hooks)] for hooks in self.layers))
+        shared = tuple(hooks.started(started) for hooks in self.shared)
+        return MitigationPlan(tuple(started.values()), shared, self.hooks_of_layer)
 
     def read_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         for mitigation in self.mitigations:

@@ -153,6 +153,7 @@ class KeptPlan:
     options: dict  # by name: each option as given (or the model's default), resolved into `plan`
     form: tuple  # `call_form` of the step
     plan: MitigationPlan
+    dtype: torch.dtype  # the model's (`model.dtype`, a walk to its first parameter), which its runs start the plan with
 
 
 @contextlib.contextmanager
@@ -234,7 +235,7 @@ def keep_plan(call: CallContext, options: dict, plan: MitigationPlan) -> None:
     given = options_as_given(call.model.config, options)
     plans.pop(id(call.cache), None)
     if call.continuing and given is not None:
-        plans[id(call.cache)] = KeptPlan(call.cache, given, call_form(call), plan)
+        plans[id(call.cache)] = KeptPlan(call.cache, given, call_form(call), plan, call.model.dtype)
 
 
 def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:

@@ -219,3 +219,30 @@ def test_a_mitigation_s_replace_is_dataclasses_replace():
         plain.replace(fixed=1.0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'scael'"):
         plain.replace(scael=3.0)
+
+
+def test_a_plan_s_layers_keep_their_own_hooks_shared_where_alike_and_after_starting():
+    """Each layer's hooks hold the mitigations acting in it, in the plan's order; layers with the same mitigations
+    share one `LayerHooks`, and a started plan keeps both, each mitigation replaced by its started self."""
+    from sepformer.mitigation_base import MitigationPlan
+
+    @dataclass(frozen=True, eq=False)
+    class Counted(Mitigation):
+        runs: int = 0
+
+        def wrap_attention(self, layer_idx, function, projection):
+            return function
+
+        def start(self, run):
+            return self.replace(runs=self.runs + 1)
+
+    first, second = Counted(MitigationOptions(), frozenset({0, 2, 3})), Counted(MitigationOptions(), frozenset({1, 3}))
+    plan = MitigationPlan.of((first, second), 5)
+    expected = [(first,), (second,), (first,), (first, second), ()]
+    for _ in range(2):  # as resolved, then started (twice: a started plan starts again)
+        assert [hooks.attention_wrappers for hooks in plan.layers] == expected
+        assert plan.layers[0] is plan.layers[2] and len({id(hooks) for hooks in plan.layers}) == 4
+        plan = plan.start(None)
+        expected = [tuple(plan.mitigations[[first, second].index(m)] for m in hooks) for hooks in expected]
+        first, second = plan.mitigations
+    assert (first.runs, second.runs) == (2, 2)
