@@ -67,7 +67,8 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
-    unattended = mean <= 0  # a document the row does not attend gets factor 0; dividing by 1 there keeps its gradient 0
+    # A document the row does not attend (or a NaN one) gets factor 0; dividing by 1 there keeps its gradient 0.
+    unattended = ~(mean > 0)
     factor = (alpha * keep_total / mean.masked_fill(unattended, 1.0)).masked_fill(unattended, 0.0)  # (b, H, K)
     row = row * (torch.bmm(factor, documents.membership.mT) + documents.outside)
     return row if prompt == probs.shape[-1] else torch.cat((row, probs[..., prompt:]), -1)
