@@ -516,10 +516,17 @@ def resolves(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("make_model", [strong_model, mitigated_llama], ids=["sepformer", "llama"])
+def mitigated_llama_in_bfloat16():
+    return mitigated_llama().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "make_model", [strong_model, mitigated_llama, mitigated_llama_in_bfloat16], ids=["sepformer", "llama", "llama-bf16"]
+)
 def test_decoding_steps_reuse_the_plan_of_the_first_step_and_generate_the_same(make_model, resolves, monkeypatch):
-    """The prefill and the first decoding step resolve the options; the other steps reuse the first step's plan, and
-    generate what resolving at every step generates (beams included)."""
+    """The prefill and the first decoding step resolve the options; the other steps reuse the first step's plan (with
+    the model's dtype, kept with it: MS-PoE turns the queries and keys in it), and generate what resolving at every
+    step generates (beams included)."""
     import sepformer.mitigations
 
     model = make_model()
@@ -532,13 +539,19 @@ def test_decoding_steps_reuse_the_plan_of_the_first_step_and_generate_the_same(m
         attention_calibration=AttentionCalibration(spans=(spans,) * 3, temperature=0.1),
     )
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
-    kept = model.generate(ids, **kwargs)
+    kwargs |= dict(return_dict_in_generate=True, output_scores=True)
+
+    def generated(**more) -> list[torch.Tensor]:  # the tokens and every step's scores
+        output = model.generate(ids, **kwargs, **more)
+        return [output.sequences, *output.scores]
+
+    kept = generated()
     assert resolves["attention_calibration"] == 2
     assert resolves["ms_poe"] == 3  # and once more for calibration's dummy passes
-    beams = model.generate(ids, num_beams=2, **kwargs)
+    beams = generated(num_beams=2)
     monkeypatch.setattr(sepformer.mitigations, "keep_plan", lambda *args: None)  # every step resolves its options
-    assert torch.equal(model.generate(ids, **kwargs), kept)
-    assert torch.equal(model.generate(ids, num_beams=2, **kwargs), beams)
+    for ours, resolved in ((kept, generated()), (beams, generated(num_beams=2))):
+        assert all(torch.equal(a, b) for a, b in zip(ours, resolved, strict=True))
     assert resolves["ms_poe"] > 3 + 5
 
 
