@@ -79,6 +79,12 @@ TINY = dict(
     # per-layer inputs (Gemma 3n, 4)
     vocab_size_per_layer_input=256,
     hidden_size_per_layer_input=8,
+    # state-space layers of the hybrids (Falcon-H1): its defaults run 128 heads of state 256 in chunks of 256 tokens
+    mamba_d_ssm=32,
+    mamba_n_heads=4,
+    mamba_d_head=8,
+    mamba_d_state=16,
+    mamba_chunk_size=16,
 )
 DOCUMENT = Path(__file__).parent.parent / "docs" / "families.md"  # the table `table()` writes
 CHECKS = (

@@ -17,6 +17,8 @@ import benchmark  # noqa: E402  (after the path)
 import benchmark_sections  # noqa: E402  (the mitigations, where the generation section reads them)
 
 MODELS = ("SepFormer", "GPT-2", "Llama")
+# On one worker: the end-to-end run (a module fixture) would otherwise run once in each.
+pytestmark = pytest.mark.xdist_group("benchmark")
 
 
 @pytest.fixture(scope="module")

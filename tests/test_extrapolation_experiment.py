@@ -14,6 +14,8 @@ from conftest import run_script
 import sepformer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# On one worker: the end-to-end run (a module fixture) would otherwise run once in each.
+pytestmark = pytest.mark.xdist_group("extrapolation_experiment")
 sys.path.insert(0, str(EXAMPLES))
 import extrapolation  # noqa: E402  (after the path)
 import extrapolation_conditions  # noqa: E402

@@ -12,6 +12,8 @@ import torch
 from conftest import run_script
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# On one worker: the end-to-end run (a module fixture) would otherwise run once in each.
+pytestmark = pytest.mark.xdist_group("position_bias_experiment")
 sys.path.insert(0, str(EXAMPLES))
 import position_bias  # noqa: E402  (after the path)
 import position_bias_conditions  # noqa: E402
