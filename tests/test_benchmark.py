@@ -17,11 +17,11 @@ import benchmark  # noqa: E402  (after the path)
 import benchmark_sections  # noqa: E402  (the mitigations, where the generation section reads them)
 
 MODELS = ("SepFormer", "GPT-2", "Llama")
-# On one worker: the end-to-end run (a module fixture) would otherwise run once in each.
+# On one worker: the end-to-end run (`run`) would otherwise run once in each.
 pytestmark = pytest.mark.xdist_group("benchmark")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not "module": an xdist worker tears those down between its batches
 def run(tmp_path_factory):
     """The command as a user types it, tiny preset, two repetitions, one thread (CI runs tests side by side)."""
     output_dir = tmp_path_factory.mktemp("benchmark")
@@ -29,6 +29,13 @@ def run(tmp_path_factory):
         SCRIPT, "--tiny", "--reps", "2", "--threads", "1", output_dir=output_dir, csv_name="benchmark.csv"
     )
     return stdout, rows, output_dir
+
+
+def test_the_group_of_this_module_reaches_the_scheduler(request):
+    """Under `--dist loadgroup` (`make test`) this module's tests carry their group in their node id (conftest.py), so
+    that one worker runs them all and `run` once."""
+    if getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@benchmark"), request.node.nodeid
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from conftest import run_script
 import sepformer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# On one worker: the end-to-end run (a module fixture) would otherwise run once in each.
+# On one worker: the end-to-end run (`run`) would otherwise run once in each.
 pytestmark = pytest.mark.xdist_group("extrapolation_experiment")
 sys.path.insert(0, str(EXAMPLES))
 import extrapolation  # noqa: E402  (after the path)
@@ -47,7 +47,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not "module": an xdist worker tears those down between its batches
 def run(tmp_path_factory):
     """The command as a user types it: tiny preset (3 steps), two seeds, every model and method."""
     output_dir = tmp_path_factory.mktemp("extrapolation")

@@ -12,7 +12,7 @@ import torch
 from conftest import run_script
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# On one worker: the end-to-end run (a module fixture) would otherwise run once in each.
+# On one worker: the end-to-end run (`run`) would otherwise run once in each.
 pytestmark = pytest.mark.xdist_group("position_bias_experiment")
 sys.path.insert(0, str(EXAMPLES))
 import position_bias  # noqa: E402  (after the path)
@@ -25,7 +25,7 @@ from sepformer.metrics import metric_path  # noqa: E402
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not "module": an xdist worker tears those down between its batches
 def run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("position_bias")
     stdout, rows = run_script(EXAMPLES / "position_bias.py", "--tiny", output_dir=output_dir, csv_name="results.csv")
