@@ -1,12 +1,17 @@
-"""SepFormer's rotary embedding: the first `rotary_dim` dimensions of each head, in the rotate-half layout."""
+"""SepFormer's rotary embedding: the first `rotary_dim` dimensions of each head, in the rotate-half layout.
+
+Dimension `i` and `i + rotary_dim / 2` of a head turn together by one angle. The tables carry the sine signed for that
+layout (minus on the first half): a turn is then `x · cos + roll(x) · sin`, one `roll` where rotate-half takes two
+slices, a negation and a concatenation, with the same values.
+"""
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 
 class SepFormerRotaryEmbedding(nn.Module):
-    """cos/sin of rotary embedding for the first `rotary_dim` dimensions of each head, computed once per forward."""
+    """cos and signed sin of the rotary embedding of the first `rotary_dim` dimensions of each head, computed once per
+    forward."""
 
     def __init__(self, config):
         super().__init__()
@@ -30,12 +35,18 @@ class SepFormerRotaryEmbedding(nn.Module):
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin (..., rotary_dim) of the rotary angles `positions · inv_freq` in the rotate-half layout: `positions`
-    (...) any real positions (MS-PoE's `m / r`, or the turn `m / r - m`), `inv_freq` (rotary_dim / 2), or
-    (b, 1, rotary_dim / 2) one table per row of `positions` (b, seq)."""
+    """cos and signed sin (..., rotary_dim) of the rotary angles `positions · inv_freq`, as `rotate_partial` reads
+    them: `positions` (...) any real positions (MS-PoE's `m / r`, or the turn `m / r - m`), `inv_freq`
+    (rotary_dim / 2), or (b, 1, rotary_dim / 2) one table per row of `positions` (b, seq)."""
     angles = positions.float()[..., None] * inv_freq.float()  # (..., rotary_dim / 2)
-    angles = torch.cat((angles, angles), -1)  # (..., rotary_dim): both halves of a rotated pair turn alike
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1).to(dtype), signed_sin(sin).to(dtype)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """(..., rotary_dim) the sine table `rotate_partial` reads, from the sine of each pair's angle
+    (..., rotary_dim / 2): rotate-half's `(-x₂, x₁)` with its minus moved onto the sine."""
+    return torch.cat((-sin, sin), -1)
 
 
 def apply_partial_rotary(q, k, cos, sin):
@@ -48,9 +59,9 @@ def apply_partial_rotary(q, k, cos, sin):
 
 def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first `cos.shape[-1]` dimensions of each head of `x` (..., b, heads, n, head_dim) by the angles of
-    `cos` and `sin` (b, heads or 1, n, rotary_dim), in rotary's rotate-half layout."""
+    `cos` and the signed `sin` (`rotary_cos_sin`) (b, heads or 1, n, rotary_dim), in rotary's rotate-half layout."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:  # the whole head turns: no slices, no copy of an empty rest
-        return x * cos + rotate_half(x) * sin
-    rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
-    return torch.cat((rotated, x[..., rotary_dim:]), -1)
+        return x * cos + x.roll(rotary_dim // 2, -1) * sin
+    turned = x[..., :rotary_dim]
+    return torch.cat((turned * cos + turned.roll(rotary_dim // 2, -1) * sin, x[..., rotary_dim:]), -1)
