@@ -180,20 +180,20 @@ class MSPoEState(MitigationState):
 
 
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
-    """`cos ‖ sin` (H, b or 1, n, 2 · rotary_dim), by rank `i`, of the rotation that takes queries or keys at
-    `positions` (b or 1, n) to `m / r_i`: from unrotated ones, the rotation at `m / r_i`; from ones already `rotated` at
-    `m`, the further turn by `m / r_i - m` (rotations of the same planes compose). One table, so that each head's rows
-    of both are one gather (`heads_turn`)."""
+    """`cos ‖ sin` (b or 1, H, n, 2 · rotary_dim), by rank `i` (dim 1), of the rotation that takes queries or keys at
+    `positions` (b or 1, n) to `m / r_i`, `ratios` (H, 1, 1): from unrotated ones, the rotation at `m / r_i`; from ones
+    already `rotated` at `m`, the further turn by `m / r_i - m` (rotations of the same planes compose). One table, so
+    that each head's rows of both are one gather (`heads_turn`)."""
     positions = positions.float()
-    return torch.cat(
-        rotary_cos_sin(positions / ratios - positions if rotated else positions / ratios, inv_freq, dtype), -1
-    )
+    angles = positions / ratios - positions if rotated else positions / ratios  # (H, b or 1, n)
+    return torch.cat(rotary_cos_sin(angles.transpose(0, 1), inv_freq, dtype), -1)
 
 
 def heads_turn(turn: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (b, H, n, rotary_dim): each head's rows of a `turned_by_ratios` table, by its rank `ranks`
-    (H, b or 1, 1, 1)."""
-    return by_head(turn, ranks).transpose(0, 1).chunk(2, -1)
+    """cos, sin (b, H, n, rotary_dim): each head's rows of a `turned_by_ratios` table (b or 1, H, n, 2 · rotary_dim),
+    by its rank `ranks` (b or 1, H, 1, 1)."""
+    shape = (max(turn.shape[0], ranks.shape[0]), *turn.shape[1:])
+    return torch.gather(turn if turn.shape == shape else turn.expand(shape), 1, ranks.expand(shape)).chunk(2, -1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,7 +211,7 @@ class MSPoEMitigation(Mitigation):
 
     positions: ModelPositions | None = None  # the model's rotary (its frequency tables, by layer)
     heads: int = 0  # query heads
-    # Ranks are kept (b or 1, H, 1, 1): transposed, they index the tables by rank below.
+    # Ranks are kept (b or 1, H, 1, 1): they index the rotary turns by rank below, and transposed the positional shift.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
     cache: SepFormerCache | None = None  # keeps the ranks made at prefill, and the turned keys (`MSPoEState`)
     store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
@@ -220,7 +220,7 @@ class MSPoEMitigation(Mitigation):
     # The `H` ratios are one set for every layer: what they do to positions is computed once per run, by rank.
     # Rank first, so that a layer's (H, b, ...) tensors are one batched matmul without a copy.
     position_shift: torch.Tensor | None = None  # (H, b or 1, seq, d_pos): p(m / r_i) - p(m) for rank i
-    # per frequency table (one per layer type where the rotary has several), `cos ‖ sin` (H, b or 1, seq,
+    # per frequency table (one per layer type where the rotary has several), `cos ‖ sin` (b or 1, H, seq,
     # 2 · rotary_dim) by rank that take the call's queries, and its new keys, to `m / r_i` (`turned_by_ratios`)
     query_turn: dict | None = None
     padding_mask: torch.Tensor | None = None  # (b, kv) the call's padding mask, where the keys' positions come from
@@ -295,11 +295,10 @@ class MSPoEMitigation(Mitigation):
 
     def position_query_key(self, attention, query, key, layer_call):
         ranks = self.layer_ranks(attention, query, key, layer_call.attention_mask, layer_call.position_embeddings)
-        ranks = ranks.transpose(0, 1)  # (H, b or 1, 1, 1)
         if self.position_shift is not None:
             norm = self.model.layers[attention.layer_idx].input_layernorm.position
             positional = layer_call.residual[..., : self.position_shift.shape[-1]]  # (b, seq, d_pos)
-            shift = by_head(self.position_shift, ranks)  # p(m / r_h) - p(m): (H, b, seq, d_pos)
+            shift = by_head(self.position_shift, ranks.transpose(0, 1))  # p(m / r_h) - p(m): (H, b, seq, d_pos)
             # Shifted and unshifted rows through one norm call: fewer calls, and a ratio of 1 adds exactly 0.
             normed = norm(torch.cat((positional + shift, positional[None]), 0))  # (H + 1, b, seq, d_pos)
             delta = normed[:-1] - normed[-1:]  # (H, b, seq, d_pos)
@@ -405,7 +404,7 @@ class MSPoEMitigation(Mitigation):
 
     def wrap_attention(self, layer_idx: int, function, projection):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
-            ranks = self.layer_ranks(module, query, key, attention_mask).transpose(0, 1)  # (H, b or 1, 1, 1)
+            ranks = self.layer_ranks(module, query, key, attention_mask)  # (b or 1, H, 1, 1)
             cos, sin = heads_turn(self.query_turn[self.positions.table_of(layer_idx)], ranks)  # (b, H, seq, rotary_dim)
             state = self.turned_state()  # where the turned keys and expanded values are kept, if anywhere
             query, key = self.turned_queries_keys(layer_idx, query, key, ranks, cos, sin, state)

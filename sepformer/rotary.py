@@ -11,7 +11,7 @@ from torch import nn
 
 class SepFormerRotaryEmbedding(nn.Module):
     """cos and signed sin of the rotary embedding of the first `rotary_dim` dimensions of each head, computed once per
-    forward."""
+    forward: tables for `rotate_partial`, not for transformers' `apply_rotary_pos_emb` (whose sine is not signed)."""
 
     def __init__(self, config):
         super().__init__()

@@ -79,7 +79,8 @@ TINY = dict(
     # per-layer inputs (Gemma 3n, 4)
     vocab_size_per_layer_input=256,
     hidden_size_per_layer_input=8,
-    # state-space layers of the hybrids (Falcon-H1): its defaults run 128 heads of state 256 in chunks of 256 tokens
+    # the state-space layers of the hybrids: Falcon-H1's defaults run 128 heads of state 256 in chunks of 256 tokens
+    # (the other hybrids that take these fields, Bamba, GraniteMoeHybrid, Jamba, Zamba, are not built tiny either way)
     mamba_d_ssm=32,
     mamba_n_heads=4,
     mamba_d_head=8,

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from conftest import random_ids, tiny_config, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
-from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
 from sepformer import SepFormerCache, SepFormerForCausalLM, SepFormerModel, SepFormerTokenizer
+from sepformer.rotary import rotary_cos_sin, rotate_partial
 
 VARIANTS = {
     "learned": {},
@@ -128,6 +129,22 @@ def test_block_diagonal_model_equals_dense_reference(variant):
 def all_hidden_states(model, **inputs):
     with torch.no_grad():
         return model(**inputs, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [8, 4])
+def test_a_turn_by_roll_and_signed_sine_is_rotate_half_bit_for_bit(rotary_dim, dtype):
+    """`rotate_partial` with `rotary_cos_sin`'s tables (the sine signed, a `roll`) gives transformers' rotate-half turn
+    bit for bit: `x · cos + rotate_half(x) · sin` on the first `rotary_dim` dimensions of each head, the rest as is."""
+    x = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0)).to(dtype)  # (b, heads, seq, head_dim)
+    positions = torch.tensor([[0.0, 1.0, 2.5, 7.0, 1e4], [3.0, -0.5, 64.0, 100.25, 5.0]])  # MS-PoE's turns: any real
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    cos, sin = rotary_cos_sin(positions, inv_freq, dtype)  # (b, seq, rotary_dim)
+    angles = positions[..., None] * inv_freq  # (b, seq, rotary_dim / 2): each rotated pair's angle
+    their_cos, their_sin = (torch.cat((t, t), -1).to(dtype)[:, None] for t in (angles.cos(), angles.sin()))
+    turned = x[..., :rotary_dim]
+    expected = torch.cat((turned * their_cos + rotate_half(turned) * their_sin, x[..., rotary_dim:]), -1)
+    assert torch.equal(rotate_partial(x, cos[:, None], sin[:, None]), expected)
 
 
 def test_zeroed_query_key_makes_positional_blocks_content_free():
