@@ -68,13 +68,13 @@ def rotates_half(modeling_module: str) -> bool:
     if apply is None:
         return False
     angles = torch.tensor([0.3, 0.5, 0.7, 1.1], dtype=torch.float64)[None, None]  # (1, 1, 4): each pair's angle
-    cos, sin = angles.repeat(1, 1, 2).cos(), angles.repeat(1, 1, 2).sin()  # (1, 1, 8), as transformers lays them out
+    cos, sin = angles.repeat(1, 1, 2).cos(), angles.sin()  # cos (1, 1, 8) in both layouts
     vector = torch.arange(1.0, 9.0, dtype=torch.float64)[None, None, None]  # (b, heads, seq, head_dim) = (1, 1, 1, 8)
     try:
-        theirs, _ = apply(vector, vector, cos, sin)
+        theirs, _ = apply(vector, vector, cos, sin.repeat(1, 1, 2))  # transformers' sine, unsigned
     except Exception:  # another signature: not a layout this check can read
         return False
-    return torch.allclose(theirs, rotate_partial(vector, cos[:, None], signed_sin(angles.sin())[:, None]))
+    return torch.allclose(theirs, rotate_partial(vector, cos[:, None], signed_sin(sin)[:, None]))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
             for mark in item.iter_markers("xdist_group")
         }
         suffix = "@" + "_".join(sorted(groups))
-        if groups and not item.nodeid.endswith(suffix):
+        if groups and not item.nodeid.endswith(suffix):  # xdist's own suffix is there on pytest before 9.2
             item._id = type(item._id).parse(item.nodeid + suffix)
 
 

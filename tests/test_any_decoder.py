@@ -505,6 +505,32 @@ def test_ms_poe_with_one_ratio_is_the_model_reading_positions_m_over_r(model_nam
     assert (reference - logits(plain, ids, attention_mask=mask))[real].abs().max() > 1e-3
 
 
+def attention_outputs(model, ids, **kwargs) -> torch.Tensor:
+    """(b, seq, H · head_dim) what the first layer's `o_proj` reads: its heads' attention outputs, side by side."""
+    seen = []
+    handle = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        logits(model, ids, **kwargs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_ms_poe_turns_each_head_as_the_model_reading_positions_m_over_its_own_ratio(model_name):
+    """Several ratios in a fixed head order: head `h`'s attention output is the plain model's head `h` at positions
+    `m / r_h` (`head_order[i]` gets the `i`-th ratio from `r_min`), grouped-query keys included."""
+    model, plain = mitigated(model_name), plain_model(model_name)
+    ids, order = random_ids(2, 12), (2, 0, 3, 1)
+    ours = attention_outputs(model, ids, ms_poe=MSPoE(1.2, 2.4, layers=(0,), head_order=order))
+    ratios = torch.linspace(1.2, 2.4, 4, dtype=torch.float64).float()
+    heads = ours.view(2, 12, 4, -1)
+    for rank, head in enumerate(order):
+        reference = attention_outputs(plain, ids, position_ids=torch.arange(12)[None] / ratios[rank]).view(2, 12, 4, -1)
+        torch.testing.assert_close(heads[:, :, head], reference[:, :, head], rtol=1e-5, atol=1e-5)
+    assert (ours - attention_outputs(plain, ids)).abs().max() > 1e-3
+
+
 def two_base_gemma3():
     """A tiny random Gemma 3: sliding layers (window 4) and a full one, each layer type with a rotary base of its own
     (one rotary module, a frequency table per type), attention sharpened; and the same weights with add_mitigations."""

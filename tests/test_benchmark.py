@@ -21,7 +21,7 @@ MODELS = ("SepFormer", "GPT-2", "Llama")
 pytestmark = pytest.mark.xdist_group("benchmark")
 
 
-@pytest.fixture(scope="session")  # not "module": an xdist worker tears those down between its batches
+@pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The command as a user types it, tiny preset, two repetitions, one thread (CI runs tests side by side)."""
     output_dir = tmp_path_factory.mktemp("benchmark")

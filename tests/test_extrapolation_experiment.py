@@ -47,7 +47,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="session")  # not "module": an xdist worker tears those down between its batches
+@pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The command as a user types it: tiny preset (3 steps), two seeds, every model and method."""
     output_dir = tmp_path_factory.mktemp("extrapolation")

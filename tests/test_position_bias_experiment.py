@@ -25,7 +25,7 @@ from sepformer.metrics import metric_path  # noqa: E402
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="session")  # not "module": an xdist worker tears those down between its batches
+@pytest.fixture(scope="module")
 def run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("position_bias")
     stdout, rows = run_script(EXAMPLES / "position_bias.py", "--tiny", output_dir=output_dir, csv_name="results.csv")
