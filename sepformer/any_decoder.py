@@ -52,7 +52,7 @@ from .mitigations import (
     resolve_plan,
     with_mitigation_keywords,
 )
-from .rotary import rotate_partial, signed_sin
+from .rotary import rotary_cos_sin, rotate_partial
 from .spans import default_position_ids
 
 PREFIX = "sepformer_mitigations_"
@@ -67,14 +67,14 @@ def rotates_half(modeling_module: str) -> bool:
     apply = getattr(sys.modules.get(modeling_module), "apply_rotary_pos_emb", None)
     if apply is None:
         return False
-    angles = torch.tensor([0.3, 0.5, 0.7, 1.1], dtype=torch.float64)[None, None]  # (1, 1, 4): each pair's angle
-    cos, sin = angles.repeat(1, 1, 2).cos(), angles.sin()  # cos (1, 1, 8) in both layouts
+    angles = torch.tensor([0.3, 0.5, 0.7, 1.1])  # each pair's angle: four frequencies at position 1
+    cos, sin = rotary_cos_sin(torch.ones(1, 1), angles, torch.float64)  # (1, 1, 8), cos in both layouts
     vector = torch.arange(1.0, 9.0, dtype=torch.float64)[None, None, None]  # (b, heads, seq, head_dim) = (1, 1, 1, 8)
     try:
-        theirs, _ = apply(vector, vector, cos, sin.repeat(1, 1, 2))  # transformers' sine, unsigned
+        theirs, _ = apply(vector, vector, cos, sin[..., 4:].repeat(1, 1, 2))  # transformers' sine, unsigned
     except Exception:  # another signature: not a layout this check can read
         return False
-    return torch.allclose(theirs, rotate_partial(vector, cos[:, None], signed_sin(sin)[:, None]))
+    return torch.allclose(theirs, rotate_partial(vector, cos[:, None], sin[:, None]))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -20,7 +20,7 @@ from .mitigation_base import (
 )
 from .mitigation_options import MSPoE
 from .positional_options import PositionExtrapolation
-from .rotary import apply_partial_rotary, rotary_cos_sin, rotate_partial
+from .rotary import apply_partial_rotary, rotary_table, rotate_partial
 from .spans import check_default_positions, key_positions
 
 
@@ -166,7 +166,8 @@ class MSPoEState(MitigationState):
         """The layer's kept `part` of all `seen` keys followed by `new` (b, H, n, head_dim), written in place into their
         buffer's room and kept; `None` where they cannot be (none kept of `seen` keys, autograd on, compiled, or another
         dtype or shape)."""
-        kept = self.kept(part).get(layer)
+        by_layer = self.kept(part)
+        kept = by_layer.get(layer)
         if (
             kept is None
             or kept.shape[2] != seen
@@ -175,8 +176,8 @@ class MSPoEState(MitigationState):
             or not fits_in_place(kept, new)
         ):
             return None
-        self.rooms[part, layer], self.kept(part)[layer] = appended_in_place(self.rooms.get((part, layer)), kept, new)
-        return self.kept(part)[layer]
+        self.rooms[part, layer], by_layer[layer] = appended_in_place(self.rooms.get((part, layer)), kept, new)
+        return by_layer[layer]
 
 
 def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: torch.Tensor, dtype, rotated: bool):
@@ -186,7 +187,7 @@ def turned_by_ratios(positions: torch.Tensor, ratios: torch.Tensor, inv_freq: to
     that each head's rows of both are one gather (`heads_turn`)."""
     positions = positions.float()
     angles = positions / ratios - positions if rotated else positions / ratios  # (H, b or 1, n)
-    return torch.cat(rotary_cos_sin(angles.transpose(0, 1), inv_freq, dtype), -1)
+    return rotary_table(angles.transpose(0, 1), inv_freq, dtype)
 
 
 def heads_turn(turn: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +215,7 @@ class MSPoEMitigation(Mitigation):
     # Ranks are kept (b or 1, H, 1, 1): they index the rotary turns by rank below, and transposed the positional shift.
     fixed_ranks: torch.Tensor | None = None  # (1, H, 1, 1) from `head_order`
     cache: SepFormerCache | None = None  # keeps the ranks made at prefill, and the turned keys (`MSPoEState`)
+    state: MSPoEState | None = None  # the cache's, from `start` (emptied of keys other options turned)
     store: dict | None = None  # where the generation keeps tensors derived from the weights (`derived_store`)
     model: nn.Module | None = None  # a SepFormerModel with a positional block: its map and input norms
     extrapolation: PositionExtrapolation | None = None  # the call's: how the map is read past its table
@@ -274,8 +276,16 @@ class MSPoEMitigation(Mitigation):
                 for kind, inverse in self.positions.inverse_frequencies().items()
             }
         seen = run.cache.get_seq_length() if run.cache is not None else 0
+        state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
+        if state is not None and state.turned_by is not self.options and state.turned_by != self.options:
+            state.forget_turned()
+            state.turned_by = self.options
         return self.replace(
-            position_shift=position_shift, query_turn=query_turn, padding_mask=run.padding_mask, seen=seen
+            position_shift=position_shift,
+            query_turn=query_turn,
+            padding_mask=run.padding_mask,
+            seen=seen,
+            state=state,
         )
 
     def layer_ranks(self, attention, query, key, attention_mask, position_embeddings=None) -> torch.Tensor:
@@ -283,7 +293,7 @@ class MSPoEMitigation(Mitigation):
         query's attention row with `query` and `key` rotated at `m` (by `position_embeddings` where given)."""
         if self.fixed_ranks is not None:
             return self.fixed_ranks
-        ranks = kept_in(self.cache.mitigation_state, self.options.name, MSPoEState).ranks
+        ranks = self.state.ranks
         if attention.layer_idx not in ranks:
             if position_embeddings is not None:
                 query, key = apply_partial_rotary(query, key, *position_embeddings)
@@ -317,14 +327,6 @@ class MSPoEMitigation(Mitigation):
             query, key = apply_partial_rotary(query, key, *heads_turn(turn, ranks))
         return query, key
 
-    def turned_state(self) -> MSPoEState | None:
-        """The state keeping the turned keys on the call's cache (emptied where other options turned them), if any."""
-        state = None if self.cache is None else kept_in(self.cache.mitigation_state, self.options.name, MSPoEState)
-        if state is not None and state.turned_by is not self.options and state.turned_by != self.options:
-            state.forget_turned()
-            state.turned_by = self.options
-        return state
-
     def earlier_turned_keys(
         self, layer: int, earlier: torch.Tensor, ranks: torch.Tensor, total: int, state: MSPoEState | None
     ) -> torch.Tensor:
@@ -356,7 +358,7 @@ class MSPoEMitigation(Mitigation):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`query` (b, H, n, head_dim) and `key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query
         head's turned to `m / r_h`: the queries and the call's new keys by `cos`, `sin` (they share positions: one turn
-        of both), the earlier keys kept turned on `state` (`turned_state`; `None`: nothing kept, every key turned). A
+        of both), the earlier keys kept turned on `state` (`None`: nothing kept, every key turned). A
         sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones filled."""
         new, held = cos.shape[2], key.shape[2]
         total = self.seen + new
@@ -406,7 +408,7 @@ class MSPoEMitigation(Mitigation):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, attention_mask)  # (b or 1, H, 1, 1)
             cos, sin = heads_turn(self.query_turn[self.positions.table_of(layer_idx)], ranks)  # (b, H, seq, rotary_dim)
-            state = self.turned_state()  # where the turned keys and expanded values are kept, if anywhere
+            state = self.state  # where the turned keys and expanded values are kept, if anywhere
             query, key = self.turned_queries_keys(layer_idx, query, key, ranks, cos, sin, state)
             value = self.values_per_query_head(layer_idx, value, cos.shape[2], state)
             return function(module, query, key, value, attention_mask, **kwargs)

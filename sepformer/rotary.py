@@ -34,19 +34,19 @@ class SepFormerRotaryEmbedding(nn.Module):
         return rotary_cos_sin(position_ids, inv_freq.to(x.device), x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin (..., rotary_dim) of the rotary angles `positions · inv_freq`, as `rotate_partial` reads
-    them: `positions` (...) any real positions (MS-PoE's `m / r`, or the turn `m / r - m`), `inv_freq`
-    (rotary_dim / 2), or (b, 1, rotary_dim / 2) one table per row of `positions` (b, seq)."""
+def rotary_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`cos ‖ signed sin` (..., 2 · rotary_dim) of the rotary angles `positions · inv_freq`, as `rotate_partial` reads
+    them once split in two (`rotary_cos_sin`): `positions` (...) any real positions (MS-PoE's `m / r`, or the turn
+    `m / r - m`), `inv_freq` (rotary_dim / 2), or (b, 1, rotary_dim / 2) one table per row of `positions` (b, seq).
+    The sine is signed for the rotate-half layout: rotate-half's `(-x₂, x₁)` with its minus moved onto the sine."""
     angles = positions.float()[..., None] * inv_freq.float()  # (..., rotary_dim / 2)
     cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), -1).to(dtype), signed_sin(sin).to(dtype)
+    return torch.cat((cos, cos, -sin, sin), -1).to(dtype)
 
 
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """(..., rotary_dim) the sine table `rotate_partial` reads, from the sine of each pair's angle
-    (..., rotary_dim / 2): rotate-half's `(-x₂, x₁)` with its minus moved onto the sine."""
-    return torch.cat((-sin, sin), -1)
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos and signed sin (..., rotary_dim), the two halves of `rotary_table`."""
+    return rotary_table(positions, inv_freq, dtype).chunk(2, -1)
 
 
 def apply_partial_rotary(q, k, cos, sin):
