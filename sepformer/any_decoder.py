@@ -176,12 +176,13 @@ class DecoderPositions(ModelPositions):
 
     def rotary_at_base(self, base: float | RowBases, positions: torch.Tensor, dtype: torch.dtype, cache):
         """What a rotary of the model's class built with `rope_theta=base` (one float, or one per row; kept for the
-        generation) returns at `positions`: cos, sin (b or 1, seq, head_dim), or one complex tensor (DeepSeek-V2)."""
+        generation) returns at `positions`: cos, sin (b or 1, seq, head_dim), or one complex tensor (DeepSeek-V2). Its
+        frequencies have the dtype of the model's own (cast with the model by `.to(dtype)`, or kept in float32)."""
 
         def build(base: float) -> nn.Module:
             config = copy.deepcopy(self.rotary.config)
             config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
-            return type(self.rotary)(config).to(self.rotary.inv_freq.device)
+            return type(self.rotary)(config).to(self.rotary.inv_freq.device, self.rotary.inv_freq.dtype)
 
         def tables(base: float) -> tuple:
             rotary = kept_in(derived_store(cache), ("rotary at base", base), lambda: build(base))

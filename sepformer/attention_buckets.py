@@ -1,5 +1,6 @@
 """Attention Buckets (arXiv 2312.04455): copies of the input reading positions with other bases, mixed by confidence."""
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -85,6 +86,11 @@ class AttentionBucketsMitigation(Mitigation):
     @classmethod
     def wraps_causal_lm(cls, options: AttentionBuckets) -> bool:
         return options.num_buckets > 1 and not isinstance(options, BucketRows)
+
+    @classmethod
+    def in_wrapped_call(cls, options: AttentionBuckets, call: CallContext) -> tuple[BucketRows, CallContext]:
+        rows = call.batch * options.num_buckets
+        return BucketRows(bases=options.bases, scales=options.scales, rows=rows), dataclasses.replace(call, batch=rows)
 
     @classmethod
     def check_continuation(cls, cache: SepFormerCache, options: AttentionBuckets | None) -> None:

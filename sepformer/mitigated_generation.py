@@ -10,7 +10,7 @@ from transformers.generation.configuration_utils import GenerationConfig, Genera
 
 from .cache_sepformer import SepFormerCache
 from .mitigation_options import SpanOptions
-from .mitigations import MITIGATIONS, kept_for_generation, parse_options
+from .mitigations import MITIGATIONS, check_prefill, kept_for_generation, parse_options
 from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
 
@@ -68,6 +68,8 @@ class MitigationGenerationMixin:
         )
         if default and self.generation_keeps_state(model_kwargs):
             model_kwargs["past_key_values"] = SepFormerCache(config=self.config)
+            if generation_config.is_assistant:  # as transformers marks its own: the main model crops its drafts
+                model_kwargs["past_key_values"].activate_past_recording()
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """Beams and return sequences repeat each input row; options given per input row are repeated with it."""
@@ -217,5 +219,7 @@ def reorder_generate_prompt(model, options, prompt, inputs, kwargs: dict, genera
     if options.from_model and kwargs.get("position_extrapolation") is not None:
         forward_kwargs["position_extrapolation"] = kwargs["position_extrapolation"]
     mask = generation_padding(model, prompt, generation_config, kwargs)
+    # what the prefill would refuse of the options it runs with, before the scoring passes
+    check_prefill(model.call_context({**kwargs, "input_ids": prompt, "attention_mask": mask}), kwargs)
     reordered = reorder_documents(model, prompt, mask, options, **forward_kwargs)[0]
     return (reordered, kwargs) if inputs is not None else (None, {**kwargs, "input_ids": reordered})

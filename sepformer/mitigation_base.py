@@ -409,6 +409,12 @@ class Mitigation:
         `wraps_causal_lm`; `options_of_call`: the call's mitigation keywords (parsed where on), these included."""
         raise NotImplementedError
 
+    @classmethod
+    def in_wrapped_call(cls, options: MitigationOptions, call: CallContext) -> tuple[MitigationOptions, CallContext]:
+        """These options and `call` as the forward that `run_causal_lm` runs resolves them (where they
+        `wraps_causal_lm`)."""
+        raise NotImplementedError
+
     def replace(self, **changes) -> "Mitigation":
         return replaced(self, **changes)
 

@@ -247,21 +247,41 @@ def resolve_plan(call: CallContext, options: dict) -> MitigationPlan | None:
         call.cache.drop_prefill_state()  # a prefill starts anew: one refused mid-way may have left its options
     if not parsed:
         return None
-    num_layers = call.model.config.num_hidden_layers
     if call.cache is None:
         call = dataclasses.replace(call, sepformer_cache=SepFormerCache())
-    check_combination({name: value.layer_set(num_layers) for name, value in parsed.items()})
-    check_last_rows_are_prompt(call, parsed)
-    fixing = {name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)}
-    for name, value in fixing.items():
-        check_prefill_state(name, value, call)
-    resolved = tuple(MITIGATIONS[name].resolve(value, call) for name, value in parsed.items())
-    plan = MitigationPlan.of(resolved, num_layers)  # every check done: now the work
+    plan = checked_plan(call, parsed)  # every check done: now the work
     prepare(call, plan)
     if not call.continuing and call.sepformer_cache is not None:
+        fixing = {name: value for name, value in parsed.items() if MITIGATIONS[name].fixes_state_at_prefill(value)}
         call.sepformer_cache.prefill_options = fixing
     keep_plan(call, options, plan)
     return plan
+
+
+def checked_plan(call: CallContext, parsed: dict[str, MitigationOptions]) -> MitigationPlan:
+    """The plan of the `parsed` options, resolved against the model and the call, every check done and no work."""
+    num_layers = call.model.config.num_hidden_layers
+    check_combination({name: value.layer_set(num_layers) for name, value in parsed.items()})
+    check_last_rows_are_prompt(call, parsed)
+    for name, value in parsed.items():
+        if MITIGATIONS[name].fixes_state_at_prefill(value):
+            check_prefill_state(name, value, call)
+    return MitigationPlan.of(
+        tuple(MITIGATIONS[name].resolve(value, call) for name, value in parsed.items()), num_layers
+    )
+
+
+def check_prefill(call: CallContext, options: dict) -> None:
+    """Refuse what the prefill `call` would refuse of `options` before its work, without that work: for `generate`,
+    whose reordering of the documents runs forwards before its prefill."""
+    call, parsed = (
+        dataclasses.replace(call, sepformer_cache=SepFormerCache()),
+        parse_options(call.model.config, options),
+    )
+    for name, value in list(parsed.items()):
+        if MITIGATIONS[name].wraps_causal_lm(value):  # several attention buckets: as the copies of the rows run it
+            parsed[name], call = MITIGATIONS[name].in_wrapped_call(value, call)
+    checked_plan(call, parsed)
 
 
 FORWARDS_WITH_KEYWORDS = []  # the forward functions whose signature lists the registered options

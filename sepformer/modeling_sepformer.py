@@ -502,6 +502,15 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         """Always: the decoding steps' fused projections are kept on the cache too (`decoding.fused_layer`)."""
         return True
 
+    def call_context(self, inputs: dict) -> CallContext:
+        """The base model's call on `inputs` (keywords of `forward`, without a cache), as its options are resolved."""
+        extrapolation = call_extrapolation(self.config, inputs.get("position_extrapolation"), continuing=False)
+        tokens = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        return CallContext.of(
+            self.model, tokens, input_ids=tokens, attention_mask=mask, cache=None, extrapolation=extrapolation
+        )
+
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
         """The prompt and its padding mask (an empty or 1-D prompt fails deep inside `generate`), the last position it
         may reach (`check_last_position`) and the padding it feeds (`check_fed_token_ids`)."""

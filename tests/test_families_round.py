@@ -172,6 +172,16 @@ def test_an_assistant_without_mitigations_is_refused_by_name():
     assert greedy(model, ids, new=3, assistant_model=served, stable_mask=StableMask(0.3)).shape == (1, 11)
 
 
+def test_a_served_assistant_drafts_past_a_sliding_window_with_an_option_on():
+    """The assistant's `SepFormerCache` records its past, as transformers marks an assistant's cache: the main model
+    crops the drafts it rejects, also once a sliding window is full. Assisted greedy decoding gives greedy's tokens."""
+    model = mitigated("mistral", sliding_window=5)
+    assistant = add_mitigations(plain_model("mistral", seed=1, sliding_window=5))
+    ids, option = random_ids(1, 12), {"stable_mask": StableMask(0.3)}
+    alone = greedy(model, ids, new=10, **option)
+    torch.testing.assert_close(greedy(model, ids, new=10, assistant_model=assistant, **option), alone, rtol=0, atol=0)
+
+
 def test_ranked_ms_poe_is_refused_under_gradient_checkpointing_and_a_fixed_order_trains():
     model = mitigated("llama")
     model.gradient_checkpointing_enable()
@@ -305,6 +315,16 @@ def test_one_bucket_at_the_models_own_base_keeps_its_rope_scaling(rope):
     ours = logits(model, ids, attention_buckets=AttentionBuckets(bases=(10000.0,)))
     torch.testing.assert_close(ours, logits(plain, ids), rtol=1e-5, atol=1e-5)
     assert (logits(model, ids, attention_buckets=AttentionBuckets(bases=(20000.0,))) - ours).abs().max() > 1e-4
+
+
+def test_one_bucket_at_the_models_own_base_is_a_model_cast_to_bfloat16_bit_for_bit():
+    """`.to(bfloat16)` casts the rotary's frequencies: a rotary built at a bucket's base computes as the model's."""
+    plain = plain_model("llama").to(torch.bfloat16)
+    ids, base = random_ids(1, 12), plain.config.rope_parameters["rope_theta"]
+    expected = logits(plain, ids)
+    model = add_mitigations(plain)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    assert torch.equal(logits(model, ids, attention_buckets=AttentionBuckets(bases=(base,))), expected)
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])

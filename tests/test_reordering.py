@@ -389,6 +389,31 @@ def test_what_the_model_or_the_call_lacks_is_refused_before_any_forward(model_ov
     assert not calls
 
 
+@pytest.mark.parametrize(
+    ("make", "kwargs", "message"),
+    [
+        ("SepFormer", {"ms_poe": {"layers": (9,)}}, r"ms_poe layers \[9\] are out of range"),
+        ("SepFormer", {"attention_buckets": {"bases": (1e4, 2e4)}}, r"bases=\[10000.0, 20000.0\] mean nothing"),
+        ("mitigated Llama", {"ms_poe": {"layers": (9,)}}, r"ms_poe layers \[9\] are out of range"),
+        ("mitigated Llama", {"positional_scaling": {"factor": 0.0}}, r"positional_scaling on LlamaForCausalLM needs"),
+    ],
+)
+def test_what_the_generation_options_lack_is_refused_before_the_scoring_passes(make, kwargs, message):
+    """The options generation runs with are resolved against the model before reordering's forwards, as their prefill
+    would resolve them (several attention buckets as the copies of the rows do)."""
+    model, (ids, mask) = GENERATORS[make][0](), left_padded_batch()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids, mask, reorder_documents={"spans": SPANS, "by": "calibrated"}, **kwargs)
+    assert not calls
+    option, buckets = {"spans": SPANS, "by": SCORES}, {"attention_buckets": {"scales": (1.0, 0.5)}}
+    reordered = reorder_documents(model, ids, mask, option)[0]
+    assert torch.equal(
+        generate(model, ids, mask, reorder_documents=option, **buckets), generate(model, reordered, mask, **buckets)
+    )
+
+
 def test_a_right_padded_prompt_and_a_prompt_without_ids_are_refused():
     model, (ids, mask) = eager_model(), left_padded_batch()
     with pytest.raises(ValueError, match=r"rows \[1\] end in padding there .* pad on the left"):
