@@ -13,6 +13,7 @@ from .mitigation_options import SpanOptions
 from .mitigations import MITIGATIONS, check_prefill, kept_for_generation, parse_options
 from .positional_maps import check_position_readable
 from .reordering import ReorderDocuments, check_combinable, reorder_documents
+from .spans import prompt_lengths
 
 LOSS_KEYWORDS = ("ignore_index", "shift_labels")  # keywords of transformers' causal-LM loss, not of the model
 
@@ -42,7 +43,7 @@ class MitigationGenerationMixin:
         check_no_options_in(self.generation_config, "model.generation_config")
         if prompt is not None or kwargs.get("inputs_embeds") is not None:
             self.check_generate_inputs(prompt, generation_config, kwargs)
-        check_assistance(self, generation_config, kwargs)
+        check_assistance(self, prompt, generation_config, kwargs)
         check_prefill_in_one_call(self, prompt, generation_config, kwargs)
         if isinstance(kwargs.get("past_key_values"), SepFormerCache):
             kwargs["past_key_values"].start_generation()
@@ -79,7 +80,7 @@ class MitigationGenerationMixin:
         return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
 
 
-def check_assistance(model, generation_config, kwargs: dict) -> None:
+def check_assistance(model, prompt, generation_config, kwargs: dict) -> None:
     """Refuse, before any work, assisted decoding (the generation mode transformers names on the settings `generate`
     merges) with options that act on the prompt's last token, or with options an assistant not served would be given.
     Assisted decoding (an assistant model, prompt lookup) prefills the prompt with drafted tokens after it, then
@@ -105,6 +106,10 @@ def check_assistance(model, generation_config, kwargs: dict) -> None:
             f"generate passes the model's keywords ({', '.join(given)}) to the assistant model too, and "
             f"{type(assistant).__name__} does not take them: call sepformer.add_mitigations on the assistant too."
         )
+    if assistant is not None and prompt is not None:
+        lengths = prompt_lengths(generation_padding(model, prompt, generation_config, kwargs), *prompt.shape)
+        for name, value in parsed.items():
+            MITIGATIONS[name].check_assistant_model(value, lengths)
 
 
 def check_prefill_in_one_call(model, prompt, generation_config, kwargs: dict) -> None:

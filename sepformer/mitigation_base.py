@@ -330,6 +330,11 @@ class Mitigation:
         mitigation (`None`: off), where its state cannot be continued so; called before any work."""
 
     @classmethod
+    def check_assistant_model(cls, options: MitigationOptions, lengths: list[int]) -> None:
+        """Refuse (a `ValueError`) these options with an assistant model, on prompts of `lengths` real tokens per row:
+        after each round transformers crops the assistant's cache before its last token and feeds that token again."""
+
+    @classmethod
     def acts_on_last_rows(cls, options: MitigationOptions) -> bool:
         """Whether these options treat the last query rows of a prefill (the prompt's last tokens) unlike the others:
         right padding puts pads there, and assisted decoding drafted tokens, so both are refused."""

@@ -66,6 +66,17 @@ class ParallelContextWindowsMitigation(Mitigation):
         spans = torch.tensor(options.spans, device=call.model.device)
         return cls(options, layers, spans, call.continuing, task_shift(spans))
 
+    @classmethod
+    def check_assistant_model(cls, options: ParallelContextWindows, lengths: list[int]) -> None:
+        reaching = [row for row, spans in enumerate(options.spans) if max(end for _, end in spans) >= lengths[row]]
+        if reaching:
+            raise ValueError(
+                f"parallel_context_windows reads the tokens of a call continuing a cache as task tokens, and the "
+                f"windows of rows {reaching} end at the prompt's last token, which transformers feeds the assistant "
+                "model again after each round: end the windows before the prompt's last token (the task after them), "
+                "or generate without assistant_model (prompt_lookup_num_tokens drafts without a second cache)."
+            )
+
     def prepare(self, call: CallContext, others) -> None:
         """At an eager prefill, the cache's tokens that hold every row's windows: its padding and its windows."""
         if call.continuing or call.sepformer_cache is None or torch.compiler.is_compiling():

@@ -129,7 +129,7 @@ class PositionalMap:
     def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
         if not (self.random_offsets or self.randomized):
             return position_ids
-        highest = int(position_ids.max())
+        highest = int(position_ids.max().ceil())  # fractional positions (attention buckets') read the next one too
         if highest >= self.position_range:
             option = "random_position_offsets" if self.random_offsets else "randomized_positions"
             raise ValueError(
@@ -154,14 +154,19 @@ def randomized_positions(
     """Randomized positions (Ruoss et al., arXiv 2305.16843): each row's `i`-th position becomes the `i`-th smallest
     of `needed` distinct positions drawn uniformly from `[0, position_range)`, or with `per_sequence_range` from the
     row's own `[0, M')`, `M'` uniform in `[needed, position_range]` (why: docs/design.md, "Randomized positions");
-    padding slots (position 0) read the row's first one."""
+    padding slots (position 0) read the row's first one. A fractional position (an attention bucket's `m · s`) reads
+    linearly between the draws of the integers around it."""
     batch = position_ids.shape[0]
     scores = torch.rand(batch, position_range, device=position_ids.device)
     if per_sequence_range:
         row_range = torch.randint(needed, position_range + 1, (batch, 1), device=position_ids.device)  # M'
         scores = scores.masked_fill(torch.arange(position_range, device=position_ids.device) >= row_range, -1.0)
     chosen = scores.topk(needed, dim=-1).indices.sort(dim=-1).values  # (b, needed): a sorted uniform subset
-    return chosen.gather(-1, position_ids)  # (b, seq)
+    if not position_ids.is_floating_point():
+        return chosen.gather(-1, position_ids)  # (b, seq)
+    below = position_ids.floor().long()
+    low, high = chosen.gather(-1, below), chosen.gather(-1, (below + 1).clamp(max=needed - 1))
+    return low + (position_ids - below) * (high - low)  # (b, seq)
 
 
 class LearnedPositions(nn.Embedding, PositionalMap):

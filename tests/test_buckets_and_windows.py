@@ -561,3 +561,16 @@ def test_a_cache_made_with_one_reading_of_positions_is_continued_with_the_same(k
             model(ids[:, 9:10], past_key_values=plain, use_cache=True, **{keyword: options})
         with pytest.raises(ValueError, match=f"{keyword} keeps what it fixes at prefill on the cache"):
             model(ids[:, :9], past_key_values=DynamicCache(), use_cache=True, **{keyword: options})
+
+
+def test_an_assistant_model_is_refused_where_the_windows_reach_the_prompts_last_token():
+    """transformers crops the assistant's cache before the prompt's last token and feeds it again, as a task token
+    where it lay in a window; windows that end before it draft and generate what plain decoding generates."""
+    model, assistant = tiny_model(), tiny_model(seed=1)
+    prompt = random_ids(1, 12)
+    greedy = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+    with pytest.raises(ValueError, match=r"the windows of rows \[0\] end at the prompt's last token, which"):
+        model.generate(prompt, assistant_model=assistant, parallel_context_windows={"spans": [[(0, 6), (6, 12)]]})
+    windows = {"parallel_context_windows": {"spans": [[(0, 5), (5, 10)]]}}
+    assisted = model.generate(prompt, assistant_model=assistant, **windows, **greedy)
+    assert torch.equal(assisted, model.generate(prompt, **windows, **greedy))

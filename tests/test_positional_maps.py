@@ -336,6 +336,33 @@ def test_randomized_positions_are_sorted_distinct_subsets_that_reach_every_posit
     assert reached.all()
 
 
+def test_a_fractional_position_reads_linearly_between_the_draws_around_it():
+    """An attention bucket's `m · s` in training: the draws of the integers, then each fraction between them."""
+    positions = torch.arange(L).expand(4, -1)
+    torch.manual_seed(0)
+    drawn = randomized_positions(positions, L, 8 * L)
+    fractions = torch.tensor([0.0, 0.25, 0.5])[torch.arange(L - 1) % 3]
+    torch.manual_seed(0)
+    between = randomized_positions((torch.arange(L - 1) + fractions).expand(4, -1), L, 8 * L)  # the same draws
+    expected = drawn[:, :-1] + fractions * (drawn[:, 1:] - drawn[:, :-1])
+    assert between.is_floating_point() and torch.equal(between, expected)
+    torch.manual_seed(0)
+    assert torch.equal(randomized_positions(positions.float(), L, 8 * L), drawn.float())
+
+
+@pytest.mark.parametrize("positional_map", POSITIONAL_MAP_OPTIONS)
+def test_attention_buckets_train_on_randomized_positions(positional_map):
+    """The scaled positions are fractional where the draws are integer rows: each reads between two draws."""
+    model = tiny_model(
+        max_position_embeddings=L, position_table_size=8 * L, randomized_positions=True, positional_map=positional_map
+    ).train()
+    ids = torch.randint(0, 256, (2, L))
+    for scales in ((0.5,), (1.0, 0.7)):
+        loss = model(ids, labels=ids, attention_buckets={"scales": scales}).loss
+        loss.backward()
+        assert loss.isfinite()
+
+
 def test_a_range_per_sequence_gives_gaps_from_none_to_the_widest():
     """Fixed range: 16 positions from [0, 128) nearly always reach past 64. Per sequence: the range M' is uniform in
     [16, 128], so about half the rows stay below 64, and some are contiguous (M' = 16: the positions of inference)."""
