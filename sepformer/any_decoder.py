@@ -71,7 +71,7 @@ def rotates_half(modeling_module: str) -> bool:
     cos, sin = rotary_cos_sin(torch.ones(1, 1), angles, torch.float64)  # (1, 1, 8), cos in both layouts
     vector = torch.arange(1.0, 9.0, dtype=torch.float64)[None, None, None]  # (b, heads, seq, head_dim) = (1, 1, 1, 8)
     try:
-        theirs, _ = apply(vector, vector, cos, sin[..., 4:].repeat(1, 1, 2))  # transformers' sine, unsigned
+        theirs, _ = apply(vector, vector, cos, sin.chunk(2, -1)[1].repeat(1, 1, 2))  # transformers' sine, unsigned
     except Exception:  # another signature: not a layout this check can read
         return False
     return torch.allclose(theirs, rotate_partial(vector, cos[:, None], sin[:, None]))

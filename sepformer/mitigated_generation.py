@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 
 from .cache_sepformer import SepFormerCache
+from .mitigation_base import CallContext
 from .mitigation_options import SpanOptions
 from .mitigations import MITIGATIONS, check_prefill, kept_for_generation, parse_options
 from .positional_maps import check_position_readable
@@ -26,6 +27,11 @@ class MitigationGenerationMixin:
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:
         """Refuse, before any work, a prompt `generate` would fail on deep inside (the model's own checks); `prompt`:
         its token ids, `None` where it is given as `inputs_embeds` (among `kwargs`)."""
+
+    def call_context(self, inputs: dict) -> CallContext:
+        """The call of the model on `inputs` (keywords of `forward`) as the mitigations are resolved against it: by
+        `generate` to check its options before reordering runs forwards."""
+        raise NotImplementedError
 
     def generate(self, inputs=None, *args, **kwargs):
         """`GenerationMixin.generate`, after `check_generate_inputs`, its decoding steps resolving the options once. A
@@ -85,7 +91,8 @@ def check_assistance(model, prompt, generation_config, kwargs: dict) -> None:
     merges) with options that act on the prompt's last token, or with options an assistant not served would be given.
     Assisted decoding (an assistant model, prompt lookup) prefills the prompt with drafted tokens after it, then
     verifies several drafted tokens per call: options that act on the prompt's last token would act on a drafted one,
-    and generate other tokens than plain decoding."""
+    and generate other tokens than plain decoding. With an assistant model, each option's `check_assistant_model`
+    refuses what the assistant's cache, cropped before the prompt's last token after each round, would break."""
     merged = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     merged.update(**model.generation_config.to_dict(), defaults_only=True)  # merged as `generate` merges them
     merged.update(**kwargs)  # the generation settings among the keywords

@@ -272,12 +272,12 @@ def checked_plan(call: CallContext, parsed: dict[str, MitigationOptions]) -> Mit
 
 
 def check_prefill(call: CallContext, options: dict) -> None:
-    """Refuse what the prefill `call` would refuse of `options` before its work, without that work: for `generate`,
-    whose reordering of the documents runs forwards before its prefill."""
-    call, parsed = (
-        dataclasses.replace(call, sepformer_cache=SepFormerCache()),
-        parse_options(call.model.config, options),
-    )
+    """Refuse what resolving `options` on the prefill `call` refuses (their checks against the model, the prompt and
+    the cache), without the prefill: for `generate`, whose reordering of the documents runs forwards before it. What
+    the prefill checks as it runs (positions read past a learned table, the cache several buckets need) comes then."""
+    if call.cache is None:  # as `resolve_plan`: the prefill's own cache
+        call = dataclasses.replace(call, sepformer_cache=SepFormerCache())
+    parsed = parse_options(call.model.config, options)
     for name, value in list(parsed.items()):
         if MITIGATIONS[name].wraps_causal_lm(value):  # several attention buckets: as the copies of the rows run it
             parsed[name], call = MITIGATIONS[name].in_wrapped_call(value, call)

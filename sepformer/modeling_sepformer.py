@@ -503,12 +503,17 @@ class SepFormerForCausalLM(MitigationGenerationMixin, SepFormerPreTrainedModel, 
         return True
 
     def call_context(self, inputs: dict) -> CallContext:
-        """The base model's call on `inputs` (keywords of `forward`, without a cache), as its options are resolved."""
-        extrapolation = call_extrapolation(self.config, inputs.get("position_extrapolation"), continuing=False)
-        tokens = inputs["input_ids"]
-        mask = inputs.get("attention_mask")
+        """The base model's call on `inputs` (keywords of `forward` with `input_ids`), as its options are resolved."""
+        cache = inputs.get("past_key_values")
+        extrapolation = call_extrapolation(self.config, inputs.get("position_extrapolation"), continues(cache))
         return CallContext.of(
-            self.model, tokens, input_ids=tokens, attention_mask=mask, cache=None, extrapolation=extrapolation
+            self.model,
+            inputs["input_ids"],
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs.get("attention_mask"),
+            cache=cache,
+            extrapolation=extrapolation,
+            position_ids=inputs.get("position_ids"),
         )
 
     def check_generate_inputs(self, prompt, generation_config, kwargs: dict) -> None:

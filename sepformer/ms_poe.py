@@ -327,12 +327,11 @@ class MSPoEMitigation(Mitigation):
             query, key = apply_partial_rotary(query, key, *heads_turn(turn, ranks))
         return query, key
 
-    def earlier_turned_keys(
-        self, layer: int, earlier: torch.Tensor, ranks: torch.Tensor, total: int, state: MSPoEState | None
-    ) -> torch.Tensor:
+    def earlier_turned_keys(self, layer: int, earlier: torch.Tensor, ranks: torch.Tensor, total: int) -> torch.Tensor:
         """(b, H, n, head_dim) the keys `earlier` (b, H or H_kv, n, head_dim) held before this call's, of `total` keys
         seen with them, turned: kept on the cache by the call before, or turned now from their positions (the first
         call of a cache, after a crop, or other options)."""
+        state = self.state
         if state is not None and state.turned_seen.get(layer) == self.seen:
             return state.turned_keys[layer]
         earlier = self.per_query_head(earlier)  # the last (sliding window) or first (static slots) keys of `seen`
@@ -347,20 +346,13 @@ class MSPoEMitigation(Mitigation):
         return repeat_kv(key, self.heads // key.shape[1])
 
     def turned_queries_keys(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        ranks: torch.Tensor,
-        cos,
-        sin,
-        state: MSPoEState | None,
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, ranks: torch.Tensor, cos, sin
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`query` (b, H, n, head_dim) and `key` (b, H or H_kv, held, head_dim) as the cache hands it over, each query
         head's turned to `m / r_h`: the queries and the call's new keys by `cos`, `sin` (they share positions: one turn
-        of both), the earlier keys kept turned on `state` (`None`: nothing kept, every key turned). A
+        of both), the earlier keys kept turned on the cache's state (none kept without one: every key turned). A
         sliding-window cache hands over the last keys it has seen; a static one its slots, the first ones filled."""
-        new, held = cos.shape[2], key.shape[2]
+        state, new, held = self.state, cos.shape[2], key.shape[2]
         total = self.seen + new
         start = held - new if held <= total else self.seen
         both = torch.stack((query, self.per_query_head(key[:, :, start : start + new])))  # (2, b, H, n, head_dim)
@@ -370,7 +362,7 @@ class MSPoEMitigation(Mitigation):
             if turned is not None:
                 state.turned_seen[layer] = total
                 return query, turned
-        earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total, state)
+        earlier = self.earlier_turned_keys(layer, key[:, :, :start], ranks, total)
         assert earlier.shape[0] == key.shape[0], "the kept turned keys follow the cache's rows"
         turned = torch.cat((earlier, new_turned), 2)
         if state is not None:
@@ -380,14 +372,12 @@ class MSPoEMitigation(Mitigation):
             return query, torch.cat((turned, self.per_query_head(key[:, :, total:])), 2)
         return query, turned[:, :, -held:]
 
-    def values_per_query_head(
-        self, layer: int, value: torch.Tensor, new: int, state: MSPoEState | None
-    ) -> torch.Tensor:
+    def values_per_query_head(self, layer: int, value: torch.Tensor, new: int) -> torch.Tensor:
         """`value` (b, H or H_kv, held, head_dim) one per query head: where the cache holds every key seen, this call's
-        `new` ones expanded after the earlier ones kept on `state`, else all of them expanded."""
+        `new` ones expanded after the earlier ones kept on the cache's state, else all of them expanded."""
         if value.shape[1] == self.heads:
             return value
-        held, total = value.shape[2], self.seen + new
+        state, held, total = self.state, value.shape[2], self.seen + new
         if state is None:
             return self.per_query_head(value)
         if held != total:  # a sliding window's or a static cache's: expanded at each step, none kept
@@ -408,9 +398,8 @@ class MSPoEMitigation(Mitigation):
         def rescaled(module, query, key, value, attention_mask, **kwargs):
             ranks = self.layer_ranks(module, query, key, attention_mask)  # (b or 1, H, 1, 1)
             cos, sin = heads_turn(self.query_turn[self.positions.table_of(layer_idx)], ranks)  # (b, H, seq, rotary_dim)
-            state = self.state  # where the turned keys and expanded values are kept, if anywhere
-            query, key = self.turned_queries_keys(layer_idx, query, key, ranks, cos, sin, state)
-            value = self.values_per_query_head(layer_idx, value, cos.shape[2], state)
+            query, key = self.turned_queries_keys(layer_idx, query, key, ranks, cos, sin)
+            value = self.values_per_query_head(layer_idx, value, cos.shape[2])
             return function(module, query, key, value, attention_mask, **kwargs)
 
         return rescaled

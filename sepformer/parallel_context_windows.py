@@ -68,7 +68,9 @@ class ParallelContextWindowsMitigation(Mitigation):
 
     @classmethod
     def check_assistant_model(cls, options: ParallelContextWindows, lengths: list[int]) -> None:
-        reaching = [row for row, spans in enumerate(options.spans) if max(end for _, end in spans) >= lengths[row]]
+        # rows past the batch, and spans past a prompt, are the prefill's to refuse (`check_spans_in_prompt`)
+        ends = [max(end for _, end in spans) for spans in options.spans]
+        reaching = [row for row, (end, length) in enumerate(zip(ends, lengths, strict=False)) if end == length]
         if reaching:
             raise ValueError(
                 f"parallel_context_windows reads the tokens of a call continuing a cache as task tokens, and the "

@@ -126,7 +126,7 @@ class PositionalMap:
         self.per_sequence_range = config.randomized_range == "per_sequence"
         self.position_range = config.position_table_size  # M: training positions lie in [0, M)
 
-    def training_positions(self, position_ids: torch.LongTensor, batch: int) -> torch.LongTensor:
+    def training_positions(self, position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         if not (self.random_offsets or self.randomized):
             return position_ids
         highest = int(position_ids.max().ceil())  # fractional positions (attention buckets') read the next one too
@@ -149,8 +149,8 @@ class PositionalMap:
 
 
 def randomized_positions(
-    position_ids: torch.LongTensor, needed: int, position_range: int, per_sequence_range: bool = False
-) -> torch.LongTensor:
+    position_ids: torch.Tensor, needed: int, position_range: int, per_sequence_range: bool = False
+) -> torch.Tensor:
     """Randomized positions (Ruoss et al., arXiv 2305.16843): each row's `i`-th position becomes the `i`-th smallest
     of `needed` distinct positions drawn uniformly from `[0, position_range)`, or with `per_sequence_range` from the
     row's own `[0, M')`, `M'` uniform in `[needed, position_range]` (why: docs/design.md, "Randomized positions");

@@ -571,6 +571,12 @@ def test_an_assistant_model_is_refused_where_the_windows_reach_the_prompts_last_
     greedy = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
     with pytest.raises(ValueError, match=r"the windows of rows \[0\] end at the prompt's last token, which"):
         model.generate(prompt, assistant_model=assistant, parallel_context_windows={"spans": [[(0, 6), (6, 12)]]})
+    for spans, message in [
+        ([[(0, 6), (6, 13)]], r"span \(6, 13\) of row 0 is out of range"),
+        ([[(0, 6)]] * 2, "2 rows"),
+    ]:
+        with pytest.raises(ValueError, match=message):  # the prefill's refusals, not this one
+            model.generate(prompt, assistant_model=assistant, parallel_context_windows={"spans": spans}, **greedy)
     windows = {"parallel_context_windows": {"spans": [[(0, 5), (5, 10)]]}}
     assisted = model.generate(prompt, assistant_model=assistant, **windows, **greedy)
     assert torch.equal(assisted, model.generate(prompt, **windows, **greedy))

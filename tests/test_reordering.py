@@ -414,6 +414,16 @@ def test_what_the_generation_options_lack_is_refused_before_the_scoring_passes(m
     )
 
 
+@pytest.mark.parametrize("make", list(GENERATORS))
+def test_a_cache_the_generation_options_cannot_keep_their_state_on_is_refused_before_the_scoring_passes(make):
+    model, (ids, mask) = GENERATORS[make][0](), left_padded_batch()
+    calls = []
+    model.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=r"ms_poe keeps what it fixes at prefill on the cache, so it needs a cache"):
+        generate(model, ids, mask, reorder_documents={"spans": SPANS}, ms_poe={}, past_key_values=DynamicCache())
+    assert not calls
+
+
 def test_a_right_padded_prompt_and_a_prompt_without_ids_are_refused():
     model, (ids, mask) = eager_model(), left_padded_batch()
     with pytest.raises(ValueError, match=r"rows \[1\] end in padding there .* pad on the left"):
