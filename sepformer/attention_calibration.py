@@ -18,6 +18,7 @@ from .mitigation_base import (
     last_row_output,
     last_row_scores,
     refuse_under_compile,
+    replaced,
 )
 from .mitigation_options import AttentionCalibration
 from .spans import (
@@ -41,10 +42,15 @@ class KeyDocuments:
     sizes: torch.Tensor  # (b, 1, K) keys per document
     outside: torch.Tensor  # (b, 1, P): 1 for prompt keys in no document
     keys: int  # the run's keys, P and those after them
+    # Made once with the membership, not at every decoding step of every layer:
+    divisors: torch.Tensor  # (b, 1, K) the sizes, 1 for a document a crop removed whole (no keys)
+    by_document: torch.Tensor  # (b, K, P) the membership transposed (a view)
 
     @classmethod
     def of(cls, membership: torch.Tensor) -> "KeyDocuments":
-        return cls(membership, membership.sum(1)[:, None], 1 - membership.sum(-1)[:, None], membership.shape[1])
+        sizes = membership.sum(1)[:, None]
+        outside = 1 - membership.sum(-1)[:, None]
+        return cls(membership, sizes, outside, membership.shape[1], sizes.clamp(min=1), membership.mT)
 
     def held(self, keys: int) -> "KeyDocuments":
         """The documents of the last `keys` keys, those a sliding-window cache holds; `sizes` stay the whole
@@ -52,26 +58,35 @@ class KeyDocuments:
         dropped = self.keys - keys
         if not dropped:  # every key held: a decoding step of a full-attention layer
             return self
-        return dataclasses.replace(
-            self, membership=self.membership[:, dropped:], outside=self.outside[..., dropped:], keys=keys
+        return replaced(
+            self,
+            membership=self.membership[:, dropped:],
+            outside=self.outside[..., dropped:],
+            by_document=self.by_document[..., dropped:],
+            keys=keys,
         )
 
 
 def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float) -> torch.Tensor:
     """Re-weight one attention row `probs` (b, H, kv) over `K` documents, with `bias` (b, H, K) the attention a dummy
     document gets at slot `k` (docs/design.md, "Attention calibration"); keys past `documents.membership` lie in none.
-    """
+    Without autograd, a row with such keys is re-weighted in place (`probs` returned)."""
     prompt = documents.membership.shape[1]
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
     mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
-    mean = mass / documents.sizes.clamp(min=1)  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
+    mean = mass / documents.divisors  # Attn(doc_k); 0 for a document a crop removed whole (no keys)
     alpha = ((mean - bias) / temperature).softmax(-1)
     keep_total = mass.sum(-1, keepdim=True) / (alpha * documents.sizes).sum(-1, keepdim=True)  # C
     # A document the row does not attend (or a NaN one) gets factor 0; dividing by 1 there keeps its gradient 0.
     unattended = ~(mean > 0)
     factor = (alpha * keep_total / mean.masked_fill(unattended, 1.0)).masked_fill(unattended, 0.0)  # (b, H, K)
-    row = row * (torch.bmm(factor, documents.membership.mT) + documents.outside)
-    return row if prompt == probs.shape[-1] else torch.cat((row, probs[..., prompt:]), -1)
+    multiplier = torch.bmm(factor, documents.by_document) + documents.outside  # (b, H, P)
+    if prompt == probs.shape[-1]:
+        return row * multiplier
+    if torch.is_grad_enabled():  # softmax's backward reads its output: a new row, the generated keys' entries after it
+        return torch.cat((row * multiplier, probs[..., prompt:]), -1)
+    row.mul_(multiplier)  # without autograd (decoding steps): the prompt keys' entries of `probs`, in place
+    return probs
 
 
 def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, documents: KeyDocuments) -> torch.Tensor:
@@ -81,7 +96,7 @@ def bias_from_positions(scores: torch.Tensor, dummy_scores: torch.Tensor, docume
     keys: `bias(k) = (Σ_{j∈k} D_j / |k|) / (Σ_{j∉k} E_j + Σ_{j∈k} D_j)` with `E`, `D` their exponentials
     (docs/design.md), computed in log space so that a peaked row neither cancels nor overflows.
     """
-    in_document = documents.membership.mT[:, None].bool()  # (b, 1, K, kv)
+    in_document = documents.by_document[:, None].bool()  # (b, 1, K, kv)
     dummy_on_k = dummy_scores[:, :, None].masked_fill(~in_document, float("-inf")).logsumexp(-1)  # (b, H, K)
     rest = scores[:, :, None].masked_fill(in_document, float("-inf")).logsumexp(-1)  # (b, H, K): every key but k's
     return (dummy_on_k - torch.logaddexp(rest, dummy_on_k)).exp() / documents.sizes
@@ -94,9 +109,12 @@ class CalibrationState(MitigationState):
 
     spans: torch.Tensor  # (b, K, 2), counted from each row's first real token
     bias: dict[int, torch.Tensor] = field(default_factory=dict)  # per calibrated layer, (b, H, K)
-    membership: torch.Tensor | None = None  # (b, P, K)
-    sizes: torch.Tensor | None = None  # (b, 1, K)
-    outside: torch.Tensor | None = None  # (b, 1, P)
+    documents: KeyDocuments | None = None  # the prompt keys'
+
+    def map_rows(self, function) -> None:
+        super().map_rows(function)
+        if self.documents is not None:  # each row's, made again from its membership
+            self.documents = KeyDocuments.of(function(self.documents.membership))
 
 
 @dataclass(frozen=True, eq=False)
@@ -238,13 +256,13 @@ class CalibrationMitigation(Mitigation):
     def start(self, run: LayerRun) -> "CalibrationMitigation":
         kv = run.position_ids.shape[-1] + (run.cache.get_seq_length() if run.cache is not None else 0)
         state = self.state
-        if state.membership is None:  # the prefill: each prompt key's document, kept for the decoding steps
-            documents = KeyDocuments.of(key_documents(state.spans, key_positions(run.padding_mask, kv, run.device)))
-            state.membership, state.sizes, state.outside = documents.membership, documents.sizes, documents.outside
-        if kv < state.membership.shape[1]:  # after a crop into the prompt: the documents of the keys left
-            return self.replace(documents=KeyDocuments.of(state.membership[:, :kv]))
-        # the prompt's keys, then none (generated tokens)
-        return self.replace(documents=KeyDocuments(state.membership, state.sizes, state.outside, keys=kv))
+        if state.documents is None:  # the prefill: each prompt key's document, kept for the decoding steps
+            state.documents = KeyDocuments.of(
+                key_documents(state.spans, key_positions(run.padding_mask, kv, run.device))
+            )
+        if kv < state.documents.keys:  # after a crop into the prompt: the documents of the keys left
+            return self.replace(documents=KeyDocuments.of(state.documents.membership[:, :kv]))
+        return self.replace(documents=replaced(state.documents, keys=kv))  # the prompt's keys, then none (generated)
 
     def wrap_attention(self, layer_idx: int, function: AttentionFunction, projection) -> AttentionFunction:
         temperature = self.options.temperature

@@ -492,7 +492,7 @@ def test_calibration_steps_read_the_documents_of_the_keys_the_cache_holds(make_m
             for t in range(3):
                 step_mask = torch.cat((step_mask, torch.ones(len(rows), 1, dtype=torch.long)), 1)
                 if not kept:
-                    state.membership = None  # made anew from the step's key positions
+                    state.documents = None  # made anew from the step's key positions
                 token = steps[rows, t : t + 1]
                 output = model(token, attention_mask=step_mask, past_key_values=cache, use_cache=True, **options)
                 logits[kept].append(output.logits)
