@@ -67,10 +67,12 @@ class KeyDocuments:
         )
 
 
-def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float) -> torch.Tensor:
+def calibrate_row(
+    probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tensor, temperature: float, in_place: bool = False
+) -> torch.Tensor:
     """Re-weight one attention row `probs` (b, H, kv) over `K` documents, with `bias` (b, H, K) the attention a dummy
     document gets at slot `k` (docs/design.md, "Attention calibration"); keys past `documents.membership` lie in none.
-    Without autograd, a row with such keys is re-weighted in place (`probs` returned)."""
+    `in_place`: re-weight `probs` itself where it has such keys (a row of the caller's own, without autograd)."""
     prompt = documents.membership.shape[1]
     row = probs[..., :prompt]  # the keys in documents or before them; the rest are untouched
     mass = torch.bmm(row, documents.membership)  # (b, H, K): attention on each document
@@ -83,9 +85,9 @@ def calibrate_row(probs: torch.Tensor, documents: KeyDocuments, bias: torch.Tens
     multiplier = torch.bmm(factor, documents.by_document) + documents.outside  # (b, H, P)
     if prompt == probs.shape[-1]:
         return row * multiplier
-    if torch.is_grad_enabled():  # softmax's backward reads its output: a new row, the generated keys' entries after it
+    if not in_place:
         return torch.cat((row * multiplier, probs[..., prompt:]), -1)
-    row.mul_(multiplier)  # without autograd (decoding steps): the prompt keys' entries of `probs`, in place
+    row.mul_(multiplier)  # the prompt keys' entries of `probs`; the generated keys' stay as they are
     return probs
 
 
@@ -269,7 +271,9 @@ class CalibrationMitigation(Mitigation):
 
         def calibrated(module, query, key, value, attention_mask, scaling, **kwargs):
             probs = last_row_scores(query, key, attention_mask, scaling).softmax(-1)  # (b, H, kv)
-            probs = calibrate_row(probs, self.documents.held(key.shape[2]), self.state.bias[layer_idx], temperature)
+            documents, bias = self.documents.held(key.shape[2]), self.state.bias[layer_idx]
+            # a new row under autograd (softmax's backward reads its output), else this one re-weighted in place
+            probs = calibrate_row(probs, documents, bias, temperature, in_place=not torch.is_grad_enabled())
             last = last_row_output(probs, value)  # (b, 1, H, d)
             if query.shape[2] == 1:  # a decoding step: its one row is the calibrated row, no other attention to run
                 return last, probs[:, :, None].to(query.dtype) if self.returns_weights else None

@@ -36,18 +36,19 @@ def test_calibrated_row_keeps_the_row_and_the_document_total():
     torch.testing.assert_close(flat_means, flat_means[..., :1].expand_as(flat_means))
 
 
-def test_a_row_with_generated_keys_is_calibrated_in_place_without_autograd_as_anew_with_it():
-    """A decoding step's row: the prompt keys' entries re-weighted, the generated keys' (past the documents' P) kept."""
+def test_a_row_with_generated_keys_is_calibrated_in_place_as_anew():
+    """A decoding step's row: the prompt keys' entries re-weighted, the generated keys' (past the documents' P) kept;
+    in place only when asked (the layers' own row, without autograd)."""
     generator = torch.Generator().manual_seed(1)
     probs = torch.rand(2, 3, 15, generator=generator).softmax(-1)
     documents = torch.zeros(2, 12, 3)
     documents[:, 1:4, 0], documents[:, 4:6, 1], documents[:, 8:11, 2] = 1, 1, 1
     bias = torch.rand(2, 3, 3, generator=generator) * 0.1
-    anew = calibrate_row(probs.clone().requires_grad_(), KeyDocuments.of(documents), bias, temperature=0.05)
-    with torch.no_grad():
-        row = probs.clone()
-        in_place = calibrate_row(row, KeyDocuments.of(documents), bias, temperature=0.05)
-    assert in_place is row and torch.equal(in_place, anew.detach())
+    row = probs.clone()
+    anew = calibrate_row(row, KeyDocuments.of(documents), bias, temperature=0.05)
+    assert torch.equal(row, probs)
+    in_place = calibrate_row(row, KeyDocuments.of(documents), bias, temperature=0.05, in_place=True)
+    assert in_place is row and torch.equal(in_place, anew)
     assert torch.equal(in_place[..., 12:], probs[..., 12:]) and not torch.equal(in_place[..., :12], probs[..., :12])
 
 
