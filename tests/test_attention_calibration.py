@@ -334,6 +334,24 @@ def test_calibrated_decoding_step_returns_attentions_as_its_implementation_does(
         torch.testing.assert_close(step.attentions[layer].sum(-1), torch.ones(1, 4, 1))
 
 
+def test_a_decoding_step_under_autograd_computes_the_row_anew_and_backpropagates():
+    """Without autograd the step's row is re-weighted in place; with it, softmax's backward reads its output, so the
+    row is a new tensor: the same logits, and a backward pass through the step."""
+    model = strong_positions(tiny_model(num_hidden_layers=3))
+    ids = random_ids(1, 14)
+    option = AttentionCalibration(spans=(SPANS,), temperature=0.01)
+    steps = []
+    for grad in (False, True):
+        with torch.no_grad():
+            cache = model(ids[:, :13], attention_calibration=option, use_cache=True).past_key_values
+        with torch.set_grad_enabled(grad):
+            steps.append(model(ids[:, 13:], past_key_values=cache, attention_calibration=option).logits)
+    torch.testing.assert_close(steps[1].detach(), steps[0])  # without autograd the step also fuses its projections
+    steps[1].logsumexp(-1).sum().backward()
+    value_weight = model.model.layers[-1].self_attn.v_proj.semantic.weight  # reached through the calibrated row
+    assert value_weight.grad is not None and value_weight.grad.isfinite().all() and value_weight.grad.abs().sum() > 0
+
+
 def test_the_dummy_passes_of_a_causal_lm_compute_one_row_of_logits():
     """Only the dummy passes' attention is read: their LM head runs on one row (a 262k vocabulary's head over every
     row of every dummy sequence cost Gemma 3 as much as its layers)."""

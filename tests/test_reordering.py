@@ -400,13 +400,19 @@ def test_what_the_model_or_the_call_lacks_is_refused_before_any_forward(model_ov
 )
 def test_what_the_generation_options_lack_is_refused_before_the_scoring_passes(make, kwargs, message):
     """The options generation runs with are resolved against the model before reordering's forwards, as their prefill
-    would resolve them (several attention buckets as the copies of the rows do)."""
+    would resolve them."""
     model, (ids, mask) = GENERATORS[make][0](), left_padded_batch()
     calls = []
     model.model.register_forward_pre_hook(lambda *args: calls.append(1))
     with pytest.raises(ValueError, match=message):
         generate(model, ids, mask, reorder_documents={"spans": SPANS, "by": "calibrated"}, **kwargs)
     assert not calls
+
+
+@pytest.mark.parametrize("make", list(GENERATORS))
+def test_several_buckets_generate_on_the_reordered_prompt(make):
+    """Checked before the scoring passes as the copies of the rows resolve them, then run on the copies."""
+    model, (ids, mask) = GENERATORS[make][0](), left_padded_batch()
     option, buckets = {"spans": SPANS, "by": SCORES}, {"attention_buckets": {"scales": (1.0, 0.5)}}
     reordered = reorder_documents(model, ids, mask, option)[0]
     assert torch.equal(
